@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make train` (the main job) and `make test` (the test suite).
+# Both create .venv and install what they need on first use.
+PYTHON ?= python3
+VENV ?= .venv
+# On a CUDA machine set TORCH_SPEC to the torch build you want (e.g. TORCH_SPEC=torch).
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.packing_hf_installed
+
+.PHONY: setup train test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev,gguf]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/packing-hf train configs/smollm2_demo.yaml
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup -q
+
+lint: setup
+	$(VENV)/bin/ruff check packing_hf tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/bench_collator.py
+	$(PY) benchmarks/bench_sampler.py
+	$(PY) benchmarks/bench_attention.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

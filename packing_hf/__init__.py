@@ -1,0 +1,98 @@
+"""packing_hf: fast and exact sequence packing for Hugging Face Transformers and TRL.
+
+Importing this package is light and changes nothing in transformers or torch: every public name is
+resolved lazily on first access, and patching only happens when you call ``patch_flash_attention()``
+or ``register_attention()``.
+
+>>> import packing_hf
+>>> packing_hf.lengths_to_cu_seqlens([3, 2]).tolist()
+[0, 3, 5]
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_LAZY: dict[str, str] = {
+    # varlen.py: pure-torch boundary bookkeeping
+    "lengths_to_cu_seqlens": "varlen",
+    "cu_seqlens_to_lengths": "varlen",
+    "lengths_to_position_ids": "varlen",
+    "lengths_to_seq_idx": "varlen",
+    "cu_seqlens_to_position_ids": "varlen",
+    "cu_seqlens_to_seq_idx": "varlen",
+    "position_ids_to_cu_seqlens": "varlen",
+    "seq_lengths_to_cu_seqlens": "varlen",
+    "max_length_from_cu_seqlens": "varlen",
+    # collator.py / fixed.py
+    "PaddingFreeCollator": "collator",
+    "pack_sequences": "fixed",
+    "concatenate_and_pack": "fixed",
+    # sampler.py
+    "MultipackBatchSampler": "sampler",
+    # attention/
+    "ATTENTION_NAME": "attention",
+    "varlen_attention": "attention",
+    "available_backends": "attention",
+    "select_backend": "attention",
+    "patch_flash_attention": "attention",
+    "unpatch_flash_attention": "attention",
+    "flash_attention_patched": "attention",
+    "register_attention": "attention",
+    # verify.py
+    "check_packing": "verify",
+    "PackingReport": "verify",
+    # integrations/
+    "Trainer": "integrations",
+    "TrainingArguments": "integrations",
+    "SFTTrainer": "integrations",
+    "SFTConfig": "integrations",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'packing_hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"packing_hf.{module_name}"), name)
+    globals()[name] = value  # cache: the next access skips __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # static type checkers and IDEs see the real names
+    from .attention import (
+        ATTENTION_NAME,
+        available_backends,
+        flash_attention_patched,
+        patch_flash_attention,
+        register_attention,
+        select_backend,
+        unpatch_flash_attention,
+        varlen_attention,
+    )
+    from .collator import PaddingFreeCollator
+    from .fixed import concatenate_and_pack, pack_sequences
+    from .integrations import SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .sampler import MultipackBatchSampler
+    from .varlen import (
+        cu_seqlens_to_lengths,
+        cu_seqlens_to_position_ids,
+        cu_seqlens_to_seq_idx,
+        lengths_to_cu_seqlens,
+        lengths_to_position_ids,
+        lengths_to_seq_idx,
+        max_length_from_cu_seqlens,
+        position_ids_to_cu_seqlens,
+        seq_lengths_to_cu_seqlens,
+    )
+    from .verify import PackingReport, check_packing

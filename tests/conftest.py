@@ -1,0 +1,81 @@
+"""Shared fixtures: real data and tokenizer from ../shared/data, tiny from_config models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Under pytest-xdist every worker gets one core; more threads per worker would only fight.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+# ../shared/data relative to the project root; PACKING_HF_DATA overrides it.
+DATA_DIR = Path(os.environ.get("PACKING_HF_DATA", ROOT.parent / "shared" / "data"))
+TOKENIZER_DIR = DATA_DIR / "smollm2_tokenizer"
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not DATA_DIR.is_dir():
+        pytest.fail(f"real data not found at {DATA_DIR}; set PACKING_HF_DATA to the shared data folder")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(data_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+def load_gsm8k(split: str = "train", limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(DATA_DIR / f"gsm8k_{split}.jsonl") as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+@pytest.fixture(scope="session")
+def gsm8k_tokenized(tokenizer) -> list[dict]:
+    """The first 256 GSM8K train rows as question + answer + EOS, tokenized: [{'input_ids': [...]}, ...]."""
+    rows = load_gsm8k("train", limit=256)
+    texts = [f"Question: {r['question']}\nAnswer: {r['answer']}{tokenizer.eos_token}" for r in rows]
+    return [{"input_ids": ids} for ids in tokenizer(texts)["input_ids"]]
+
+
+def make_tiny_causal_lm(model_type: str = "llama", attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """A tiny randomly initialised causal LM built from config (fp32, CPU, eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(
+        vocab_size=49152 if model_type == "llama" else 1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.float().eval()
