@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "concatenate_and_pack": "fixed",
     # sampler.py
     "MultipackBatchSampler": "sampler",
+    "lengths_from_dataset": "sampler",
     # attention/
     "ATTENTION_NAME": "attention",
     "varlen_attention": "attention",
@@ -83,7 +84,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import SFTConfig, SFTTrainer, Trainer, TrainingArguments
-    from .sampler import MultipackBatchSampler
+    from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .varlen import (
         cu_seqlens_to_lengths,
         cu_seqlens_to_position_ids,

@@ -1,0 +1,633 @@
+"""MultipackBatchSampler: batches of dataset indices that fill a token budget, for one rank or many.
+
+The sampler decides which samples share a batch (near-optimal bin packing, see ``_binpack.py``),
+shards the batches across data-parallel ranks and visits them in a random order. It yields lists of
+dataset indices, for ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PaddingFreeCollator())``.
+
+How an epoch is planned (identical on every rank, no communication):
+
+1. *Bins, once*: best-fit decreasing + repair over the lengths sorted longest first. The bin structure
+   depends only on the multiset of lengths and the budget, so the number of batches (``len()``) is
+   the same in every epoch. With ``drop_last=False`` bins holding the most samples are split in two
+   until the count is a multiple of ``num_replicas``, so every rank gets the same number of batches
+   and every sample appears exactly once.
+2. *Per epoch*, from ``numpy.random.default_rng([seed, epoch])``: which of several equal-length samples
+   takes which place in the bins (the identity of samples in a batch changes every epoch); which bins
+   are dropped (``drop_last=True`` only); the order in which steps are visited (uniformly random: no
+   length-sorted order leaks into training); which rank takes which bin of a step.
+3. *Steps*: bins are grouped ``num_replicas`` at a time into steps of similar cost (tokens, or the
+   sum of squared lengths with ``balance="attention"``), so ranks wait on each other as little as
+   possible; rank ``r`` yields the bin it was given in every step.
+
+>>> sampler = MultipackBatchSampler([3, 5, 2, 6, 4], max_tokens_per_batch=10, seed=0)
+>>> len(sampler), sorted(sorted(batch) for batch in sampler)
+(2, [[0, 1, 2], [3, 4]])
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from . import _binpack
+
+__all__ = ["MultipackBatchSampler", "OverflowView", "lengths_from_dataset"]
+
+logger = logging.getLogger(__name__)
+
+Overflow = Literal["error", "truncate", "split", "skip"]
+Balance = Literal["tokens", "attention"]
+_OVERFLOWS = ("error", "truncate", "split", "skip")
+_BALANCES = ("tokens", "attention")
+_STATE_KEYS = ("epoch", "batches_consumed")
+# configuration that fixes the plan: a state saved under one cannot resume under another
+_PLAN_KEYS = (
+    "seed",
+    "shuffle",
+    "num_replicas",
+    "max_tokens_per_batch",
+    "num_samples",
+    "drop_last",
+    "overflow",
+)
+
+
+def lengths_from_dataset(dataset: Any, column: str = "input_ids") -> np.ndarray:
+    """Token count of every row of a ``datasets.Dataset``, read from the Arrow list offsets.
+
+    No Python list of token ids is built: the lengths come from the column's offsets buffer (or the
+    column itself when it already holds integer lengths), and an indices mapping left by
+    ``select``/``shuffle``/``filter`` is applied on top.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (map-style; an ``IterableDataset`` has no lengths up front).
+        column: a list column (``"input_ids"``) or an integer column of precomputed lengths.
+
+    Returns:
+        ``(len(dataset),)`` int64.
+
+    Raises:
+        TypeError: not a ``datasets.Dataset``, or the column is neither a list nor an integer column.
+        ValueError: the column does not exist, or holds nulls.
+
+    >>> import datasets
+    >>> ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4], [5, 6]]})
+    >>> lengths_from_dataset(ds).tolist(), lengths_from_dataset(ds.select([2, 0])).tolist()
+    ([3, 1, 2], [2, 3])
+    """
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(
+            f"expected a datasets.Dataset, got {type(dataset).__name__}; for other datasets pass the lengths "
+            "directly, e.g. [len(row['input_ids']) for row in dataset]"
+        )
+    if column not in dataset.column_names:
+        raise ValueError(
+            f"column {column!r} is not in the dataset (columns: {dataset.column_names}); tokenize first"
+        )
+    chunked = dataset.data.column(column)  # pa.ChunkedArray over the whole table, before any indices mapping
+    kind = chunked.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        parts = [pc.list_value_length(chunk) for chunk in chunked.chunks]
+    elif pa.types.is_integer(kind):
+        parts = list(chunked.chunks)
+    else:
+        raise TypeError(
+            f"column {column!r} has Arrow type {kind}; expected a list column (token ids) or an integer "
+            "column of lengths"
+        )
+    if any(part.null_count for part in parts):
+        raise ValueError(f"column {column!r} holds null rows; drop or fill them before building the sampler")
+    lengths = (
+        np.concatenate([part.to_numpy(zero_copy_only=False) for part in parts]).astype(np.int64)
+        if parts
+        else np.zeros(0, np.int64)
+    )
+    indices = getattr(dataset, "_indices", None)  # set by select/shuffle/filter until flatten_indices()
+    if indices is not None:
+        lengths = lengths[indices.column(0).to_numpy().astype(np.int64)]
+    return lengths
+
+
+def _check_int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if num_replicas is None:
+        num_replicas = torch.distributed.get_world_size() if initialized else 1
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    num_replicas = _check_int(num_replicas, "num_replicas", 1)
+    rank = _check_int(rank, "rank", 0)
+    if rank >= num_replicas:
+        raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
+    return num_replicas, rank
+
+
+class MultipackBatchSampler(Sampler[list[int]]):
+    """Batch sampler that packs samples into batches of at most ``max_tokens_per_batch`` tokens.
+
+    Every batch is a list of dataset indices whose lengths sum to at most ``max_tokens_per_batch``;
+    batches are near-optimally full (the batch count is at or within a fraction of a percent of the
+    Martello-Toth lower bound), visited in a random order, and sharded across data-parallel ranks.
+
+    Args:
+        lengths: the token count of every sample: a sequence / numpy array / tensor of ints ``(n,)``,
+            or a ``datasets.Dataset`` (then ``column`` is read from its Arrow offsets, see
+            :func:`lengths_from_dataset`).
+        max_tokens_per_batch: the token budget of one batch (per rank).
+        column: the column of a ``datasets.Dataset`` to measure (ignored for plain lengths).
+        shuffle: randomize which equal-length samples share a batch, the step order and the bins' rank
+            each epoch. ``False``: the same plan every epoch, steps in dataset order (by their
+            smallest index).
+        seed: seed of the plan; every rank must use the same.
+        num_replicas: number of data-parallel ranks (default: ``torch.distributed`` world size when
+            initialized, else 1).
+        rank: this rank (default: ``torch.distributed`` rank when initialized, else 0).
+        drop_last: ``False`` (default): bins are split until every rank gets the same number of
+            batches and every sample appears exactly once per epoch; if the dataset is too small for
+            that (fewer samples than ``num_replicas x batches per rank``) a ``ValueError`` says so.
+            ``True``: the ``bins % num_replicas`` left-over bins are dropped each epoch (different
+            ones every epoch, counted in :meth:`stats` as ``dropped_samples`` / ``dropped_tokens``).
+        overflow: a sample longer than ``max_tokens_per_batch``: ``"error"`` (default) raises a
+            ``ValueError`` naming its index and length; ``"truncate"`` packs it as
+            ``max_tokens_per_batch`` tokens, and the cutting is done downstream by
+            ``PaddingFreeCollator(max_length=sampler.max_tokens_per_batch, overflow="truncate")`` or
+            by :meth:`wrap_dataset`; ``"split"`` packs it as ``ceil(L / budget)`` pieces, yielded as
+            indices ``>= len(dataset)`` that only :meth:`wrap_dataset` can serve; ``"skip"`` leaves it
+            out. All of them are counted in :meth:`stats` and logged once.
+        balance: how steps are formed from bins: ``"tokens"`` (default) puts bins of similar token
+            counts in the same step; ``"attention"`` uses the sum of squared sample lengths (the cost
+            of attention), for long-context data where a bin holding one long sample costs far more
+            than one holding many short ones.
+        shard: ``True`` (default): yield this rank's batches only. ``False``: yield the batches of
+            every rank, interleaved step by step (batch ``i`` belongs to rank ``i % num_replicas``), for
+            a wrapper that shards batches itself the same way, such as accelerate's
+            ``BatchSamplerShard``; ``len()`` is then ``num_replicas`` times larger.
+
+    Attributes:
+        max_tokens_per_batch, num_replicas, rank, epoch, seed, shuffle, drop_last, overflow, balance,
+        shard: as given (``epoch`` changes with :meth:`set_epoch`).
+        lengths: ``(n,)`` int64, the token count of every sample.
+        batch_size: ``None`` (batches hold a varying number of samples; what ``DataLoader`` and
+            accelerate expect from a batch sampler without a fixed size).
+
+    Using it with accelerate / the HF Trainer: the sampler is already rank-aware. ``accelerator.prepare``
+    wraps a ``DataLoader``'s batch sampler in ``BatchSamplerShard`` when there are several processes,
+    which would shard a second time (each rank would keep ``1 / num_replicas`` of its own batches).
+    Either build the sampler with ``shard=False`` (accelerate then deals batch ``i`` to rank
+    ``i % num_replicas``, which is exactly this sampler's assignment, and ``len()`` stays a multiple of
+    ``num_replicas`` so ``BatchSamplerShard`` never pads), or keep ``shard=True`` and make the wrapper a
+    pass-through after ``prepare`` (``num_processes = 1``, ``process_index = 0``, as transformers
+    does for ``BatchRebalanceSampler``). Call ``set_epoch`` on the sampler itself each epoch:
+    accelerate's ``DataLoaderShard.set_epoch`` does not reach a batch sampler inside
+    ``BatchSamplerShard`` (the Trainer reaches it through ``dataloader.batch_sampler.batch_sampler``).
+
+    Resuming: :meth:`state_dict` holds the epoch and the number of batches this sampler yielded in it.
+    A ``DataLoader`` with workers draws batches ahead of the training loop, so when saving from a
+    training loop set ``state["batches_consumed"]`` to the number of batches the loop actually
+    consumed. Do not combine :meth:`load_state_dict` with another skipping mechanism
+    (``accelerate.skip_first_batches``, the Trainer's data skip): batches would be skipped twice.
+
+    >>> sampler = MultipackBatchSampler([5, 5, 4, 3, 2, 1], 10, num_replicas=2, rank=0)
+    >>> other = MultipackBatchSampler([5, 5, 4, 3, 2, 1], 10, num_replicas=2, rank=1)
+    >>> len(sampler) == len(other), sorted(i for b in [*sampler, *other] for i in b)
+    (True, [0, 1, 2, 3, 4, 5])
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray | torch.Tensor | Any,
+        max_tokens_per_batch: int,
+        *,
+        column: str = "input_ids",
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+        overflow: Overflow = "error",
+        balance: Balance = "tokens",
+        shard: bool = True,
+    ) -> None:
+        super().__init__()
+        self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
+        if overflow not in _OVERFLOWS:
+            raise ValueError(f"overflow must be one of {_OVERFLOWS}, got {overflow!r}")
+        if balance not in _BALANCES:
+            raise ValueError(f"balance must be one of {_BALANCES}, got {balance!r}")
+        self.num_replicas, self.rank = _distributed_defaults(num_replicas, rank)
+        self.seed = _check_int(seed, "seed", 0)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.overflow: Overflow = overflow
+        self.balance: Balance = balance
+        self.shard = bool(shard)
+        self.column = column
+        self.batch_size = None
+        self.epoch = 0
+
+        if type(lengths).__module__.startswith("datasets"):
+            lengths = lengths_from_dataset(lengths, column)
+        self.lengths = _binpack.as_lengths(lengths)
+        if self.lengths.size == 0:
+            raise ValueError("the dataset is empty (no lengths): there is nothing to sample")
+        self._build_items()
+
+        self._start = 0  # batches to skip at the next __iter__ (set by load_state_dict)
+        self._consumed = 0  # batches yielded in the current epoch (what state_dict saves)
+        self._template: dict[str, Any] | None = None
+        self._plan_cache: tuple[int, dict[str, np.ndarray]] | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # items: what gets packed (samples, truncated samples, or pieces of split samples)
+
+    def _build_items(self) -> None:
+        budget = self.max_tokens_per_batch
+        n = self.lengths.size
+        too_long = self.lengths > budget
+        n_long = int(too_long.sum())
+        self._counts = {
+            "truncated_samples": 0,
+            "truncated_tokens": 0,
+            "split_samples": 0,
+            "split_pieces": 0,
+            "skipped_samples": 0,
+            "skipped_tokens": 0,
+        }
+        # pieces of split samples: (sample, start, stop) rows, yielded as index n + row
+        self.pieces = np.zeros((0, 3), np.int64)
+        keys = np.arange(n, dtype=np.int64)
+        item_lengths = self.lengths
+        if n_long:
+            first = int(np.argmax(too_long))
+            if self.overflow == "error":
+                raise ValueError(
+                    f"sample {first} has {int(self.lengths[first])} tokens > max_tokens_per_batch={budget} "
+                    f"({n_long} sample(s) too long in all); raise max_tokens_per_batch, filter them out, or "
+                    "pass overflow='truncate', 'split' or 'skip'"
+                )
+            long_tokens = int(self.lengths[too_long].sum())
+            if self.overflow == "truncate":
+                item_lengths = np.minimum(self.lengths, budget)
+                self._counts["truncated_samples"] = n_long
+                self._counts["truncated_tokens"] = long_tokens - n_long * budget
+            elif self.overflow == "skip":
+                keys = np.nonzero(~too_long)[0]
+                item_lengths = self.lengths[keys]
+                self._counts["skipped_samples"] = n_long
+                self._counts["skipped_tokens"] = long_tokens
+                if keys.size == 0:
+                    raise ValueError(
+                        f"every sample is longer than max_tokens_per_batch={budget}: none is left"
+                    )
+            else:  # split
+                long_ids = np.nonzero(too_long)[0]
+                n_pieces = -(-self.lengths[long_ids] // budget)  # (k,)
+                sample = np.repeat(long_ids, n_pieces)
+                first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+                start = (np.arange(sample.size) - first_piece) * budget
+                stop = np.minimum(start + budget, self.lengths[sample])
+                self.pieces = np.stack([sample, start, stop], axis=1)
+                short = np.nonzero(~too_long)[0]
+                keys = np.concatenate([short, n + np.arange(sample.size, dtype=np.int64)])
+                item_lengths = np.concatenate([self.lengths[short], stop - start])
+                self._counts["split_samples"] = n_long
+                self._counts["split_pieces"] = int(sample.size)
+            logger.warning(
+                "MultipackBatchSampler: %d sample(s) longer than max_tokens_per_batch=%d (first: sample %d, "
+                "%d tokens) handled with overflow=%r; see sampler.stats()",
+                n_long,
+                budget,
+                first,
+                int(self.lengths[first]),
+                self.overflow,
+            )
+        self._keys = keys  # (m,) what is yielded for every packed item
+        self._item_lengths = np.ascontiguousarray(item_lengths, dtype=np.int64)  # (m,)
+
+    # ------------------------------------------------------------------------------------------
+    # the plan
+
+    def _get_template(self) -> dict[str, Any]:
+        """The epoch-independent bin structure, over positions of the items sorted longest first."""
+        if self._template is not None:
+            return self._template
+        budget = self.max_tokens_per_batch
+        replicas = self.num_replicas
+        m = self._item_lengths.size
+        sorted_lengths = self._item_lengths[_binpack.sort_decreasing(self._item_lengths)]  # (m,)
+        # packing lengths that are already sorted: the packing's items are positions in sorted order
+        packing = _binpack.pack_best_fit_decreasing(sorted_lengths, budget)
+        packed_bins = packing.num_bins
+        if not self.drop_last and packed_bins % replicas:
+            extra = replicas - packed_bins % replicas
+            if m < packed_bins + extra:
+                raise ValueError(
+                    f"cannot give each of the {replicas} ranks the same number of batches without repeating "
+                    f"samples: the {m} sample(s) fill {packed_bins} batch(es) of {budget} tokens, and splitting "
+                    f"batches can only reach {m}, not a multiple of {replicas}; use fewer ranks, more data, "
+                    "or drop_last=True"
+                )
+            packing = _binpack.split_bins(packing, sorted_lengths, extra)
+        elif self.drop_last and packed_bins < replicas:
+            raise ValueError(
+                f"the data fills only {packed_bins} batch(es) of {budget} tokens, fewer than the {replicas} "
+                "ranks: with drop_last=True every batch would be dropped; use drop_last=False or fewer ranks"
+            )
+        offsets = packing.offsets
+        squares = np.add.reduceat(sorted_lengths[packing.items].astype(np.float64) ** 2, offsets[:-1])
+        self._template = {
+            "positions": packing.items,  # (m,) sorted positions grouped by bin
+            "offsets": offsets,  # (n_bins + 1,)
+            "bin_tokens": packing.bin_tokens,  # (n_bins,)
+            "bin_cost": packing.bin_tokens.astype(np.float64) if self.balance == "tokens" else squares,
+            "bin_squares": squares,  # (n_bins,) attention cost
+            "packed_bins": packed_bins,  # before splitting for the ranks
+            "lower_bound": _binpack.lower_bound_l2(sorted_lengths, budget),
+        }
+        return self._template
+
+    def _plan(self, epoch: int | None = None) -> dict[str, np.ndarray]:
+        """The plan of an epoch: ``items`` (m,), ``offsets`` (bins + 1,), ``steps`` (num_steps, num_replicas)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan_cache is not None and self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        template = self._get_template()
+        offsets = template["offsets"]
+        n_bins = offsets.size - 1
+        replicas = self.num_replicas
+        m = self._item_lengths.size
+        rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
+
+        tie_order = rng.permutation(m) if rng is not None else None
+        sorted_items = _binpack.sort_decreasing(self._item_lengths, tie_order)  # (m,) item at every position
+        items = sorted_items[template["positions"]]  # (m,) items grouped by bin
+
+        bins = np.arange(n_bins)
+        n_drop = n_bins % replicas if self.drop_last else 0
+        if n_drop:
+            dropped = rng.choice(n_bins, n_drop, replace=False) if rng is not None else bins[-n_drop:]
+            bins = np.setdiff1d(bins, dropped)
+        else:
+            dropped = bins[:0]
+        # group bins of similar cost into steps; random keys break ties between equal costs
+        tie = rng.random(bins.size) if rng is not None else np.zeros(bins.size)
+        by_cost = bins[np.lexsort((tie, template["bin_cost"][bins]))]
+        steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
+        if rng is not None:
+            steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
+            steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
+        else:
+            first_index = np.minimum.reduceat(
+                self._keys[items], offsets[:-1]
+            )  # (n_bins,) smallest key per bin
+            steps = steps[np.argsort(first_index[steps].min(axis=1), kind="stable")]
+        plan = {"items": items, "offsets": offsets, "steps": steps, "dropped": dropped}
+        self._plan_cache = (epoch, plan)
+        return plan
+
+    def _batch(self, plan: dict[str, np.ndarray], b: int) -> list[int]:
+        start, stop = plan["offsets"][b], plan["offsets"][b + 1]
+        return self._keys[plan["items"][start:stop]].tolist()
+
+    # ------------------------------------------------------------------------------------------
+    # Sampler protocol
+
+    @property
+    def num_steps(self) -> int:
+        """Batches per rank in one epoch (the same in every epoch)."""
+        template = self._get_template()
+        return (template["offsets"].size - 1) // self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_steps * (1 if self.shard else self.num_replicas)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self._plan()
+        steps = plan["steps"]
+        start, self._start = self._start, 0
+        self._consumed = start
+        if self.shard:
+            for s in range(start, steps.shape[0]):
+                batch = self._batch(plan, int(steps[s, self.rank]))
+                self._consumed = s + 1
+                yield batch
+        else:
+            flat = steps.reshape(-1)  # step-major: batch i belongs to rank i % num_replicas
+            for i in range(start, flat.size):
+                batch = self._batch(plan, int(flat[i]))
+                self._consumed = i + 1
+                yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the plan of ``epoch`` from the next iteration on (call it before every epoch, on every rank).
+
+        A pending resume position (from :meth:`load_state_dict`) is kept when ``epoch`` is the resumed
+        epoch and discarded otherwise.
+        """
+        epoch = _check_int(epoch, "epoch", 0)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start = 0
+            self._consumed = 0
+
+    # ------------------------------------------------------------------------------------------
+    # resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches_consumed"}`` plus the configuration the plan depends on (checked on load)."""
+        return {
+            "epoch": self.epoch,
+            "batches_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_replicas": self.num_replicas,
+            "max_tokens_per_batch": self.max_tokens_per_batch,
+            "num_samples": int(self.lengths.size),
+            "drop_last": self.drop_last,
+            "overflow": self.overflow,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the batches of ``state["epoch"]`` not yet consumed.
+
+        Raises:
+            ValueError: a key is missing, the state was saved under a configuration that gives a
+                different plan, or ``batches_consumed`` is out of range.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"sampler state lacks {missing}; pass the dict returned by state_dict()")
+        mine = self.state_dict()
+        differ = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in _PLAN_KEYS
+            if k in state and state[k] != mine[k]
+        ]
+        if differ:
+            raise ValueError(
+                "the saved sampler state comes from a different plan (" + "; ".join(differ) + "); resume "
+                "with the same data, seed, budget and number of ranks"
+            )
+        epoch = _check_int(state["epoch"], "state['epoch']", 0)
+        consumed = _check_int(state["batches_consumed"], "state['batches_consumed']", 0)
+        if consumed > len(self):
+            raise ValueError(f"state['batches_consumed'] = {consumed} > {len(self)} batches in an epoch")
+        self.epoch = epoch
+        self._start = consumed
+        self._consumed = consumed
+
+    # ------------------------------------------------------------------------------------------
+    # datasets for split / truncate
+
+    def wrap_dataset(self, dataset: Any) -> Any:
+        """The dataset to give the ``DataLoader``: ``dataset`` itself, or an :class:`OverflowView` of it.
+
+        Needed with ``overflow="split"`` (the sampler yields indices ``>= len(dataset)`` for the pieces
+        of split samples); with ``overflow="truncate"`` it cuts long samples itself, so the collator
+        needs no ``max_length``. With ``"error"`` and ``"skip"`` the dataset is returned unchanged.
+        """
+        if self.overflow in ("split", "truncate") and (self.pieces.size or self._counts["truncated_samples"]):
+            return OverflowView(dataset, self)
+        return dataset
+
+    # ------------------------------------------------------------------------------------------
+    # reporting
+
+    def lower_bound(self) -> int:
+        """Martello-Toth L2 lower bound on the number of batches any packing of these items needs."""
+        return int(self._get_template()["lower_bound"])
+
+    def efficiency(self, epoch: int | None = None) -> float:
+        """Real tokens / (batches x ``max_tokens_per_batch``) over all ranks in ``epoch`` (default: current)."""
+        plan = self._plan(epoch)
+        template = self._get_template()
+        kept = plan["steps"].reshape(-1)
+        return _binpack.packing_efficiency(
+            int(template["bin_tokens"][kept].sum()), kept.size, self.max_tokens_per_batch
+        )
+
+    def stats(self, epoch: int | None = None) -> dict[str, int | float]:
+        """Numbers for logging (flat dict of ints and floats) about the plan of ``epoch`` (default: current).
+
+        Keys: ``epoch``, ``num_samples``, ``num_items`` (what was packed: samples, truncated samples,
+        pieces), ``num_replicas``, ``max_tokens_per_batch``, ``batches`` (all ranks),
+        ``batches_per_rank``, ``tokens`` (real tokens yielded), ``efficiency``, ``lower_bound``,
+        ``packed_batches`` (before splitting bins for the ranks), ``batches_over_lower_bound`` and
+        ``..._pct``, ``rank_split_batches`` (bins split so that the ranks get equal counts),
+        ``truncated_samples`` / ``truncated_tokens``, ``split_samples`` / ``split_pieces``,
+        ``skipped_samples`` / ``skipped_tokens``, ``dropped_samples`` / ``dropped_tokens``
+        (``drop_last``), ``step_token_spread`` and ``step_attention_spread`` (mean over steps of
+        ``(max - min) / max`` across ranks: 0 is perfectly balanced).
+        """
+        plan = self._plan(epoch)
+        template = self._get_template()
+        steps = plan["steps"]
+        n_bins = template["offsets"].size - 1
+        bin_sizes = np.diff(template["offsets"])
+        dropped = plan["dropped"]
+        tokens = template["bin_tokens"][steps]  # (num_steps, num_replicas)
+        squares = template["bin_squares"][steps]
+
+        def spread(values: np.ndarray) -> float:
+            top = values.max(axis=1)
+            return float(np.mean((top - values.min(axis=1)) / np.maximum(top, 1))) if values.size else 0.0
+
+        bound = int(template["lower_bound"])
+        return {
+            "epoch": self.epoch if epoch is None else epoch,
+            "num_samples": int(self.lengths.size),
+            "num_items": int(self._item_lengths.size),
+            "num_replicas": self.num_replicas,
+            "max_tokens_per_batch": self.max_tokens_per_batch,
+            "batches": int(steps.size),
+            "batches_per_rank": int(steps.shape[0]),
+            "tokens": int(tokens.sum()),
+            "efficiency": self.efficiency(epoch),
+            "lower_bound": bound,
+            "packed_batches": int(template["packed_bins"]),
+            "batches_over_lower_bound": int(template["packed_bins"]) - bound,
+            "batches_over_lower_bound_pct": 100.0 * (int(template["packed_bins"]) - bound) / max(bound, 1),
+            "rank_split_batches": n_bins - int(template["packed_bins"]),
+            **self._counts,
+            "dropped_samples": int(bin_sizes[dropped].sum()),
+            "dropped_tokens": int(template["bin_tokens"][dropped].sum()),
+            "step_token_spread": spread(tokens),
+            "step_attention_spread": spread(squares),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_samples={self.lengths.size}, max_tokens_per_batch={self.max_tokens_per_batch}, "
+            f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, seed={self.seed}, "
+            f"shuffle={self.shuffle}, drop_last={self.drop_last}, overflow={self.overflow!r}, "
+            f"balance={self.balance!r}, shard={self.shard})"
+        )
+
+
+class OverflowView(Dataset):
+    """A dataset view that serves the indices a sampler with ``overflow="split"``/``"truncate"`` yields.
+
+    Index ``i < len(dataset)`` is ``dataset[i]`` (cut to ``max_tokens_per_batch`` tokens when the
+    sampler truncates); index ``len(dataset) + j`` is piece ``j`` of a split sample:
+    ``sampler.pieces[j] = (sample, start, stop)``, i.e. ``dataset[sample]`` with every field aligned
+    with ``column`` (same length: ``input_ids``, ``labels``, loss masks, ...) sliced to
+    ``[start:stop]``. Other fields are passed through unchanged. Each piece is trained as its own
+    sequence (it cannot attend to the previous piece).
+
+    Build it with ``sampler.wrap_dataset(dataset)``.
+
+    >>> sampler = MultipackBatchSampler([2, 5], max_tokens_per_batch=4, overflow="split", shuffle=False)
+    >>> view = sampler.wrap_dataset([{"input_ids": [7, 8]}, {"input_ids": [1, 2, 3, 4, 5]}])
+    >>> sorted(sorted(b) for b in sampler), view[2], view[3]
+    ([[0, 3], [2]], {'input_ids': [1, 2, 3, 4]}, {'input_ids': [5]})
+    """
+
+    def __init__(self, dataset: Any, sampler: MultipackBatchSampler) -> None:
+        if len(dataset) != sampler.lengths.size:
+            raise ValueError(
+                f"the dataset has {len(dataset)} rows but the sampler was built from {sampler.lengths.size} lengths"
+            )
+        self.dataset = dataset
+        self.column = sampler.column
+        self.max_length = sampler.max_tokens_per_batch if sampler.overflow == "truncate" else None
+        self.pieces = sampler.pieces
+        self._n = len(dataset)
+
+    def __len__(self) -> int:
+        return self._n + len(self.pieces)
+
+    def __getitem__(self, index: int) -> Any:
+        index = int(index)
+        if index < 0 or index >= len(self):
+            raise IndexError(f"index {index} out of range for an OverflowView of {len(self)} items")
+        if index < self._n:
+            row = self.dataset[index]
+            if self.max_length is None or len(row[self.column]) <= self.max_length:
+                return row
+            return self._slice(row, 0, self.max_length)
+        sample, start, stop = (int(v) for v in self.pieces[index - self._n])
+        return self._slice(self.dataset[sample], start, stop)
+
+    def _slice(self, row: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        full = len(row[self.column])
+        return {
+            key: value[start:stop]
+            if hasattr(value, "__len__") and not isinstance(value, str) and len(value) == full
+            else value
+            for key, value in row.items()
+        }

@@ -1,0 +1,227 @@
+"""Bin packing kernels: validity, optimality against brute force and the L2 bound, baselines, strategies."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing_hf import _binpack as bp
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def lengths_and_budget(draw, max_n: int = 120, max_budget: int = 400):
+    budget = draw(st.integers(1, max_budget))
+    lengths = draw(st.lists(st.integers(1, budget), min_size=0, max_size=max_n))
+    return np.array(lengths, dtype=np.int64), budget
+
+
+def assert_valid_packing(packing: bp.Packing, lengths: np.ndarray, budget: int) -> None:
+    assert sorted(packing.items.tolist()) == list(range(lengths.size))  # every item exactly once
+    assert packing.offsets[0] == 0 and packing.offsets[-1] == lengths.size
+    assert (np.diff(packing.offsets) > 0).all()  # no empty bin
+    for b, items in enumerate(packing.bins()):
+        assert int(lengths[items].sum()) == packing.bin_tokens[b] <= budget
+
+
+def optimal_bins(lengths: tuple[int, ...], budget: int) -> int:
+    """Exact minimum number of bins by search over subsets (tiny instances only)."""
+    n = len(lengths)
+    full = (1 << n) - 1
+    fits = [sum(lengths[i] for i in range(n) if mask >> i & 1) <= budget for mask in range(full + 1)]
+
+    @cache
+    def solve(remaining: int) -> int:
+        if remaining == 0:
+            return 0
+        low = remaining & -remaining  # the lowest remaining item goes in some bin: enumerate that bin
+        rest = remaining ^ low
+        best = n
+        sub = rest
+        while True:
+            if fits[sub | low]:
+                best = min(best, 1 + solve(rest & ~sub))
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        return best
+
+    return solve(full)
+
+
+@SETTINGS
+@given(lengths_and_budget())
+def test_best_fit_decreasing_is_a_valid_packing_above_the_bounds(case):
+    lengths, budget = case
+    packing = bp.pack_best_fit_decreasing(lengths, budget)
+    assert_valid_packing(packing, lengths, budget)
+    l1, l2 = bp.lower_bound_l1(lengths, budget), bp.lower_bound_l2(lengths, budget)
+    assert l1 <= l2 <= packing.num_bins
+    plain = bp.pack_best_fit_decreasing(lengths, budget, repair=False)
+    assert_valid_packing(plain, lengths, budget)
+    assert packing.num_bins <= plain.num_bins
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(2, 30).flatmap(
+        lambda b: st.tuples(st.lists(st.integers(1, b), min_size=1, max_size=8), st.just(b))
+    )
+)
+def test_l2_is_a_lower_bound_and_bfd_close_to_the_optimum_on_tiny_instances(case):
+    lengths, budget = case
+    opt = optimal_bins(tuple(sorted(lengths)), budget)
+    assert bp.lower_bound_l2(lengths, budget) <= opt
+    assert opt <= bp.pack_best_fit_decreasing(lengths, budget).num_bins <= opt + 1
+
+
+def test_l2_known_values():
+    # three items over half the budget need three bins although they fit in two by volume
+    assert (bp.lower_bound_l1([6, 6, 6], 10), bp.lower_bound_l2([6, 6, 6], 10)) == (2, 3)
+    # a = 3: J1 = {8, 8} (> 7), J2 = {} and J3 = {3, 3, 3} -> 2 + ceil(9 / 10) = 3
+    assert bp.lower_bound_l2([8, 8, 3, 3, 3], 10) == 3
+    assert bp.lower_bound_l2([], 10) == 0
+    assert bp.lower_bound_l2([10] * 4, 10) == 4
+
+
+def test_repair_reaches_the_bound_where_best_fit_decreasing_alone_does_not():
+    rng = np.random.default_rng(0)
+    # instruction-tuning-like lengths (no sample shorter than 90 tokens), ~20 samples per bin
+    lengths = np.clip(rng.lognormal(np.log(200), 0.35, 4000), 90, 600).astype(np.int64)
+    budget = 4096
+    plain = bp.pack_best_fit_decreasing(lengths, budget, repair=False).num_bins
+    repaired = bp.pack_best_fit_decreasing(lengths, budget)
+    bound = bp.lower_bound_l2(lengths, budget)
+    assert plain > bound  # the instance needs the repair step
+    assert_valid_packing(repaired, lengths, budget)
+    assert repaired.num_bins == bound
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(40, 400), st.integers(200, 2000))
+def test_repair_keeps_the_packing_valid_when_it_moves_items(seed, n, budget):
+    # short items, many per bin: the regime where best-fit decreasing leaves slack and the repair moves items
+    lengths = np.random.default_rng(seed).integers(budget // 25 + 1, budget // 6 + 2, size=n)
+    plain = bp.pack_best_fit_decreasing(lengths, budget, repair=False)
+    repaired = bp.pack_best_fit_decreasing(lengths, budget)
+    assert_valid_packing(repaired, lengths, budget)
+    assert bp.lower_bound_l2(lengths, budget) <= repaired.num_bins <= plain.num_bins
+
+
+def test_equal_lengths_follow_the_tie_order_and_nothing_else():
+    lengths = np.array([4, 2, 4, 2, 4, 2])
+    identity = bp.pack_best_fit_decreasing(lengths, 6)
+    order = np.array([4, 2, 0, 5, 3, 1])
+    shuffled = bp.pack_best_fit_decreasing(lengths, 6, order=order)
+    # same structure (lengths per bin), different sample identities
+    assert [lengths[b].tolist() for b in identity.bins()] == [lengths[b].tolist() for b in shuffled.bins()]
+    assert identity.bins() != shuffled.bins()
+    assert bp.sort_decreasing(lengths, order).tolist() == [4, 2, 0, 5, 3, 1]
+
+
+@SETTINGS
+@given(lengths_and_budget())
+def test_next_fit_fills_in_order_and_closes_a_bin_only_when_the_next_item_does_not_fit(case):
+    lengths, budget = case
+    packing = bp.pack_next_fit(lengths, budget)
+    assert_valid_packing(packing, lengths, budget)
+    assert packing.items.tolist() == list(range(lengths.size))  # contiguous, in order
+    for b in range(packing.num_bins - 1):
+        next_item = packing.items[packing.offsets[b + 1]]
+        assert packing.bin_tokens[b] + lengths[next_item] > budget
+    assert packing.num_bins >= bp.pack_best_fit_decreasing(lengths, budget).num_bins
+
+
+def test_efficiency_and_packing_accessors():
+    packing = bp.pack_best_fit_decreasing([7, 3, 5, 5], 10)
+    assert packing.num_bins == 2 and packing.efficiency() == 1.0
+    assert bp.packing_efficiency(15, 2, 10) == 0.75
+    assert bp.packing_efficiency(0, 0, 10) == 1.0
+    empty = bp.pack_best_fit_decreasing([], 10)
+    assert empty.num_bins == 0 and empty.bins() == []
+
+
+@pytest.mark.parametrize(
+    ("lengths", "budget", "error", "match"),
+    [
+        ([3, -1, 2], 10, ValueError, r"lengths\[1\] = -1"),
+        ([3, 0], 10, ValueError, r"lengths\[1\] = 0"),
+        ([1.5, 2.0], 10, TypeError, "must hold integers"),
+        ([[1, 2], [3, 4]], 10, ValueError, "1-D"),
+        ([3, 12, 20], 10, ValueError, r"lengths\[1\] = 12 > budget 10 \(2 sample"),
+        ([3], 0, ValueError, "budget must be a positive int"),
+        ([3], -4, ValueError, "budget must be a positive int"),
+        ([3], True, ValueError, "budget must be a positive int"),
+        ([3], 2.5, ValueError, "budget must be a positive int"),
+    ],
+)
+def test_bad_input_names_the_value(lengths, budget, error, match):
+    with pytest.raises(error, match=match):
+        bp.pack_best_fit_decreasing(lengths, budget)
+
+
+def test_lower_bound_and_next_fit_validate_too():
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 11 > budget 10"):
+        bp.lower_bound_l2([11], 10)
+    with pytest.raises(ValueError, match=r"lengths\[2\] = 0"):
+        bp.pack_next_fit([1, 2, 0], 10)
+
+
+def test_padded_and_online_minibatches_exact():
+    lengths = [5, 1, 2, 2, 8]
+    padded = bp.padded_batches(lengths, 2)
+    # batches [5, 1] -> 2 x 5, [2, 2] -> 2 x 2, [8] -> 1 x 8
+    assert (padded.steps, padded.real_tokens, padded.slot_tokens, padded.max_step_tokens) == (3, 18, 22, 10)
+    online = bp.online_minibatches(lengths, 2)
+    # steps of 6, 4 and 8 tokens: memory sized for 8
+    assert (online.steps, online.slot_tokens, online.max_step_tokens, online.padding_tokens) == (3, 24, 8, 6)
+    reordered = bp.padded_batches(lengths, 2, order=np.array([4, 0, 1, 2, 3]))
+    assert reordered.slot_tokens == 2 * 8 + 2 * 2 + 1 * 2
+    with pytest.raises(ValueError, match="permutation"):
+        bp.padded_batches(lengths, 2, order=np.array([0, 0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="batch_size"):
+        bp.online_minibatches(lengths, 0)
+
+
+def test_fixed_length_packing_exact():
+    lengths = [6, 3, 3, 12]
+    fixed = bp.fixed_length_packing(lengths, 8)
+    # next-fit in order: [6], [3, 3], [8 (12 truncated)]
+    assert (fixed.steps, fixed.real_tokens, fixed.truncated_tokens, fixed.slot_tokens) == (3, 20, 4, 24)
+    wrapped = bp.fixed_length_packing(lengths, 8, split=True)
+    # 24 tokens in 3 full rows; boundaries at 8 and 16 cut the sample [6, 9) and the sample [12, 24)
+    assert (wrapped.steps, wrapped.efficiency, wrapped.split_samples) == (3, 1.0, 2)
+
+
+def test_compare_strategies_on_real_lengths(gsm8k_tokenized):
+    lengths = np.array([len(row["input_ids"]) for row in gsm8k_tokenized])
+    rows = {s.strategy: s for s in bp.compare_strategies(lengths, 2048, seed=1)}
+    assert list(rows) == ["padded", "online", "fixed", "fixed-split", "multipack"]
+    total = int(lengths.sum())
+    assert all(s.real_tokens == total for s in rows.values())
+    multipack = rows["multipack"]
+    assert multipack.steps == bp.pack_best_fit_decreasing(lengths, 2048).num_bins
+    assert multipack.efficiency > rows["fixed"].efficiency
+    assert multipack.efficiency > rows["padded"].efficiency
+    assert rows["fixed-split"].efficiency >= multipack.efficiency  # it cuts samples to get there
+    assert rows["fixed-split"].split_samples > 0
+    assert set(multipack.as_dict()) >= {"strategy", "efficiency", "padding_tokens", "steps"}
+
+
+@SETTINGS
+@given(lengths_and_budget(max_n=60), st.integers(0, 10))
+def test_split_bins_adds_bins_without_losing_items(case, extra):
+    lengths, budget = case
+    packing = bp.pack_best_fit_decreasing(lengths, budget)
+    if lengths.size < packing.num_bins + extra:
+        with pytest.raises(ValueError, match="cannot make"):
+            bp.split_bins(packing, lengths, extra)
+        return
+    split = bp.split_bins(packing, lengths, extra)
+    assert split.num_bins == packing.num_bins + extra
+    assert_valid_packing(split, lengths, budget)

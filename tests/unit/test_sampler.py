@@ -1,0 +1,344 @@
+"""MultipackBatchSampler: budget, exact coverage across ranks, determinism, resume, overflow, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing_hf import _binpack
+from packing_hf.sampler import MultipackBatchSampler, OverflowView, lengths_from_dataset
+
+
+def make_ranks(lengths, budget, replicas, **kwargs) -> list[MultipackBatchSampler]:
+    return [
+        MultipackBatchSampler(lengths, budget, num_replicas=replicas, rank=r, **kwargs)
+        for r in range(replicas)
+    ]
+
+
+def epoch_batches(samplers: list[MultipackBatchSampler], epoch: int = 0) -> list[list[list[int]]]:
+    for s in samplers:
+        s.set_epoch(epoch)
+    return [list(s) for s in samplers]
+
+
+@st.composite
+def sampler_cases(draw):
+    budget = draw(st.integers(1, 200))
+    lengths = draw(st.lists(st.integers(1, budget), min_size=1, max_size=150))
+    replicas = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return np.array(lengths), budget, replicas, seed
+
+
+@settings(max_examples=80, deadline=None)
+@given(sampler_cases(), st.sampled_from(["tokens", "attention"]))
+def test_every_sample_once_across_ranks_within_budget_and_equal_lengths(case, balance):
+    lengths, budget, replicas, seed = case
+    try:
+        samplers = make_ranks(lengths, budget, replicas, seed=seed, balance=balance)
+        len(samplers[0])
+    except ValueError as err:
+        # only when the data is too small to give every rank the same number of batches without repeats
+        assert "cannot give each" in str(err)
+        packed = len(MultipackBatchSampler(lengths, budget))
+        assert lengths.size < replicas * -(-packed // replicas)
+        return
+    per_rank = epoch_batches(samplers, epoch=1)
+    assert len({len(s) for s in samplers}) == 1
+    assert all(len(batches) == len(s) for batches, s in zip(per_rank, samplers, strict=True))
+    flat = [i for batches in per_rank for batch in batches for i in batch]
+    assert sorted(flat) == list(range(lengths.size))
+    assert all(0 < lengths[batch].sum() <= budget for batches in per_rank for batch in batches)
+    stats = samplers[0].stats()
+    assert stats["batches"] == replicas * len(samplers[0])
+    assert (
+        stats["lower_bound"]
+        <= stats["packed_batches"]
+        <= stats["batches"]
+        < stats["packed_batches"] + replicas
+    )
+    assert stats["tokens"] == lengths.sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(sampler_cases())
+def test_drop_last_drops_whole_batches_and_counts_them(case):
+    lengths, budget, replicas, seed = case
+    try:
+        samplers = make_ranks(lengths, budget, replicas, seed=seed, drop_last=True)
+        len(samplers[0])
+    except ValueError as err:
+        assert "every batch would be dropped" in str(err)
+        assert len(MultipackBatchSampler(lengths, budget)) < replicas
+        return
+    per_rank = epoch_batches(samplers)
+    flat = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(flat) == len(set(flat))
+    stats = samplers[0].stats()
+    assert stats["dropped_samples"] == lengths.size - len(flat)
+    assert stats["dropped_tokens"] == lengths.sum() - lengths[flat].sum()
+    assert (
+        stats["rank_split_batches"] == 0
+        and stats["batches"] == stats["packed_batches"] - stats["packed_batches"] % replicas
+    )
+
+
+def test_plan_changes_across_epochs_but_not_the_batch_count():
+    lengths = np.random.default_rng(0).integers(1, 60, size=400)
+    sampler = MultipackBatchSampler(lengths, 256, seed=3)
+    epochs = [epoch_batches([sampler], e)[0] for e in range(3)]
+    assert len({len(b) for b in epochs}) == 1
+    assert epochs[0] != epochs[1] != epochs[2]
+    # not only the visiting order: which samples share a batch changes too
+    as_sets = [{frozenset(batch) for batch in batches} for batches in epochs]
+    assert as_sets[0] != as_sets[1]
+    # and a given epoch is reproducible
+    assert epoch_batches([MultipackBatchSampler(lengths, 256, seed=3)], 1)[0] == epochs[1]
+
+
+def test_identical_plan_in_a_separate_process():
+    lengths = np.random.default_rng(1).integers(1, 300, size=500).tolist()
+    code = (
+        "import json, sys\n"
+        "from packing_hf.sampler import MultipackBatchSampler\n"
+        "lengths = json.loads(sys.stdin.read())\n"
+        "out = []\n"
+        "for rank in range(3):\n"
+        "    s = MultipackBatchSampler(lengths, 1000, seed=11, num_replicas=3, rank=rank)\n"
+        "    s.set_epoch(2)\n"
+        "    out.append(list(s))\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(lengths),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    theirs = json.loads(result.stdout)
+    ours = epoch_batches(make_ranks(lengths, 1000, 3, seed=11), epoch=2)
+    assert theirs == ours
+    assert epoch_batches(make_ranks(lengths, 1000, 3, seed=12), epoch=2) != ours
+
+
+def test_visiting_order_is_not_sorted_by_length():
+    rng = np.random.default_rng(5)
+    lengths = np.clip(rng.lognormal(5.0, 1.0, 3000), 1, 2048).astype(np.int64)
+    batches = list(MultipackBatchSampler(lengths, 2048, seed=0))
+    longest = np.array([lengths[b].max() for b in batches])
+    position = np.arange(len(batches))
+    # best-fit decreasing creates bins longest first: visited in that order the correlation is ~ -0.9
+    assert abs(np.corrcoef(position, longest)[0, 1]) < 0.15
+    ordered = list(MultipackBatchSampler(lengths, 2048, shuffle=False))
+    firsts = [min(b) for b in ordered]
+    assert firsts == sorted(firsts)  # shuffle=False: steps in dataset order
+    assert ordered == epoch_batches([MultipackBatchSampler(lengths, 2048, shuffle=False)], epoch=4)[0]
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+@pytest.mark.parametrize("shard", [True, False])
+def test_resume_yields_exactly_the_remaining_batches(epoch, shard):
+    lengths = np.random.default_rng(2).integers(1, 500, size=600)
+    kwargs = dict(seed=4, num_replicas=2, rank=1, shard=shard)
+    first = MultipackBatchSampler(lengths, 2000, **kwargs)
+    first.set_epoch(epoch)
+    full = list(first)
+    it = iter(first)
+    consumed = [next(it) for _ in range(7)]
+    state = first.state_dict()
+    assert state["epoch"] == epoch and state["batches_consumed"] == 7
+    resumed = MultipackBatchSampler(lengths, 2000, **kwargs)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip (checkpoint files)
+    resumed.set_epoch(
+        epoch
+    )  # what a training loop does at the start of the resumed epoch: keeps the position
+    rest = list(resumed)
+    assert consumed + rest == full
+    assert resumed.state_dict()["batches_consumed"] == len(full)
+    assert list(resumed) == full  # the next pass over the same epoch is complete again
+    resumed.set_epoch(epoch + 1)
+    assert len(list(resumed)) == len(full)
+
+
+def test_load_state_dict_rejects_a_different_plan():
+    sampler = MultipackBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match="num_replicas: saved 2, now 1"):
+        MultipackBatchSampler([5, 6, 7, 8], 16).load_state_dict(state)
+    with pytest.raises(ValueError, match="max_tokens_per_batch: saved 16, now 20"):
+        MultipackBatchSampler([5, 6, 7, 8], 20, num_replicas=2, rank=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks"):
+        sampler.load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="batches_consumed"):
+        sampler.load_state_dict({**state, "batches_consumed": 99})
+
+
+def test_overflow_error_names_the_sample():
+    with pytest.raises(ValueError, match=r"sample 2 has 40 tokens > max_tokens_per_batch=32 \(2 sample"):
+        MultipackBatchSampler([10, 20, 40, 50], 32)
+
+
+def test_overflow_truncate_skip_and_split_are_counted():
+    lengths = [10, 20, 40, 70]
+    truncated = MultipackBatchSampler(lengths, 32, overflow="truncate")
+    stats = truncated.stats()
+    assert (stats["truncated_samples"], stats["truncated_tokens"]) == (2, 8 + 38)
+    assert sorted(i for b in truncated for i in b) == [0, 1, 2, 3]
+    assert all(np.minimum(lengths, 32)[b].sum() <= 32 for b in truncated)
+
+    skipped = MultipackBatchSampler(lengths, 32, overflow="skip")
+    assert sorted(i for b in skipped for i in b) == [0, 1]
+    assert (skipped.stats()["skipped_samples"], skipped.stats()["skipped_tokens"]) == (2, 110)
+
+    split = MultipackBatchSampler(lengths, 32, overflow="split")
+    assert (split.stats()["split_samples"], split.stats()["split_pieces"]) == (2, 2 + 3)
+    assert split.pieces.tolist() == [[2, 0, 32], [2, 32, 40], [3, 0, 32], [3, 32, 64], [3, 64, 70]]
+    keys = sorted(i for b in split for i in b)
+    assert keys == [0, 1, 4, 5, 6, 7, 8]  # short samples as themselves, pieces as len(dataset) + j
+    assert split.stats()["tokens"] == sum(lengths)
+
+
+def test_overflow_view_serves_pieces_and_truncations():
+    rows = [
+        {"input_ids": list(range(n)), "labels": list(range(100, 100 + n)), "source": "x"} for n in (3, 9, 4)
+    ]
+    split = MultipackBatchSampler([3, 9, 4], 4, overflow="split", seed=1)
+    view = split.wrap_dataset(rows)
+    assert isinstance(view, OverflowView) and len(view) == 3 + 3
+    served = {}
+    for batch in split:
+        items = [view[k] for k in batch]
+        assert sum(len(item["input_ids"]) for item in items) <= 4
+        for k, item in zip(batch, items, strict=True):
+            served[k] = item
+    rebuilt = [served[3]["input_ids"] + served[4]["input_ids"] + served[5]["input_ids"]]
+    assert rebuilt == [rows[1]["input_ids"]]
+    assert served[4]["labels"] == rows[1]["labels"][4:8] and served[4]["source"] == "x"
+    with pytest.raises(IndexError):
+        view[6]
+
+    truncate = MultipackBatchSampler([3, 9, 4], 4, overflow="truncate")
+    assert truncate.wrap_dataset(rows)[1]["input_ids"] == [0, 1, 2, 3]
+    plain = MultipackBatchSampler([3, 2, 4], 4)
+    assert plain.wrap_dataset(rows) is rows
+    with pytest.raises(ValueError, match="2 rows but the sampler was built from 3"):
+        OverflowView(rows[:2], split)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(lengths=[3, -2, 4]), r"lengths\[1\] = -2"),
+        (dict(lengths=[3, 0, 4]), r"lengths\[1\] = 0"),
+        (dict(lengths=[3.0, 2.0]), "must hold integers"),
+        (dict(lengths=[]), "empty"),
+        (dict(max_tokens_per_batch=0), "max_tokens_per_batch must be an int >= 1"),
+        (dict(max_tokens_per_batch=-5), "max_tokens_per_batch must be an int >= 1"),
+        (dict(num_replicas=2, rank=2), r"rank must be in \[0, num_replicas - 1\] = \[0, 1\], got rank=2"),
+        (dict(num_replicas=0, rank=0), "num_replicas must be an int >= 1"),
+        (dict(rank=-1), "rank must be an int >= 0"),
+        (dict(overflow="wrap"), "overflow must be one of"),
+        (dict(balance="flops"), "balance must be one of"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = {"lengths": [3, 5, 7], "max_tokens_per_batch": 10, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        MultipackBatchSampler(args.pop("lengths"), args.pop("max_tokens_per_batch"), **args)
+
+
+def test_fewer_samples_than_ranks():
+    with pytest.raises(ValueError, match="cannot give each of the 4 ranks"):
+        len(MultipackBatchSampler([3, 5, 7], 100, num_replicas=4, rank=0))
+    with pytest.raises(ValueError, match="every batch would be dropped"):
+        len(MultipackBatchSampler([3, 5, 7], 100, num_replicas=4, rank=0, drop_last=True))
+    # enough samples but not enough to split: 3 batches of one long sample each for 2 ranks
+    with pytest.raises(ValueError, match="use fewer ranks, more data, or drop_last=True"):
+        len(MultipackBatchSampler([60, 70, 80], 100, num_replicas=2, rank=0))
+
+
+def test_lengths_from_datasets_arrow_offsets():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1] * n for n in (5, 1, 8, 3)], "n": [5, 1, 8, 3], "t": ["a"] * 4}
+    )
+    assert lengths_from_dataset(ds).tolist() == [5, 1, 8, 3]
+    assert lengths_from_dataset(ds, "n").tolist() == [5, 1, 8, 3]
+    assert lengths_from_dataset(ds.select([3, 0])).tolist() == [3, 5]
+    assert lengths_from_dataset(ds.filter(lambda r: r["n"] > 2)).tolist() == [5, 8, 3]
+    assert lengths_from_dataset(ds.shuffle(seed=0)).tolist() == [
+        len(r) for r in ds.shuffle(seed=0)["input_ids"]
+    ]
+    sampler = MultipackBatchSampler(ds, 9, seed=0)
+    assert sorted(i for b in sampler for i in b) == [0, 1, 2, 3]
+    assert MultipackBatchSampler(ds, 9, column="n").lengths.tolist() == [5, 1, 8, 3]
+    with pytest.raises(ValueError, match="column 'ids' is not in the dataset"):
+        lengths_from_dataset(ds, "ids")
+    with pytest.raises(TypeError, match="Arrow type string"):
+        lengths_from_dataset(ds, "t")
+    with pytest.raises(TypeError, match="expected a datasets.Dataset"):
+        lengths_from_dataset(ds.to_iterable_dataset())
+
+
+def test_torch_distributed_defaults(monkeypatch):
+    assert (MultipackBatchSampler([1, 2], 4).num_replicas, MultipackBatchSampler([1, 2], 4).rank) == (1, 0)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    sampler = MultipackBatchSampler(list(range(1, 30)), 40)
+    assert (sampler.num_replicas, sampler.rank, sampler.epoch, sampler.max_tokens_per_batch) == (4, 3, 0, 40)
+
+
+def test_unsharded_view_matches_accelerate_batch_sampler_shard():
+    from accelerate.data_loader import BatchSamplerShard
+
+    lengths = np.random.default_rng(7).integers(1, 400, size=300)
+    replicas = 3
+    everything = MultipackBatchSampler(lengths, 1024, num_replicas=replicas, shard=False, seed=2)
+    assert len(everything) % replicas == 0 and everything.batch_size is None
+    for rank in range(replicas):
+        mine = MultipackBatchSampler(lengths, 1024, num_replicas=replicas, rank=rank, seed=2)
+        wrapped = BatchSamplerShard(everything, num_processes=replicas, process_index=rank)
+        assert len(wrapped) == len(mine)
+        assert list(wrapped) == list(mine)
+
+
+def test_attention_balance_evens_out_quadratic_cost_across_ranks():
+    rng = np.random.default_rng(0)
+    # long-context mix: a few long documents among many short samples
+    lengths = np.concatenate([rng.integers(3000, 8000, 60), rng.integers(20, 400, 3000)])
+    tokens = MultipackBatchSampler(lengths, 8192, num_replicas=4, rank=0, seed=1).stats()
+    attention = MultipackBatchSampler(
+        lengths, 8192, num_replicas=4, rank=0, seed=1, balance="attention"
+    ).stats()
+    assert attention["step_attention_spread"] < 0.5 * tokens["step_attention_spread"]
+    assert attention["batches"] == tokens["batches"]
+
+
+def test_efficiency_and_lower_bound_report():
+    lengths = np.random.default_rng(4).integers(50, 600, size=2000)
+    sampler = MultipackBatchSampler(lengths, 4096)
+    stats = sampler.stats()
+    assert stats["lower_bound"] == _binpack.lower_bound_l2(lengths, 4096) == sampler.lower_bound()
+    assert stats["efficiency"] == sampler.efficiency() == lengths.sum() / (len(sampler) * 4096)
+    assert stats["batches_over_lower_bound"] <= 1
+    assert all(isinstance(v, int | float) for v in stats.values())
+    assert "num_replicas=1" in repr(sampler)
+
+
+def test_is_a_torch_batch_sampler():
+    sampler = MultipackBatchSampler([4, 3, 2, 1, 5], 6, seed=0)
+    assert isinstance(sampler, torch.utils.data.Sampler)
+    loader = torch.utils.data.DataLoader(list(range(10, 15)), batch_sampler=sampler, collate_fn=list)
+    assert sorted(x for batch in loader for x in batch) == [10, 11, 12, 13, 14]
+    assert len(loader) == len(sampler)
