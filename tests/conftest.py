@@ -79,3 +79,9 @@ def make_tiny_causal_lm(model_type: str = "llama", attn_implementation: str = "s
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_causal_lm_factory():
+    """``make_tiny_causal_lm`` as a fixture (test modules cannot ``import conftest`` under importlib mode)."""
+    return make_tiny_causal_lm

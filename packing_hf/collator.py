@@ -1,0 +1,474 @@
+"""PaddingFreeCollator: flatten a batch of samples into one packed row ``[1, T]`` with exact boundaries.
+
+The model sees every sample of the batch back to back in a single row, with no padding, and the
+boundaries travel with the batch (restarting ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``
+and optionally ``seq_idx``), so a varlen-aware attention never lets one sample attend to another.
+
+It is a drop-in, vectorized replacement for ``transformers.DataCollatorWithFlattening(
+return_flash_attn_kwargs=True)`` and TRL's ``DataCollatorForLanguageModeling(padding_free=True)``: on
+the keys they share the output is identical, and it adds TRL's loss masks, offline-packed rows
+(``seq_lengths``), an explicit policy for over-long samples and padding that keeps its own segment.
+
+>>> collator = PaddingFreeCollator()
+>>> batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+>>> batch["input_ids"].tolist(), batch["labels"].tolist(), batch["position_ids"].tolist()
+([[1, 2, 3, 4, 5]], [[-100, 2, 3, -100, 5]], [[0, 1, 2, 0, 1]])
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from .varlen import INT32_MAX
+
+__all__ = ["PaddingFreeCollator"]
+
+logger = logging.getLogger(__name__)
+
+OverflowPolicy = Literal["error", "truncate", "split"]
+_OVERFLOW_POLICIES = ("error", "truncate", "split")
+# TRL's loss-mask columns: 1 = train on this token. Both present -> a token is trained only if both say so.
+_MASK_KEYS = ("completion_mask", "assistant_masks")
+_OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths"))
+
+
+def _new_stats() -> dict[str, int]:
+    return {
+        "batches": 0,
+        "samples": 0,  # samples seen (the sub-samples of offline-packed rows count one by one)
+        "tokens": 0,  # real tokens emitted (after truncation, before padding)
+        "padding_tokens": 0,
+        "truncated_samples": 0,
+        "truncated_tokens": 0,  # tokens dropped by overflow="truncate"
+        "split_samples": 0,
+        "split_chunks": 0,  # segments those samples became under overflow="split"
+    }
+
+
+def _first_bad_element(values: Sequence[Any]) -> tuple[int, Any] | None:
+    """Index and value of the first element of a list that is not an integer (error path only)."""
+    for j, value in enumerate(values):
+        if not isinstance(value, int | np.integer):
+            return j, value
+    return None
+
+
+def _describe(name: str, index: int, element: int | None = None, indexed: bool = False) -> str:
+    """Where a bad value sits: ``sample 3: 'labels'`` / ``sample 3: labels[7]`` for a batch of features,
+    ``sequences[3]`` / ``sequences[3][7]`` for a plain list of sequences (``indexed=True``)."""
+    if indexed:
+        return f"{name}[{index}]" + ("" if element is None else f"[{element}]")
+    return f"sample {index}: " + (repr(name) if element is None else f"{name}[{element}]")
+
+
+def _sample_to_array(
+    value: Any, index: int, name: str, allow_bool: bool, indexed: bool = False
+) -> np.ndarray:
+    """One sample's field (list / tuple / numpy array / tensor of ints) as a 1-D int64 array."""
+    where = _describe(name, index, indexed=indexed)
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or (value.dtype == torch.bool and not allow_bool):
+            raise TypeError(
+                f"{where} is a tensor of dtype {value.dtype}; it must hold integers (cast with .long())"
+            )
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in ("iu" + ("b" if allow_bool else "")):
+            raise TypeError(
+                f"{where} is an array of dtype {value.dtype}; it must hold integers (cast with .astype(np.int64))"
+            )
+        if value.ndim != 1:
+            raise ValueError(
+                f"{where} has shape {value.shape}, expected a 1-D sequence; drop the batch dimension "
+                "(e.g. tokenize without return_tensors, or index [0])"
+            )
+        return value.astype(np.int64, copy=False)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{where} must be a list, numpy array or tensor of ints, got {type(value).__name__}: {value!r:.80}"
+        )
+    try:
+        return np.frombuffer(array("q", value), dtype=np.int64)
+    except OverflowError:
+        raise ValueError(f"{where} holds a value that does not fit in int64") from None
+    except TypeError:
+        bad = _first_bad_element(value)
+        if bad is None:  # only reachable with exotic sequence types
+            raise TypeError(f"{where} holds a non-integer value; it must hold only integers") from None
+        element = _describe(name, index, bad[0], indexed)
+        if isinstance(bad[1], list | tuple | np.ndarray | torch.Tensor):
+            raise ValueError(
+                f"{element} is itself a sequence ({type(bad[1]).__name__}); {name!r} must be a flat 1-D list of ints"
+            ) from None
+        raise TypeError(
+            f"{element} = {bad[1]!r} is a {type(bad[1]).__name__}; {name!r} must hold only integers "
+            "(mixed types are not accepted)"
+        ) from None
+
+
+def _flatten_field(
+    values: list[Any], name: str, allow_bool: bool = False, indexed: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate one field over the batch: ``(flat (T,) int64, lengths (n,) int64)``.
+
+    Lists of Python ints (``datasets`` rows) take a fast path: they are appended to one typed int64
+    buffer, which also rejects floats, strings and None. Any failure is re-diagnosed sample
+    by sample so that the error names the sample index and position (see :func:`_describe`).
+    """
+    buffer = array("q")
+    try:
+        for v in values:
+            # ~10 ns per token; raises on non-lists and on floats, strings, None or nested lists inside
+            buffer.fromlist(v)
+    except (TypeError, OverflowError):
+        pass  # arrays, tensors or a bad value: the per-sample path below converts or names it
+    else:
+        return np.frombuffer(buffer, dtype=np.int64), np.fromiter(map(len, values), np.int64, len(values))
+    arrays = [_sample_to_array(v, i, name, allow_bool, indexed) for i, v in enumerate(values)]
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.int64), lengths
+
+
+def _raise_for_bad_feature(features: list[Any]) -> None:
+    """Name the first feature that is not a dict holding ``input_ids`` (error path only)."""
+    for i, feature in enumerate(features):
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"sample {i} is a {type(feature).__name__}, expected a dict of fields")
+        if "input_ids" not in feature:
+            raise ValueError(
+                f"sample {i} has no 'input_ids' (keys: {sorted(feature)}); tokenize the dataset first"
+            )
+
+
+def _keys_present(features: list[Mapping[str, Any]]) -> frozenset[str]:
+    """The optional keys this collator reads that at least one feature has."""
+    return _OPTIONAL_KEYS.intersection(set().union(*features))  # one C-level pass over all keys
+
+
+def _sample_of(token_index: int, cu: np.ndarray) -> int:
+    """Which sample a flat token index belongs to, given cu ``(n + 1,)`` over samples."""
+    return int(np.searchsorted(cu, token_index, side="right") - 1)
+
+
+@dataclass
+class PaddingFreeCollator:
+    """Collate samples into one packed row ``[1, T]`` with restarting positions and varlen boundaries.
+
+    Every sample becomes its own segment: ``position_ids`` restart at ``position_ids_start``, its first
+    label is ``label_pad_id`` (so no sample is trained to predict across a boundary), and
+    ``cu_seq_lens_q/k`` mark where it starts and ends. No ``attention_mask`` is returned: with one,
+    transformers would ignore ``position_ids`` and let samples attend to each other.
+
+    Input: a list of feature dicts (``datasets`` rows work as they are). Keys read
+    (:attr:`input_columns`):
+
+    - ``input_ids`` (required): list, numpy array or tensor of ints ``>= 0``, ``(L_i,)``.
+    - ``labels`` (optional): same length; default is a copy of ``input_ids``.
+    - ``completion_mask`` / ``assistant_masks`` (optional, TRL): 1 = train on this token, 0 = set its
+      label to ``label_pad_id``; when both are present a token is trained only if both are 1. Unlike
+      TRL, ``completion_mask`` is always applied when present.
+    - ``seq_lengths`` (optional): the row was already packed offline (e.g. TRL's ``bfd`` packing) and
+      holds several samples of these lengths; each becomes its own segment.
+
+    Every other key is ignored; in particular ``attention_mask`` is dropped and ``position_ids`` is
+    recomputed from the boundaries (a tokenizer's ``position_ids`` would run across samples).
+
+    With ``sdpa``/``eager`` attention, transformers finds the boundaries from ``position_ids`` only when
+    no KV cache exists: call the model with ``use_cache=False`` (``Trainer`` sets
+    ``model.config.use_cache = args.use_cache``, False by default), else samples attend to each other.
+
+    Output (``return_tensors="pt"``; ``"np"`` gives numpy arrays of the same dtypes), with
+    ``T`` = total tokens including padding and ``n`` = number of segments:
+
+    - ``input_ids``: ``[1, T]`` int64; ``labels``: ``[1, T]`` int64;
+    - ``position_ids``: ``[1, T]`` int64 (if ``return_position_ids``);
+    - ``cu_seq_lens_q``, ``cu_seq_lens_k``: ``(n + 1,)`` int32 and ``max_length_q``, ``max_length_k``:
+      Python ints (if ``return_flash_attn_kwargs``);
+    - ``seq_idx``: ``[1, T]`` int32, the segment index of every token (if ``return_seq_idx``).
+
+    Args:
+        max_length: longest sample accepted, in tokens (``None``: no limit). It bounds each *sample*,
+            not the batch: batch size in tokens is the sampler's job.
+        overflow: what to do with a sample longer than ``max_length``: ``"error"`` (default) raises,
+            ``"truncate"`` keeps its first ``max_length`` tokens, ``"split"`` cuts it into chunks of
+            ``max_length`` that become separate segments (each chunk's first label is masked, since it
+            cannot see the previous chunk). Truncated/split samples and tokens are counted in
+            :attr:`stats` and the first occurrence is logged as a warning.
+        pad_to_multiple_of: pad ``T`` up to a multiple of this. The padding forms its own segment
+            (own ``cu_seqlens`` entry, positions restarting, labels ``label_pad_id``, ids
+            ``pad_token_id``), so it never merges into a real sample.
+        pad_token_id: input id of padding tokens.
+        label_pad_id: label of untrained tokens (first token of a segment, masked tokens, padding).
+        position_ids_start: first position of every segment (2 for RoBERTa-like models).
+        return_seq_idx: also return ``seq_idx``.
+        return_flash_attn_kwargs: also return ``cu_seq_lens_q/k`` and ``max_length_q/k``.
+        return_position_ids: also return ``position_ids``.
+        return_tensors: ``"pt"`` or ``"np"``.
+
+    Attributes:
+        stats: running counters (``batches``, ``samples``, ``tokens``, ``padding_tokens``,
+            ``truncated_samples``, ``truncated_tokens``, ``split_samples``, ``split_chunks``). With a
+            ``DataLoader`` using ``num_workers > 0`` each worker counts in its own copy.
+
+    >>> collator = PaddingFreeCollator(pad_to_multiple_of=4, return_seq_idx=True)
+    >>> features = [{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]},
+    ...             {"input_ids": [8, 9], "completion_mask": [1, 1]}]
+    >>> out = collator(features)
+    >>> out["labels"].tolist(), out["position_ids"].tolist()
+    ([[-100, 6, 7, -100, 9, -100, -100, -100]], [[0, 1, 2, 0, 1, 0, 1, 2]])
+    >>> out["cu_seq_lens_q"].tolist(), out["max_length_q"], out["seq_idx"].tolist()
+    ([0, 3, 5, 8], 3, [[0, 0, 0, 1, 1, 2, 2, 2]])
+    """
+
+    max_length: int | None = None
+    overflow: OverflowPolicy = "error"
+    pad_to_multiple_of: int | None = None
+    pad_token_id: int = 0
+    label_pad_id: int = -100
+    position_ids_start: int = 0
+    return_seq_idx: bool = False
+    return_flash_attn_kwargs: bool = True
+    return_position_ids: bool = True
+    return_tensors: str = "pt"
+    stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
+    _warned_overflow: bool = field(default=False, init=False, repr=False, compare=False)
+
+    # Dataset columns this collator consumes: a Trainer must not strip them (remove_unused_columns).
+    input_columns: ClassVar[tuple[str, ...]] = ("input_ids", "labels", *_MASK_KEYS, "seq_lengths")
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {self.max_length!r}")
+        if self.overflow not in _OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {_OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if self.pad_to_multiple_of is not None and (
+            not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1
+        ):
+            raise ValueError(
+                f"pad_to_multiple_of must be a positive int or None, got {self.pad_to_multiple_of!r}"
+            )
+        if self.return_tensors not in ("pt", "np"):
+            raise ValueError(f"return_tensors must be 'pt' or 'np', got {self.return_tensors!r}")
+        if not (self.return_position_ids or self.return_flash_attn_kwargs):
+            raise ValueError(
+                "return_position_ids=False with return_flash_attn_kwargs=False leaves the model no way to "
+                "see sample boundaries, so packed samples would attend to each other; enable one of them"
+            )
+
+    def reset_stats(self) -> None:
+        """Zero the counters in :attr:`stats`."""
+        self.stats = _new_stats()
+
+    def __call__(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, Any]:
+        return_tensors = self.return_tensors if return_tensors is None else return_tensors
+        if return_tensors not in ("pt", "np"):
+            raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
+        if isinstance(features, Mapping):
+            raise TypeError(
+                f"got one dict of columns {sorted(features)[:6]} (a dataset slice such as ds[:8]); "
+                "pass a list of rows instead, e.g. [ds[i] for i in range(8)]"
+            )
+        features = features if isinstance(features, list) else list(features)
+        if not features:
+            raise ValueError("got an empty batch (no features); a packed batch needs at least one sample")
+        try:
+            raw_ids = [f["input_ids"] for f in features]
+        except (KeyError, TypeError, IndexError):
+            _raise_for_bad_feature(features)
+            raise
+        keys = _keys_present(features)
+
+        ids, lengths = _flatten_field(raw_ids, "input_ids")
+        if (lengths == 0).any():
+            bad = int(np.argmax(lengths == 0))
+            raise ValueError(f"sample {bad}: 'input_ids' is empty; drop empty samples from the dataset")
+        if ids.min() < 0:
+            pos = int(np.argmax(ids < 0))
+            row_cu = np.concatenate([[0], np.cumsum(lengths)])
+            i = _sample_of(pos, row_cu)
+            raise ValueError(
+                f"sample {i}: input_ids[{pos - row_cu[i]}] = {int(ids[pos])} is negative; token ids must be "
+                ">= 0 (padding or -100 belong in labels, not input_ids)"
+            )
+
+        labels = self._labels(features, keys, ids, lengths)
+        seg_lengths = self._segment_lengths(features, keys, lengths)
+        ids, labels, seg_lengths = self._apply_max_length(ids, labels, seg_lengths, features, lengths)
+        n_tokens = ids.size
+
+        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        if n_pad:
+            ids = np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
+            labels = np.concatenate([labels, np.full(n_pad, self.label_pad_id, dtype=np.int64)])
+            seg_lengths = np.append(seg_lengths, n_pad)
+
+        # Boundaries in numpy: the same formulas as varlen.lengths_to_cu_seqlens / lengths_to_position_ids /
+        # lengths_to_seq_idx (the tests check they agree), because in a data loader's main process torch's
+        # per-call overhead and intra-op threads make these small ops cost more than the whole collation.
+        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (n + 1,)
+        np.cumsum(seg_lengths, out=cu[1:])
+        if cu[-1] > INT32_MAX:
+            raise ValueError(
+                f"the batch holds {int(cu[-1])} tokens, more than int32 cu_seqlens can address ({INT32_MAX}); "
+                "lower the number of tokens per batch"
+            )
+        starts = cu[:-1]
+        # Every segment's first label is masked: its logit would come from the previous sample's last token.
+        labels[starts] = self.label_pad_id
+
+        self.stats["batches"] += 1
+        self.stats["tokens"] += n_tokens
+        self.stats["padding_tokens"] += n_pad
+
+        batch: dict[str, Any] = {"input_ids": ids[None], "labels": labels[None]}
+        if self.return_position_ids:
+            position_ids = np.repeat(starts - self.position_ids_start, seg_lengths)  # (T,) segment offsets
+            np.subtract(np.arange(ids.size, dtype=np.int64), position_ids, out=position_ids)
+            batch["position_ids"] = position_ids[None]  # [1, T]
+        if self.return_seq_idx:
+            batch["seq_idx"] = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)[None]
+        if self.return_flash_attn_kwargs:
+            batch["cu_seq_lens_q"] = cu.astype(np.int32)
+            batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
+        if return_tensors == "pt":
+            batch = {k: torch.from_numpy(v) for k, v in batch.items()}
+        if self.return_flash_attn_kwargs:
+            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+        return batch
+
+    def _labels(
+        self, features: list[Mapping[str, Any]], keys: frozenset[str], ids: np.ndarray, lengths: np.ndarray
+    ) -> np.ndarray:
+        """Flat labels ``(T,)`` int64: the given labels (or a copy of the ids) with TRL masks applied."""
+        if "labels" in keys:
+            values = self._column(features, "labels")
+            labels, label_lengths = _flatten_field(values, "labels")
+            self._check_same_lengths("labels", label_lengths, lengths)
+        else:
+            labels = ids.copy()
+        for key in _MASK_KEYS:
+            if key not in keys:
+                continue
+            mask, mask_lengths = _flatten_field(self._column(features, key), key, allow_bool=True)
+            self._check_same_lengths(key, mask_lengths, lengths)
+            if ((mask != 0) & (mask != 1)).any():
+                pos = int(np.argmax((mask != 0) & (mask != 1)))
+                row_cu = np.concatenate([[0], np.cumsum(lengths)])
+                i = _sample_of(pos, row_cu)
+                raise ValueError(
+                    f"sample {i}: {key}[{pos - row_cu[i]}] = {int(mask[pos])}; a loss mask holds only 0 and 1"
+                )
+            labels[mask == 0] = self.label_pad_id
+        return labels
+
+    @staticmethod
+    def _column(features: list[Mapping[str, Any]], key: str) -> list[Any]:
+        """``[f[key] for f in features]``, naming the first sample that lacks the key."""
+        try:
+            return [f[key] for f in features]
+        except KeyError:
+            bad = next(i for i, f in enumerate(features) if key not in f)
+            raise ValueError(
+                f"sample {bad} has no {key!r} but other samples of the batch do; give every sample a "
+                f"{key!r} or none"
+            ) from None
+
+    @staticmethod
+    def _check_same_lengths(name: str, got: np.ndarray, expected: np.ndarray) -> None:
+        if not np.array_equal(got, expected):
+            bad = int(np.argmax(got != expected))
+            raise ValueError(
+                f"sample {bad}: {name!r} has {int(got[bad])} values but 'input_ids' has {int(expected[bad])} "
+                f"tokens; {name!r} must align with input_ids token by token"
+            )
+
+    def _segment_lengths(
+        self, features: list[Mapping[str, Any]], keys: frozenset[str], lengths: np.ndarray
+    ) -> np.ndarray:
+        """Lengths ``(n,)`` of the segments: one per sample, or the ``seq_lengths`` of offline-packed rows."""
+        if "seq_lengths" not in keys:
+            self.stats["samples"] += lengths.size
+            return lengths
+        parts = []
+        for i, feature in enumerate(features):
+            if "seq_lengths" not in feature:
+                parts.append(lengths[i : i + 1])
+                continue
+            sub = _sample_to_array(feature["seq_lengths"], i, "seq_lengths", allow_bool=False)
+            if sub.size == 0 or (sub <= 0).any():
+                raise ValueError(
+                    f"sample {i}: seq_lengths = {sub.tolist()[:16]} must be non-empty and all > 0 "
+                    "(every packed sub-sample needs at least one token)"
+                )
+            if int(sub.sum()) != int(lengths[i]):
+                raise ValueError(
+                    f"sample {i}: seq_lengths sum to {int(sub.sum())} but the row has {int(lengths[i])} "
+                    "input_ids; seq_lengths must describe every token of its row"
+                )
+            parts.append(sub)
+        seg_lengths = np.concatenate(parts)
+        self.stats["samples"] += seg_lengths.size
+        return seg_lengths
+
+    def _apply_max_length(
+        self,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        seg_lengths: np.ndarray,
+        features: list[Mapping[str, Any]],
+        lengths: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Enforce ``max_length`` on every segment according to ``overflow``; count what changes."""
+        if self.max_length is None:
+            return ids, labels, seg_lengths
+        too_long = seg_lengths > self.max_length
+        if not too_long.any():
+            return ids, labels, seg_lengths
+        m = self.max_length
+        if self.overflow == "error":
+            seg = int(np.argmax(too_long))
+            # map the segment back to its row (rows with seq_lengths hold several segments)
+            seg_cu = np.cumsum(seg_lengths)
+            row = _sample_of(int(seg_cu[seg] - seg_lengths[seg]), np.concatenate([[0], np.cumsum(lengths)]))
+            where = f"sample {row}" + (
+                " (a sub-sample of its seq_lengths)" if "seq_lengths" in features[row] else ""
+            )
+            raise ValueError(
+                f"{where} has {int(seg_lengths[seg])} tokens > max_length={m}; set overflow='truncate' or "
+                "overflow='split', raise max_length, or filter long samples out of the dataset"
+            )
+        n_long = int(too_long.sum())
+        if self.overflow == "truncate":
+            starts = np.cumsum(seg_lengths) - seg_lengths
+            offset = np.arange(ids.size) - np.repeat(starts, seg_lengths)  # (T,) position inside its segment
+            keep = offset < m
+            dropped = int(ids.size - keep.sum())
+            ids, labels, seg_lengths = ids[keep], labels[keep], np.minimum(seg_lengths, m)
+            self.stats["truncated_samples"] += n_long
+            self.stats["truncated_tokens"] += dropped
+            action = f"truncated {n_long} sample(s) to max_length={m}, dropping {dropped} tokens"
+        else:  # split: ceil(L / m) chunks of m tokens, the last one holding the remainder
+            chunks = -(-seg_lengths // m)
+            new_lengths = np.full(int(chunks.sum()), m, dtype=np.int64)
+            new_lengths[np.cumsum(chunks) - 1] = seg_lengths - (chunks - 1) * m
+            self.stats["split_samples"] += n_long
+            self.stats["split_chunks"] += int(chunks[too_long].sum())
+            action = f"split {n_long} sample(s) longer than max_length={m} into {int(chunks[too_long].sum())} chunks"
+            seg_lengths = new_lengths
+        if not self._warned_overflow:
+            self._warned_overflow = True
+            logger.warning(
+                "PaddingFreeCollator %s (overflow=%r); further cases are only counted in collator.stats",
+                action,
+                self.overflow,
+            )
+        return ids, labels, seg_lengths
