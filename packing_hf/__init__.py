@@ -44,8 +44,15 @@ _LAZY: dict[str, str] = {
     "unpatch_flash_attention": "attention",
     "flash_attention_patched": "attention",
     "register_attention": "attention",
+    # attention/models.py, attention/guards.py: per-architecture fixes and batch guards
+    "prepare_model_for_packing": "attention.models",
+    "revert_model_for_packing": "attention.models",
+    "PackingPreparation": "attention.models",
+    "validate_packed_batch": "attention.guards",
     # verify.py
     "check_packing": "verify",
+    "check_architecture": "verify",
+    "tiny_config": "verify",
     "PackingReport": "verify",
     # integrations/
     "Trainer": "integrations",
@@ -96,4 +103,6 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         position_ids_to_cu_seqlens,
         seq_lengths_to_cu_seqlens,
     )
-    from .verify import PackingReport, check_packing
+    from .attention.guards import validate_packed_batch
+    from .attention.models import PackingPreparation, prepare_model_for_packing, revert_model_for_packing
+    from .verify import PackingReport, check_architecture, check_packing, tiny_config

@@ -1,0 +1,258 @@
+"""Guards for packed batches: every way a packed row can silently leak is fixed or refused loudly.
+
+A padding-free batch keeps its samples apart only if the model sees it the way the collator meant it.
+Stock transformers detects packing from ``position_ids`` only when there is no ``attention_mask`` and no
+cache, and varlen kernels need int32 offsets. :func:`validate_packed_batch` checks one batch (cheap: a
+few vectorized comparisons, at most one host sync) and returns the batch to pass on:
+
+- ``use_cache=True`` (the default of most configs): a cache turns packed-sequence detection off, so the
+  returned batch says ``use_cache=False``; a ``past_key_values`` next to a packed row is refused;
+- an ``attention_mask`` next to packed inputs: all ones carries nothing and turns detection off, so it is
+  dropped; one with zeros contradicts the packed boundaries and is refused;
+- ``cu_seq_lens_q/k`` with more than one row: they describe one ``[1, T]`` row, refused;
+- ``position_ids`` that do not restart at 0 at every sample boundary (or that disagree with
+  ``cu_seq_lens_q``), or no ``position_ids`` at all next to ``cu_seq_lens_q``: refused, since eager/sdpa
+  would merge the samples and rotary embeddings would be offset;
+- a packed row too long for int32 offsets, ``cu_seq_lens`` that do not cover the row, a ``max_length``
+  shorter than a sample: refused;
+- ``labels`` at a sample start that are not ``-100``: the last token of one sample would be trained to
+  predict the first token of the next, refused.
+
+:func:`packed_forward_pre_hook` applies the same checks inside ``model.forward`` (installed by
+:func:`packing_hf.attention.models.prepare_model_for_packing`).
+
+>>> import torch
+>>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "position_ids": torch.tensor([[0, 1, 0, 1]]),
+...          "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+>>> sorted(validate_packed_batch(batch))
+['input_ids', 'position_ids', 'use_cache']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..varlen import INT32_MAX
+
+__all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
+
+IGNORE_INDEX = -100
+
+_FIX_POSITIONS = (
+    "build position_ids with packing_hf.lengths_to_position_ids (or use packing_hf.PaddingFreeCollator)"
+)
+
+
+def _first_true(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask.reshape(-1))[0, 0])
+
+
+def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` bool: True where a token does not continue the previous position by +1 (column 0 too)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """``(B, T)`` bool marking the first token of every sample, or ``None`` if the batch is not packed.
+
+    A batch is packed when it carries ``cu_seq_lens_q`` (one row) or ``position_ids`` restarting inside a
+    row. Costs one host sync when only ``position_ids`` tell.
+
+    >>> find_packed_boundaries({"position_ids": torch.tensor([[0, 1, 0, 1, 2]])}).int().tolist()
+    [[1, 0, 1, 0, 0]]
+    >>> find_packed_boundaries({"position_ids": torch.tensor([[0, 1, 2]])}) is None
+    True
+    """
+    cu = batch.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor):
+        total = int(cu[-1])
+        starts = torch.zeros(1, total, dtype=torch.bool, device=cu.device)
+        starts[0, cu[:-1].long()] = True
+        return starts
+    position_ids = batch.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return None
+    starts = _restarts(position_ids)
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts
+
+
+def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
+    for key in ("input_ids", "inputs_embeds", "position_ids", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> torch.Tensor:
+    cu = batch["cu_seq_lens_q"]
+    if batch_size != 1:
+        raise ValueError(
+            f"cu_seq_lens_q describes one packed row, but the batch has {batch_size} rows of {total} tokens; "
+            "a padding-free batch is a single row [1, T]: build it with packing_hf.PaddingFreeCollator, or drop "
+            "cu_seq_lens_q/k and keep restarting position_ids per row"
+        )
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(
+            f"cu_seq_lens_q must be a 1-D integer tensor [0, l0, l0 + l1, ...], got shape {tuple(cu.shape)} "
+            f"dtype {cu.dtype}; build it with packing_hf.lengths_to_cu_seqlens"
+        )
+    cu_k = batch.get("cu_seq_lens_k")
+    if isinstance(cu_k, torch.Tensor) and cu_k is not cu and not torch.equal(cu_k.to(cu.device), cu):
+        raise ValueError(
+            "cu_seq_lens_k differs from cu_seq_lens_q, but a packed causal-LM row attends within the same "
+            "samples for queries and keys; pass the same tensor for both"
+        )
+    host = cu.tolist()
+    if host[0] != 0 or any(b <= a for a, b in zip(host[:-1], host[1:], strict=False)):
+        raise ValueError(
+            f"cu_seq_lens_q must start at 0 and strictly increase, got {host[:8]}{'...' if len(host) > 8 else ''}; "
+            "build it with packing_hf.lengths_to_cu_seqlens"
+        )
+    if host[-1] != total:
+        raise ValueError(
+            f"cu_seq_lens_q ends at {host[-1]} but the packed row holds {total} tokens; every token must belong "
+            "to a sample (give padding its own segment)"
+        )
+    if host[-1] > INT32_MAX:
+        raise ValueError(
+            f"a packed row of {host[-1]} tokens overflows int32 cu_seq_lens (max {INT32_MAX}); "
+            "lower max_tokens_per_batch or split the row"
+        )
+    longest = max(b - a for a, b in zip(host[:-1], host[1:], strict=False))
+    for key in ("max_length_q", "max_length_k"):
+        value = batch.get(key)
+        if value is not None and int(value) < longest:
+            raise ValueError(
+                f"{key} = {int(value)} but the longest sample in cu_seq_lens_q has {longest} tokens; varlen "
+                f"kernels would read past it. Use packing_hf.max_length_from_cu_seqlens(cu_seq_lens_q)"
+            )
+    return cu
+
+
+def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[str, Any]:
+    """Check a packed batch and return it ready for ``model(**batch)``; non-packed batches pass unchanged.
+
+    Args:
+        batch: model inputs: ``input_ids`` ``(B, T)``, ``position_ids`` ``(B, T)``, optionally
+            ``cu_seq_lens_q/k`` ``(n + 1,)`` int32, ``max_length_q/k``, ``attention_mask`` ``(B, T)``,
+            ``labels`` ``(B, T)``, ``use_cache``, ``past_key_values``.
+        config: the model config (optional); its ``use_cache`` decides whether ``use_cache=False`` must be
+            added.
+
+    Returns:
+        A shallow copy of ``batch``: an all-ones ``attention_mask`` removed and ``use_cache=False`` set when
+        the batch is packed. Tensors are not copied.
+
+    Raises:
+        ValueError: naming the problem and its fix (see the module docstring for the list).
+
+    >>> ok = {"input_ids": torch.tensor([[5, 6, 7]]), "position_ids": torch.tensor([[0, 0, 1]]),
+    ...       "labels": torch.tensor([[-100, -100, 7]])}
+    >>> validate_packed_batch(ok)["use_cache"]
+    False
+    """
+    out = dict(batch)
+    starts = find_packed_boundaries(out)
+    if starts is None:
+        return out
+    shape = _sequence_shape(out)
+    if shape is None:
+        raise ValueError("a packed batch needs input_ids or inputs_embeds of shape (1, T)")
+    batch_size, total = shape
+    if batch_size * total > INT32_MAX:
+        raise ValueError(
+            f"a packed batch of {batch_size} x {total} tokens overflows the int32 offsets of varlen attention "
+            f"(max {INT32_MAX}); lower max_tokens_per_batch or split the batch"
+        )
+
+    position_ids = out.get("position_ids")
+    if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
+        cu = _check_cu_seqlens(out, batch_size, total)
+        if position_ids is None:
+            raise ValueError(
+                "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "
+                f"treat the whole row as one sample. Pass restarting position_ids ({_FIX_POSITIONS})"
+            )
+        position_ids = position_ids.reshape(1, -1)
+        lengths = (cu[1:] - cu[:-1]).to(position_ids.device).long()
+        offsets = torch.repeat_interleave(cu[:-1].to(position_ids.device).long(), lengths, output_size=total)
+        expected = torch.arange(total, device=position_ids.device) - offsets
+        wrong = position_ids[0] != expected
+        if bool(wrong.any()):
+            bad = _first_true(wrong)
+            raise ValueError(
+                f"position_ids[0, {bad}] = {int(position_ids[0, bad])} but cu_seq_lens_q puts token {bad} at "
+                f"position {int(expected[bad])} of its sample: positions must restart at 0 at every boundary "
+                f"of cu_seq_lens_q, or eager/sdpa would merge samples; {_FIX_POSITIONS}"
+            )
+    elif isinstance(position_ids, torch.Tensor):
+        not_zero = starts & (position_ids != 0)
+        if bool(not_zero.any()):
+            row, col = divmod(_first_true(not_zero), position_ids.shape[-1])
+            raise ValueError(
+                f"position_ids[{row}, {col}] = {int(position_ids[row, col])} begins a packed sample, but packed "
+                "samples must start at position 0: a sample continuing the previous one's positions would be "
+                f"merged with it, and rotary positions would be offset; {_FIX_POSITIONS}"
+            )
+
+    mask = out.get("attention_mask")
+    if mask is not None:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
+            # all ones says nothing, but its presence switches transformers' packed-sequence detection off
+            del out["attention_mask"]
+        else:
+            raise ValueError(
+                "an attention_mask with padding (or a 4-D mask) was passed next to packed inputs: it would "
+                "replace the packed boundaries and let samples attend to each other. A padding-free batch "
+                "needs no mask: drop attention_mask (PaddingFreeCollator does not emit one)"
+            )
+
+    if out.get("past_key_values") is not None:
+        raise ValueError(
+            "past_key_values was passed with a packed row: a cache turns off packed-sequence masking and "
+            "would mix samples; packed rows are for training, call the model without a cache"
+        )
+    if out.get("use_cache") or (out.get("use_cache") is None and getattr(config, "use_cache", True)):
+        out["use_cache"] = False  # a cache disables packed-sequence detection in transformers' mask creation
+
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape[:2] == (batch_size, total):
+        inner = starts.clone()
+        inner[:, 0] = False  # the very first token of a row is never a prediction target after the shift
+        bad = inner & (labels != IGNORE_INDEX)
+        if bool(bad.any()):
+            row, col = divmod(_first_true(bad), total)
+            raise ValueError(
+                f"labels[{row}, {col}] = {int(labels[row, col])} at the first token of a packed sample: after "
+                "the causal shift the previous sample's last token would be trained to predict it. Set labels "
+                f"to {IGNORE_INDEX} at every sample start (PaddingFreeCollator does)"
+            )
+    return out
+
+
+def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``register_forward_pre_hook(..., with_kwargs=True)`` hook running :func:`validate_packed_batch`.
+
+    Positional ``input_ids`` (``model(ids, ...)``) are taken into account; other positional arguments are
+    left alone.
+
+    >>> hook_args, hook_kwargs = packed_forward_pre_hook(
+    ...     torch.nn.Module(), (torch.tensor([[1, 2, 3]]),), {"position_ids": torch.tensor([[0, 0, 1]])})
+    >>> hook_kwargs["use_cache"]
+    False
+    """
+    view = dict(kwargs)
+    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in view:
+        view["input_ids"] = args[0]
+    checked = validate_packed_batch(view, getattr(module, "config", None))
+    if args and "input_ids" not in kwargs:
+        checked.pop("input_ids", None)
+    return args, checked

@@ -1,0 +1,202 @@
+"""Every registered causal-LM architecture x {eager, sdpa, packing_hf}: packed == separate, or refused.
+
+Runs ``packing_hf.verify.sweep_architecture``, the code that generates ``docs/architectures.md``, on tiny
+fp32 CPU models: logits and per-sample parameter gradients of a packed row vs every sample alone, 1e-5.
+Where stock transformers leaks, the test asserts that ``check_packing`` reports the leak (so a trainer can
+refuse or switch), and that ``prepare_model_for_packing`` either fixes it or refuses with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packing_hf.attention.models import iter_sweep, prepare_model_for_packing, support
+from packing_hf.verify import (
+    DEFAULT_LENGTHS,
+    DEFAULT_TOLERANCE,
+    IMPLEMENTATIONS,
+    build_tiny_model,
+    check_packing,
+    sweep_architecture,
+)
+
+SWEEP = [entry.model_type for entry in iter_sweep()]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: extra intra-op threads only add overhead and fight the other test workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_sweep_covers_at_least_30_architectures_that_pack_exactly():
+    exact = [m for m in SWEEP if support(m).status in ("exact", "mask")]
+    assert len(exact) >= 30, exact
+
+
+def _assert_every_sample_checked(report):
+    assert report.error is None, report.error
+    assert len(report.logits_max_abs_diff) == len(DEFAULT_LENGTHS)
+    assert len(report.grads_max_abs_diff) == len(DEFAULT_LENGTHS)
+
+
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_architecture(model_type):
+    entry = support(model_type)
+    results = {r.implementation: r for r in sweep_architecture(model_type)}
+    assert set(results) == set(IMPLEMENTATIONS)
+    assert results["eager"].unsupported is None, "every architecture offers eager attention"
+
+    for implementation, result in results.items():
+        if result.unsupported is not None:  # transformers itself does not offer it (e.g. sdpa for bloom)
+            continue
+        stock = result.stock
+        if entry.status == "refused":
+            assert result.refused is not None and entry.reason in result.refused, implementation
+            assert stock.leaked, f"{implementation}: refused, yet the stock check found no leak: {stock}"
+            continue
+        if implementation == "packing_hf" and entry.own_attention:
+            # the model never calls the registered attention: packing_hf says so instead of leaking
+            assert result.refused is not None and "attn_implementation='eager'" in result.refused
+            continue
+        assert result.refused is None, result.refused
+        _assert_every_sample_checked(result.prepared)
+        assert max(result.prepared.logits_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+        assert max(result.prepared.grads_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+        if entry.status == "mask" and implementation != "packing_hf":
+            assert stock.leaked, f"{implementation}: registered as leaking, but check_packing saw no leak"
+            assert stock.error is None and stock.max_logits_diff > 100 * DEFAULT_TOLERANCE
+        else:
+            _assert_every_sample_checked(stock)
+            assert not stock.leaked, stock
+
+
+# --------------------------------------------------------------------------------------------------
+# model-level guards on a real (tiny) llama: stock leaks, prepared is exact
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_model("llama", "sdpa")
+
+
+def test_use_cache_true_leaks_on_stock_and_is_fixed_when_prepared(llama):
+    assert check_packing(llama, use_cache=True, gradients=False).leaked
+    with prepare_model_for_packing(llama):
+        assert not check_packing(llama, use_cache=True).leaked
+
+
+def test_the_config_default_cache_leaks_on_stock_and_is_fixed_when_prepared(llama):
+    assert llama.config.use_cache
+    assert check_packing(llama, use_cache=None, gradients=False).leaked
+    with prepare_model_for_packing(llama):
+        assert not check_packing(llama, use_cache=None).leaked
+
+
+def test_an_all_ones_mask_leaks_on_stock_and_is_dropped_when_prepared(llama):
+    assert check_packing(llama, attention_mask=True, gradients=False).leaked
+    with prepare_model_for_packing(llama):
+        assert not check_packing(llama, attention_mask=True).leaked
+
+
+def test_prepared_model_refuses_bad_packed_batches(llama):
+    ids = torch.arange(3, 12).unsqueeze(0)
+    with prepare_model_for_packing(llama):
+        with pytest.raises(ValueError, match="attention_mask with padding"):
+            llama(
+                input_ids=ids,
+                position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]]),
+                attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0]]),
+            )
+        with pytest.raises(ValueError, match="must start at position 0"):
+            llama(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 5, 6, 7, 8, 0, 1]]))
+        # unpacked calls (generation, evaluation without packing) are untouched
+        out = llama(input_ids=ids)
+    assert out.logits.shape == (1, 9, llama.config.vocab_size)
+
+
+def test_prepare_is_reversible_and_idempotent(llama):
+    hooks_before = (dict(llama._forward_pre_hooks), dict(llama._forward_hooks))
+    handle = prepare_model_for_packing(llama)
+    assert prepare_model_for_packing(llama) is handle  # a second prepare is a no-op
+    handle.revert()
+    handle.revert()
+    assert (dict(llama._forward_pre_hooks), dict(llama._forward_hooks)) == hooks_before
+    assert not hasattr(llama, "_packing_hf_preparation")
+
+
+def test_several_packed_rows_are_exact_with_the_mask_fix():
+    """Batch > 1 of packed rows (no cu_seq_lens): the per-sample mask follows every row's positions."""
+    model = build_tiny_model("opt", "eager")
+    generator = torch.Generator().manual_seed(1)
+    rows = [[5, 4], [3, 6]]  # two rows of 9 tokens, two samples each
+    samples = [[torch.randint(10, 500, (n,), generator=generator) for n in row] for row in rows]
+    ids = torch.stack([torch.cat(row) for row in samples])
+    positions = torch.stack([torch.cat([torch.arange(len(s)) for s in row]) for row in samples])
+    with torch.no_grad():
+        stock = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with prepare_model_for_packing(model):
+            packed = model(input_ids=ids, position_ids=positions).logits
+        for r, row in enumerate(samples):
+            start = 0
+            for sample in row:
+                alone = model(input_ids=sample.unsqueeze(0), use_cache=False).logits[0]
+                end = start + len(sample)
+                assert (packed[r, start:end] - alone).abs().max() <= DEFAULT_TOLERANCE
+                start = end
+    assert (stock - packed).abs().max() > 100 * DEFAULT_TOLERANCE  # stock OPT does leak across the row
+
+
+def test_refused_architectures_name_the_reason():
+    model = build_tiny_model("bamba", "eager")
+    with pytest.raises(ValueError, match="bamba: hybrid Mamba2 layers need seq_idx-aware kernels"):
+        prepare_model_for_packing(model)
+    assert not hasattr(model, "_packing_hf_preparation")
+
+
+def test_own_attention_models_refuse_the_varlen_implementation():
+    model = build_tiny_model("bloom", "eager")
+    from packing_hf.attention import register_attention
+
+    model.config._attn_implementation = register_attention()  # what loading bloom with it would set
+    with pytest.raises(ValueError, match="bloom computes attention itself.*attn_implementation='eager'"):
+        prepare_model_for_packing(model)
+
+
+def test_unregistered_architectures_are_checked_before_being_trusted(monkeypatch):
+    from packing_hf.attention import models
+
+    monkeypatch.delitem(models.REGISTRY, "llama")
+    monkeypatch.delitem(models.REGISTRY, "opt")
+    with prepare_model_for_packing(build_tiny_model("llama", "sdpa")) as handle:  # exact on a tiny copy
+        assert handle.support.status == "unknown" and not handle.mask_fix
+    with pytest.raises(ValueError, match="opt is not in packing_hf's architecture registry.*leaks"):
+        prepare_model_for_packing(build_tiny_model("opt", "sdpa"))
+
+
+def test_the_mask_fix_survives_activation_checkpointing():
+    """Checkpointed layers re-run in backward; their mask must be restricted again, not left stock."""
+    from transformers import AutoModelForCausalLM
+
+    from packing_hf.verify import build_packed_batch, tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("opt", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    batch = build_packed_batch([torch.arange(10, 17), torch.arange(20, 32), torch.arange(40, 45)])
+
+    def packed_grads(checkpointing: bool) -> torch.Tensor:
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        model.zero_grad()
+        with prepare_model_for_packing(model):
+            model(**batch).logits.pow(2).mean().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    assert (packed_grads(False) - packed_grads(True)).abs().max() <= DEFAULT_TOLERANCE
