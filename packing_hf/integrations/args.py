@@ -1,0 +1,89 @@
+"""The packing fields shared by ``packing_hf.TrainingArguments`` and ``packing_hf.SFTConfig``.
+
+``PackingArguments`` is a dataclass mixin: put it first in the bases of a ``transformers.TrainingArguments``
+subclass and its fields become ordinary arguments, parsed by ``HfArgumentParser`` / ``TrlParser`` from the
+command line or YAML like every other field.
+
+>>> from packing_hf.integrations.args import TrainingArguments
+>>> args = TrainingArguments(output_dir="out", max_tokens_per_batch=4096, report_to="none")
+>>> args.max_tokens_per_batch, args.packing_preflight
+(4096, 'switch')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import transformers
+
+__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments"]
+
+PREFLIGHT_MODES = ("switch", "error", "off")
+
+
+@dataclass
+class PackingArguments:
+    """Packing fields, mixed into a ``TrainingArguments`` subclass (see the module docstring)."""
+
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one micro-batch on one device. When set, training batches come from "
+            "packing_hf.MultipackBatchSampler: every micro-batch holds as many whole samples as fit in this "
+            "many tokens (bin packing, shuffled every epoch, sharded over data-parallel ranks), and "
+            "per_device_train_batch_size is not used for training. None (default): no multipack; each step "
+            "flattens per_device_train_batch_size samples (online packing by the collator)."
+        },
+    )
+    packing_preflight: Literal["switch", "error", "off"] = field(
+        default="switch",
+        metadata={
+            "help": "Before training on packed batches, check on a tiny copy of the model's config (cached per "
+            "architecture and attention implementation) that packed samples cannot see each other. "
+            "'switch' (default): if they can, switch the model to packing_hf's varlen attention and check "
+            "again, refusing to train if it still leaks. 'error': refuse to train if they can. 'off': no check.",
+        },
+    )
+    packing_overflow: Literal["error", "truncate", "split", "skip"] = field(
+        default="error",
+        metadata={
+            "help": "With max_tokens_per_batch: what to do with a sample longer than the budget. 'error' "
+            "(default) names it and stops; 'truncate' / 'split' / 'skip' are applied by the sampler and "
+            "counted in its stats (never silently).",
+        },
+    )
+    packing_metrics: bool = field(
+        default=True,
+        metadata={
+            "help": "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
+            "capacity of the micro-batches), real_tokens_per_step and padding_avoided_per_step (tokens a "
+            "padded batch of the same samples would have added), summed over data-parallel ranks."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the TrainingArguments base this is mixed into
+        budget = self.max_tokens_per_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"max_tokens_per_batch={budget!r}: it must be a positive int (tokens per micro-batch per "
+                "device), or None to flatten per_device_train_batch_size samples per step"
+            )
+        if self.packing_preflight not in PREFLIGHT_MODES:
+            raise ValueError(
+                f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
+            )
+        if self.packing_overflow not in ("error", "truncate", "split", "skip"):
+            raise ValueError(
+                f"packing_overflow={self.packing_overflow!r}: it must be 'error', 'truncate', 'split' or 'skip'"
+            )
+
+
+@dataclass
+class TrainingArguments(PackingArguments, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus the packing fields of :class:`PackingArguments`.
+
+    >>> TrainingArguments(output_dir="out", report_to="none").max_tokens_per_batch is None
+    True
+    """

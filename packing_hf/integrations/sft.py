@@ -1,0 +1,126 @@
+"""``packing_hf.SFTTrainer`` / ``packing_hf.SFTConfig``: TRL's SFT with packing_hf's collator and multipack.
+
+Stock TRL 1.x refuses a custom collator in padding-free mode ("Passing a custom data collator is not
+supported when using padding-free"): its ``__init__`` raises as soon as ``data_collator`` is given with
+``padding_free=True`` or bfd packing. This subclass hands TRL ``data_collator=None`` (so TRL still does its
+own set-up: pad token on the model config, dataset preparation, label masks) and installs the collator
+afterwards: the one you passed, or a :class:`~packing_hf.PaddingFreeCollator` whenever TRL would have
+used padding-free batches or ``max_tokens_per_batch`` is set. Everything of
+:class:`~packing_hf.integrations.trainer.PackingTrainerMixin` applies (multipack, exact resume,
+pre-flight check, packing metrics).
+
+What reaches the collator is what TRL prepared: ``input_ids`` and ``labels`` with completion-only /
+assistant-only masks already folded in (-100), plus ``seq_lengths`` for rows TRL packed itself
+(``packing=True``, bfd), which :class:`~packing_hf.PaddingFreeCollator` turns into one segment per
+packed sample in ``cu_seq_lens``.
+
+>>> from packing_hf.integrations.sft import SFTConfig
+>>> config = SFTConfig(output_dir="out", packing=True, padding_free=True, max_tokens_per_batch=1024,
+...     report_to="none", use_cpu=True)
+>>> config.padding_free, config.max_tokens_per_batch
+(True, 1024)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import trl
+
+from ..collator import PaddingFreeCollator
+from .args import PackingArguments
+from .trainer import PackingTrainerMixin
+
+__all__ = ["SFTConfig", "SFTTrainer"]
+
+
+@dataclass
+class SFTConfig(PackingArguments, trl.SFTConfig):
+    """``trl.SFTConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`.
+
+    >>> SFTConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
+    'switch'
+    """
+
+
+def _as_packing_config(args: Any, model: Any) -> SFTConfig:
+    """``args`` as a packing_hf ``SFTConfig`` (TRL would convert a plain TrainingArguments to *its* SFTConfig)."""
+    if isinstance(args, SFTConfig):
+        return args
+    if args is None:
+        name = (
+            model
+            if isinstance(model, str)
+            else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        )
+        return SFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-SFT")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict hides it
+    names = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
+    return SFTConfig(**{k: v for k, v in values.items() if k in names})
+
+
+class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` that accepts packing_hf's collator in padding-free mode and packs with multipack.
+
+    Same arguments as ``trl.SFTTrainer``; ``args`` is converted to :class:`SFTConfig` if it is a plain
+    ``TrainingArguments`` / ``trl.SFTConfig``.
+
+    >>> import datasets, torch
+    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained("../shared/data/smollm2_tokenizer")
+    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "completion": ["2", "5"]})
+    >>> args = SFTConfig("/tmp/packing_hf_sft_doctest", packing=True, padding_free=True, max_length=64,
+    ...     max_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    >>> trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+    ...     data_collator=PaddingFreeCollator())
+    >>> type(trainer.data_collator).__name__
+    'PaddingFreeCollator'
+    >>> result = trainer.train()  # the Trainer prints its final metrics  # doctest: +ELLIPSIS
+    {...'train_loss'...}
+    >>> result.global_step
+    1
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = _as_packing_config(args, model)
+        padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
+        # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.
+        install_after = padding_free or args.max_tokens_per_batch is not None
+        super().__init__(
+            model,
+            args=args,
+            data_collator=None if install_after else data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        if install_after:
+            if data_collator is None:
+                data_collator = PaddingFreeCollator(
+                    pad_token_id=self._tokenizer.pad_token_id,
+                    pad_to_multiple_of=args.pad_to_multiple_of,
+                )
+            self.data_collator = data_collator
+        self._packing_setup()
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if not self.completion_only_loss and "completion_mask" in self._signature_columns:
+            # completion_only_loss=False means train on the prompt too: keep TRL's meaning, drop the mask
+            self._signature_columns.remove("completion_mask")

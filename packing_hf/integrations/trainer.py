@@ -1,0 +1,495 @@
+"""``packing_hf.Trainer``: ``transformers.Trainer`` that trains on packed batches, exactly.
+
+Change one import and set one field::
+
+    from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
+
+    args = TrainingArguments("out", max_tokens_per_batch=4096)
+    Trainer(model=model, args=args, train_dataset=dataset, data_collator=PaddingFreeCollator()).train()
+
+What the subclass adds to the stock Trainer (each item is something stock gets wrong or lacks):
+
+- ``max_tokens_per_batch``: training batches come from :class:`~packing_hf.MultipackBatchSampler`, which
+  is rank-aware, so accelerate's own sharding of the batch sampler is turned into a pass-through (as stock
+  does for its ``BatchRebalanceSampler``): no double sharding, the same number of steps on every rank.
+  ``len(train_dataloader)`` is the exact number of batches of an epoch, so ``max_steps``,
+  ``num_train_epochs`` and the LR schedule agree; ``set_epoch`` reaches the sampler every epoch.
+- Exact mid-epoch resume: the sampler's position (epoch, batches consumed) and what its plan depends on
+  are saved in every checkpoint (``packing_hf_sampler.json``). On resume the sampler is put back in the
+  saved epoch and the Trainer's own ``skip_first_batches`` skips the consumed batches, once (it only
+  walks the sampler's index lists, no data is loaded). A checkpoint whose plan cannot be reproduced
+  (another world size, budget, seed or dataset) is refused instead of replaying or skipping samples.
+- ``remove_unused_columns`` keeps the columns the collator consumes (``completion_mask``,
+  ``assistant_masks``, ``seq_lengths``): stock drops them because the model's ``forward`` does not take
+  them, which silently trains on prompt tokens.
+- A pre-flight check before training (``packing_preflight``): packed samples must not see each other with
+  this model's architecture and attention implementation, else switch to packing_hf's varlen attention or
+  refuse (:mod:`packing_hf.integrations.preflight`).
+- Packing metrics in the logs (:mod:`packing_hf.integrations.callbacks`).
+
+Loss normalisation needs no change: the collator masks the first label of every sample, so the count
+stock takes over ``labels[..., 1:]`` (``num_items_in_batch``, gathered across ranks) is the same number of
+predicted tokens as for the padded batch, and the per-token loss is the same.
+
+>>> import packing_hf
+>>> packing_hf.Trainer.__mro__[1].__name__, packing_hf.TrainingArguments.__name__
+('PackingTrainerMixin', 'TrainingArguments')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+
+from ..collator import PaddingFreeCollator
+from .args import PackingArguments, TrainingArguments
+from .callbacks import STATS_KEY, PackingMetrics, PackingStatsCollator
+from .preflight import preflight_packing
+
+__all__ = ["SAMPLER_STATE_NAME", "PackingTrainerMixin", "Trainer", "TrainingArguments", "is_packing_collator"]
+
+logger = logging.getLogger(__name__)
+
+# Written next to trainer_state.json in every checkpoint of a multipack run.
+SAMPLER_STATE_NAME = "packing_hf_sampler.json"
+_STATE_FORMAT = 1
+
+
+def is_packing_collator(collator: Any) -> bool:
+    """Whether ``collator`` flattens a batch into one packed row (so packed samples share attention calls).
+
+    True for :class:`~packing_hf.PaddingFreeCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
+    ``DataCollatorForLanguageModeling(padding_free=True)``, also when wrapped by stock's
+    ``RemoveColumnsCollator`` or by :class:`~packing_hf.integrations.callbacks.PackingStatsCollator`.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> is_packing_collator(PaddingFreeCollator()), is_packing_collator(None)
+    (True, False)
+    """
+    while hasattr(collator, "data_collator") or isinstance(collator, PackingStatsCollator):
+        collator = collator.collator if isinstance(collator, PackingStatsCollator) else collator.data_collator
+    if isinstance(collator, PaddingFreeCollator | transformers.DataCollatorWithFlattening):
+        return True
+    # TRL's collator, recognised without importing TRL
+    return type(collator).__name__ == "DataCollatorForLanguageModeling" and bool(
+        getattr(collator, "padding_free", 0)
+    )
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def _lengths_fingerprint(lengths: np.ndarray) -> str:
+    """A short hash of the per-sample lengths: the sampler's plan depends on them."""
+    return hashlib.sha1(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+class PackingTrainerMixin:
+    """What ``packing_hf.Trainer`` and ``packing_hf.SFTTrainer`` add to their Hugging Face base class.
+
+    Put it first in the bases (``class Trainer(PackingTrainerMixin, transformers.Trainer)``); ``args`` must be
+    a :class:`~packing_hf.integrations.args.PackingArguments` subclass. See the module docstring.
+    """
+
+    args: PackingArguments
+
+    # ---- set-up ----------------------------------------------------------------------------------
+
+    def _packing_setup(self) -> None:
+        """Called at the end of ``__init__``: validate the packing options against the rest of the set-up."""
+        args = self.args
+        if not isinstance(args, PackingArguments):
+            raise TypeError(
+                f"{type(self).__name__} needs packing_hf's arguments, got {type(args).__module__}."
+                f"{type(args).__name__}; use packing_hf.TrainingArguments (or packing_hf.SFTConfig for SFTTrainer)"
+            )
+        self._multipack_sampler = None
+        self._multipack_lengths: np.ndarray | None = None
+        self._packing_resume_dir: str | None = None
+        self._packing_checked_models: set[int] = set()
+        # handle of prepare_model_for_packing on the trained model (revert() removes its hooks)
+        self.packing_preparation = None
+        self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
+        self._packing_last_logged_step = 0
+        if args.max_tokens_per_batch is None:
+            return
+        if not is_packing_collator(self.data_collator):
+            raise ValueError(
+                f"max_tokens_per_batch={args.max_tokens_per_batch} packs several samples in one row, but the data "
+                f"collator {type(self.data_collator).__name__} does not flatten batches; pass "
+                "data_collator=packing_hf.PaddingFreeCollator() (or leave data_collator unset)"
+            )
+        if args.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size=True changes per_device_train_batch_size, which max_tokens_per_batch "
+                "does not use; on out-of-memory errors lower max_tokens_per_batch instead"
+            )
+        accelerator_config = args.accelerator_config
+        if getattr(accelerator_config, "split_batches", False) or getattr(
+            accelerator_config, "dispatch_batches", None
+        ):
+            raise ValueError(
+                "max_tokens_per_batch gives every rank its own packed batches; accelerator_config with "
+                "split_batches=True or dispatch_batches=True would re-split or re-send them. Unset both."
+            )
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        for name in ("tp_size", "cp_size", "sp_size"):
+            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
+                raise ValueError(
+                    f"max_tokens_per_batch does not support {name}={getattr(parallelism, name)}: multipack shards "
+                    "batches over data-parallel ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch."
+                )
+        if args.train_sampling_strategy not in ("random", None):
+            logger.warning(
+                "train_sampling_strategy=%r is not used: with max_tokens_per_batch the batches come from "
+                "MultipackBatchSampler",
+                args.train_sampling_strategy,
+            )
+
+    @staticmethod
+    def _default_packing_collator(processing_class: Any) -> PaddingFreeCollator:
+        """The collator used when ``max_tokens_per_batch`` is set and none was given."""
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        return PaddingFreeCollator(pad_token_id=pad_token_id if pad_token_id is not None else 0)
+
+    # ---- columns ---------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # Stock keeps only the columns named in model.forward's signature, so completion_mask /
+        # assistant_masks / seq_lengths would be stripped before the collator could use them.
+        already_set = self._signature_columns is not None
+        super()._set_signature_columns_if_needed()
+        if already_set:
+            return
+        consumed = getattr(self.data_collator, "input_columns", ())
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *consumed]))
+
+    # ---- data ------------------------------------------------------------------------------------
+
+    def _data_parallel_world(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of the data-parallel group (TP/CP/SP are refused in set-up)."""
+        return max(1, self.accelerator.num_processes), self.accelerator.process_index
+
+    def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
+        """Token length of every training sample: the ``length_column_name`` column if the dataset has
+        one, else read from the Arrow offsets of ``input_ids`` (no token ids are loaded)."""
+        from ..sampler import lengths_from_dataset
+
+        if _is_hf_dataset(dataset):
+            names = dataset.column_names
+            column = self.args.length_column_name if self.args.length_column_name in names else "input_ids"
+            if column not in names:
+                raise ValueError(
+                    f"max_tokens_per_batch needs sample lengths, but the training dataset has neither "
+                    f"{self.args.length_column_name!r} nor 'input_ids' (columns: {names}); tokenize it first"
+                )
+            return lengths_from_dataset(dataset, column)
+        lengths = np.empty(len(dataset), dtype=np.int64)
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            if not isinstance(sample, dict) or "input_ids" not in sample:
+                raise ValueError(
+                    f"max_tokens_per_batch needs sample lengths, but training sample {i} has no 'input_ids' "
+                    f"(got {type(sample).__name__}); tokenize the dataset first"
+                )
+            lengths[i] = len(sample["input_ids"])
+        return lengths
+
+    def _build_multipack_sampler(self, lengths: np.ndarray):
+        from ..sampler import MultipackBatchSampler
+
+        num_replicas, rank = self._data_parallel_world()
+        args = self.args
+        return MultipackBatchSampler(
+            lengths,
+            args.max_tokens_per_batch,
+            shuffle=True,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=args.dataloader_drop_last,
+            overflow=args.packing_overflow,
+        )
+
+    def _wrap_train_collator(self, collator: Any) -> Any:
+        return (
+            PackingStatsCollator(collator)
+            if self.args.packing_metrics and is_packing_collator(collator)
+            else collator
+        )
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training DataLoader: multipack batches when ``max_tokens_per_batch`` is set, else stock's.
+
+        With multipack, ``len(dataloader)`` is the exact number of batches this rank yields per epoch, the
+        same on every rank.
+        """
+        if self.args.max_tokens_per_batch is None:
+            # stock's loader; only the collator is wrapped (for the metrics) for the duration of the call
+            original = self.data_collator
+            self.data_collator = self._wrap_train_collator(original)
+            try:
+                return super().get_train_dataloader()
+            finally:
+                self.data_collator = original
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"max_tokens_per_batch needs a map-style dataset with known sample lengths, got "
+                f"{type(dataset).__name__}; materialise it (e.g. datasets.Dataset.from_generator) or unset "
+                "max_tokens_per_batch"
+            )
+        args = self.args
+        lengths = self._multipack_lengths_of(dataset)  # before unused columns (e.g. "length") are removed
+        sampler = self._build_multipack_sampler(lengths)
+
+        collator = self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        # overflow="split"/"truncate": the sampler yields indices of pieces that only its view can serve
+        dataset = sampler.wrap_dataset(dataset)
+        loader_kwargs: dict[str, Any] = {
+            "batch_sampler": sampler,
+            "collate_fn": self._wrap_train_collator(collator),
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+            "prefetch_factor": args.dataloader_prefetch_factor,
+            "worker_init_fn": partial(
+                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+            ),
+        }
+        if "in_order" in inspect.signature(DataLoader).parameters:
+            loader_kwargs["in_order"] = args.dataloader_in_order
+        dataloader = self.accelerator.prepare(DataLoader(dataset, **loader_kwargs))
+
+        # The sampler already gives each rank its share; accelerate's BatchSamplerShard would hand out
+        # every num_processes-th of those batches again (dropping samples, and leaving ranks uneven).
+        # Turn it into a pass-through, the way stock treats its own rank-aware BatchRebalanceSampler.
+        shard = getattr(dataloader, "batch_sampler", None)
+        if shard is not None and shard is not sampler and getattr(shard, "batch_sampler", None) is sampler:
+            shard.num_processes = 1
+            shard.process_index = 0
+        if len(dataloader) != len(sampler):
+            raise RuntimeError(
+                f"the prepared DataLoader yields {len(dataloader)} batches per epoch but the multipack sampler "
+                f"plans {len(sampler)}; accelerate re-sharded it ({type(shard).__name__})"
+            )
+        self._multipack_sampler = sampler
+        self._multipack_lengths = lengths
+        self._restore_sampler_epoch(sampler, lengths)
+        return dataloader
+
+    def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
+        # With multipack, per_device_train_batch_size means nothing: report the mean samples per optimizer
+        # step (used for the "Total train batch size" line and the samples/s metrics).
+        sampler = self._multipack_sampler
+        if self.args.max_tokens_per_batch is None or sampler is None or self._multipack_lengths is None:
+            return super().get_total_train_batch_size(args)
+        steps_per_epoch = max(1, math.ceil(len(sampler) / args.gradient_accumulation_steps))
+        return max(1, round(len(self._multipack_lengths) / steps_per_epoch))
+
+    # ---- checkpoints and resume ------------------------------------------------------------------
+
+    def _sampler_position(self, global_step: int) -> tuple[int, int]:
+        """``(epoch, batches consumed in it)`` after ``global_step`` optimizer steps, computed the way the
+        Trainer computes where to resume (``skip_first_batches`` count included)."""
+        gas = self.args.gradient_accumulation_steps
+        steps_per_epoch = max(1, math.ceil(len(self._multipack_sampler) / gas))
+        return global_step // steps_per_epoch, (global_step % steps_per_epoch) * gas
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self._multipack_sampler is not None and self.args.should_save:
+            # The sampler's own counter runs ahead of training (the DataLoader prefetches): the position
+            # saved is the Trainer's, from its step count.
+            epoch, consumed = self._sampler_position(self.state.global_step)
+            sampler_state = {
+                **self._multipack_sampler.state_dict(),
+                "epoch": epoch,
+                "batches_consumed": consumed,
+            }
+            state = {
+                "format": _STATE_FORMAT,
+                "global_step": self.state.global_step,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "batches_per_epoch": len(self._multipack_sampler),
+                "lengths_sha1": _lengths_fingerprint(self._multipack_lengths),
+                "sampler": sampler_state,
+            }
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            output_dir = os.path.join(self._get_output_dir(trial=trial), folder)
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, SAMPLER_STATE_NAME), "w") as f:
+                json.dump(state, f, indent=2, sort_keys=True)
+        super()._save_checkpoint(model, trial)
+
+    def _restore_sampler_epoch(self, sampler: Any, lengths: np.ndarray) -> None:
+        """On resume: check that the checkpoint's data order is reproducible, and put the sampler in its epoch.
+
+        The Trainer skips the consumed batches itself (``skip_first_batches``, which only walks the sampler's
+        index lists), so the sampler restarts the epoch from its first batch: loading its position as well
+        would skip them twice. Under several processes that skipping wrapper also hides the sampler from the
+        Trainer's ``set_epoch`` call, hence the epoch is set here.
+        """
+        checkpoint = self._packing_resume_dir
+        if checkpoint is None or self.args.ignore_data_skip:
+            return  # ignore_data_skip: the user asked for the data order to restart
+        path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
+        fix = (
+            "resume with the dataset, world size, max_tokens_per_batch, seed and gradient_accumulation_steps of "
+            "that run, or pass ignore_data_skip=True to restart the data order from the checkpoint's epoch"
+        )
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resuming from {checkpoint} with max_tokens_per_batch={self.args.max_tokens_per_batch}, but the "
+                f"checkpoint has no {SAMPLER_STATE_NAME} (it was not saved by a multipack run), so the batches "
+                f"it consumed cannot be skipped exactly; {fix}"
+            )
+        with open(path) as f:
+            state = json.load(f)
+        saved = state["sampler"]
+        now = {
+            "batches_per_epoch": len(sampler),
+            "lengths_sha1": _lengths_fingerprint(lengths),
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+        }
+        different = [
+            f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in now.items() if state.get(k) != v
+        ]
+        # where the Trainer will resume, with the current arguments, must be where the checkpoint stopped
+        position = self._sampler_position(int(state["global_step"]))
+        if not different and position != (saved["epoch"], saved["batches_consumed"]):
+            different.append(
+                f"position: checkpoint {(saved['epoch'], saved['batches_consumed'])}, now {position}"
+            )
+        if different:
+            raise ValueError(
+                f"cannot resume the multipack data order of {checkpoint}: it changed ({'; '.join(different)}); {fix}"
+            )
+        try:
+            # validates seed, budget, number of ranks, ... and sets the epoch; position 0: the Trainer skips
+            sampler.load_state_dict({**saved, "batches_consumed": 0})
+        except ValueError as exc:
+            raise ValueError(
+                f"cannot resume the multipack data order of {checkpoint}: {exc}; {fix}"
+            ) from None
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ):
+        """Stock ``train``, after the packing pre-flight check; also remembers the checkpoint to resume."""
+        if resume_from_checkpoint is True:
+            # resolved here as stock does, so the sampler state is read from the same folder
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._packing_resume_dir = resume_from_checkpoint or None
+        if self.model_init is None:
+            self._packing_preflight(self.model)
+        self._packing_metrics.reset()
+        self._packing_last_logged_step = 0
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
+
+    def call_model_init(self, trial: Any = None):
+        model = super().call_model_init(trial)
+        self._packing_preflight(model)
+        return model
+
+    def _packing_preflight(self, model: Any) -> None:
+        """Run the pre-flight check once per model, when batches are packed."""
+        packed = self.args.max_tokens_per_batch is not None or is_packing_collator(self.data_collator)
+        if not packed or model is None or id(model) in self._packing_checked_models:
+            return
+        self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
+        self._packing_checked_models.add(id(model))
+
+    # ---- steps and logs --------------------------------------------------------------------------
+
+    def training_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        counts = inputs.pop(STATS_KEY, None)  # never passed to the model
+        if counts is not None:
+            self._packing_metrics.update(counts)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # Training logs (they carry "loss") are emitted on every rank, so the all-reduce below is matched.
+        if self.args.packing_metrics and "loss" in logs:
+            totals = self._packing_metrics.as_tensor(self.args.device)
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+            steps = self.state.global_step - self._packing_last_logged_step
+            self._packing_last_logged_step = self.state.global_step
+            logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals))
+        super().log(logs, *args, **kwargs)
+
+
+class Trainer(PackingTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with multipack batches, exact resume, a packing pre-flight check and metrics.
+
+    Takes the same arguments as ``transformers.Trainer``; ``args`` must be a
+    :class:`packing_hf.TrainingArguments` (default: one with ``output_dir="tmp_trainer"``). When
+    ``max_tokens_per_batch`` is set and no ``data_collator`` is given, a
+    :class:`~packing_hf.PaddingFreeCollator` using the tokenizer's pad token is used.
+
+    >>> import torch
+    >>> from transformers import AutoConfig, AutoModelForCausalLM
+    >>> from packing_hf import PaddingFreeCollator
+    >>> config = AutoConfig.for_model("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = [{"input_ids": list(range(1, n))} for n in (5, 9, 3, 7, 6, 4)]
+    >>> args = TrainingArguments("/tmp/packing_hf_doctest", max_tokens_per_batch=16, max_steps=2,
+    ...     report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    >>> trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=PaddingFreeCollator())
+    >>> result = trainer.train()  # the Trainer prints its final metrics  # doctest: +ELLIPSIS
+    {...'train_loss'...}
+    >>> result.global_step
+    2
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: TrainingArguments | None = None,
+        data_collator: Any = None,
+        *a: Any,
+        **kw: Any,
+    ):
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        if data_collator is None and getattr(args, "max_tokens_per_batch", None) is not None:
+            data_collator = self._default_packing_collator(kw.get("processing_class"))
+        super().__init__(model, args, data_collator, *a, **kw)
+        self._packing_setup()

@@ -1,0 +1,281 @@
+"""packing_hf.Trainer on real GSM8K data with a tiny llama (SmolLM2 tokenizer vocabulary), CPU, fp32.
+
+What stock transformers.Trainer already does with PaddingFreeCollator, what the subclass fixes (loss
+masks kept, multipack batches, exact step counts, every sample once per epoch), the packing metrics, and
+the pre-flight check (refuse, switch, prepare).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import datasets
+import pytest
+import torch
+import transformers
+
+import packing_hf
+from packing_hf.integrations.callbacks import STATS_KEY
+
+TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+@dataclass
+class RecordingCollator(packing_hf.PaddingFreeCollator):
+    """PaddingFreeCollator that records the ``idx`` of every batch it collates (and keeps that column)."""
+
+    batches: list = field(default_factory=list, init=False, repr=False)
+    input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
+
+    def __call__(self, features, return_tensors=None):
+        self.batches.append([int(f["idx"]) for f in features])
+        return super().__call__(features, return_tensors)
+
+
+@pytest.fixture
+def tiny_llama(tiny_causal_lm_factory):
+    """A fresh tiny llama with the SmolLM2 vocabulary, in train mode."""
+    return lambda **kw: tiny_causal_lm_factory(**{**TINY, **kw}).train()
+
+
+def load_gsm8k(data_dir, n: int, offset: int = 0) -> list[dict]:
+    with open(data_dir / "gsm8k_train.jsonl") as f:
+        return [json.loads(line) for _, line in zip(range(offset + n), f, strict=False)][offset:]
+
+
+def _args(tmp_path, **overrides) -> packing_hf.TrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+    )
+    values.update(overrides)
+    return packing_hf.TrainingArguments(**values)
+
+
+def _gsm8k_qa(data_dir, tokenizer, n: int, offset: int = 0) -> datasets.Dataset:
+    """GSM8K rows as prompt + answer token ids with a completion_mask (0 on the question) and an idx."""
+    rows = load_gsm8k(data_dir, n, offset)
+    prompts = tokenizer([f"Question: {r['question']}\nAnswer:" for r in rows])["input_ids"]
+    answers = tokenizer([f" {r['answer']}{tokenizer.eos_token}" for r in rows])["input_ids"]
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": [p + a for p, a in zip(prompts, answers, strict=True)],
+            "completion_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers, strict=True)],
+            "idx": list(range(n)),
+        }
+    )
+
+
+def test_stock_trainer_accepts_padding_free_collator(gsm8k_tokenized, tiny_llama, tmp_path):
+    """Plain transformers.Trainer + PaddingFreeCollator: the packed keys reach the model, and the
+    num_items_in_batch it passes counts exactly the trained labels of the packed row."""
+    dataset = datasets.Dataset.from_list(gsm8k_tokenized[:4])
+    model = tiny_llama()
+    seen = []
+
+    def spy(module, args, kwargs):
+        seen.append({k: v for k, v in kwargs.items() if k != "past_key_values"})
+
+    model.register_forward_pre_hook(spy, with_kwargs=True)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "stock"), per_device_train_batch_size=2, max_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=dataset, data_collator=packing_hf.PaddingFreeCollator()
+    )
+    trainer.train()
+    kwargs = seen[0]
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "position_ids"} <= kwargs.keys()
+    assert "attention_mask" not in kwargs
+    assert kwargs["input_ids"].shape[0] == 1
+    cu = kwargs["cu_seq_lens_q"].tolist()
+    assert len(cu) == 3 and cu[-1] == kwargs["input_ids"].shape[1]
+    # one label per sample is masked (its first token) and the count covers exactly the others
+    assert int(kwargs["num_items_in_batch"]) == int((kwargs["labels"] != -100).sum()) == cu[-1] - 2
+
+
+def test_loss_mask_columns_survive(data_dir, tokenizer, tiny_llama, tmp_path):
+    """Stock drops completion_mask (model.forward does not take it), training on the questions; the
+    subclass keeps the columns the collator consumes."""
+    dataset = _gsm8k_qa(data_dir, tokenizer, 3)
+    model = tiny_llama()
+    stock = transformers.Trainer(
+        model=model,
+        args=transformers.TrainingArguments(
+            str(tmp_path / "s"), per_device_train_batch_size=3, report_to="none"
+        ),
+        train_dataset=dataset,
+        data_collator=packing_hf.PaddingFreeCollator(),
+    )
+    ours = packing_hf.Trainer(
+        model=model,
+        args=_args(tmp_path, per_device_train_batch_size=3, packing_metrics=False),
+        train_dataset=dataset,
+        data_collator=packing_hf.PaddingFreeCollator(),
+    )
+    stock_batch = next(iter(stock.get_train_dataloader()))
+    batch = next(iter(ours.get_train_dataloader()))
+    assert STATS_KEY not in batch
+    for b in (stock_batch, batch):
+        assert sorted(b["cu_seq_lens_q"].tolist()) == b["cu_seq_lens_q"].tolist()
+    # stock trains on every token but the sample starts; packing_hf only on the answers
+    assert int((stock_batch["labels"] != -100).sum()) == batch["input_ids"].numel() - 3
+    ids, labels, cu = batch["input_ids"][0], batch["labels"][0], batch["cu_seq_lens_q"].tolist()
+    order = {tuple(dataset[i]["input_ids"]): i for i in range(len(dataset))}
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        row = dataset[order[tuple(ids[start:end].tolist())]]
+        expected = torch.tensor(
+            [t if m else -100 for t, m in zip(row["input_ids"], row["completion_mask"], strict=True)]
+        )
+        expected[0] = -100
+        assert torch.equal(labels[start:end], expected)
+
+
+def test_multipack_training_on_gsm8k(data_dir, tokenizer, tiny_llama, tmp_path):
+    """Multipack with gradient accumulation over two epochs: exact step count and LR schedule, every sample
+    once per epoch within the budget, loss decreases, parameters change, packing metrics logged."""
+    budget, gas, epochs = 512, 2, 2
+    dataset = _gsm8k_qa(data_dir, tokenizer, 8, offset=100)
+    lengths = [len(x) for x in dataset["input_ids"]]
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    args = _args(
+        tmp_path, max_tokens_per_batch=budget, gradient_accumulation_steps=gas, num_train_epochs=epochs,
+        learning_rate=3e-3, warmup_steps=0, lr_scheduler_type="linear",
+    )  # fmt: skip
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    batches_per_epoch = len(trainer.get_train_dataloader())
+    collator.batches.clear()
+    result = trainer.train()
+
+    assert batches_per_epoch >= math.ceil(sum(lengths) / budget)
+    assert result.global_step == epochs * math.ceil(batches_per_epoch / gas)
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0  # the schedule was planned for exactly these steps
+    assert len(collator.batches) == epochs * batches_per_epoch
+    for epoch in range(epochs):
+        window = collator.batches[epoch * batches_per_epoch : (epoch + 1) * batches_per_epoch]
+        assert sorted(i for b in window for i in b) == list(range(len(dataset)))
+        assert all(sum(lengths[i] for i in b) <= budget for b in window)
+    assert collator.batches[:batches_per_epoch] != collator.batches[batches_per_epoch:]  # reshuffled
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == result.global_step
+    assert sum(h["loss"] for h in logs[-2:]) / 2 < logs[0]["loss"] - 0.1
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert sum(h["real_tokens_per_step"] for h in logs) == epochs * sum(lengths)
+    assert all(0 < h["packing_efficiency"] <= 1 and h["padding_avoided_per_step"] >= 0 for h in logs)
+    # the packing_efficiency over the run is the plan's
+    capacity = epochs * batches_per_epoch * budget
+    assert sum(h["real_tokens_per_step"] for h in logs) / capacity == pytest.approx(
+        trainer._multipack_sampler.efficiency(), rel=1e-9
+    )
+
+
+def _small_vocab(rows: list[dict], vocab: int = 128) -> list[dict]:
+    """Real GSM8K lengths, token ids folded into a small vocabulary (for tests about steps, not learning)."""
+    return [{"input_ids": [t % vocab for t in row["input_ids"]]} for row in rows]
+
+
+def test_multipack_max_steps_spans_epochs(gsm8k_tokenized, tiny_llama, tmp_path):
+    """max_steps beyond one epoch: the Trainer re-plans each epoch and the schedule ends exactly at max_steps."""
+    dataset = datasets.Dataset.from_list(_small_vocab(gsm8k_tokenized[:6]))
+    trainer = packing_hf.Trainer(
+        model=tiny_llama(vocab_size=128),
+        args=_args(
+            tmp_path, max_tokens_per_batch=600, max_steps=5, learning_rate=1e-3, per_device_eval_batch_size=3
+        ),
+        train_dataset=dataset,
+        eval_dataset=dataset,
+    )
+    assert isinstance(trainer.data_collator, packing_hf.PaddingFreeCollator)  # the default with a budget
+    per_epoch = len(trainer.get_train_dataloader())
+    assert per_epoch < 5
+    result = trainer.train()
+    assert result.global_step == 5
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0
+    assert trainer.state.epoch == pytest.approx(5 / per_epoch)
+    # evaluation keeps stock's loader (per_device_eval_batch_size samples flattened per batch)
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"]) and "packing_efficiency" not in metrics
+
+
+def test_bad_packing_arguments(gsm8k_tokenized, tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="max_tokens_per_batch=0"):
+        _args(tmp_path, max_tokens_per_batch=0)
+    with pytest.raises(ValueError, match="packing_preflight='maybe'"):
+        _args(tmp_path, packing_preflight="maybe")
+    with pytest.raises(ValueError, match="does not flatten batches"):
+        packing_hf.Trainer(
+            model=tiny_llama(),
+            args=_args(tmp_path, max_tokens_per_batch=512),
+            train_dataset=gsm8k_tokenized[:4],
+            data_collator=transformers.default_data_collator,
+        )
+    too_long = [{"input_ids": list(range(1, 300))}, {"input_ids": [1, 2, 3]}]
+    trainer = packing_hf.Trainer(
+        model=tiny_llama(), args=_args(tmp_path, max_tokens_per_batch=128), train_dataset=too_long
+    )
+    with pytest.raises(ValueError, match="299"):
+        trainer.get_train_dataloader()
+
+
+def _naive_causal_attention(module, query, key, value, attention_mask, **kwargs):
+    """A custom attention that ignores every mask: one causal attention over the whole packed row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "scaling")}
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def test_preflight_refuses_or_switches_a_leaking_attention(gsm8k_tokenized, tiny_llama, tmp_path):
+    transformers.AttentionInterface.register("packing_hf_test_naive_causal", _naive_causal_attention)
+    data = _small_vocab(gsm8k_tokenized[:4])
+
+    def trainer(mode):
+        model = tiny_llama(vocab_size=128)
+        model.set_attn_implementation("packing_hf_test_naive_causal")
+        args = _args(tmp_path, max_tokens_per_batch=1024, max_steps=1, packing_preflight=mode)
+        return packing_hf.Trainer(model=model, args=args, train_dataset=data)
+
+    with pytest.raises(ValueError, match="packed samples would see each other"):
+        trainer("error").train()
+    switched = trainer("switch")
+    switched.train()
+    assert switched.model.config._attn_implementation == packing_hf.ATTENTION_NAME
+    assert switched.packing_preparation is not None
+    assert not packing_hf.check_packing(switched.model, lengths=(5, 9)).leaked
+
+
+def test_preflight_refuses_hybrid_mamba_and_prepares_opt(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from packing_hf.verify import tiny_config
+
+    data = [{"input_ids": list(range(1, n))} for n in (9, 14, 6, 11)]
+    bamba = AutoModelForCausalLM.from_config(tiny_config("bamba"))
+    for mode in ("switch", "error"):
+        args = _args(tmp_path, max_tokens_per_batch=64, max_steps=1, packing_preflight=mode)
+        with pytest.raises(ValueError, match="without packing"):
+            packing_hf.Trainer(model=bamba, args=args, train_dataset=data).train()
+
+    # stock OPT ignores position_ids in its mask; the pre-flight prepares it (per-sample masks) and trains
+    opt = AutoModelForCausalLM.from_config(tiny_config("opt"), attn_implementation="sdpa")
+    args = _args(tmp_path, max_tokens_per_batch=64, max_steps=1, packing_preflight="error")
+    trainer = packing_hf.Trainer(model=opt, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.packing_preparation.mask_fix
+    assert opt.config._attn_implementation == "sdpa"
+    assert not packing_hf.check_packing(opt, lengths=(5, 9)).leaked
+    trainer.packing_preparation.revert()
+    assert packing_hf.check_packing(opt, lengths=(5, 9)).leaked  # reverted: stock OPT again
