@@ -1,0 +1,49 @@
+"""Varlen attention for packed rows: backends, the transformers registration, the flash-attention patch.
+
+Importing this package patches and registers nothing; call :func:`register_attention` (recommended: it
+only adds a name to transformers' registries) or :func:`patch_flash_attention` (swaps transformers'
+``_flash_attention_forward``, reversibly).
+
+- ``backends``: :func:`varlen_attention` and its backends, :func:`select_backend`, :func:`available_backends`;
+- ``interface``: the ``AttentionInterface`` / ``AttentionMaskInterface`` functions and :func:`register_attention`;
+- ``patch``: :func:`patch_flash_attention`, :func:`unpatch_flash_attention`, :func:`flash_attention_patched`.
+
+>>> import packing_hf.attention as attention
+>>> attention.ATTENTION_NAME
+'packing_hf_varlen'
+"""
+
+from __future__ import annotations
+
+from .backends import BACKENDS, FEATURES, available_backends, last_backend, select_backend, varlen_attention
+from .interface import (
+    ATTENTION_NAME,
+    attend,
+    register_attention,
+    varlen_attention_forward,
+    varlen_attention_mask,
+)
+from .patch import (
+    flash_attention_patched,
+    flash_attention_patched_now,
+    patch_flash_attention,
+    unpatch_flash_attention,
+)
+
+__all__ = [
+    "ATTENTION_NAME",
+    "BACKENDS",
+    "FEATURES",
+    "attend",
+    "available_backends",
+    "flash_attention_patched",
+    "flash_attention_patched_now",
+    "last_backend",
+    "patch_flash_attention",
+    "register_attention",
+    "select_backend",
+    "unpatch_flash_attention",
+    "varlen_attention",
+    "varlen_attention_forward",
+    "varlen_attention_mask",
+]

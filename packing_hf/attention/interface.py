@@ -1,0 +1,507 @@
+"""packing_hf's attention implementation for transformers' ``AttentionInterface``.
+
+:func:`register_attention` adds :data:`ATTENTION_NAME` to ``AttentionInterface`` and
+``AttentionMaskInterface``; a model loaded with ``attn_implementation=ATTENTION_NAME`` then runs
+:func:`varlen_attention_forward` in every attention layer, and mask creation returns at most a 2-D
+padding mask (never a dense ``(T, T)`` one). Nothing in transformers is replaced: registering only adds keys.
+
+How a batch is split into independent segments, in order of precedence:
+
+1. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) from :class:`packing_hf.PaddingFreeCollator`: used as is,
+   nothing recomputed per layer, no host sync (one packed row, batch size 1);
+2. otherwise packed ``position_ids`` (a sample starts wherever the position does not continue the previous
+   one by +1, and at every row start), combined with the padding mask if any;
+3. otherwise the padding mask alone (one segment per row, like ``flash_attention_2``), or whole rows.
+
+>>> from transformers import AttentionInterface
+>>> name = register_attention()
+>>> name, name in AttentionInterface()
+('packing_hf_varlen', True)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..varlen import INT32_MAX
+from .backends import _host_values, _varlen_attention_masked, varlen_attention
+
+__all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
+
+# The name is deliberate. transformers treats any implementation whose name contains "flash" as a
+# FlashAttention flavour (`is_flash_attention_requested`): at load time it would try to import a flash
+# package or a hub kernel of that name and fail, some models swap it for their preferred flash kernel, and
+# generation/masking take flash-specific branches. Names containing "sdpa" or "flex_attention" trigger
+# those backends' dispatch checks, and "org/name" patterns are taken for hub kernels. A plain name with
+# none of these is validated only against the AttentionInterface keys, which is what we want.
+ATTENTION_NAME = "packing_hf_varlen"
+
+_BACKEND = "auto"
+
+
+# --------------------------------------------------------------------------------------------------
+# segment boundaries of a (B, T) batch
+# --------------------------------------------------------------------------------------------------
+
+
+class _Layout:
+    """Where the tokens of a ``(B, Tq)`` query / ``(B, Tk)`` key batch go in the flat varlen call."""
+
+    __slots__ = ("cu_k", "cu_q", "index_k", "index_q", "max_k", "max_q")
+
+    def __init__(self, cu_q, cu_k, max_q, max_k, index_q=None, index_k=None):
+        self.cu_q, self.cu_k = cu_q, cu_k  # (n + 1,) int32
+        self.max_q, self.max_k = max_q, max_k  # ints
+        self.index_q, self.index_k = (
+            index_q,
+            index_k,
+        )  # (nnz,) int64 rows of the flattened batch, or None = all
+
+
+# Every layer receives the same position_ids / mask tensor objects, so the layout (which needs a host
+# sync when it is derived from values) is computed once per forward: a small identity-keyed cache.
+_LAYOUT_CACHE: list[tuple[tuple, _Layout]] = []
+
+
+def _ref_key(tensor: torch.Tensor | None):
+    return (None, None) if tensor is None else (weakref.ref(tensor), tensor._version)
+
+
+def _same_key(key: tuple, other: tuple) -> bool:
+    if len(key) != len(other):
+        return False
+    for a, b in zip(key, other, strict=True):
+        if isinstance(a, weakref.ref):
+            if not isinstance(b, weakref.ref) or a() is None or a() is not b():
+                return False
+        elif a != b:
+            return False
+    return True
+
+
+def _uniform_layout(batch: int, tq: int, tk: int, device: torch.device) -> _Layout:
+    cu_q = torch.arange(0, (batch + 1) * tq, tq, dtype=torch.int32, device=device)
+    cu_k = cu_q if tq == tk else torch.arange(0, (batch + 1) * tk, tk, dtype=torch.int32, device=device)
+    return _Layout(cu_q, cu_k, tq, tk)
+
+
+def _starts_to_layout(starts: torch.Tensor, total: int, index: torch.Tensor | None) -> _Layout:
+    begin = torch.nonzero(starts).flatten()
+    cu = torch.cat([begin, torch.tensor([total], device=begin.device)]).to(torch.int32)
+    lengths = _host_values(cu)
+    max_len = max((b - a for a, b in zip(lengths[:-1], lengths[1:], strict=False)), default=0)
+    return _Layout(cu, cu, max_len, max_len, index, index)
+
+
+def _rows_layout(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(B, L) bool -> (flat indices of valid tokens, cu_seqlens of the rows, longest row)."""
+    counts = valid.sum(dim=-1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+    index = torch.nonzero(valid.flatten()).flatten()
+    return index, cu, int(counts.max()) if counts.numel() else 0
+
+
+def _compute_layout(
+    batch: int,
+    tq: int,
+    tk: int,
+    device: torch.device,
+    padding: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> _Layout:
+    if padding is not None and padding.shape[1] == tk and bool(padding.all()):
+        padding = None  # an all-ones mask (passed directly, not through varlen_attention_mask) pads nothing
+    if tq == tk:
+        if position_ids is None:
+            if padding is None:
+                return _uniform_layout(batch, tq, tk, device)
+            index, cu, max_len = _rows_layout(padding)
+            return _Layout(cu, cu, max_len, max_len, index, index)
+        positions = position_ids.to(device).expand(batch, tq).reshape(-1)
+        row = torch.arange(batch * tq, device=device) // tq
+        if padding is None:
+            index = None
+        else:
+            index = torch.nonzero(padding.flatten()).flatten()
+            positions, row = positions[index], row[index]
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[1:] = (positions[1:] != positions[:-1] + 1) | (row[1:] != row[:-1])
+        return _starts_to_layout(starts, positions.numel(), index)
+    # a cache: more keys than queries (decoding, chunked prefill); packed rows are not expected here
+    if padding is None:
+        return _uniform_layout(batch, tq, tk, device)
+    index_k, cu_k, max_k = _rows_layout(padding)
+    if tq == 1:
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        return _Layout(cu_q, cu_k, 1, max_k, None, index_k)
+    # the queries are the last tq keys of every row (left padding), as in transformers' flash path
+    index_q, cu_q, max_q = _rows_layout(padding[:, -tq:])
+    return _Layout(cu_q, cu_k, max_q, max_k, index_q, index_k)
+
+
+def _layout(batch, tq, tk, device, padding, position_ids) -> _Layout:
+    key = (batch, tq, tk, str(device), *_ref_key(padding), *_ref_key(position_ids))
+    for cached_key, layout in _LAYOUT_CACHE:
+        if _same_key(cached_key, key):
+            return layout
+    layout = _compute_layout(batch, tq, tk, device, padding, position_ids)
+    _LAYOUT_CACHE.insert(0, (key, layout))
+    del _LAYOUT_CACHE[4:]
+    return layout
+
+
+def _packed_position_ids(position_ids, batch: int, tq: int) -> torch.Tensor | None:
+    """position_ids usable for boundary detection: ``(B, Tq)`` or ``(1, Tq)`` ints, else ``None``.
+
+    Multimodal rotary models pass ``(3, B, T)`` (mrope) positions: those are not used for boundaries.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        return None
+    if position_ids.shape[-1] != tq or position_ids.shape[0] not in (1, batch):
+        return None
+    return position_ids
+
+
+# --------------------------------------------------------------------------------------------------
+# the shared core: (B, T, H, D) in, (B, Tq, H, Dv) out
+# --------------------------------------------------------------------------------------------------
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    s_aux: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of a ``(B, T, H, D)`` batch with packed and/or padded rows kept apart.
+
+    Shared by :func:`varlen_attention_forward` and the patched ``_flash_attention_forward``.
+
+    Args:
+        query: ``(B, Tq, Hq, D)``.
+        key: ``(B, Tk, Hkv, D)``.
+        value: ``(B, Tk, Hkv, Dv)``.
+        attention_mask: ``None``; a ``(B, Tk)`` padding mask (1 = token, 0 = padding); or a ``(B|1, H|1,
+            Tq, Tk)`` mask the model built itself (bool keep-mask or additive float), which is applied
+            within every segment.
+        position_ids: ``(B|1, Tq)`` positions; restarts mark packed samples.
+        cu_seq_lens_q: ``(n + 1,)`` int32 boundaries of the flattened queries (requires ``B == 1``).
+        cu_seq_lens_k: same for the keys (defaults to ``cu_seq_lens_q``).
+        max_length_q: longest query segment (ints; computed from the boundaries when missing).
+        max_length_k: longest key segment.
+        backend: a :func:`packing_hf.varlen_attention` backend; ``None`` = the one given to
+            :func:`register_attention` (``"auto"`` by default).
+
+    Returns:
+        ``(B, Tq, Hq, Dv)``; padding query positions are 0.
+
+    >>> q = torch.randn(1, 5, 2, 4)
+    >>> cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    >>> out = attend(q, q, q, None, causal=True, cu_seq_lens_q=cu, max_length_q=3)
+    >>> torch.allclose(out[0, 2:], attend(q[:, 2:], q[:, 2:], q[:, 2:], None, causal=True)[0], atol=1e-6)
+    True
+    """
+    batch, tq, hq, _ = query.shape
+    tk = key.shape[1]
+    backend = backend or _BACKEND
+    if batch * max(tq, tk) > INT32_MAX:
+        raise ValueError(
+            f"a batch of {batch} x {max(tq, tk)} tokens overflows the int32 offsets of varlen attention "
+            f"(max {INT32_MAX}); lower max_tokens_per_batch or split the batch"
+        )
+    dense = None
+    padding = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            dense = attention_mask
+        elif attention_mask.dim() == 2:
+            padding = attention_mask.to(device=query.device, dtype=torch.bool)
+            if padding.shape[1] > tk:  # a mask longer than the keys: keep the last tk, as transformers does
+                padding = padding[:, -tk:]
+            elif padding.shape[1] < tk:  # static cache: slots past the mask hold no tokens yet
+                key, value = key[:, : padding.shape[1]], value[:, : padding.shape[1]]
+                tk = key.shape[1]
+            if padding.shape[0] != batch:
+                raise ValueError(
+                    f"attention_mask {tuple(attention_mask.shape)} does not match the batch of {batch} rows"
+                )
+        else:
+            raise ValueError(
+                f"attention_mask must be (B, T) padding or a (B, H, Tq, Tk) mask, got {tuple(attention_mask.shape)}"
+            )
+
+    if cu_seq_lens_q is not None:
+        if batch != 1:
+            raise ValueError(
+                f"cu_seq_lens_q describes one packed row, but the batch has {batch} rows; a padding-free batch "
+                "is a single row [1, T]: build it with packing_hf.PaddingFreeCollator"
+            )
+        if padding is not None and not bool(padding.all()):
+            raise ValueError(
+                "an attention_mask with padding was passed next to packed cu_seq_lens_q: the mask would "
+                "contradict the packed boundaries. Drop the attention_mask (cu_seq_lens already keep the "
+                "samples apart) or pad outside the row"
+            )
+        cu_k = cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q
+        max_q = max_length_q
+        max_k = max_length_k if max_length_k is not None else (max_q if cu_k is cu_seq_lens_q else None)
+        if max_q is None:
+            bounds = _host_values(cu_seq_lens_q)
+            max_q = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+        if max_k is None:
+            bounds = _host_values(cu_k)
+            max_k = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+        layout = _Layout(cu_seq_lens_q.to(query.device), cu_k.to(query.device), int(max_q), int(max_k))
+    else:
+        positions = _packed_position_ids(position_ids, batch, tq) if tq == tk else None
+        layout = _layout(batch, tq, tk, query.device, padding, positions)
+
+    q = query.reshape(batch * tq, hq, query.shape[-1])
+    k = key.reshape(batch * tk, key.shape[2], key.shape[-1])
+    v = value.reshape(batch * tk, value.shape[2], value.shape[-1])
+    if layout.index_q is not None:
+        q = q.index_select(0, layout.index_q)
+    if layout.index_k is not None:
+        k, v = k.index_select(0, layout.index_k), v.index_select(0, layout.index_k)
+
+    if dense is not None:
+        if alibi_slopes is not None:
+            raise ValueError(
+                "ALiBi slopes next to a 4-D attention mask are not supported; fold them into the mask"
+            )
+        if dense.shape[-2] != tq or dense.shape[-1] != tk or dense.shape[0] not in (1, batch):
+            raise ValueError(
+                f"a 4-D attention_mask {tuple(dense.shape)} does not match {batch} rows of {tq} queries and "
+                f"{tk} keys"
+            )
+        if layout.index_q is not None or layout.index_k is not None:
+            raise ValueError("a 4-D attention_mask cannot be combined with a 2-D padding mask")
+        dense = dense.to(query.device)
+
+        def segment_mask(sq: int, eq: int, sk: int, ek: int) -> torch.Tensor:
+            row = sq // tq
+            block = dense[row if dense.shape[0] > 1 else 0]
+            return block[:, sq - row * tq : eq - row * tq, sk - row * tk : ek - row * tk]
+
+        out = _varlen_attention_masked(
+            q,
+            k,
+            v,
+            layout.cu_q,
+            layout.cu_k,
+            segment_mask,
+            causal=causal,
+            softmax_scale=scale,
+            window_size=window_size,
+            softcap=softcap,
+            dropout_p=dropout_p,
+            s_aux=s_aux,
+            backend="reference" if backend == "reference" else "sdpa",
+        )
+    else:
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            layout.cu_q,
+            layout.cu_k,
+            layout.max_q,
+            layout.max_k,
+            causal=causal,
+            softmax_scale=scale,
+            window_size=window_size,
+            softcap=softcap,
+            dropout_p=dropout_p,
+            alibi_slopes=alibi_slopes,
+            s_aux=s_aux,
+            backend=backend,
+        )
+    if layout.index_q is not None:
+        full = out.new_zeros(batch * tq, hq, out.shape[-1])
+        out = full.index_copy(0, layout.index_q, out)
+    return out.reshape(batch, tq, hq, out.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers glue
+# --------------------------------------------------------------------------------------------------
+
+_WARNED_ATTENTIONS = False
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function running :func:`packing_hf.varlen_attention`.
+
+    Args:
+        module: the attention layer (``is_causal`` is read from it unless passed).
+        query: ``(B, Hq, Tq, D)``.
+        key: ``(B, Hkv, Tk, D)``.
+        value: ``(B, Hkv, Tk, Dv)``.
+        attention_mask: what :func:`varlen_attention_mask` returned (``None`` or ``(B, Tk)`` padding), or a
+            4-D mask a model built itself.
+        scaling: softmax scale (default ``1 / sqrt(D)``).
+        dropout: attention dropout (models pass 0.0 in eval).
+        sliding_window: ``W`` = attend to the last ``W`` tokens (itself included).
+        softcap: logit soft-capping (gemma2).
+        is_causal: overrides ``module.is_causal``.
+        s_aux: ``(Hq,)`` attention sinks (gpt_oss).
+        alibi_slopes: ``(Hq,)`` ALiBi slopes.
+        **kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` (see :func:`attend`); others ignored.
+
+    Returns:
+        ``((B, Tq, Hq, Dv) output, None)``: attention weights are never materialised.
+
+    >>> module = torch.nn.Module()
+    >>> q = torch.randn(1, 2, 6, 4)
+    >>> out, weights = varlen_attention_forward(module, q, q, q, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    >>> out.shape, weights
+    (torch.Size([1, 6, 2, 4]), None)
+    """
+    global _WARNED_ATTENTIONS
+    if kwargs.get("cache") is not None:
+        raise ValueError(
+            f"{ATTENTION_NAME} does not drive transformers' paged cache (continuous batching); load the model "
+            "with attn_implementation='sdpa' or a flash_attention_* implementation for continuous batching"
+        )
+    if kwargs.get("output_attentions") and not _WARNED_ATTENTIONS:
+        import warnings
+
+        warnings.warn(
+            f"{ATTENTION_NAME} never materialises attention weights (output_attentions=True returns None); "
+            "use attn_implementation='eager' to inspect them",
+            stacklevel=2,
+        )
+        _WARNED_ATTENTIONS = True
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    out = attend(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attention_mask,
+        causal=bool(causal),
+        scale=scaling,
+        window_size=window,
+        softcap=softcap or 0.0,
+        dropout_p=dropout,
+        s_aux=s_aux.to(query.dtype) if s_aux is not None else None,
+        alibi_slopes=alibi_slopes,
+        position_ids=kwargs.get("position_ids"),
+        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+        cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+        max_length_q=kwargs.get("max_length_q"),
+        max_length_k=kwargs.get("max_length_k"),
+    )
+    return out, None
+
+
+def varlen_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers ``AttentionMaskInterface`` function: no dense mask for the varlen implementation.
+
+    Returns ``None`` when there is no padding and the ``(B, kv_length)`` boolean padding mask otherwise (the
+    attention then drops padding tokens, as ``flash_attention_2`` does). Causality, sliding windows and
+    packed boundaries are applied by the attention itself. When a model overlays its own pattern
+    (``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens), which boundaries cannot
+    express, the dense mask is built with transformers' ``sdpa_mask`` so the result stays exact.
+
+    >>> varlen_attention_mask(1, 4, 4, attention_mask=torch.ones(1, 4, dtype=torch.bool)) is None
+    True
+    >>> varlen_attention_mask(1, 3, 3, attention_mask=torch.tensor([[0, 1, 1]])).tolist()
+    [[False, True, True]]
+    """
+    if kwargs.get("use_vmap"):
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            use_vmap=True,
+            device=kwargs.get("device", "cpu"),
+        )
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    # a mask shorter than the keys (static cache) must stay, to tell which key slots hold tokens
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def register_attention(backend: str = "auto") -> str:
+    """Register packing_hf's varlen attention with transformers and return its name.
+
+    Afterwards ``from_pretrained(..., attn_implementation=ATTENTION_NAME)``, ``from_config(...)`` and
+    ``model.set_attn_implementation(ATTENTION_NAME)`` select it. Calling again is a no-op (apart from
+    changing the backend). Registering adds keys to ``AttentionInterface`` / ``AttentionMaskInterface``;
+    it replaces nothing, so other models and implementations are unaffected.
+
+    Args:
+        backend: the :func:`packing_hf.varlen_attention` backend every layer uses (``"auto"``: the fastest
+            installed one supporting the layer's features; see :func:`packing_hf.select_backend`).
+
+    Returns:
+        :data:`ATTENTION_NAME`.
+
+    >>> register_attention() == register_attention() == ATTENTION_NAME
+    True
+    """
+    global _BACKEND
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .backends import BACKENDS
+
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}")
+    _BACKEND = backend
+    if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not varlen_attention_forward:
+        AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
+    if AttentionMaskInterface._global_mapping.get(ATTENTION_NAME) is not varlen_attention_mask:
+        AttentionMaskInterface.register(ATTENTION_NAME, varlen_attention_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,142 @@
+"""patch/unpatch of _flash_attention_forward restores exactly; importing packing_hf changes nothing."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import transformers.integrations.flash_attention as fa_integration
+import transformers.modeling_flash_attention_utils as fa_utils
+
+from packing_hf.attention import (
+    flash_attention_patched,
+    patch_flash_attention,
+    unpatch_flash_attention,
+)
+from packing_hf.attention.patch import flash_attention_patched_now
+
+ORIGINAL = fa_utils._flash_attention_forward
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    unpatch_flash_attention()
+    yield
+    unpatch_flash_attention()
+    assert fa_utils._flash_attention_forward is ORIGINAL
+
+
+def holders(obj) -> list[str]:
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if module is not None and getattr(module, "__dict__", {}).get("_flash_attention_forward") is obj
+    )
+
+
+def test_patch_replaces_every_by_name_copy_and_unpatch_restores_the_same_object():
+    before = holders(ORIGINAL)
+    assert "transformers.integrations.flash_attention" in before
+    patch_flash_attention()
+    assert fa_utils._flash_attention_forward is not ORIGINAL
+    assert fa_integration._flash_attention_forward is fa_utils._flash_attention_forward
+    assert holders(ORIGINAL) == []
+    assert holders(fa_utils._flash_attention_forward) == before
+    unpatch_flash_attention()
+    assert fa_utils._flash_attention_forward is ORIGINAL
+    assert fa_integration._flash_attention_forward is ORIGINAL
+    assert holders(ORIGINAL) == before
+
+
+def test_second_patch_and_second_unpatch_are_no_ops():
+    patch_flash_attention()
+    patched = fa_utils._flash_attention_forward
+    patch_flash_attention()
+    assert fa_utils._flash_attention_forward is patched
+    unpatch_flash_attention()
+    unpatch_flash_attention()
+    assert fa_utils._flash_attention_forward is ORIGINAL
+
+
+def test_module_imported_while_patched_is_restored(monkeypatch):
+    patch_flash_attention()
+    late = types.ModuleType("transformers.models.late_import_for_test")
+    late._flash_attention_forward = fa_utils._flash_attention_forward  # what `from ... import` would bind now
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    unpatch_flash_attention()
+    assert late._flash_attention_forward is ORIGINAL
+
+
+def test_context_manager_restores_on_error():
+    with pytest.raises(RuntimeError, match="boom"):
+        with flash_attention_patched():
+            assert flash_attention_patched_now()
+            raise RuntimeError("boom")
+    assert not flash_attention_patched_now()
+    assert fa_utils._flash_attention_forward is ORIGINAL
+
+
+def test_context_manager_inside_an_active_patch_keeps_it():
+    patch_flash_attention()
+    patched = fa_utils._flash_attention_forward
+    with flash_attention_patched(backend="reference"):
+        pass
+    assert fa_utils._flash_attention_forward is patched
+
+
+def test_unknown_backend_is_refused_without_patching():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        patch_flash_attention(backend="nope")
+    assert fa_utils._flash_attention_forward is ORIGINAL
+
+
+def test_importing_packing_hf_patches_and_registers_nothing():
+    """In a fresh interpreter: snapshot transformers' objects, import packing_hf (all names), compare."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import transformers.integrations.flash_attention as fai
+        import transformers.modeling_flash_attention_utils as fau
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        def snapshot():
+            return (
+                fau._flash_attention_forward,
+                fai._flash_attention_forward,
+                dict(AttentionInterface._global_mapping),
+                dict(AttentionMaskInterface._global_mapping),
+            )
+
+        before = snapshot()
+        import packing_hf
+        import packing_hf.attention
+        names = [n for n in packing_hf.__all__ if n in ("varlen_attention", "register_attention", "ATTENTION_NAME",
+                 "patch_flash_attention", "flash_attention_patched", "select_backend")]
+        for name in names:
+            getattr(packing_hf, name)
+        after = snapshot()
+        assert before[0] is after[0] and before[1] is after[1], "flash forward replaced at import"
+        assert before[2] == after[2], "AttentionInterface changed at import"
+        assert before[3] == after[3], "AttentionMaskInterface changed at import"
+        assert "packing_hf_varlen" not in after[2]
+        print("unchanged", len(names))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "unchanged 6"
+
+
+def test_patched_function_accepts_every_argument_of_the_original():
+    from packing_hf.attention.patch import _patched_flash_attention_forward
+
+    original = inspect.signature(ORIGINAL).parameters
+    patched = inspect.signature(_patched_flash_attention_forward).parameters
+    assert list(patched) == list(original)
+    for name, param in original.items():
+        assert patched[name].default == param.default, name
