@@ -31,7 +31,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared/data relative to the project root, as in tests/conftest.py; PACKING_HF_DATA overrides it.
-DATA_DIR = Path(os.environ.get("PACKING_HF_DATA", ROOT.parent / "shared" / "data"))
+# A clone outside the workplace's tree falls back to the workplace's fixed location of the data.
+_CANDIDATES = (ROOT.parent / "shared" / "data", Path("/work/shared/data"))
+DATA_DIR = Path(
+    os.environ.get("PACKING_HF_DATA", next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0]))
+)
 TOKENIZER_DIR = DATA_DIR / "smollm2_tokenizer"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 

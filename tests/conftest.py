@@ -17,7 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
-# ../shared/data relative to the project root; PACKING_HF_DATA overrides it.
+# Resolved by the root conftest.py (../shared/data, or the workplace location for clones elsewhere).
 DATA_DIR = Path(os.environ.get("PACKING_HF_DATA", ROOT.parent / "shared" / "data"))
 TOKENIZER_DIR = DATA_DIR / "smollm2_tokenizer"
 HAS_CUDA = torch.cuda.is_available()

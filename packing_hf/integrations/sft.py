@@ -70,7 +70,7 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
 
     >>> import datasets, torch
     >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    >>> tokenizer = AutoTokenizer.from_pretrained("../shared/data/smollm2_tokenizer")
+    >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")  # any tokenizer folder
     >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     >>> model = AutoModelForCausalLM.from_config(config)
