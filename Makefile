@@ -26,7 +26,7 @@ test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup -q
 
 lint: setup
-	$(VENV)/bin/ruff check packing_hf tests benchmarks examples
+	$(VENV)/bin/ruff check packing_hf tests benchmarks examples tools conftest.py
 
 bench: setup
 	$(PY) benchmarks/bench_collator.py

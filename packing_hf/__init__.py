@@ -88,6 +88,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         unpatch_flash_attention,
         varlen_attention,
     )
+    from .attention.guards import validate_packed_batch
+    from .attention.models import PackingPreparation, prepare_model_for_packing, revert_model_for_packing
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import SFTConfig, SFTTrainer, Trainer, TrainingArguments
@@ -103,6 +105,4 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         position_ids_to_cu_seqlens,
         seq_lengths_to_cu_seqlens,
     )
-    from .attention.guards import validate_packed_batch
-    from .attention.models import PackingPreparation, prepare_model_for_packing, revert_model_for_packing
     from .verify import PackingReport, check_architecture, check_packing, tiny_config

@@ -182,7 +182,9 @@ def cu_seqlens_to_seq_idx(cu_seqlens: LengthsLike) -> torch.Tensor:
     return lengths_to_seq_idx(cu_seqlens_to_lengths(cu_seqlens))
 
 
-def position_ids_to_cu_seqlens(position_ids: torch.Tensor | LengthsLike, start: int | None = 0) -> torch.Tensor:
+def position_ids_to_cu_seqlens(
+    position_ids: torch.Tensor | LengthsLike, start: int | None = 0
+) -> torch.Tensor:
     """Recover sample boundaries from the position ids of one packed row.
 
     A new sample begins at the first token and wherever the position does not continue the previous

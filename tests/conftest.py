@@ -62,7 +62,9 @@ def gsm8k_tokenized(tokenizer) -> list[dict]:
     return [{"input_ids": ids} for ids in tokenizer(texts)["input_ids"]]
 
 
-def make_tiny_causal_lm(model_type: str = "llama", attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+def make_tiny_causal_lm(
+    model_type: str = "llama", attn_implementation: str = "sdpa", seed: int = 0, **overrides
+):
     """A tiny randomly initialised causal LM built from config (fp32, CPU, eval mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
