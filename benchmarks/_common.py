@@ -84,18 +84,7 @@ def time_call(
     Returns seconds: ``median`` (the figure to report: robust to a noisy shared machine), ``min``,
     ``max`` and the number of timed calls ``n``.
     """
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
-    now = CLOCKS[clock]
-    for _ in range(warmup):
-        fn()
-    times = []
-    with _gc_paused():
-        for _ in range(repeat):
-            start = now()
-            fn()
-            times.append(now() - start)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": repeat}
+    return compare_calls({"fn": fn}, repeat=repeat, warmup=warmup, clock=clock)["fn"]
 
 
 def compare_calls(

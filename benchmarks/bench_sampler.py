@@ -23,10 +23,10 @@ import math
 import time
 
 import numpy as np
-from _common import DATA_DIR, base_parser, load_tokenizer, print_table, write_json
+from _common import DATA_DIR, base_parser, load_gsm8k, load_tokenizer, print_table, write_json
 
 from packing_hf import _binpack
-from packing_hf.sampler import MultipackBatchSampler
+from packing_hf.sampler import MultipackBatchSampler, lengths_from_dataset
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -92,14 +92,7 @@ def trl_bfd_rows(dataset, budget: int, whole: bool = False) -> tuple[int, int]:
 
     map_kwargs = {"batch_size": len(dataset)} if whole else {}
     packed = pack_dataset(dataset, budget, strategy="bfd", map_kwargs=map_kwargs)
-    lengths = _lengths(packed)
-    return len(packed), int(lengths.sum())
-
-
-def _lengths(dataset) -> np.ndarray:
-    from packing_hf.sampler import lengths_from_dataset
-
-    return lengths_from_dataset(dataset, "input_ids")
+    return len(packed), int(lengths_from_dataset(packed).sum())
 
 
 def speed(args) -> dict:
@@ -229,11 +222,7 @@ def alpaca_text(row: dict, eos: str) -> str:
 
 
 def real_datasets(quick: bool) -> dict[str, list[dict]]:
-    gsm8k = []
-    with open(DATA_DIR / "gsm8k_train.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            gsm8k.append({"instruction": row["question"], "input": "", "output": row["answer"]})
+    gsm8k = [{"instruction": r["question"], "input": "", "output": r["answer"]} for r in load_gsm8k("train")]
     gpteacher = []
     for name in ("gpteacher_roleplay.json", "gpteacher_toolformer.json"):
         with open(DATA_DIR / name) as f:

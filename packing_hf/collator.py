@@ -152,9 +152,26 @@ def _keys_present(features: list[Mapping[str, Any]]) -> frozenset[str]:
     return _OPTIONAL_KEYS.intersection(set().union(*features))  # one C-level pass over all keys
 
 
-def _sample_of(token_index: int, cu: np.ndarray) -> int:
-    """Which sample a flat token index belongs to, given cu ``(n + 1,)`` over samples."""
-    return int(np.searchsorted(cu, token_index, side="right") - 1)
+def _locate(token_index: int, lengths: np.ndarray) -> tuple[int, int]:
+    """``(sample, offset inside it)`` of a flat token index, for samples of ``lengths`` ``(n,)`` back to back."""
+    ends = np.cumsum(lengths)
+    sample = int(np.searchsorted(ends, token_index, side="right"))
+    return sample, token_index - int(ends[sample] - lengths[sample])
+
+
+def _offsets_in_segments(lengths: np.ndarray) -> np.ndarray:
+    """``(T,)`` int64: the position of every token inside its segment, for segments ``(n,)`` back to back."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+
+
+def _split_lengths(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut every segment into ``ceil(L / max_length)`` chunks of ``max_length`` tokens, the last one
+    holding the remainder: ``(chunk lengths, chunks per segment (n,))``."""
+    chunks = -(-lengths // max_length)
+    new_lengths = np.full(int(chunks.sum()), max_length, dtype=np.int64)
+    new_lengths[np.cumsum(chunks) - 1] = lengths - (chunks - 1) * max_length
+    return new_lengths, chunks
 
 
 @dataclass
@@ -293,10 +310,9 @@ class PaddingFreeCollator:
             raise ValueError(f"sample {bad}: 'input_ids' is empty; drop empty samples from the dataset")
         if ids.min() < 0:
             pos = int(np.argmax(ids < 0))
-            row_cu = np.concatenate([[0], np.cumsum(lengths)])
-            i = _sample_of(pos, row_cu)
+            i, offset = _locate(pos, lengths)
             raise ValueError(
-                f"sample {i}: input_ids[{pos - row_cu[i]}] = {int(ids[pos])} is negative; token ids must be "
+                f"sample {i}: input_ids[{offset}] = {int(ids[pos])} is negative; token ids must be "
                 ">= 0 (padding or -100 belong in labels, not input_ids)"
             )
 
@@ -362,10 +378,9 @@ class PaddingFreeCollator:
             self._check_same_lengths(key, mask_lengths, lengths)
             if ((mask != 0) & (mask != 1)).any():
                 pos = int(np.argmax((mask != 0) & (mask != 1)))
-                row_cu = np.concatenate([[0], np.cumsum(lengths)])
-                i = _sample_of(pos, row_cu)
+                i, offset = _locate(pos, lengths)
                 raise ValueError(
-                    f"sample {i}: {key}[{pos - row_cu[i]}] = {int(mask[pos])}; a loss mask holds only 0 and 1"
+                    f"sample {i}: {key}[{offset}] = {int(mask[pos])}; a loss mask holds only 0 and 1"
                 )
             labels[mask == 0] = self.label_pad_id
         return labels
@@ -437,8 +452,7 @@ class PaddingFreeCollator:
         if self.overflow == "error":
             seg = int(np.argmax(too_long))
             # map the segment back to its row (rows with seq_lengths hold several segments)
-            seg_cu = np.cumsum(seg_lengths)
-            row = _sample_of(int(seg_cu[seg] - seg_lengths[seg]), np.concatenate([[0], np.cumsum(lengths)]))
+            row, _ = _locate(int(seg_lengths[:seg].sum()), lengths)
             where = f"sample {row}" + (
                 " (a sub-sample of its seq_lengths)" if "seq_lengths" in features[row] else ""
             )
@@ -448,22 +462,18 @@ class PaddingFreeCollator:
             )
         n_long = int(too_long.sum())
         if self.overflow == "truncate":
-            starts = np.cumsum(seg_lengths) - seg_lengths
-            offset = np.arange(ids.size) - np.repeat(starts, seg_lengths)  # (T,) position inside its segment
-            keep = offset < m
+            keep = _offsets_in_segments(seg_lengths) < m  # (T,)
             dropped = int(ids.size - keep.sum())
             ids, labels, seg_lengths = ids[keep], labels[keep], np.minimum(seg_lengths, m)
             self.stats["truncated_samples"] += n_long
             self.stats["truncated_tokens"] += dropped
             action = f"truncated {n_long} sample(s) to max_length={m}, dropping {dropped} tokens"
-        else:  # split: ceil(L / m) chunks of m tokens, the last one holding the remainder
-            chunks = -(-seg_lengths // m)
-            new_lengths = np.full(int(chunks.sum()), m, dtype=np.int64)
-            new_lengths[np.cumsum(chunks) - 1] = seg_lengths - (chunks - 1) * m
+        else:
+            seg_lengths, chunks = _split_lengths(seg_lengths, m)
+            n_chunks = int(chunks[too_long].sum())
             self.stats["split_samples"] += n_long
-            self.stats["split_chunks"] += int(chunks[too_long].sum())
-            action = f"split {n_long} sample(s) longer than max_length={m} into {int(chunks[too_long].sum())} chunks"
-            seg_lengths = new_lengths
+            self.stats["split_chunks"] += n_chunks
+            action = f"split {n_long} sample(s) longer than max_length={m} into {n_chunks} chunks"
         if not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(

@@ -22,7 +22,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .collator import _flatten_field
+from ._binpack import pack_next_fit, sort_decreasing
+from .collator import _flatten_field, _locate, _offsets_in_segments, _split_lengths
 
 __all__ = ["concatenate_and_pack", "pack_sequences"]
 
@@ -43,6 +44,12 @@ def _check_args(max_length: int, strategy: str, overflow: str) -> None:
         raise ValueError(f"overflow must be 'error', 'truncate' or 'split', got {overflow!r}")
 
 
+def _check_ids(ids: np.ndarray, lengths: np.ndarray, name: str) -> None:
+    if ids.size and ids.min() < 0:
+        bad, _ = _locate(int(np.argmax(ids < 0)), lengths)
+        raise ValueError(f"{name}[{bad}] holds a negative token id; token ids must be >= 0")
+
+
 def _fit_lengths(
     flats: list[np.ndarray], lengths: np.ndarray, max_length: int, overflow: str, name: str
 ) -> tuple[list[np.ndarray], np.ndarray]:
@@ -61,9 +68,7 @@ def _fit_lengths(
         )
     n_long = int(too_long.sum())
     if overflow == "truncate":
-        starts = np.cumsum(lengths) - lengths
-        offset = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)  # position inside its sequence
-        keep = offset < max_length
+        keep = _offsets_in_segments(lengths) < max_length
         dropped = int((~keep).sum())
         logger.warning(
             "pack_sequences truncated %d sequence(s) to max_length=%d, dropping %d tokens",
@@ -72,9 +77,7 @@ def _fit_lengths(
             dropped,
         )
         return [f[keep] for f in flats], np.minimum(lengths, max_length)
-    chunks = -(-lengths // max_length)
-    new_lengths = np.full(int(chunks.sum()), max_length, dtype=np.int64)
-    new_lengths[np.cumsum(chunks) - 1] = lengths - (chunks - 1) * max_length
+    new_lengths, chunks = _split_lengths(lengths, max_length)
     logger.warning(
         "pack_sequences split %d sequence(s) longer than max_length=%d into %d chunks",
         n_long,
@@ -87,23 +90,20 @@ def _fit_lengths(
 def _place(lengths: np.ndarray, max_length: int, strategy: str) -> tuple[np.ndarray, np.ndarray, int]:
     """Row ``(n,)`` and offset in the row ``(n,)`` of every sequence, and the number of rows.
 
-    Within a row, sequences keep their input order under both strategies. The loop runs over
-    sequences, not tokens.
+    Within a row, sequences keep their input order under both strategies. ``"greedy"`` is next-fit
+    (:func:`~packing_hf._binpack.pack_next_fit`); the first-fit loop runs over sequences, not tokens.
     """
     n = lengths.size
-    rows = np.zeros(n, dtype=np.int64)
     if strategy == "greedy":
-        row, used = 0, 0
-        for i, length in enumerate(lengths.tolist()):
-            if used + length > max_length and used > 0:
-                row, used = row + 1, 0
-            rows[i] = row
-            used += length
-        n_rows = row + 1 if n else 0
+        packing = pack_next_fit(lengths, max_length)
+        # next-fit bins are contiguous runs of the input, so bin b's items are the next diff(offsets)[b]
+        rows = np.repeat(np.arange(packing.num_bins, dtype=np.int64), np.diff(packing.offsets))
+        n_rows = packing.num_bins
     else:
+        rows = np.zeros(n, dtype=np.int64)
         remaining = np.empty(n, dtype=np.int64)  # at most one row per sequence
         n_rows = 0
-        for i in np.argsort(-lengths, kind="stable").tolist():
+        for i in sort_decreasing(lengths).tolist():
             fits = np.flatnonzero(remaining[:n_rows] >= lengths[i])
             if fits.size:
                 row = int(fits[0])
@@ -133,8 +133,7 @@ def _scatter(
 ) -> torch.Tensor:
     """Write the tokens ``(T,)`` of every sequence at ``(row, offset)`` of a ``[n_rows, max_length]`` grid."""
     grid = np.full(n_rows * max_length, fill, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    inner = np.arange(flat.size) - np.repeat(starts, lengths)
+    inner = _offsets_in_segments(lengths)
     grid[np.repeat(rows * max_length + offsets, lengths) + inner] = flat
     return torch.from_numpy(grid.reshape(n_rows, max_length))
 
@@ -147,8 +146,7 @@ def _position_grid(
     cols = np.arange(max_length, dtype=np.int64)
     grid = np.where(cols[None, :] >= used[:, None], cols[None, :] - used[:, None], 0) + start
     flat = grid.reshape(-1)
-    starts = np.cumsum(lengths) - lengths
-    inner = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    inner = _offsets_in_segments(lengths)
     flat[np.repeat(rows * max_length + offsets, lengths) + inner] = inner + start
     return torch.from_numpy(grid)
 
@@ -210,9 +208,7 @@ def pack_sequences(
     """
     _check_args(max_length, strategy, overflow)
     flat, lengths = _flatten_field(list(sequences), "sequences", indexed=True)
-    if flat.size and flat.min() < 0:
-        bad = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(flat < 0)), side="right"))
-        raise ValueError(f"sequences[{bad}] holds a negative token id; token ids must be >= 0")
+    _check_ids(flat, lengths, "sequences")
     (flat,), lengths = _fit_lengths([flat], lengths, max_length, overflow, "sequences")
     rows, offsets, n_rows = _place(lengths, max_length, strategy)
     packed = _scatter(flat, lengths, rows, offsets, n_rows, max_length, pad_token_id)
@@ -284,9 +280,7 @@ def concatenate_and_pack(
                 f"{name}[{bad}] has {int(other[bad])} values but input_sequences[{bad}] has {int(lengths[bad])}; "
                 "they must align token by token"
             )
-    if ids.size and ids.min() < 0:
-        bad = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(ids < 0)), side="right"))
-        raise ValueError(f"input_sequences[{bad}] holds a negative token id; token ids must be >= 0")
+    _check_ids(ids, lengths, "input_sequences")
     (ids, labels, masks), lengths = _fit_lengths(
         [ids, labels, masks], lengths, max_length, overflow, "input_sequences"
     )

@@ -419,19 +419,14 @@ class MultipackBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         plan = self._plan()
         steps = plan["steps"]
+        # shard=False: step-major, so batch i belongs to rank i % num_replicas
+        bins = steps[:, self.rank] if self.shard else steps.reshape(-1)
         start, self._start = self._start, 0
         self._consumed = start
-        if self.shard:
-            for s in range(start, steps.shape[0]):
-                batch = self._batch(plan, int(steps[s, self.rank]))
-                self._consumed = s + 1
-                yield batch
-        else:
-            flat = steps.reshape(-1)  # step-major: batch i belongs to rank i % num_replicas
-            for i in range(start, flat.size):
-                batch = self._batch(plan, int(flat[i]))
-                self._consumed = i + 1
-                yield batch
+        for i in range(start, bins.size):
+            batch = self._batch(plan, int(bins[i]))
+            self._consumed = i + 1
+            yield batch
 
     def set_epoch(self, epoch: int) -> None:
         """Use the plan of ``epoch`` from the next iteration on (call it before every epoch, on every rank).

@@ -57,7 +57,7 @@ def _as_int64_1d(values: LengthsLike, name: str) -> torch.Tensor:
         if array.dtype == object:
             raise TypeError(f"{name} must be a flat sequence of ints, got ragged or mixed values: {values!r}")
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if tensor.dtype in (torch.bool,) or tensor.is_floating_point() or tensor.is_complex():
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {tensor.dtype}; cast with .long() first")
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -145,7 +145,7 @@ def lengths_to_position_ids(lengths: LengthsLike, start: int = 0) -> torch.Tenso
     """
     lengths = _as_int64_1d(lengths, "lengths")
     _check_lengths(lengths)
-    total = int(lengths.sum()) if lengths.numel() else 0
+    total = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths  # (n,) offset of every sample
     offsets = torch.repeat_interleave(starts, lengths, output_size=total)  # (T,)
     return torch.arange(total, dtype=torch.int64, device=lengths.device) - offsets + start
@@ -159,7 +159,7 @@ def lengths_to_seq_idx(lengths: LengthsLike) -> torch.Tensor:
     """
     lengths = _as_int64_1d(lengths, "lengths")
     _check_lengths(lengths)
-    total = int(lengths.sum()) if lengths.numel() else 0
+    total = int(lengths.sum())
     index = torch.arange(lengths.numel(), dtype=torch.int32, device=lengths.device)
     return torch.repeat_interleave(index, lengths, output_size=total)
 
