@@ -87,3 +87,63 @@ def make_tiny_causal_lm(
 def tiny_causal_lm_factory():
     """``make_tiny_causal_lm`` as a fixture (test modules cannot ``import conftest`` under importlib mode)."""
     return make_tiny_causal_lm
+
+
+# ---- shared by the Trainer / SFTTrainer integration tests --------------------------------------------
+# Fixtures rather than importable helpers: under --import-mode=importlib test modules cannot import conftest.
+# (tests/distributed/_train_worker.py runs as its own script under torchrun and keeps its own copies.)
+
+TINY_LLAMA = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_causal_lm_factory):
+    """``tiny_llama(**overrides)``: a fresh tiny llama (SmolLM2 vocabulary unless ``vocab_size``), train mode."""
+    return lambda **overrides: tiny_causal_lm_factory(**{**TINY_LLAMA, **overrides}).train()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_rows(data_dir):
+    """``gsm8k_rows(n, offset=0)``: GSM8K train rows ``offset .. offset + n - 1`` ({'question', 'answer'})."""
+    return lambda n, offset=0: load_gsm8k("train", limit=offset + n)[offset:]
+
+
+@pytest.fixture(scope="session")
+def recording_collator():
+    """A ``PaddingFreeCollator`` subclass (the class) that records the ``idx`` of every batch it collates and
+    keeps that column through the Trainer's column removal: ``collator = recording_collator(); collator.batches``."""
+    from dataclasses import dataclass, field
+
+    from packing_hf import PaddingFreeCollator
+
+    @dataclass
+    class RecordingCollator(PaddingFreeCollator):
+        batches: list = field(default_factory=list, init=False, repr=False)
+        input_columns = (*PaddingFreeCollator.input_columns, "idx")
+
+        def __call__(self, features, return_tensors=None):
+            self.batches.append([int(f["idx"]) for f in features])
+            return super().__call__(features, return_tensors)
+
+    return RecordingCollator
+
+
+def _right_padded_batch(rows: list[list[int]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: attention_mask 0 and labels -100 on padding, labels = input_ids elsewhere."""
+    longest = max(map(len, rows))
+    input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        labels[r, : len(ids)] = torch.tensor(ids)
+        attention_mask[r, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@pytest.fixture(scope="session")
+def right_padded_batch():
+    """``right_padded_batch(rows, pad_token_id=0)``: the padded reference batch of token-id lists."""
+    return _right_padded_batch

@@ -121,7 +121,6 @@ class PackingTrainerMixin:
                 f"{type(args).__name__}; use packing_hf.TrainingArguments (or packing_hf.SFTConfig for SFTTrainer)"
             )
         self._multipack_sampler = None
-        self._multipack_lengths: np.ndarray | None = None
         self._packing_resume_dir: str | None = None
         self._packing_checked_models: set[int] = set()
         # handle of prepare_model_for_packing on the trained model (revert() removes its hooks)
@@ -299,18 +298,17 @@ class PackingTrainerMixin:
                 f"plans {len(sampler)}; accelerate re-sharded it ({type(shard).__name__})"
             )
         self._multipack_sampler = sampler
-        self._multipack_lengths = lengths
-        self._restore_sampler_epoch(sampler, lengths)
+        self._restore_sampler_epoch(sampler)
         return dataloader
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         # With multipack, per_device_train_batch_size means nothing: report the mean samples per optimizer
         # step (used for the "Total train batch size" line and the samples/s metrics).
         sampler = self._multipack_sampler
-        if self.args.max_tokens_per_batch is None or sampler is None or self._multipack_lengths is None:
+        if self.args.max_tokens_per_batch is None or sampler is None:
             return super().get_total_train_batch_size(args)
         steps_per_epoch = max(1, math.ceil(len(sampler) / args.gradient_accumulation_steps))
-        return max(1, round(len(self._multipack_lengths) / steps_per_epoch))
+        return max(1, round(len(sampler.lengths) / steps_per_epoch))
 
     # ---- checkpoints and resume ------------------------------------------------------------------
 
@@ -336,7 +334,7 @@ class PackingTrainerMixin:
                 "global_step": self.state.global_step,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 "batches_per_epoch": len(self._multipack_sampler),
-                "lengths_sha1": _lengths_fingerprint(self._multipack_lengths),
+                "lengths_sha1": _lengths_fingerprint(self._multipack_sampler.lengths),
                 "sampler": sampler_state,
             }
             folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -346,7 +344,7 @@ class PackingTrainerMixin:
                 json.dump(state, f, indent=2, sort_keys=True)
         super()._save_checkpoint(model, trial)
 
-    def _restore_sampler_epoch(self, sampler: Any, lengths: np.ndarray) -> None:
+    def _restore_sampler_epoch(self, sampler: Any) -> None:
         """On resume: check that the checkpoint's data order is reproducible, and put the sampler in its epoch.
 
         The Trainer skips the consumed batches itself (``skip_first_batches``, which only walks the sampler's
@@ -373,7 +371,7 @@ class PackingTrainerMixin:
         saved = state["sampler"]
         now = {
             "batches_per_epoch": len(sampler),
-            "lengths_sha1": _lengths_fingerprint(lengths),
+            "lengths_sha1": _lengths_fingerprint(sampler.lengths),
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
         }
         different = [

@@ -38,7 +38,10 @@ def make_samples() -> list[dict]:
 
 
 def make_model():
-    """The tiny llama both ranks and the reference start from (fp32, no dropout)."""
+    """The tiny llama both ranks and the reference start from (fp32, no dropout).
+
+    conftest's ``tiny_llama`` shape, built here because this script runs outside pytest (under torchrun).
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,6 +65,7 @@ def main(out_dir: str) -> None:
 
     import packing_hf
 
+    # a copy of tests/conftest.py's `recording_collator` fixture: this script runs under torchrun, not pytest
     @dataclass
     class RecordingCollator(packing_hf.PaddingFreeCollator):
         """Records the ``idx`` of the samples of every batch it collates (in consumption order)."""

@@ -61,24 +61,15 @@ def _launch(command: list[str], out_dir: Path) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def _reference_first_step_grads(worker, sample_ids: list[int]) -> dict[str, torch.Tensor]:
+def _reference_first_step_grads(worker, sample_ids: list[int], right_padded_batch) -> dict[str, torch.Tensor]:
     """Single process: mean per-token loss of a right-padded batch of ``sample_ids``, gradient in float64."""
     samples = worker.make_samples()
-    rows = [samples[i]["input_ids"] for i in sample_ids]
-    longest = max(map(len, rows))
-    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(ids)] = torch.tensor(ids)
-        attention_mask[r, : len(ids)] = 1
     model = worker.make_model().train()
-    model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    model(**right_padded_batch([samples[i]["input_ids"] for i in sample_ids])).loss.backward()
     return {name: p.grad.double().flatten() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_run(records: list[dict]) -> None:
+def _check_run(records: list[dict], right_padded_batch) -> None:
     worker = _worker_module()
     r0, r1 = records
     assert r0["world_size"] == r1["world_size"] == 2
@@ -112,7 +103,7 @@ def _check_run(records: list[dict]) -> None:
     # DDP-averaged first-step gradient == single-process gradient of the same samples' mean token loss
     gas = worker.GRADIENT_ACCUMULATION_STEPS
     step_samples = [i for rec in records for batch in rec["batches"][:gas] for i in batch]
-    reference = _reference_first_step_grads(worker, step_samples)
+    reference = _reference_first_step_grads(worker, step_samples, right_padded_batch)
     for rec in records:
         got = torch.cat([torch.tensor(rec["first_grads"][name], dtype=torch.float64) for name in reference])
         want = torch.cat(list(reference.values()))
@@ -135,16 +126,16 @@ def _check_run(records: list[dict]) -> None:
         assert rec["resumed_global_step"] == rec["global_step"]
 
 
-def test_torchrun_two_processes(tmp_path):
+def test_torchrun_two_processes(right_padded_batch, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    _check_run(_launch(command, tmp_path))
+    _check_run(_launch(command, tmp_path), right_padded_batch)
 
 
-def test_accelerate_launch_two_processes(tmp_path):
+def test_accelerate_launch_two_processes(right_padded_batch, tmp_path):
     # `--cpu` with several processes means MPI to accelerate; the torchrun-based launcher is `--multi_gpu`,
     # and the worker's use_cpu=True selects gloo on CPU.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
-    _check_run(_launch(command, tmp_path))
+    _check_run(_launch(command, tmp_path), right_padded_batch)

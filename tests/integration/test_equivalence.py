@@ -10,7 +10,6 @@ packed ones.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import datasets
 import pytest
@@ -18,33 +17,6 @@ import torch
 import transformers
 
 import packing_hf
-
-TINY = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
-
-
-@dataclass
-class RecordingCollator(packing_hf.PaddingFreeCollator):
-    batches: list = field(default_factory=list, init=False, repr=False)
-    input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
-
-    def __call__(self, features, return_tensors=None):
-        self.batches.append([int(f["idx"]) for f in features])
-        return super().__call__(features, return_tensors)
-
-
-def _padded_batch(rows: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: attention_mask 0 and labels -100 on padding, labels = input_ids elsewhere."""
-    longest = max(map(len, rows))
-    input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(ids)] = torch.tensor(ids)
-        attention_mask[r, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def _step(trainer, model, batches: list[dict]) -> tuple[float, torch.Tensor]:
@@ -59,17 +31,17 @@ def _step(trainer, model, batches: list[dict]) -> tuple[float, torch.Tensor]:
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_step0_padded_equals_packed(
-    gsm8k_tokenized, tokenizer, tiny_causal_lm_factory, tmp_path, micro_batches
+    gsm8k_tokenized, tokenizer, tiny_llama, recording_collator, right_padded_batch, tmp_path, micro_batches
 ):
     rows = [row["input_ids"] for row in gsm8k_tokenized[:6]]
     total = sum(map(len, rows))
     # one bin holding everything, or a budget that needs several micro-batches
     budget = total if micro_batches == 1 else max(map(len, rows)) + 60
     dataset = datasets.Dataset.from_dict({"input_ids": rows, "idx": list(range(len(rows)))})
-    model = tiny_causal_lm_factory(**TINY).train()  # fp32, no dropout
+    model = tiny_llama()  # fp32, no dropout
     reference = copy.deepcopy(model)
 
-    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
     args = packing_hf.TrainingArguments(
         str(tmp_path / "packed"), max_tokens_per_batch=budget, report_to="none", use_cpu=True,
         packing_preflight="off",
@@ -84,7 +56,7 @@ def test_step0_padded_equals_packed(
 
     stock_args = transformers.TrainingArguments(str(tmp_path / "padded"), report_to="none", use_cpu=True)
     padded_trainer = transformers.Trainer(model=reference, args=stock_args)
-    padded = _padded_batch([rows[i] for i in seen], tokenizer.pad_token_id)
+    padded = right_padded_batch([rows[i] for i in seen], tokenizer.pad_token_id)
 
     packed_loss, packed_grads = _step(packed_trainer, model, packed_batches)
     padded_loss, padded_grads = _step(padded_trainer, reference, [padded])

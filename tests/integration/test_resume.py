@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 
 import datasets
 import pytest
@@ -17,16 +16,6 @@ import packing_hf
 from packing_hf.integrations.trainer import SAMPLER_STATE_NAME
 
 BUDGET, GAS, EPOCHS, VOCAB = 256, 2, 2, 128
-
-
-@dataclass
-class RecordingCollator(packing_hf.PaddingFreeCollator):
-    batches: list = field(default_factory=list, init=False, repr=False)
-    input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
-
-    def __call__(self, features, return_tensors=None):
-        self.batches.append([int(f["idx"]) for f in features])
-        return super().__call__(features, return_tensors)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +35,13 @@ def _trainer(model_factory, dataset, out_dir, collator, **overrides):
     )  # fmt: skip
     values.update(overrides)
     args = packing_hf.TrainingArguments(str(out_dir), **values)
-    model = model_factory(vocab_size=VOCAB, hidden_size=32, intermediate_size=64).train()
+    model = model_factory(vocab_size=VOCAB)
     return packing_hf.Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
 
 
-def test_resume_mid_epoch_replays_nothing(tiny_causal_lm_factory, dataset, tmp_path):
-    full = RecordingCollator()
-    trainer = _trainer(tiny_causal_lm_factory, dataset, tmp_path / "full", full)
+def test_resume_mid_epoch_replays_nothing(tiny_llama, recording_collator, dataset, tmp_path):
+    full = recording_collator()
+    trainer = _trainer(tiny_llama, dataset, tmp_path / "full", full)
     per_epoch = len(trainer.get_train_dataloader())
     full.batches.clear()
     trainer.train()
@@ -68,10 +57,8 @@ def test_resume_mid_epoch_replays_nothing(tiny_causal_lm_factory, dataset, tmp_p
         epoch, consumed = divmod(step, steps_per_epoch)
         assert (state["epoch"], state["batches_consumed"]) == (epoch, consumed * GAS)
 
-        resumed = RecordingCollator()
-        again = _trainer(
-            tiny_causal_lm_factory, dataset, tmp_path / f"resumed{step}", resumed, save_strategy="no"
-        )
+        resumed = recording_collator()
+        again = _trainer(tiny_llama, dataset, tmp_path / f"resumed{step}", resumed, save_strategy="no")
         again.train(resume_from_checkpoint=str(checkpoint))
         already = epoch * per_epoch + consumed * GAS
         assert resumed.batches == full.batches[already:], f"resume from step {step}: wrong batches"
@@ -80,21 +67,21 @@ def test_resume_mid_epoch_replays_nothing(tiny_causal_lm_factory, dataset, tmp_p
             torch.testing.assert_close(param, final[name], rtol=0, atol=1e-6, msg=f"{name} after resume")
 
 
-def test_resume_refuses_another_data_order(tiny_causal_lm_factory, dataset, tmp_path):
-    trainer = _trainer(tiny_causal_lm_factory, dataset, tmp_path / "run", RecordingCollator(), max_steps=1)
+def test_resume_refuses_another_data_order(tiny_llama, recording_collator, dataset, tmp_path):
+    trainer = _trainer(tiny_llama, dataset, tmp_path / "run", recording_collator(), max_steps=1)
     trainer.train()
     checkpoint = str(tmp_path / "run" / "checkpoint-1")
     changed = _trainer(
-        tiny_causal_lm_factory, dataset, tmp_path / "other", RecordingCollator(), max_steps=2, max_tokens_per_batch=200,
+        tiny_llama, dataset, tmp_path / "other", recording_collator(), max_steps=2, max_tokens_per_batch=200,
         save_strategy="no",
     )  # fmt: skip
     with pytest.raises(ValueError, match="cannot resume the multipack data order"):
         changed.train(resume_from_checkpoint=checkpoint)
     other_seed = _trainer(
-        tiny_causal_lm_factory,
+        tiny_llama,
         dataset,
         tmp_path / "seed",
-        RecordingCollator(),
+        recording_collator(),
         max_steps=2,
         seed=1,
         save_strategy="no",
@@ -103,7 +90,7 @@ def test_resume_refuses_another_data_order(tiny_causal_lm_factory, dataset, tmp_
         other_seed.train(resume_from_checkpoint=checkpoint)
     # explicitly accepted: the data order restarts, nothing is raised
     accepted = _trainer(
-        tiny_causal_lm_factory, dataset, tmp_path / "ok", RecordingCollator(), max_steps=2, max_tokens_per_batch=200,
+        tiny_llama, dataset, tmp_path / "ok", recording_collator(), max_steps=2, max_tokens_per_batch=200,
         ignore_data_skip=True, save_strategy="no",
     )  # fmt: skip
     accepted.train(resume_from_checkpoint=checkpoint)

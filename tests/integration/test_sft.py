@@ -7,7 +7,6 @@ the batches, a conversational dataset trains with multipack, the loss decreases 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import datasets
@@ -17,10 +16,6 @@ import torch
 trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
-
-TINY = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
 
 
 @dataclass
@@ -32,11 +27,6 @@ class RecordingCollator(packing_hf.PaddingFreeCollator):
     def __call__(self, features, return_tensors=None):
         self.features.append([dict(f) for f in features])
         return super().__call__(features, return_tensors)
-
-
-def _gsm8k(data_dir, n: int, offset: int = 0) -> list[dict]:
-    with open(data_dir / "gsm8k_train.jsonl") as f:
-        return [json.loads(line) for _, line in zip(range(offset + n), f, strict=False)][offset:]
 
 
 def _config(tmp_path, **overrides) -> packing_hf.SFTConfig:
@@ -61,16 +51,14 @@ def _expected_labels(features: list[dict]) -> torch.Tensor:
     return torch.cat(labels)
 
 
-def test_stock_trl_refuses_a_custom_collator_in_padding_free_mode(
-    tokenizer, tiny_causal_lm_factory, tmp_path
-):
+def test_stock_trl_refuses_a_custom_collator_in_padding_free_mode(tokenizer, tiny_llama, tmp_path):
     data = datasets.Dataset.from_dict({"prompt": ["1+1="], "completion": ["2"]})
     config = trl.SFTConfig(
         str(tmp_path / "stock"), padding_free=True, packing=True, report_to="none", use_cpu=True
     )
     with pytest.raises(ValueError, match="custom data collator"):
         trl.SFTTrainer(
-            model=tiny_causal_lm_factory(**TINY),
+            model=tiny_llama(),
             args=config,
             train_dataset=data,
             processing_class=tokenizer,
@@ -78,15 +66,15 @@ def test_stock_trl_refuses_a_custom_collator_in_padding_free_mode(
         )
 
 
-def test_sft_bfd_packing_with_custom_collator(data_dir, tokenizer, tiny_causal_lm_factory, tmp_path):
-    rows = _gsm8k(data_dir, 12)
+def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama, tmp_path):
+    rows = gsm8k_rows(12)
     data = datasets.Dataset.from_dict(
         {
             "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
             "completion": [f" {r['answer']}" for r in rows],
         }
     )
-    model = tiny_causal_lm_factory(**TINY).train()
+    model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, packing=True, padding_free=True, max_length=512, per_device_train_batch_size=1)
@@ -116,10 +104,10 @@ def test_sft_bfd_packing_with_custom_collator(data_dir, tokenizer, tiny_causal_l
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_sft_chat_template_with_multipack(data_dir, tokenizer, tiny_causal_lm_factory, tmp_path):
+def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp_path):
     """Conversational prompt/completion rendered with SmolLM2's ChatML template; multipack batches,
     completion-only loss (the system and user turns, and the assistant header, are not trained)."""
-    rows = _gsm8k(data_dir, 8, offset=40)
+    rows = gsm8k_rows(8, offset=40)
     data = datasets.Dataset.from_list(
         [
             {
@@ -129,7 +117,7 @@ def test_sft_chat_template_with_multipack(data_dir, tokenizer, tiny_causal_lm_fa
             for r in rows
         ]
     )
-    model = tiny_causal_lm_factory(**TINY).train()
+    model = tiny_llama()
     collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, max_tokens_per_batch=700, max_length=None)
     trainer = packing_hf.SFTTrainer(

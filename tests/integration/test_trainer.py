@@ -7,9 +7,7 @@ the pre-flight check (refuse, switch, prepare).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
 
 import datasets
 import pytest
@@ -18,33 +16,6 @@ import transformers
 
 import packing_hf
 from packing_hf.integrations.callbacks import STATS_KEY
-
-TINY = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
-
-
-@dataclass
-class RecordingCollator(packing_hf.PaddingFreeCollator):
-    """PaddingFreeCollator that records the ``idx`` of every batch it collates (and keeps that column)."""
-
-    batches: list = field(default_factory=list, init=False, repr=False)
-    input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
-
-    def __call__(self, features, return_tensors=None):
-        self.batches.append([int(f["idx"]) for f in features])
-        return super().__call__(features, return_tensors)
-
-
-@pytest.fixture
-def tiny_llama(tiny_causal_lm_factory):
-    """A fresh tiny llama with the SmolLM2 vocabulary, in train mode."""
-    return lambda **kw: tiny_causal_lm_factory(**{**TINY, **kw}).train()
-
-
-def load_gsm8k(data_dir, n: int, offset: int = 0) -> list[dict]:
-    with open(data_dir / "gsm8k_train.jsonl") as f:
-        return [json.loads(line) for _, line in zip(range(offset + n), f, strict=False)][offset:]
 
 
 def _args(tmp_path, **overrides) -> packing_hf.TrainingArguments:
@@ -61,9 +32,9 @@ def _args(tmp_path, **overrides) -> packing_hf.TrainingArguments:
     return packing_hf.TrainingArguments(**values)
 
 
-def _gsm8k_qa(data_dir, tokenizer, n: int, offset: int = 0) -> datasets.Dataset:
+def _gsm8k_qa(gsm8k_rows, tokenizer, n: int, offset: int = 0) -> datasets.Dataset:
     """GSM8K rows as prompt + answer token ids with a completion_mask (0 on the question) and an idx."""
-    rows = load_gsm8k(data_dir, n, offset)
+    rows = gsm8k_rows(n, offset)
     prompts = tokenizer([f"Question: {r['question']}\nAnswer:" for r in rows])["input_ids"]
     answers = tokenizer([f" {r['answer']}{tokenizer.eos_token}" for r in rows])["input_ids"]
     return datasets.Dataset.from_dict(
@@ -104,10 +75,10 @@ def test_stock_trainer_accepts_padding_free_collator(gsm8k_tokenized, tiny_llama
     assert int(kwargs["num_items_in_batch"]) == int((kwargs["labels"] != -100).sum()) == cu[-1] - 2
 
 
-def test_loss_mask_columns_survive(data_dir, tokenizer, tiny_llama, tmp_path):
+def test_loss_mask_columns_survive(gsm8k_rows, tokenizer, tiny_llama, tmp_path):
     """Stock drops completion_mask (model.forward does not take it), training on the questions; the
     subclass keeps the columns the collator consumes."""
-    dataset = _gsm8k_qa(data_dir, tokenizer, 3)
+    dataset = _gsm8k_qa(gsm8k_rows, tokenizer, 3)
     model = tiny_llama()
     stock = transformers.Trainer(
         model=model,
@@ -141,15 +112,15 @@ def test_loss_mask_columns_survive(data_dir, tokenizer, tiny_llama, tmp_path):
         assert torch.equal(labels[start:end], expected)
 
 
-def test_multipack_training_on_gsm8k(data_dir, tokenizer, tiny_llama, tmp_path):
+def test_multipack_training_on_gsm8k(gsm8k_rows, tokenizer, tiny_llama, recording_collator, tmp_path):
     """Multipack with gradient accumulation over two epochs: exact step count and LR schedule, every sample
     once per epoch within the budget, loss decreases, parameters change, packing metrics logged."""
     budget, gas, epochs = 512, 2, 2
-    dataset = _gsm8k_qa(data_dir, tokenizer, 8, offset=100)
+    dataset = _gsm8k_qa(gsm8k_rows, tokenizer, 8, offset=100)
     lengths = [len(x) for x in dataset["input_ids"]]
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
     args = _args(
         tmp_path, max_tokens_per_batch=budget, gradient_accumulation_steps=gas, num_train_epochs=epochs,
         learning_rate=3e-3, warmup_steps=0, lr_scheduler_type="linear",
