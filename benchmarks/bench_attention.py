@@ -26,6 +26,7 @@ Run: ``python benchmarks/bench_attention.py`` (``--quick`` for T=4096 and fewer 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -193,7 +194,7 @@ def main() -> None:
         help="torch threads per case (default 1: on a shared machine, a parallel region waits for any "
         "preempted thread, which turns every op into a scheduler time slice and drowns the comparison)",
     )
-    parser.add_argument("--worker", default=None, help=argparse_suppress())
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.tokens = args.tokens or (4096 if args.quick else 16384)
     args.repeat = args.repeat or (2 if args.quick else 5)
@@ -242,12 +243,6 @@ def main() -> None:
         ],
     )
     write_json("bench_attention", {"rows": rows, "summary": summary}, args)
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -529,23 +529,26 @@ def check_packing(
     def grads_of(loss: torch.Tensor, retain: bool) -> list[torch.Tensor | None]:
         return list(torch.autograd.grad(loss, tensors, retain_graph=retain, allow_unused=True))
 
+    def report(logits_diffs=(), grads_diffs=(), worst=(), error: str | None = None) -> PackingReport:
+        return PackingReport(
+            str(getattr(config, "model_type", type(model).__name__)),
+            attn_implementation,
+            _attention_backend(attn_implementation),  # read after the forward: the backend it ran
+            lengths,
+            tolerance,
+            tuple(logits_diffs),
+            tuple(grads_diffs),
+            tuple(worst),
+            error=error,
+            notes=tuple(notes),
+        )
+
     logits_diffs, grads_diffs, worst = [], [], []
     with _checking_mode(model), torch.set_grad_enabled(gradients):
         try:
             packed_logits = _logits(model(**batch))[0]  # (T, V)
         except Exception as exc:  # any failure of the packed path is a finding, not a crash of the check
-            return PackingReport(
-                str(getattr(config, "model_type", type(model).__name__)),
-                attn_implementation,
-                _attention_backend(attn_implementation),
-                lengths,
-                tolerance,
-                (),
-                (),
-                (),
-                error=f"{type(exc).__name__}: {exc}"[:500],
-                notes=tuple(notes),
-            )
+            return report(error=f"{type(exc).__name__}: {exc}"[:500])
         start = 0
         for i, sample in enumerate(samples):
             end = start + lengths[i]
@@ -571,17 +574,7 @@ def check_packing(
                 worst.append(best_name)
             start = end
 
-    return PackingReport(
-        str(getattr(config, "model_type", type(model).__name__)),
-        attn_implementation,
-        _attention_backend(attn_implementation),
-        lengths,
-        tolerance,
-        tuple(logits_diffs),
-        tuple(grads_diffs),
-        tuple(worst),
-        notes=tuple(notes),
-    )
+    return report(logits_diffs, grads_diffs, worst)
 
 
 # --------------------------------------------------------------------------------------------------

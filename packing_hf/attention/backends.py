@@ -81,11 +81,9 @@ _HOST_CACHE_SIZE = 4
 
 
 def _host_values(tensor: torch.Tensor) -> list[int]:
-    if tensor.device.type == "cpu":
-        return tensor.tolist()
-    for ref, version, values in _HOST_CACHE:
-        if ref() is tensor and version == tensor._version:
-            return values
+    values = _cached_host_values(tensor)
+    if values is not None:
+        return values
     values = tensor.tolist()
     _HOST_CACHE.insert(0, (weakref.ref(tensor), tensor._version, values))
     del _HOST_CACHE[_HOST_CACHE_SIZE:]
@@ -774,7 +772,7 @@ def varlen_attention(
         k=k,
         v=v,
         cu_q=cu_q,
-        cu_k=cu_k if cu_seqlens_k is not cu_seqlens_q else cu_q,
+        cu_k=cu_k,
         max_q=int(max_seqlen_q),
         max_k=int(max_seqlen_k),
         causal=bool(causal),

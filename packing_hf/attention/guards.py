@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..varlen import INT32_MAX
+from ..varlen import INT32_MAX, cu_seqlens_to_position_ids
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
 
@@ -91,7 +91,8 @@ def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> torch.Tensor:
+def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> list[int]:
+    """Validate ``cu_seq_lens_q/k`` and ``max_length_q/k``; returns the host copy of ``cu_seq_lens_q``."""
     cu = batch["cu_seq_lens_q"]
     if batch_size != 1:
         raise ValueError(
@@ -134,7 +135,7 @@ def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> 
                 f"{key} = {int(value)} but the longest sample in cu_seq_lens_q has {longest} tokens; varlen "
                 f"kernels would read past it. Use packing_hf.max_length_from_cu_seqlens(cu_seq_lens_q)"
             )
-    return cu
+    return host
 
 
 def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[str, Any]:
@@ -159,10 +160,15 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
     >>> validate_packed_batch(ok)["use_cache"]
     False
     """
+    return _validate(batch, config)[0]
+
+
+def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """:func:`validate_packed_batch`, also returning the ``(B, T)`` sample starts it found (``None``: not packed)."""
     out = dict(batch)
     starts = find_packed_boundaries(out)
     if starts is None:
-        return out
+        return out, None
     shape = _sequence_shape(out)
     if shape is None:
         raise ValueError("a packed batch needs input_ids or inputs_embeds of shape (1, T)")
@@ -175,16 +181,15 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
 
     position_ids = out.get("position_ids")
     if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
-        cu = _check_cu_seqlens(out, batch_size, total)
+        host = _check_cu_seqlens(out, batch_size, total)
         if position_ids is None:
             raise ValueError(
                 "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "
                 f"treat the whole row as one sample. Pass restarting position_ids ({_FIX_POSITIONS})"
             )
         position_ids = position_ids.reshape(1, -1)
-        lengths = (cu[1:] - cu[:-1]).to(position_ids.device).long()
-        offsets = torch.repeat_interleave(cu[:-1].to(position_ids.device).long(), lengths, output_size=total)
-        expected = torch.arange(total, device=position_ids.device) - offsets
+        # from the host copy already made: no further device sync
+        expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
         wrong = position_ids[0] != expected
         if bool(wrong.any()):
             bad = _first_true(wrong)
@@ -235,7 +240,7 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
                 "the causal shift the previous sample's last token would be trained to predict it. Set labels "
                 f"to {IGNORE_INDEX} at every sample start (PaddingFreeCollator does)"
             )
-    return out
+    return out, starts
 
 
 def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -249,10 +254,18 @@ def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) 
     >>> hook_kwargs["use_cache"]
     False
     """
+    args, checked, _ = _check_forward_call(module, args, kwargs)
+    return args, checked
+
+
+def _check_forward_call(
+    module: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict, torch.Tensor | None]:
+    """:func:`packed_forward_pre_hook`, also returning the ``(B, T)`` sample starts (``None``: not packed)."""
     view = dict(kwargs)
     if args and isinstance(args[0], torch.Tensor) and "input_ids" not in view:
         view["input_ids"] = args[0]
-    checked = validate_packed_batch(view, getattr(module, "config", None))
+    checked, starts = _validate(view, getattr(module, "config", None))
     if args and "input_ids" not in kwargs:
         checked.pop("input_ids", None)
-    return args, checked
+    return args, checked, starts

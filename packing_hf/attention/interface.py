@@ -55,10 +55,8 @@ class _Layout:
     def __init__(self, cu_q, cu_k, max_q, max_k, index_q=None, index_k=None):
         self.cu_q, self.cu_k = cu_q, cu_k  # (n + 1,) int32
         self.max_q, self.max_k = max_q, max_k  # ints
-        self.index_q, self.index_k = (
-            index_q,
-            index_k,
-        )  # (nnz,) int64 rows of the flattened batch, or None = all
+        # (nnz,) int64 rows of the flattened batch, or None = all
+        self.index_q, self.index_k = index_q, index_k
 
 
 # Every layer receives the same position_ids / mask tensor objects, so the layout (which needs a host
@@ -88,11 +86,16 @@ def _uniform_layout(batch: int, tq: int, tk: int, device: torch.device) -> _Layo
     return _Layout(cu_q, cu_k, tq, tk)
 
 
+def _longest_segment(cu: torch.Tensor) -> int:
+    """Longest segment of ``(n + 1,)`` boundaries, from their (cached) host copy; 0 for none."""
+    bounds = _host_values(cu)
+    return max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+
+
 def _starts_to_layout(starts: torch.Tensor, total: int, index: torch.Tensor | None) -> _Layout:
     begin = torch.nonzero(starts).flatten()
     cu = torch.cat([begin, torch.tensor([total], device=begin.device)]).to(torch.int32)
-    lengths = _host_values(cu)
-    max_len = max((b - a for a, b in zip(lengths[:-1], lengths[1:], strict=False)), default=0)
+    max_len = _longest_segment(cu)
     return _Layout(cu, cu, max_len, max_len, index, index)
 
 
@@ -263,11 +266,9 @@ def attend(
         max_q = max_length_q
         max_k = max_length_k if max_length_k is not None else (max_q if cu_k is cu_seq_lens_q else None)
         if max_q is None:
-            bounds = _host_values(cu_seq_lens_q)
-            max_q = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+            max_q = _longest_segment(cu_seq_lens_q)
         if max_k is None:
-            bounds = _host_values(cu_k)
-            max_k = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+            max_k = _longest_segment(cu_k)
         layout = _Layout(cu_seq_lens_q.to(query.device), cu_k.to(query.device), int(max_q), int(max_k))
     else:
         positions = _packed_position_ids(position_ids, batch, tq) if tq == tk else None

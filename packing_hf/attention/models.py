@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from .guards import find_packed_boundaries, validate_packed_batch
+from .guards import _check_forward_call
 
 __all__ = [
     "REGISTRY",
@@ -89,6 +89,7 @@ _NO_POSITION_MASK = "builds its causal mask without position_ids, so packed samp
 _ALIBI = "; ALiBi stays exact once the mask is per sample (its bias shifts by a per-row constant)"
 _SSM = "need seq_idx-aware kernels (causal-conv1d, mamba-ssm) to keep packed samples apart"
 _CONV = "short causal convolutions mix the last tokens of one sample into the next; they take no seq_idx"
+_DELTANET = "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)"
 _DSA = (
     "the DSA indexer picks top-k keys over ReLU scores, whose ties are broken by absolute key index, so the "
     "selected keys depend on where a sample sits in the row"
@@ -163,26 +164,10 @@ _ENTRIES = [
     _entry("lfm3", "refused", _CONV),
     _entry("inkling_text", "refused", _CONV + " (k/v short convolutions)"),
     _entry("inkling2_text", "refused", _CONV + " (k/v short convolutions)", own_attention=True),
-    _entry(
-        "qwen3_next",
-        "refused",
-        "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)",
-    ),
-    _entry(
-        "qwen3_5_text",
-        "refused",
-        "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)",
-    ),
-    _entry(
-        "qwen3_5_moe_text",
-        "refused",
-        "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)",
-    ),
-    _entry(
-        "olmo_hybrid",
-        "refused",
-        "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)",
-    ),
+    _entry("qwen3_next", "refused", _DELTANET),
+    _entry("qwen3_5_text", "refused", _DELTANET),
+    _entry("qwen3_5_moe_text", "refused", _DELTANET),
+    _entry("olmo_hybrid", "refused", _DELTANET),
     _entry(
         "recurrent_gemma", "refused", "RG-LRU recurrent layers and their convolution run across the whole row"
     ),
@@ -328,20 +313,13 @@ class PackingPreparation:
 
     # -- hooks --------------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        view = dict(kwargs)
-        if args and isinstance(args[0], torch.Tensor) and "input_ids" not in view:
-            view["input_ids"] = args[0]
-        checked = validate_packed_batch(view, getattr(module, "config", None))
-        if args and "input_ids" not in kwargs:
-            checked.pop("input_ids", None)
+        args, checked, starts = _check_forward_call(module, args, kwargs)
         # Kept after the forward returns: activation checkpointing re-runs the layers during backward, and
         # their hooks must restrict the mask the same way again. The next forward replaces it.
         self._same = None
-        if self.mask_fix:
-            starts = find_packed_boundaries(checked)
-            if starts is not None:
-                sample = torch.cumsum(starts.long(), dim=-1)  # (B, T) sample index of every token
-                self._same = (sample[:, :, None] == sample[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+        if self.mask_fix and starts is not None:
+            sample = torch.cumsum(starts.long(), dim=-1)  # (B, T) sample index of every token
+            self._same = (sample[:, :, None] == sample[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
         return args, checked
 
     def _make_layer_hook(self, index: int):
