@@ -147,3 +147,12 @@ def _right_padded_batch(rows: list[list[int]], pad_token_id: int = 0) -> dict[st
 def right_padded_batch():
     """``right_padded_batch(rows, pad_token_id=0)``: the padded reference batch of token-id lists."""
     return _right_padded_batch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: extra intra-op threads only add overhead and fight the other test workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
