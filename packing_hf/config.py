@@ -192,7 +192,7 @@ class JobArguments:
     baseline_batches: int = field(
         default=2,
         metadata={
-            "help": "Before training, time this many packed batches and the same samples as padded "
+            "help": "After training, time this many packed batches and the same samples as padded "
             "batches (forward+backward, no update) to report tokens/s against the padded baseline; 0 = skip."
         },
     )
@@ -430,6 +430,11 @@ def load_train_config(
     return result
 
 
+def _trl_packs(training: Any) -> bool:
+    """Whether TRL flattens batches itself: ``padding_free`` or ``packing`` (bfd rows) in an ``SFTConfig``."""
+    return bool(getattr(training, "padding_free", False) or getattr(training, "packing", False))
+
+
 def _resolve_batching(cfg: TrainConfig) -> str:
     """Turn ``batching`` / ``sample_packing`` / ``max_tokens_per_batch`` into one batching mode."""
     job, training = cfg.job, cfg.training
@@ -448,8 +453,7 @@ def _resolve_batching(cfg: TrainConfig) -> str:
             batching = "multipack"
         elif job.trainer == "sft":
             # TRL decides: its padding_free / packing (bfd rows) flatten batches, otherwise it pads
-            packed = getattr(training, "padding_free", False) or getattr(training, "packing", False)
-            batching = "padding_free" if packed else "padded"
+            batching = "padding_free" if _trl_packs(training) else "padded"
         else:
             batching = "padding_free"
     if batching == "multipack" and budget is None:
@@ -472,18 +476,10 @@ def _resolve_batching(cfg: TrainConfig) -> str:
             f"max_tokens_per_batch={budget} is smaller than max_length={cfg.data.max_length}: a sample of "
             "max_length tokens could never be placed; raise max_tokens_per_batch or lower max_length"
         )
-    if (
-        job.trainer == "sft"
-        and batching == "padding_free"
-        and not (getattr(training, "padding_free", False) or getattr(training, "packing", False))
-    ):
+    if job.trainer == "sft" and batching == "padding_free" and not _trl_packs(training):
         raise ValueError(
             "trainer: sft with batching: padding_free needs TRL's padding_free: true (or packing: true)"
         )
-    if (
-        job.trainer == "sft"
-        and batching == "padded"
-        and (getattr(training, "padding_free", False) or getattr(training, "packing", False))
-    ):
+    if job.trainer == "sft" and batching == "padded" and _trl_packs(training):
         raise ValueError("batching: padded contradicts padding_free / packing: true in the SFT config")
     return batching

@@ -447,10 +447,10 @@ def _resolve_prompt_format(prompt_format: str, record_format: str, tokenizer) ->
 
 
 def _labels_from_spans(
-    input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]] | None, train_all: bool
+    input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]] | None
 ) -> list[int]:
     ids = np.asarray(input_ids, dtype=np.int64)
-    if spans is None or train_all:
+    if spans is None:  # plain text: every token is trained
         return ids.tolist()
     starts = np.asarray([start for start, _ in offsets], dtype=np.int64).reshape(-1)
     trained = np.zeros(len(ids), dtype=bool)
@@ -519,7 +519,7 @@ def tokenize_records(
         if not completion_only_loss:
             return {"input_ids": input_ids, "labels": [list(ids) for ids in input_ids]}
         labels = [
-            _labels_from_spans(ids, offsets, trained, train_all=False)
+            _labels_from_spans(ids, offsets, trained)
             for ids, offsets, trained in zip(input_ids, encoded["offset_mapping"], spans, strict=True)
         ]
         return {"input_ids": input_ids, "labels": labels}
@@ -552,15 +552,9 @@ class PreparedDataset:
     @property
     def lengths(self) -> np.ndarray:
         """``(num_samples,)`` int64 token count of every sample."""
-        return _column_lengths(self.dataset, "input_ids")
+        from .sampler import lengths_from_dataset
 
-
-def _column_lengths(dataset, column: str) -> np.ndarray:
-    """Token counts of a list column, read from the Arrow offsets (no Python lists of ids)."""
-    import pyarrow.compute as pc
-
-    table = dataset.with_format("arrow")[:]  # a pyarrow.Table view, in the dataset's current row order
-    return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
+        return lengths_from_dataset(self.dataset)
 
 
 def prepare_dataset(

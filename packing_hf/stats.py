@@ -43,6 +43,11 @@ _COLUMNS = (
 )
 
 
+def _default_batch_size(lengths: np.ndarray, max_tokens_per_batch: int) -> int:
+    # as many samples as carry the budget's tokens on average: every strategy moves the same tokens per step
+    return max(1, round(max_tokens_per_batch / float(lengths.mean())))
+
+
 def _length_summary(lengths: np.ndarray) -> dict[str, float]:
     percentiles = np.percentile(lengths, [50, 90, 99])
     return {
@@ -86,7 +91,7 @@ def compute_stats(
     if lengths.size == 0:
         raise ValueError("no samples: the dataset is empty")
     if batch_size is None:
-        batch_size = max(1, round(max_tokens_per_batch / float(lengths.mean())))
+        batch_size = _default_batch_size(lengths, max_tokens_per_batch)
     strategies = _binpack.compare_strategies(lengths, max_tokens_per_batch, batch_size=batch_size, seed=seed)
     kept = np.minimum(lengths, max_tokens_per_batch)
     return {
@@ -168,7 +173,7 @@ def plot_stats(
         raise ImportError("--plot needs matplotlib: pip install 'packing-hf[plot]'") from error
     lengths = _binpack.as_lengths(lengths)
     if batch_size is None:
-        batch_size = max(1, round(max_tokens_per_batch / float(lengths.mean())))
+        batch_size = _default_batch_size(lengths, max_tokens_per_batch)
     kept = np.minimum(lengths, max_tokens_per_batch)
     packing = _binpack.pack_best_fit_decreasing(kept, max_tokens_per_batch)
     multipack_fill = packing.bin_tokens / max_tokens_per_batch
@@ -290,6 +295,7 @@ def stats_main(argv: Sequence[str]) -> int:
     from .data import load_records, prepare_dataset
 
     try:
+        # the records first: a bad path fails fast, before the (default GGUF) tokenizer is read
         records = load_records(
             args.data,
             split=args.split,

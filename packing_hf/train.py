@@ -166,6 +166,10 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _attention(model, implementation: str | None):
     """Temporarily run ``model`` with another attention implementation (restored on exit)."""
@@ -182,11 +186,7 @@ def _attention(model, implementation: str | None):
 
 def _time_batches(model, batches: list[dict[str, Any]], device: torch.device, autocast_dtype) -> float:
     """Seconds for forward + backward over ``batches`` (gradients discarded; weights unchanged)."""
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+    autocast = _autocast(device, autocast_dtype)
     _sync(device)
     start = time.perf_counter()
     for batch in batches:
@@ -321,11 +321,7 @@ def evaluate_loss(
         The token-weighted mean loss (each batch's mean loss weighted by its predicted tokens).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+    autocast = _autocast(device, autocast_dtype)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -409,10 +405,10 @@ def _build_trainer(cfg: TrainConfig, model, tokenizer, data_args: DataArguments)
     tokenizes; there ``prompt_format`` does not apply: TRL renders conversations with the chat template)."""
     import packing_hf
 
+    from .config import _trl_packs
     from .data import load_records, prepare_dataset
 
     training = cfg.training
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.job.trainer == "sft":
         records = load_records(
             data_args.dataset,
@@ -421,11 +417,8 @@ def _build_trainer(cfg: TrainConfig, model, tokenizer, data_args: DataArguments)
             limit=data_args.num_samples,
             seed=training.seed,
         )
-        packed = bool(getattr(training, "padding_free", False) or getattr(training, "packing", False))
         collator = (
-            packing_hf.PaddingFreeCollator(pad_token_id=pad_id)
-            if packed or cfg.batching == "multipack"
-            else None
+            packing_hf_collator(tokenizer) if _trl_packs(training) or cfg.batching == "multipack" else None
         )
         trainer = packing_hf.SFTTrainer(
             model=model,
@@ -448,10 +441,7 @@ def _build_trainer(cfg: TrainConfig, model, tokenizer, data_args: DataArguments)
         seed=training.seed,
         num_proc=data_args.dataset_num_proc,
     )
-    if cfg.batching == "padded":
-        collator = _padded_collator(tokenizer)
-    else:
-        collator = packing_hf.PaddingFreeCollator(pad_token_id=pad_id)
+    collator = _padded_collator(tokenizer) if cfg.batching == "padded" else packing_hf_collator(tokenizer)
     trainer = packing_hf.Trainer(
         model=model,
         args=training,
@@ -460,6 +450,15 @@ def _build_trainer(cfg: TrainConfig, model, tokenizer, data_args: DataArguments)
         data_collator=collator,
     )
     return trainer, prepared
+
+
+def _padded_batch_size(cfg: TrainConfig, lengths: np.ndarray) -> int:
+    """Samples per padded batch: with multipack, the same mean real tokens as a packed batch
+    (``round(budget / mean length)``), else ``per_device_train_batch_size``."""
+    training = cfg.training
+    if cfg.batching == "multipack":
+        return max(1, round(training.max_tokens_per_batch / float(lengths.mean())))
+    return training.per_device_train_batch_size
 
 
 def _baseline_samples(
@@ -479,10 +478,7 @@ def _baseline_samples(
     """
     training = cfg.training
     seed = training.data_seed if training.data_seed is not None else training.seed
-    if cfg.batching == "multipack":
-        batch_size = max(1, round(training.max_tokens_per_batch / float(lengths.mean())))
-    else:
-        batch_size = training.per_device_train_batch_size
+    batch_size = _padded_batch_size(cfg, lengths)
     order = np.random.default_rng(seed).permutation(lengths.size)[: count * batch_size].tolist()
     if cfg.batching == "multipack":
         from .sampler import MultipackBatchSampler
@@ -550,6 +546,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     if torch.device(device).type == "cuda":
         autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
     probe: dict[str, Any] | None = None
+    padded_collator = _padded_collator(tokenizer)
     if prepared is not None and cfg.job.baseline_batches > 0:
         # fixed samples for the padded baseline and for a before/after loss (padded forward: exact anywhere)
         order, groups, batch_size = _baseline_samples(cfg, lengths, cfg.job.baseline_batches)
@@ -559,7 +556,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
             trainer.model,
             samples,
             batch_size=batch_size,
-            collator=_padded_collator(tokenizer),
+            collator=padded_collator,
             device=device,
             autocast_dtype=autocast,
         )
@@ -580,11 +577,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     if prepared is not None:
         sampler = getattr(trainer, "_multipack_sampler", None)
         summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
-        padded_size = (
-            max(1, round(training.max_tokens_per_batch / float(lengths.mean())))
-            if cfg.batching == "multipack"
-            else training.per_device_train_batch_size
-        )
+        padded_size = _padded_batch_size(cfg, lengths)
         summary["padded_batch_size"] = padded_size
         summary["padded_efficiency"] = _padded_efficiency(lengths, padded_size, seed=training.seed)
     else:
@@ -596,7 +589,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
             trainer.model,
             probe["samples"],
             batch_size=probe["batch_size"],
-            collator=_padded_collator(tokenizer),
+            collator=padded_collator,
             device=device,
             autocast_dtype=autocast,
         )
@@ -607,7 +600,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
             probe["groups"],
             padded_batch_size=probe["batch_size"],
             packed_collator=packing_hf_collator(tokenizer),
-            padded_collator=_padded_collator(tokenizer),
+            padded_collator=padded_collator,
             device=device,
             autocast_dtype=autocast,
         )
