@@ -27,6 +27,7 @@ from _common import DATA_DIR, base_parser, load_gsm8k, load_tokenizer, print_tab
 
 from packing_hf import _binpack
 from packing_hf.sampler import MultipackBatchSampler, lengths_from_dataset
+from packing_hf.strategies import padded_batches
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -252,7 +253,7 @@ def fill(args) -> list[dict]:
             assert trl_tokens == tokens  # nothing truncated: every sample fits the budget
             next_fit = _binpack.pack_next_fit(lengths, budget)
             batch_size = max(1, round(budget / lengths.mean()))
-            padded = _binpack.padded_batches(
+            padded = padded_batches(
                 lengths, batch_size, order=np.random.default_rng(0).permutation(lengths.size)
             )
             rows.append(

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _binpack
+from .strategies import compare_strategies
 
 __all__ = ["compute_stats", "format_table", "plot_stats", "stats_main"]
 
@@ -92,7 +93,7 @@ def compute_stats(
         raise ValueError("no samples: the dataset is empty")
     if batch_size is None:
         batch_size = _default_batch_size(lengths, max_tokens_per_batch)
-    strategies = _binpack.compare_strategies(lengths, max_tokens_per_batch, batch_size=batch_size, seed=seed)
+    strategies = compare_strategies(lengths, max_tokens_per_batch, batch_size=batch_size, seed=seed)
     kept = np.minimum(lengths, max_tokens_per_batch)
     return {
         "max_tokens_per_batch": int(max_tokens_per_batch),

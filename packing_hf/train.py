@@ -150,7 +150,7 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
 
 def _padded_efficiency(lengths: np.ndarray, batch_size: int, seed: int) -> float:
     """Real / provisioned tokens of stock padded batches of ``batch_size`` samples in a shuffled order."""
-    from ._binpack import padded_batches
+    from .strategies import padded_batches
 
     return padded_batches(
         lengths, batch_size, order=np.random.default_rng(seed).permutation(lengths.size)
