@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from packing_hf import MultipackBatchSampler, PaddingFreeCollator, check_packing
-from packing_hf.config import ModelArguments
-from packing_hf.data import prepare_dataset
+from packing_hf.app.config import ModelArguments
+from packing_hf.app.data import prepare_dataset
 from packing_hf.train import load_model, load_tokenizer
 
 TINY = {

@@ -17,8 +17,8 @@ import argparse
 import torch
 
 from packing_hf import PaddingFreeCollator, SFTConfig, SFTTrainer
-from packing_hf.config import ModelArguments
-from packing_hf.data import load_records
+from packing_hf.app.config import ModelArguments
+from packing_hf.app.data import load_records
 from packing_hf.train import load_model, load_tokenizer
 
 TINY = {

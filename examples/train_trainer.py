@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
-from packing_hf.config import ModelArguments
-from packing_hf.data import prepare_dataset
+from packing_hf.app.config import ModelArguments
+from packing_hf.app.data import prepare_dataset
 from packing_hf.train import load_model, load_tokenizer
 
 TINY = {

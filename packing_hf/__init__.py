@@ -44,16 +44,16 @@ _LAZY: dict[str, str] = {
     "unpatch_flash_attention": "attention",
     "flash_attention_patched": "attention",
     "register_attention": "attention",
-    # attention/models.py, attention/guards.py: per-architecture fixes and batch guards
-    "prepare_model_for_packing": "attention.models",
-    "revert_model_for_packing": "attention.models",
-    "PackingPreparation": "attention.models",
     "validate_packed_batch": "attention.guards",
-    # verify.py
+    # verify.py: the packed-vs-alone check
     "check_packing": "verify",
-    "check_architecture": "verify",
-    "tiny_config": "verify",
     "PackingReport": "verify",
+    # architectures/: registry, per-model fixes, tiny copies, the sweep
+    "prepare_model_for_packing": "architectures",
+    "revert_model_for_packing": "architectures",
+    "PackingPreparation": "architectures",
+    "check_architecture": "architectures",
+    "tiny_config": "architectures",
     # integrations/
     "Trainer": "integrations",
     "TrainingArguments": "integrations",
@@ -78,6 +78,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
+    from .architectures import (
+        PackingPreparation,
+        check_architecture,
+        prepare_model_for_packing,
+        revert_model_for_packing,
+        tiny_config,
+    )
     from .attention import (
         ATTENTION_NAME,
         available_backends,
@@ -89,7 +96,6 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         varlen_attention,
     )
     from .attention.guards import validate_packed_batch
-    from .attention.models import PackingPreparation, prepare_model_for_packing, revert_model_for_packing
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import SFTConfig, SFTTrainer, Trainer, TrainingArguments
@@ -105,4 +111,4 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         position_ids_to_cu_seqlens,
         seq_lengths_to_cu_seqlens,
     )
-    from .verify import PackingReport, check_architecture, check_packing, tiny_config
+    from .verify import PackingReport, check_packing

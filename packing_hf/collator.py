@@ -279,6 +279,22 @@ class PaddingFreeCollator:
                 "see sample boundaries, so packed samples would attend to each other; enable one of them"
             )
 
+    @classmethod
+    def for_tokenizer(cls, processing_class: Any, **kwargs: Any) -> PaddingFreeCollator:
+        """The collator a trainer builds by default: padding (if it ever pads) with the tokenizer's pad token.
+
+        ``processing_class`` is a tokenizer or a processor holding one (``.tokenizer``); a tokenizer without a
+        pad token pads with id 0, which is harmless: padding only appears with ``pad_to_multiple_of``, as its
+        own segment with label ``label_pad_id``. ``kwargs`` are the other fields.
+
+        >>> from types import SimpleNamespace
+        >>> PaddingFreeCollator.for_tokenizer(SimpleNamespace(pad_token_id=7)).pad_token_id
+        7
+        """
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        return cls(pad_token_id=pad_token_id if pad_token_id is not None else 0, **kwargs)
+
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
         self.stats = _new_stats()

@@ -6,15 +6,17 @@ restarting at 0 for every sample and ``cu_seq_lens_q/k`` / ``max_length_q/k`` ma
 sample's parameter gradients equal those of the sample run alone; otherwise information leaked
 across the boundary (cross-contamination) and training on packed rows silently changes the model.
 
-:func:`check_packing` measures this on any causal LM; :func:`check_architecture` does it on a tiny copy
-of a config (cached per architecture and attention implementation), cheap enough for a pre-flight check
-before training; :func:`verify_main` is the ``packing-hf verify`` command line.
+:func:`check_packing` measures this on any causal LM. The architecture layer builds on it
+(:mod:`packing_hf.architectures`: tiny copies, the pre-flight check, the sweep) and the ``packing-hf verify``
+command on top of that (:mod:`packing_hf.app.verify`); nothing here imports them.
 
 >>> import torch
->>> from transformers import AutoModelForCausalLM
+>>> from transformers import AutoConfig, AutoModelForCausalLM
 >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
 <torch._C.Generator object at ...>
->>> model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+>>> config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+...                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 >>> report = check_packing(model, lengths=(5, 3))
 >>> report.leaked, len(report.logits_max_abs_diff)
 (False, 2)
@@ -22,33 +24,18 @@ before training; :func:`verify_main` is the ``packing-hf verify`` command line.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
-import json
 import math
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "DEFAULT_LENGTHS",
-    "DEFAULT_TOLERANCE",
-    "IMPLEMENTATIONS",
-    "ArchitectureResult",
-    "PackingReport",
-    "build_packed_batch",
-    "build_tiny_model",
-    "check_architecture",
-    "check_packing",
-    "clear_architecture_cache",
-    "format_table",
-    "sweep_architecture",
-    "tiny_config",
-    "verify_main",
-]
+from .attention import ATTENTION_NAME, last_backend
+from .collator import PaddingFreeCollator
+
+__all__ = ["DEFAULT_LENGTHS", "DEFAULT_TOLERANCE", "PackingReport", "build_packed_batch", "check_packing"]
 
 # Three samples of different lengths: long enough to cross a tiny sliding window / attention chunk (4),
 # different enough that a wrong boundary shows up in every sample.
@@ -160,226 +147,6 @@ class PackingReport:
 
 
 # --------------------------------------------------------------------------------------------------
-# tiny copies of configs
-
-# Sizes of a tiny model: small enough to run the whole check in well under a second on one CPU core,
-# large enough that every architectural feature is still exercised (GQA, several experts, a sliding
-# window and attention chunk shorter than the test samples).
-_TINY_HIDDEN = 64
-_TINY_HEADS = 4
-_TINY_HEAD_DIM = 16
-_TINY_VOCAB = 512
-_TINY_LAYERS = 2
-_TINY_WINDOW = 4
-
-# config field -> tiny value, applied to fields the config has and that are not None
-_TINY_FIELDS: dict[str, int] = {
-    "hidden_size": _TINY_HIDDEN,
-    "num_attention_heads": _TINY_HEADS,
-    "head_dim": _TINY_HEAD_DIM,
-    "attention_head_dim": _TINY_HEAD_DIM,
-    "intermediate_size": 128,
-    "ffn_dim": 128,
-    "dff": 128,
-    "d_ff": 128,
-    "dim_ff": 128,
-    "feed_forward_size": 128,
-    "word_embed_proj_dim": _TINY_HIDDEN,
-    "ffn_hidden_size": 128,
-    "intermediate_size_mlp": 128,
-    "dense_intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "shared_intermediate_size": 32,
-    "shared_experts_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "expert_ffn_hidden_size": 32,
-    "vocab_size": _TINY_VOCAB,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_experts_per_token": 2,
-    "moe_topk": 2,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_expert_group": 1,
-    # multi-head latent attention (deepseek-style)
-    "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "qk_head_dim": 16,
-    "v_head_dim": 16,
-    # windows and chunks shorter than the test samples, so that they actually bite
-    "sliding_window": _TINY_WINDOW,
-    "sliding_window_size": _TINY_WINDOW,
-    "attention_window_size": _TINY_WINDOW,
-    "attention_chunk_size": _TINY_WINDOW,
-    "rotary_dim": 8,
-    "max_window_layers": 1,
-    "first_k_dense_replace": 1,
-    # state-space / linear-attention layers of hybrid models
-    "mamba_d_state": 16,
-    "mamba_n_heads": 4,
-    "mamba_d_head": 32,
-    "mamba_head_dim": 32,
-    "mamba_num_heads": 4,
-    "mamba_n_groups": 1,
-    "mamba_chunk_size": 8,
-    "mamba_dt_rank": 8,
-    "ssm_state_size": 16,
-    "state_size": 16,
-    "time_step_rank": 8,
-    "n_groups": 1,
-    "chunk_size": 8,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_head_dim": 16,
-    "linear_num_heads": 4,
-    "index_head_dim": 16,
-    "index_n_heads": 2,
-    "index_topk": 8,
-}
-
-# fields counting layers, per naming scheme
-_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-
-
-def _config_dict(config) -> dict:
-    """Constructor kwargs of ``config``: its own (non-derived) fields, resolved through attribute_map."""
-    data = config.to_dict()
-    for key in ("architectures", "_name_or_path", "transformers_version", "model_type", "auto_map", "dtype"):
-        data.pop(key, None)
-    return data
-
-
-def _representative_layers(layer_types: Sequence[str], keep: int) -> list[int]:
-    """Indices of ``keep`` layers covering every distinct layer type, in model order."""
-    chosen: list[int] = []
-    seen: set[str] = set()
-    for i, kind in enumerate(layer_types):
-        if kind not in seen:
-            seen.add(kind)
-            chosen.append(i)
-    for i in range(len(layer_types)):
-        if len(chosen) >= keep:
-            break
-        if i not in chosen:
-            chosen.append(i)
-    return sorted(chosen)
-
-
-def tiny_config(config, **overrides):
-    """A tiny copy of a causal-LM config that keeps the architecture's features.
-
-    Shrinks width, depth, vocabulary and expert count, but keeps what decides whether packing is exact:
-    the attention kind of every layer type (sliding / full / linear / Mamba: one layer of each), sliding
-    windows and attention chunks (made shorter than the test samples, so they act), logit softcapping,
-    attention sinks, ALiBi, MoE routing.
-
-    Args:
-        config: a ``PretrainedConfig`` (e.g. the one of the model you will train) or a ``model_type``
-            string (``"llama"``), which starts from that architecture's default config.
-        **overrides: config fields to set after shrinking.
-
-    Returns:
-        A new config of the same class; ``config`` itself is not modified.
-
-    >>> cfg = tiny_config("mistral")
-    >>> cfg.hidden_size, cfg.num_hidden_layers, cfg.sliding_window, cfg.vocab_size
-    (64, 2, 4, 512)
-    """
-    from transformers import AutoConfig
-
-    base = AutoConfig.for_model(config) if isinstance(config, str) else config
-    data = _config_dict(base)
-    attribute_map = getattr(type(base), "attribute_map", {}) or {}
-
-    def present(name: str) -> str | None:
-        name = attribute_map.get(name, name)
-        return name if name in data else None
-
-    new: dict = {}
-    for name, value in _TINY_FIELDS.items():
-        key = present(name)
-        if key is not None and isinstance(data[key], int) and not isinstance(data[key], bool):
-            new[key] = (
-                min(value, data[key]) if name in ("n_group", "topk_group", "num_expert_group") else value
-            )
-    # fields some default configs leave at None although their model needs a value
-    for name in ("head_dim", "num_key_value_heads"):
-        key = present(name)
-        if key is not None and data[key] is None:
-            new[key] = _TINY_HEAD_DIM if name == "head_dim" else _TINY_HEADS
-    if present("qk_rope_head_dim") and present("head_dim"):
-        # multi-head latent attention: head_dim is the rotary part of the query/key heads
-        new[present("head_dim")] = _TINY_FIELDS["qk_rope_head_dim"]
-    experts = [
-        k for k in ("num_experts", "num_local_experts", "n_routed_experts") if isinstance(data.get(k), int)
-    ]
-    if experts and present("num_experts_per_tok") and data[present("num_experts_per_tok")] is None:
-        new[present("num_experts_per_tok")] = _TINY_FIELDS["num_experts_per_tok"]
-    heads_key, kv_key = present("num_attention_heads"), present("num_key_value_heads")
-    if kv_key is not None and isinstance(data[kv_key], int) and heads_key is not None:
-        # keep the flavour: multi-head stays multi-head, multi-query stays multi-query, GQA gets 2 groups
-        original_kv, original_heads = data[kv_key], data[heads_key]
-        new[kv_key] = _TINY_HEADS if original_kv == original_heads else 1 if original_kv == 1 else 2
-
-    # depth: one layer of each type (at least _TINY_LAYERS), and per-layer lists cut to match
-    layers_key = next((k for k in map(present, _LAYER_FIELDS) if k is not None), None)
-    if layers_key is not None:
-        original_layers = int(data[layers_key])
-        layer_types = data.get("layer_types")
-        keep = _TINY_LAYERS
-        if isinstance(layer_types, list) and len(layer_types) == original_layers:
-            keep = max(keep, len(set(layer_types)))
-            chosen = _representative_layers(layer_types, keep)
-        else:
-            chosen = list(range(min(keep, original_layers)))
-        new[layers_key] = len(chosen)
-        for key, value in data.items():
-            if isinstance(value, list) and len(value) == original_layers and original_layers > len(chosen):
-                new[key] = [value[i] for i in chosen]
-            elif key == "per_layer_config" and isinstance(value, dict):
-                # {"05": {...}} keyed by layer index: keep the chosen layers' entries under their new index
-                new[key] = {
-                    f"{chosen.index(int(k)):02d}": {f: _TINY_FIELDS.get(f, v) for f, v in per.items()}
-                    for k, per in value.items()
-                    if int(k) in chosen
-                }
-
-    vocab_key = present("vocab_size")
-    vocab = new.get(vocab_key, data.get(vocab_key)) if vocab_key else None
-    if isinstance(vocab, int):
-        # special token ids outside the tiny vocabulary would index past the embedding table
-        spare = vocab - 1
-        for key, value in data.items():
-            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= vocab:
-                new[key] = spare
-                spare -= 1
-            elif key.endswith("_token_id") and isinstance(value, list):
-                new[key] = [v if v < vocab else vocab - 1 for v in value]
-
-    # nested configs: a text_config is a model of its own; attention/FFN sub-configs (dbrx, mpt) hold sizes
-    for key, value in data.items():
-        if key == "text_config" and isinstance(value, dict) and getattr(base, key, None) is not None:
-            new[key] = tiny_config(getattr(base, key)).to_dict()
-        elif key in ("attn_config", "ffn_config") and isinstance(value, dict):
-            new[key] = {**value, **{k: v for k, v in _TINY_FIELDS.items() if isinstance(value.get(k), int)}}
-
-    from .attention.models import support
-
-    new.update(support(str(getattr(base, "model_type", ""))).tiny)
-    new.update(overrides)
-    return type(base)(**{**data, **new})
-
-
-# --------------------------------------------------------------------------------------------------
 # the packed batch and the comparison
 
 
@@ -397,8 +164,6 @@ def build_packed_batch(samples: Sequence[torch.Tensor]) -> dict[str, torch.Tenso
     >>> batch["position_ids"].tolist(), batch["cu_seq_lens_q"].tolist(), batch["max_length_q"]
     ([[0, 1, 2, 0, 1]], [0, 3, 5], 3)
     """
-    from .collator import PaddingFreeCollator
-
     # the check runs exactly what training feeds the model; labels are not needed (the loss is per sample)
     batch = PaddingFreeCollator()([{"input_ids": s.reshape(-1).tolist()} for s in samples])
     batch.pop("labels", None)
@@ -428,8 +193,6 @@ def _accepted_kwargs(model) -> tuple[set[str], bool]:
 
 def _attention_backend(attn_implementation: str) -> str | None:
     """The varlen kernel packing_hf's attention ran last, if that implementation is in use."""
-    from .attention import ATTENTION_NAME, last_backend
-
     return last_backend() if attn_implementation == ATTENTION_NAME else None
 
 
@@ -494,8 +257,8 @@ def check_packing(
         A :class:`PackingReport`; ``report.leaked`` says whether any sample saw another.
 
     >>> import torch
-    >>> from transformers import AutoModelForCausalLM
-    >>> model = AutoModelForCausalLM.from_config(tiny_config("opt"), attn_implementation="eager")
+    >>> from packing_hf.architectures.tiny import build_tiny_model
+    >>> model = build_tiny_model("opt", "eager")
     >>> check_packing(model, lengths=(4, 6), gradients=False).leaked  # stock OPT ignores position_ids
     True
     """
@@ -575,330 +338,3 @@ def check_packing(
             start = end
 
     return report(logits_diffs, grads_diffs, worst)
-
-
-# --------------------------------------------------------------------------------------------------
-# tiny copies: the pre-flight check and the architecture sweep
-
-IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "packing_hf")
-
-
-def _implementation_name(implementation: str) -> str:
-    """``"packing_hf"`` (or the registered name) -> packing_hf's registered name; others unchanged."""
-    from .attention import ATTENTION_NAME, register_attention
-
-    if implementation in ("packing_hf", ATTENTION_NAME):
-        return register_attention()
-    return implementation
-
-
-def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
-    """A tiny fp32 CPU causal LM from ``tiny_config(config)``, seeded, in eval mode.
-
-    >>> build_tiny_model("qwen2").config.hidden_size
-    64
-    """
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config(config)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(
-            cfg, attn_implementation=_implementation_name(attn_implementation)
-        )
-    finally:
-        torch.random.set_rng_state(generator_state)  # do not disturb the caller's random stream
-    return model.float().eval()
-
-
-@dataclass(frozen=True)
-class ArchitectureResult:
-    """One architecture under one attention implementation: stock, then prepared by packing_hf.
-
-    Attributes:
-        model_type: the architecture.
-        implementation: ``"eager"``, ``"sdpa"`` or ``"packing_hf"``.
-        stock: the check of the unmodified tiny model (``None`` if transformers cannot build it).
-        prepared: the check after :func:`packing_hf.prepare_model_for_packing` (``None`` if refused).
-        unsupported: why transformers refused to build the model with this implementation.
-        refused: why :func:`packing_hf.prepare_model_for_packing` refused it.
-    """
-
-    model_type: str
-    implementation: str
-    stock: PackingReport | None
-    prepared: PackingReport | None
-    unsupported: str | None = None
-    refused: str | None = None
-
-    @property
-    def verdict(self) -> str:
-        """``"exact"`` (stock and prepared), ``"fixed"`` (stock leaks, prepared exact), ``"refused"``,
-        ``"n/a"`` (transformers does not offer the implementation) or ``"LEAK"`` (prepared still leaks)."""
-        if self.unsupported is not None:
-            return "n/a"
-        if self.refused is not None:
-            return "refused"
-        if self.prepared is None or self.prepared.leaked:
-            return "LEAK"
-        return "exact" if self.stock is not None and not self.stock.leaked else "fixed"
-
-
-def sweep_architecture(
-    model_type: str,
-    implementations: Sequence[str] = IMPLEMENTATIONS,
-    *,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    gradients: bool = True,
-    tolerance: float = DEFAULT_TOLERANCE,
-) -> list[ArchitectureResult]:
-    """Check a tiny ``model_type`` model stock and prepared, under every implementation.
-
-    This is the single code path behind ``docs/architectures.md`` (``tools/gen_arch_table.py``) and the
-    architecture test, so the table is what the test asserts.
-
-    >>> [r.verdict for r in sweep_architecture("opt", ["sdpa"], gradients=False)]
-    ['fixed']
-    """
-    from .attention.models import prepare_model_for_packing
-
-    results = []
-    for implementation in implementations:
-        try:
-            model = build_tiny_model(model_type, implementation)
-        except (ValueError, KeyError, ImportError) as exc:  # transformers: "does not support ... yet"
-            results.append(
-                ArchitectureResult(model_type, implementation, None, None, unsupported=_short(exc))
-            )
-            continue
-        stock = check_packing(model, lengths, gradients=gradients, tolerance=tolerance)
-        try:
-            handle = prepare_model_for_packing(model, check_unknown=False)
-        except ValueError as exc:
-            results.append(ArchitectureResult(model_type, implementation, stock, None, refused=str(exc)))
-            continue
-        with handle:
-            prepared = check_packing(model, lengths, gradients=gradients, tolerance=tolerance)
-        results.append(ArchitectureResult(model_type, implementation, stock, prepared))
-    return results
-
-
-def _short(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-
-
-_ARCHITECTURE_CACHE: dict[tuple[str, str, bool], PackingReport] = {}
-
-
-def clear_architecture_cache() -> None:
-    """Forget the reports cached by :func:`check_architecture`.
-
-    >>> clear_architecture_cache()
-    """
-    _ARCHITECTURE_CACHE.clear()
-
-
-def check_architecture(config, attn_implementation: str = "sdpa", *, prepare: bool = True) -> PackingReport:
-    """Pre-flight check: does this architecture pack exactly? Runs on a tiny copy, cached.
-
-    Builds ``tiny_config(config)`` with ``attn_implementation`` (fp32, CPU), optionally prepares it with
-    :func:`packing_hf.prepare_model_for_packing` (what the trainers do to the real model), and runs
-    :func:`check_packing`. The result is cached per (tiny config, implementation, prepare): the first call
-    for an architecture costs well under a second, later ones nothing.
-
-    Args:
-        config: the ``PretrainedConfig`` of the model to train, or a ``model_type`` string.
-        attn_implementation: ``"eager"``, ``"sdpa"``, ``"packing_hf"`` / ``packing_hf.ATTENTION_NAME``, ...
-        prepare: check the model as prepared by packing_hf (``True``) or stock (``False``).
-
-    Returns:
-        A :class:`PackingReport`. When preparation refuses the architecture, ``report.error`` holds the
-        reason (and ``report.leaked`` is ``True``).
-
-    >>> check_architecture("mistral", "sdpa").leaked
-    False
-    >>> "Mamba" in check_architecture("bamba", "sdpa").error
-    True
-    """
-    from .attention.models import prepare_model_for_packing
-
-    cfg = tiny_config(config)
-    implementation = _implementation_name(attn_implementation)
-    key = (cfg.to_json_string(use_diff=False), implementation, prepare)
-    if key in _ARCHITECTURE_CACHE:
-        return _ARCHITECTURE_CACHE[key]
-    model = build_tiny_model(config, implementation)
-    handle = None
-    if prepare:
-        try:
-            handle = prepare_model_for_packing(model, check_unknown=False)
-        except ValueError as exc:
-            report = PackingReport(
-                cfg.model_type,
-                implementation,
-                None,
-                (),
-                DEFAULT_TOLERANCE,
-                (),
-                (),
-                (),
-                error=f"refused: {exc}",
-            )
-            _ARCHITECTURE_CACHE[key] = report
-            return report
-    try:
-        report = check_packing(model)
-    finally:
-        if handle is not None:
-            handle.revert()
-    _ARCHITECTURE_CACHE[key] = report
-    return report
-
-
-# --------------------------------------------------------------------------------------------------
-# the command line: packing-hf verify
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="packing-hf verify",
-        description="Check that packed rows give the same logits and gradients as every sample alone.",
-    )
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--model-type", help="an architecture (e.g. llama): checked on a tiny from_config model"
-    )
-    target.add_argument("--model", help="a local model folder: checked as is (fp32 recommended)")
-    target.add_argument(
-        "--all", action="store_true", help="sweep every registered architecture, print the table"
-    )
-    parser.add_argument(
-        "--attn-implementation",
-        default="sdpa",
-        help="eager, sdpa, packing_hf (packing_hf's varlen attention), ... (default: sdpa)",
-    )
-    parser.add_argument(
-        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="sample lengths, e.g. 7,12,5"
-    )
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
-    parser.add_argument("--no-grads", action="store_true", help="compare logits only")
-    parser.add_argument("--stock", action="store_true", help="do not apply prepare_model_for_packing first")
-    parser.add_argument("--json", action="store_true", help="print the report(s) as JSON")
-    return parser
-
-
-def verify_main(argv: Sequence[str] | None = None) -> int:
-    """``packing-hf verify``: exit status 0 when packing is exact, 1 on a leak or refusal, 2 on bad usage.
-
-    >>> verify_main(["--model-type", "qwen2", "--no-grads"])  # doctest: +ELLIPSIS
-    qwen2 / sdpa, samples [7, 12, 5]: max |diff| logits ...: exact
-    0
-    """
-    from .attention.models import prepare_model_for_packing
-
-    args = _parser().parse_args(argv)
-    try:
-        lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
-    except ValueError:
-        print(f"--lengths must be comma-separated integers, got {args.lengths!r}", file=sys.stderr)
-        return 2
-    if args.all:
-        from .attention.models import iter_sweep
-
-        results = []
-        for entry in iter_sweep():
-            results.extend(sweep_architecture(entry.model_type, lengths=lengths, gradients=not args.no_grads))
-        if args.json:
-            print(json.dumps([_result_dict(r) for r in results], indent=1))
-        else:
-            print(format_table(results))
-        return 0
-
-    implementation = _implementation_name(args.attn_implementation)
-    if args.model_type is not None:
-        try:
-            model = build_tiny_model(args.model_type, implementation)
-        except (ValueError, KeyError) as exc:
-            print(
-                f"cannot build a tiny {args.model_type} model with {implementation}: {_short(exc)}",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            args.model, attn_implementation=implementation, dtype=torch.float32
-        ).eval()
-    handle = None
-    if not args.stock:
-        try:
-            handle = prepare_model_for_packing(model)
-        except ValueError as exc:
-            print(f"refused: {exc}")
-            return 1
-    try:
-        report = check_packing(model, lengths, gradients=not args.no_grads, tolerance=args.tolerance)
-    finally:
-        if handle is not None:
-            handle.revert()
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
-    return 1 if report.leaked else 0
-
-
-def _result_dict(result: ArchitectureResult) -> dict:
-    return {
-        "model_type": result.model_type,
-        "implementation": result.implementation,
-        "verdict": result.verdict,
-        "stock": result.stock.to_dict() if result.stock else None,
-        "prepared": result.prepared.to_dict() if result.prepared else None,
-        "unsupported": result.unsupported,
-        "refused": result.refused,
-    }
-
-
-def _cell(result: ArchitectureResult) -> str:
-    verdict = result.verdict
-    if verdict == "n/a":
-        return "n/a"
-    stock = result.stock
-    leak = ""
-    if stock is not None and stock.leaked:
-        leak = "error" if stock.error else f"{max(stock.max_logits_diff, stock.max_grads_diff or 0.0):.0e}"
-    if verdict == "exact":
-        return "exact"
-    if verdict == "fixed":
-        return f"leaks ({leak}) → **exact**"
-    if verdict == "refused":
-        return f"leaks ({leak}) → refused" if leak else "exact → refused"
-    return f"**LEAK** ({leak})"
-
-
-def format_table(results: Sequence[ArchitectureResult]) -> str:
-    """Markdown table of sweep results: one row per architecture, one column per implementation.
-
-    A cell reads ``stock → prepared``: ``exact`` (stock already exact), ``leaks (max diff) → exact``
-    (fixed by packing_hf), ``... → refused`` (prepare_model_for_packing raises), ``n/a`` (transformers does
-    not offer that implementation for the architecture).
-    """
-    from .attention.models import support
-
-    by_type: dict[str, dict[str, ArchitectureResult]] = {}
-    for result in results:
-        by_type.setdefault(result.model_type, {})[result.implementation] = result
-    implementations = [i for i in IMPLEMENTATIONS if any(i in row for row in by_type.values())]
-    lines = [
-        "| architecture | status | " + " | ".join(implementations) + " | why |",
-        "|---|---|" + "---|" * len(implementations) + "---|",
-    ]
-    for model_type in sorted(by_type):
-        entry = support(model_type)
-        cells = [_cell(by_type[model_type][i]) if i in by_type[model_type] else "" for i in implementations]
-        lines.append(f"| {model_type} | {entry.status} | " + " | ".join(cells) + f" | {entry.reason} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    raise SystemExit(verify_main())

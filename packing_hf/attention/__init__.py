@@ -5,8 +5,12 @@ only adds a name to transformers' registries) or :func:`patch_flash_attention` (
 ``_flash_attention_forward``, reversibly).
 
 - ``backends``: :func:`varlen_attention` and its backends, :func:`select_backend`, :func:`available_backends`;
-- ``interface``: the ``AttentionInterface`` / ``AttentionMaskInterface`` functions and :func:`register_attention`;
-- ``patch``: :func:`patch_flash_attention`, :func:`unpatch_flash_attention`, :func:`flash_attention_patched`.
+- ``interface``: the ``AttentionInterface`` / ``AttentionMaskInterface`` functions, :func:`register_attention`
+  and :func:`resolve_attn_implementation`;
+- ``patch``: :func:`patch_flash_attention`, :func:`unpatch_flash_attention`, :func:`flash_attention_patched`;
+- ``guards``: :func:`validate_packed_batch`, the per-forward batch checks of a prepared model.
+
+Per-architecture fixes (which models need which hooks) live in :mod:`packing_hf.architectures`.
 
 >>> import packing_hf.attention as attention
 >>> attention.ATTENTION_NAME
@@ -20,6 +24,7 @@ from .interface import (
     ATTENTION_NAME,
     attend,
     register_attention,
+    resolve_attn_implementation,
     varlen_attention_forward,
     varlen_attention_mask,
 )
@@ -41,6 +46,7 @@ __all__ = [
     "last_backend",
     "patch_flash_attention",
     "register_attention",
+    "resolve_attn_implementation",
     "select_backend",
     "unpatch_flash_attention",
     "varlen_attention",

@@ -254,11 +254,11 @@ def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) 
     >>> hook_kwargs["use_cache"]
     False
     """
-    args, checked, _ = _check_forward_call(module, args, kwargs)
+    args, checked, _ = check_forward_call(module, args, kwargs)
     return args, checked
 
 
-def _check_forward_call(
+def check_forward_call(
     module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict, torch.Tensor | None]:
     """:func:`packed_forward_pre_hook`, also returning the ``(B, T)`` sample starts (``None``: not packed)."""

@@ -506,3 +506,18 @@ def register_attention(backend: str = "auto") -> str:
     if AttentionMaskInterface._global_mapping.get(ATTENTION_NAME) is not varlen_attention_mask:
         AttentionMaskInterface.register(ATTENTION_NAME, varlen_attention_mask)
     return ATTENTION_NAME
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """The ``attn_implementation`` to hand transformers for ``name``.
+
+    ``"packing_hf"`` and :data:`ATTENTION_NAME` mean packing_hf's varlen attention: it is registered (see
+    :func:`register_attention`) and its registered name returned. Every other name is transformers' own
+    (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``, ...) and is returned unchanged.
+
+    >>> resolve_attn_implementation("packing_hf"), resolve_attn_implementation("sdpa")
+    ('packing_hf_varlen', 'sdpa')
+    """
+    if name in ("packing_hf", ATTENTION_NAME):
+        return register_attention()
+    return name

@@ -2,7 +2,7 @@
 
 Whether packing is exact depends on the architecture and the attention implementation (stock OPT, Bloom,
 Falcon, ... leak on eager/sdpa; llama does not). :func:`preflight_packing` asks
-:func:`packing_hf.verify.check_architecture` (a packed-vs-separate comparison on a tiny copy of the
+:func:`packing_hf.check_architecture` (a packed-vs-separate comparison on a tiny copy of the
 model's config, cached per architecture and attention implementation, so it costs well under a second
 once per process) checked as packing_hf prepares it, and acts on the answer:
 
@@ -12,11 +12,11 @@ once per process) checked as packing_hf prepares it, and acts on the answer:
 - ``"error"``: refuse to train if it leaks;
 - ``"off"``: do nothing.
 
-Unless ``"off"``, the model is then prepared with :func:`packing_hf.attention.models.prepare_model_for_packing`
+Unless ``"off"``, the model is then prepared with :func:`packing_hf.prepare_model_for_packing`
 (on this instance only, reversible): batch guards on every forward (no cache, no attention mask next to
 packed inputs, ...) and per-sample masks for architectures whose mask ignores ``position_ids``.
 
->>> from packing_hf.verify import tiny_config
+>>> from packing_hf import tiny_config
 >>> from transformers import AutoModelForCausalLM
 >>> model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
 >>> handle = preflight_packing(model, mode="error")  # llama/sdpa is exact: guards only
@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+from ..architectures import check_architecture, prepare_model_for_packing
+from ..attention import register_attention
 
 __all__ = ["preflight_packing"]
 
@@ -53,7 +56,7 @@ def preflight_packing(model: Any, mode: str = "switch"):
         mode: ``"switch"``, ``"error"`` or ``"off"`` (see the module docstring).
 
     Returns:
-        The :class:`~packing_hf.attention.models.PackingPreparation` handle of the prepared model
+        The :class:`~packing_hf.PackingPreparation` handle of the prepared model
         (``handle.revert()`` removes its hooks), or ``None`` for ``mode="off"``.
 
     Raises:
@@ -64,9 +67,6 @@ def preflight_packing(model: Any, mode: str = "switch"):
         return None
     if mode not in ("switch", "error"):
         raise ValueError(f"packing_preflight={mode!r}: it must be 'switch', 'error' or 'off'")
-    from ..attention.models import prepare_model_for_packing
-    from ..verify import check_architecture
-
     base = _base_model(model)
     config = base.config
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
@@ -82,8 +82,6 @@ def preflight_packing(model: Any, mode: str = "switch"):
                 f"packed samples would see each other with {config.model_type} / {implementation}: "
                 f"{report.summary()}; {fix}"
             )
-        from ..attention import register_attention
-
         name = register_attention()
         switched = check_architecture(config, name)
         if switched.leaked:
@@ -104,4 +102,5 @@ def preflight_packing(model: Any, mode: str = "switch"):
         )
         report = switched
     logger.info("packing pre-flight: %s", report.summary())
-    return prepare_model_for_packing(base)
+    # the check above already covered an architecture the registry does not know: do not check it twice
+    return prepare_model_for_packing(base, check_unknown=False)

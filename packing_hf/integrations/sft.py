@@ -112,9 +112,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         )
         if install_after:
             if data_collator is None:
-                data_collator = PaddingFreeCollator(
-                    pad_token_id=self._tokenizer.pad_token_id,
-                    pad_to_multiple_of=args.pad_to_multiple_of,
+                data_collator = PaddingFreeCollator.for_tokenizer(
+                    self._tokenizer, pad_to_multiple_of=args.pad_to_multiple_of
                 )
             self.data_collator = data_collator
         self._packing_setup()

@@ -162,13 +162,6 @@ class PackingTrainerMixin:
                 args.train_sampling_strategy,
             )
 
-    @staticmethod
-    def _default_packing_collator(processing_class: Any) -> PaddingFreeCollator:
-        """The collator used when ``max_tokens_per_batch`` is set and none was given."""
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        pad_token_id = getattr(tokenizer, "pad_token_id", None)
-        return PaddingFreeCollator(pad_token_id=pad_token_id if pad_token_id is not None else 0)
-
     # ---- columns ---------------------------------------------------------------------------------
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -488,6 +481,6 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         if data_collator is None and getattr(args, "max_tokens_per_batch", None) is not None:
-            data_collator = self._default_packing_collator(kw.get("processing_class"))
+            data_collator = PaddingFreeCollator.for_tokenizer(kw.get("processing_class"))
         super().__init__(model, args, data_collator, *a, **kw)
         self._packing_setup()

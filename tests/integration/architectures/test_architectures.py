@@ -1,6 +1,6 @@
 """Every registered causal-LM architecture x {eager, sdpa, packing_hf}: packed == separate, or refused.
 
-Runs ``packing_hf.verify.sweep_architecture``, the code that generates ``docs/architectures.md``, on tiny
+Runs ``packing_hf.architectures.sweep_architecture``, the code that generates ``docs/architectures.md``, on tiny
 fp32 CPU models: logits and per-sample parameter gradients of a packed row vs every sample alone, 1e-5.
 Where stock transformers leaks, the test asserts that ``check_packing`` reports the leak (so a trainer can
 refuse or switch), and that ``prepare_model_for_packing`` either fixes it or refuses with the reason.
@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packing_hf.attention.models import iter_sweep, prepare_model_for_packing, support
-from packing_hf.verify import (
-    DEFAULT_LENGTHS,
-    DEFAULT_TOLERANCE,
+from packing_hf.architectures import (
     IMPLEMENTATIONS,
     build_tiny_model,
-    check_packing,
+    iter_sweep,
+    prepare_model_for_packing,
+    support,
     sweep_architecture,
+    tiny_config,
 )
+from packing_hf.verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, build_packed_batch, check_packing
 
 SWEEP = [entry.model_type for entry in iter_sweep()]
 
@@ -175,8 +176,6 @@ def test_unregistered_architectures_are_checked_before_being_trusted(monkeypatch
 def test_the_mask_fix_survives_activation_checkpointing():
     """Checkpointed layers re-run in backward; their mask must be restricted again, not left stock."""
     from transformers import AutoModelForCausalLM
-
-    from packing_hf.verify import build_packed_batch, tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("opt", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)

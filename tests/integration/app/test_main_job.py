@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from packing_hf.config import load_train_config
-from packing_hf.train import run_training
+from packing_hf.app.config import load_train_config
+from packing_hf.app.train import run_training
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "smollm2_demo.yaml"
 TINY_MODEL = '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from packing_hf.cli import main
+from packing_hf.app.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 

@@ -1,4 +1,4 @@
-"""packing_hf.config: YAML + overrides -> dataclasses, axolotl's sample_packing, clear errors."""
+"""packing_hf.app.config: YAML + overrides -> dataclasses, axolotl's sample_packing, clear errors."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from packing_hf.config import load_train_config, parse_overrides, read_yaml
+from packing_hf.app.config import load_train_config, parse_overrides, read_yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 

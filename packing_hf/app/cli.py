@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_USAGE)
         return 0 if argv else 2
     if argv[0] == "--version":
-        from . import __version__
+        from .. import __version__
 
         print(f"packing-hf {__version__}")
         return 0

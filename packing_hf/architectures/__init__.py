@@ -1,0 +1,49 @@
+"""Which architectures pack exactly, and the per-model fixes that make them: the layer above the check.
+
+- ``registry``: data: the support status of every ``model_type`` and why (:func:`support`);
+- ``tiny``: tiny copies of configs that keep what decides exactness (:func:`tiny_config`);
+- ``prepare``: :func:`prepare_model_for_packing`, reversible hooks on one model instance;
+- ``sweep``: :func:`check_architecture` (cached pre-flight check) and :func:`sweep_architecture` (the table).
+
+Everything here builds on :func:`packing_hf.check_packing` (:mod:`packing_hf.verify`) and
+:mod:`packing_hf.attention`; neither imports this package.
+
+>>> support("opt").status
+'mask'
+"""
+
+from __future__ import annotations
+
+from .prepare import (
+    PackingPreparation,
+    check_unregistered,
+    prepare_model_for_packing,
+    revert_model_for_packing,
+)
+from .registry import REGISTRY, ArchitectureSupport, iter_sweep, support
+from .sweep import (
+    IMPLEMENTATIONS,
+    ArchitectureResult,
+    check_architecture,
+    clear_architecture_cache,
+    sweep_architecture,
+)
+from .tiny import build_tiny_model, tiny_config
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "REGISTRY",
+    "ArchitectureResult",
+    "ArchitectureSupport",
+    "PackingPreparation",
+    "build_tiny_model",
+    "check_architecture",
+    "check_unregistered",
+    "clear_architecture_cache",
+    "iter_sweep",
+    "prepare_model_for_packing",
+    "revert_model_for_packing",
+    "support",
+    "sweep_architecture",
+    "tiny_config",
+]

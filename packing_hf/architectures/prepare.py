@@ -1,0 +1,286 @@
+"""``prepare_model_for_packing``: make one model instance exact on packed rows, or refuse it; reversible.
+
+Driven by the registry (:mod:`packing_hf.architectures.registry`): every prepared model gets the batch
+guards of :mod:`packing_hf.attention.guards` (a forward pre-hook); architectures whose mask ignores
+``position_ids`` get per-sample masks in their decoder layers under eager/sdpa; refused architectures
+raise with the reason; an architecture the registry does not know is checked once on a tiny copy of its
+config (:func:`packing_hf.check_packing`, cached per config and attention implementation).
+
+:func:`prepare_model_for_packing` returns a handle whose ``revert()`` removes every hook (PEFT-style), and
+works as a context manager. Nothing here is global: no transformers symbol is replaced.
+
+>>> from packing_hf.architectures.tiny import build_tiny_model
+>>> with prepare_model_for_packing(build_tiny_model("opt", "eager")) as handle:
+...     handle.mask_fix, handle.layers
+(True, 2)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from ..attention import ATTENTION_NAME
+from ..attention.guards import check_forward_call
+from ..verify import PackingReport, check_packing
+from .registry import ArchitectureSupport, support
+from .tiny import build_tiny_model, tiny_config
+
+__all__ = ["PackingPreparation", "check_unregistered", "prepare_model_for_packing", "revert_model_for_packing"]
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# the mask fix: every decoder layer sees only same-sample pairs
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int | None]]:
+    """Modules held in a ``ModuleList`` whose forward takes an ``attention_mask``, with its position.
+
+    Returns ``(layer, index)`` where ``index`` is the positional slot of ``attention_mask`` in ``args``.
+    """
+    layers = []
+    for parent in model.modules():
+        if not isinstance(parent, torch.nn.ModuleList):
+            continue
+        for layer in parent:
+            params = list(inspect.signature(layer.forward).parameters)
+            if "attention_mask" in params:
+                layers.append((layer, params.index("attention_mask")))
+    return layers
+
+
+def _restrict_mask(
+    mask: torch.Tensor | None, same: torch.Tensor, impl: str, dtype: torch.dtype, inverted: bool = False
+) -> torch.Tensor | dict | None:
+    """``mask`` ``(B|1, H|1, T, T)`` with cross-sample pairs removed; ``same`` ``(B, 1, T, T)`` bool.
+
+    Float masks are additive (0 = attend, dtype min = masked); boolean ones keep where True, or mask where
+    True when ``inverted``.
+    """
+    if isinstance(mask, dict):  # some models hand every layer a {layer_type: mask} mapping
+        return {k: _restrict_mask(v, same, impl, dtype, inverted) for k, v in mask.items()}
+    total = same.shape[-1]
+    if mask is None:
+        # sdpa skipped the mask (plain causal): materialize causal & same-sample in the format it expects
+        causal = torch.ones(total, total, dtype=torch.bool, device=same.device).tril()
+        keep = same & causal
+        if impl == "eager":
+            return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+                ~keep, torch.finfo(dtype).min
+            )
+        return keep
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (total, total):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"cannot restrict an attention mask of shape {shape} to a packed row of {total} tokens; packed rows "
+            "need a (B, 1, T, T) mask (no cache, no prefix)"
+        )
+    same = same.to(mask.device)
+    if mask.dtype == torch.bool:
+        return mask | ~same if inverted else mask & same
+    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+
+
+class PackingPreparation:
+    """Handle returned by :func:`prepare_model_for_packing`: ``revert()`` undoes everything it did.
+
+    Attributes:
+        model_type: the architecture prepared.
+        support: its registry entry.
+        mask_fix: whether per-sample mask hooks are installed on the decoder layers.
+        layers: how many decoder layers got a mask hook.
+    """
+
+    def __init__(self, model: torch.nn.Module, entry: ArchitectureSupport, mask_fix: bool) -> None:
+        self._model = weakref.ref(model)
+        self.model_type = entry.model_type
+        self.support = entry
+        self.mask_fix = mask_fix
+        self._handles: list[Any] = []
+        self._same: torch.Tensor | None = None  # (B, 1, T, T) bool of the forward in flight
+        self.layers = 0
+        self._impl = str(getattr(model.config, "_attn_implementation", None))
+        self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        if mask_fix:
+            layers = _decoder_layers(model)
+            if not layers:
+                raise ValueError(
+                    f"{entry.model_type}: no decoder layer taking an attention_mask was found to apply the "
+                    "per-sample mask fix; packing cannot be made exact for this model"
+                )
+            for layer, index in layers:
+                self._handles.append(
+                    layer.register_forward_pre_hook(self._make_layer_hook(index), with_kwargs=True)
+                )
+            self.layers = len(layers)
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, checked, starts = check_forward_call(module, args, kwargs)
+        # Kept after the forward returns: activation checkpointing re-runs the layers during backward, and
+        # their hooks must restrict the mask the same way again. The next forward replaces it.
+        self._same = None
+        if self.mask_fix and starts is not None:
+            sample = torch.cumsum(starts.long(), dim=-1)  # (B, T) sample index of every token
+            self._same = (sample[:, :, None] == sample[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+        return args, checked
+
+    def _make_layer_hook(self, index: int):
+        inverted = self.support.inverted_bool_mask
+
+        def hook(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            same = self._same
+            if same is None:
+                return None
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else torch.float32
+            if "attention_mask" in kwargs or len(args) <= index:
+                kwargs = dict(kwargs)
+                kwargs["attention_mask"] = _restrict_mask(
+                    kwargs.get("attention_mask"), same, self._impl, dtype, inverted
+                )
+                return args, kwargs
+            args = list(args)
+            args[index] = _restrict_mask(args[index], same, self._impl, dtype, inverted)
+            return tuple(args), kwargs
+
+        return hook
+
+    # -- revert -------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def revert(self) -> None:
+        """Remove every hook; the model behaves exactly as before preparation. A second call is a no-op."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._same = None
+        model = self._model()
+        if model is not None and getattr(model, "_packing_hf_preparation", None) is self:
+            del model._packing_hf_preparation
+
+    def __enter__(self) -> PackingPreparation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.revert()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "reverted"
+        return (
+            f"PackingPreparation({self.model_type}, mask_fix={self.mask_fix}, layers={self.layers}, {state})"
+        )
+
+
+_UNREGISTERED_CACHE: dict[tuple[str, str], PackingReport] = {}
+
+
+def check_unregistered(config: Any, attn_implementation: str) -> PackingReport:
+    """The stock check of an architecture the registry does not know, on a tiny copy (cached).
+
+    Builds :func:`~packing_hf.architectures.tiny.tiny_config` of ``config`` with ``attn_implementation`` and
+    runs :func:`packing_hf.check_packing` on it, unprepared; the report is cached per (tiny config,
+    implementation), so a pre-flight pays for it once per process.
+
+    >>> check_unregistered("llama", "sdpa").leaked
+    False
+    """
+    cfg = tiny_config(config)
+    key = (cfg.to_json_string(use_diff=False), attn_implementation)
+    if key not in _UNREGISTERED_CACHE:
+        _UNREGISTERED_CACHE[key] = check_packing(build_tiny_model(config, attn_implementation))
+    return _UNREGISTERED_CACHE[key]
+
+
+def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = True) -> PackingPreparation:
+    """Make ``model`` exact on packed rows, or refuse it; reversible (``handle.revert()`` / ``with``).
+
+    What it installs, on this model instance only:
+
+    - a forward pre-hook running :func:`packing_hf.attention.guards.validate_packed_batch` on every call:
+      packed calls get ``use_cache=False`` and lose an all-ones ``attention_mask``; a padding mask, a
+      cache, several rows with ``cu_seq_lens_q``, positions not restarting at 0, int32 overflow and labels
+      not masked at sample starts raise ``ValueError``. Unpacked calls (e.g. ``generate``) pass unchanged.
+    - for architectures whose mask ignores ``position_ids`` (registry status ``"mask"``) and that run
+      eager/sdpa attention: pre-hooks on the decoder layers restricting their attention mask to same-sample
+      pairs.
+
+    Calling it twice returns the same handle. Keep the model prepared until the backward pass is done:
+    activation checkpointing re-runs the layers (and their mask hooks) during backward.
+
+    Args:
+        model: a transformers causal LM.
+        check_unknown: for architectures not in the registry, run :func:`check_unregistered` on a tiny copy
+            of the config and refuse on a leak; ``False`` trusts them (guards only), e.g. because the caller
+            has just checked them itself.
+
+    Returns:
+        A :class:`PackingPreparation`.
+
+    Raises:
+        ValueError: the architecture cannot be packed exactly (the message says why), or its attention is
+            computed by the model itself while ``attn_implementation`` is packing_hf's varlen one.
+
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM
+    >>> from packing_hf.architectures.tiny import tiny_config
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("opt"), attn_implementation="sdpa")
+    >>> with prepare_model_for_packing(model) as handle:
+    ...     check_packing(model).leaked
+    False
+    >>> check_packing(model).leaked  # reverted: stock OPT again
+    True
+    """
+    existing = getattr(model, "_packing_hf_preparation", None)
+    if isinstance(existing, PackingPreparation) and existing.active:
+        return existing
+    config = model.config
+    model_type = str(getattr(config, "model_type", type(model).__name__))
+    entry = support(model_type)
+    impl = str(getattr(config, "_attn_implementation", None))
+    varlen = impl == ATTENTION_NAME
+
+    if entry.status == "refused":
+        raise ValueError(f"{model_type}: {entry.reason}; train it without packing (or with padding)")
+    if varlen and entry.own_attention:
+        raise ValueError(
+            f"{model_type} computes attention itself, not through transformers' AttentionInterface, so "
+            f"attn_implementation={impl!r} cannot keep packed samples apart; load it with "
+            "attn_implementation='eager' (packing_hf then restricts its mask per sample)"
+        )
+    if entry.status == "unknown" and check_unknown:
+        report = check_unregistered(config, impl)
+        if report.leaked:
+            raise ValueError(
+                f"{model_type} is not in packing_hf's architecture registry and a check on a tiny copy of its "
+                f"config leaks: {report.summary()}. Train it without packing, or pass check_unknown=False if you "
+                "verified it yourself with packing_hf.check_packing(model)"
+            )
+    mask_fix = entry.status == "mask" and not varlen
+    handle = PackingPreparation(model, entry, mask_fix)
+    model._packing_hf_preparation = handle
+    if mask_fix:
+        logger.info(
+            "%s: %s; restricting the mask per sample in %d layers", model_type, entry.reason, handle.layers
+        )
+    return handle
+
+
+def revert_model_for_packing(model: torch.nn.Module) -> bool:
+    """Undo :func:`prepare_model_for_packing` on ``model``; returns whether anything was prepared.
+
+    >>> revert_model_for_packing(torch.nn.Linear(2, 2))
+    False
+    """
+    handle = getattr(model, "_packing_hf_preparation", None)
+    if not isinstance(handle, PackingPreparation):
+        return False
+    handle.revert()
+    return True

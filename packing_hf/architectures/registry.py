@@ -1,0 +1,212 @@
+"""The architecture registry: how packing works for every causal-LM ``model_type`` (data, no hooks).
+
+Every causal-LM architecture falls in one of four classes (measured by the architecture sweep,
+:mod:`packing_hf.architectures.sweep`, and written to ``docs/architectures.md`` by ``tools/gen_arch_table.py``):
+
+- ``exact``: transformers' own mask creation already keeps packed samples apart (it reads restarting
+  ``position_ids``); only the batch guards are needed (no cache, no attention mask).
+- ``mask``: the model builds its causal mask *without* ``position_ids`` (OPT, BLOOM, Falcon, MPT,
+  gpt-oss, ...), so every token sees the previous samples of the row; :mod:`packing_hf.architectures.prepare`
+  restricts the mask each decoder layer receives to same-sample pairs. ALiBi (BLOOM, MPT, Falcon) stays
+  exact: its bias is linear in the key position, so the per-sample offset is a constant per query row,
+  which softmax ignores; attention sinks (gpt-oss) are a per-head logit, also independent of the row.
+- ``refused``: state-space, recurrent, convolutional or sparse-selection layers that carry information
+  along the row regardless of the mask.
+- ``unknown`` (not registered): checked on a tiny copy of its config the first time it is prepared.
+
+>>> support("llama").status, support("opt").status, support("bamba").status
+('exact', 'mask', 'refused')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["REGISTRY", "ArchitectureSupport", "Status", "iter_sweep", "support"]
+
+Status = Literal["exact", "mask", "refused", "unknown"]
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """How packing works for one ``model_type``.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        status: ``"exact"``, ``"mask"`` (fixed by :func:`packing_hf.prepare_model_for_packing`), ``"refused"`` or
+            ``"unknown"`` (not in the registry; checked on a tiny copy when prepared).
+        reason: why stock transformers leaks, or why packing is refused.
+        own_attention: the model computes attention itself instead of dispatching through
+            ``AttentionInterface``, so ``attn_implementation=packing_hf.ATTENTION_NAME`` cannot apply.
+        inverted_bool_mask: the model's boolean attention masks mean True = masked (MPT), instead of
+            transformers' True = attend.
+        tiny: config fields for the tiny copy used by the sweep (on top of :func:`packing_hf.architectures.tiny.tiny_config`).
+        sweep: whether the architecture sweep (table and test) covers it.
+
+    >>> support("bloom").own_attention
+    True
+    """
+
+    model_type: str
+    status: Status
+    reason: str = ""
+    own_attention: bool = False
+    inverted_bool_mask: bool = False
+    tiny: dict[str, Any] = field(default_factory=dict)
+    sweep: bool = True
+
+
+def _entry(model_type: str, status: Status, reason: str = "", **kwargs: Any) -> ArchitectureSupport:
+    return ArchitectureSupport(model_type, status, reason, **kwargs)
+
+
+_NO_POSITION_MASK = "builds its causal mask without position_ids, so packed samples attend to earlier samples"
+_ALIBI = "; ALiBi stays exact once the mask is per sample (its bias shifts by a per-row constant)"
+_SSM = "need seq_idx-aware kernels (causal-conv1d, mamba-ssm) to keep packed samples apart"
+_CONV = "short causal convolutions mix the last tokens of one sample into the next; they take no seq_idx"
+_DELTANET = "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)"
+_DSA = (
+    "the DSA indexer picks top-k keys over ReLU scores, whose ties are broken by absolute key index, so the "
+    "selected keys depend on where a sample sits in the row"
+)
+_OWN = "computes attention itself (not through AttentionInterface): use eager with packing"
+_ENCODER = "an encoder (bidirectional) architecture, not a causal decoder"
+_ENC_DEC = "the decoder of an encoder-decoder model: positions come from the input length, not position_ids"
+_MULTIMODAL = "a multimodal wrapper: pack its text-only variant (e.g. the *_text model type) instead"
+
+_ENTRIES = [
+    # --- exact on stock eager/sdpa: mask creation reads the restarting position_ids ----------------
+    *[
+        _entry(m, "exact")
+        for m in (
+            "apertus arcee aria_text beam bitnet cohere cohere2 cohere2_moe cwm deepseek_v2 deepseek_v3 "
+            "diffllama doge ernie4_5 ernie4_5_moe exaone4 exaone_moe flex_olmo flint gemma gemma2 gemma3_text "
+            "glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2 gpt_bigcode gpt_neox granite granite_swa granitemoe "
+            "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
+            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama llama4_text longcat_flash mellum "
+            "mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral "
+            "modernbert-decoder nanochat nemotron olmo olmo2 olmo3 olmoe persimmon phi phi3 phimoe qwen2 "
+            "qwen2_moe qwen3 qwen3_moe seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma youtu axk1"
+        ).split()
+    ],
+    # the model's own attention code ignores the varlen implementation's (absent) mask
+    _entry("codegen", "exact", "", own_attention=True),
+    _entry("gpt_neox_japanese", "exact", "", own_attention=True),
+    _entry("gpt_neo", "exact", "", own_attention=True),
+    _entry("gptj", "exact", "", own_attention=True),
+    _entry("ctrl", "exact"),
+    # --- fixed by restricting the mask per sample -------------------------------------------------
+    _entry("opt", "mask", _NO_POSITION_MASK),
+    _entry("biogpt", "mask", _NO_POSITION_MASK),
+    _entry("afmoe", "mask", _NO_POSITION_MASK + " (full and sliding-window layers)"),
+    _entry("gpt_oss", "mask", _NO_POSITION_MASK + "; attention sinks are per-head logits, unaffected"),
+    _entry("bloom", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True),
+    _entry("falcon", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True),
+    _entry("mpt", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True, inverted_bool_mask=True),
+    _entry("xglm", "mask", _NO_POSITION_MASK, own_attention=True),
+    _entry(
+        "openai-gpt",
+        "mask",
+        "applies a fixed causal triangle and ignores position_ids in its mask",
+        own_attention=True,
+    ),
+    # --- refused ----------------------------------------------------------------------------------
+    _entry("bamba", "refused", f"hybrid Mamba2 layers {_SSM}"),
+    _entry("jamba", "refused", f"hybrid Mamba layers {_SSM}"),
+    _entry("falcon_h1", "refused", f"hybrid Mamba2 layers {_SSM}", tiny={"mamba_d_ssm": 128}),
+    _entry("falcon_mamba", "refused", f"Mamba layers {_SSM}", own_attention=True),
+    _entry("mamba", "refused", f"Mamba layers {_SSM}", own_attention=True),
+    _entry(
+        "mamba2",
+        "refused",
+        f"Mamba2 layers {_SSM}",
+        own_attention=True,
+        tiny={"num_heads": 4, "head_dim": 32},
+    ),
+    _entry("granitemoehybrid", "refused", f"hybrid Mamba2 layers {_SSM}"),
+    _entry("nemotron_h", "refused", f"hybrid Mamba2 layers {_SSM}"),
+    _entry("zamba", "refused", f"hybrid Mamba layers {_SSM}"),
+    _entry("zamba2", "refused", f"hybrid Mamba2 layers {_SSM}"),
+    _entry(
+        "bailing_hybrid", "refused", "linear-attention layers carry a recurrent state across the whole row"
+    ),
+    _entry(
+        "kimi_linear", "refused", "KDA linear-attention layers carry a recurrent state across the whole row"
+    ),
+    _entry(
+        "minimax", "refused", "lightning (linear) attention layers carry a recurrent state across the row"
+    ),
+    _entry("lfm3", "refused", _CONV),
+    _entry("inkling_text", "refused", _CONV + " (k/v short convolutions)"),
+    _entry("inkling2_text", "refused", _CONV + " (k/v short convolutions)", own_attention=True),
+    _entry("qwen3_next", "refused", _DELTANET),
+    _entry("qwen3_5_text", "refused", _DELTANET),
+    _entry("qwen3_5_moe_text", "refused", _DELTANET),
+    _entry("olmo_hybrid", "refused", _DELTANET),
+    _entry(
+        "recurrent_gemma", "refused", "RG-LRU recurrent layers and their convolution run across the whole row"
+    ),
+    _entry("rwkv", "refused", "RWKV time-mixing is a recurrence over the whole row", own_attention=True),
+    _entry("xlstm", "refused", "xLSTM blocks are a recurrence over the whole row", own_attention=True),
+    _entry("deepseek_v32", "refused", _DSA),
+    _entry("glm_moe_dsa", "refused", _DSA),
+    _entry("axk2", "refused", _DSA),
+    _entry("hy_v4", "refused", _DSA, own_attention=True),
+    _entry(
+        "deepseek_v4",
+        "refused",
+        "compressed (pooled) key/value blocks are built over the whole row, across sample boundaries",
+        own_attention=True,
+    ),
+    _entry(
+        "cpmant",
+        "refused",
+        "relative position buckets and segment ids are computed from the row, ignoring position_ids",
+        own_attention=True,
+    ),
+    *[
+        _entry(m, "refused", _ENCODER, sweep=False)
+        for m in (
+            "bert bert-generation big_bird camembert data2vec-text electra ernie megatron-bert rembert roberta "
+            "roberta-prelayernorm roc_bert roformer xlm xlm-roberta xlm-roberta-xl xmod xlnet reformer"
+        ).split()
+    ],
+    *[
+        _entry(m, "refused", _ENC_DEC, sweep=False)
+        for m in (
+            "bart bigbird_pegasus blenderbot blenderbot-small marian mbart mvp pegasus plbart prophetnet trocr whisper"
+        ).split()
+    ],
+    *[
+        _entry(m, "refused", _MULTIMODAL, sweep=False)
+        for m in (
+            "dots3_note emu3 fuyu gemma3 gemma3n gemma4 gemma4_unified gemma4_unified_assistant gemma4_assistant git "
+            "got_ocr2 llama4 mllama moshi moss_transcribe_diarize musicgen musicgen_melody phi4_multimodal qwen3_5 "
+            "qwen3_5_moe qwen4_exp blt"
+        ).split()
+    ],
+]
+
+REGISTRY: dict[str, ArchitectureSupport] = {e.model_type: e for e in _ENTRIES}
+
+
+def support(model_type: str) -> ArchitectureSupport:
+    """The registry entry of ``model_type`` (status ``"unknown"`` when it is not registered).
+
+    >>> support("not_a_model").status
+    'unknown'
+    """
+    return REGISTRY.get(model_type) or ArchitectureSupport(
+        model_type, "unknown", "not in packing_hf's registry"
+    )
+
+
+def iter_sweep() -> Iterator[ArchitectureSupport]:
+    """Registry entries covered by the architecture sweep, in model-type order.
+
+    >>> len(list(iter_sweep())) >= 30
+    True
+    """
+    return iter(sorted((e for e in REGISTRY.values() if e.sweep), key=lambda e: e.model_type))

@@ -1,0 +1,29 @@
+"""``packing-hf verify``: exit codes and output on tiny architectures and on a saved model."""
+
+from __future__ import annotations
+
+import pytest
+
+from packing_hf.app.verify import verify_main
+from packing_hf.architectures import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_cli_exit_codes(capsys):
+    assert (
+        verify_main(["--model-type", "opt", "--attn-implementation", "eager", "--stock", "--no-grads"]) == 1
+    )
+    assert "LEAK" in capsys.readouterr().out
+    assert verify_main(["--model-type", "opt", "--attn-implementation", "eager", "--no-grads"]) == 0
+    assert "exact" in capsys.readouterr().out
+    assert verify_main(["--model-type", "zamba", "--no-grads"]) == 1
+    assert "refused: zamba" in capsys.readouterr().out
+    assert verify_main(["--model-type", "bloom", "--attn-implementation", "sdpa"]) == 2
+    assert verify_main(["--model-type", "llama", "--lengths", "3,x"]) == 2
+
+
+def test_cli_on_a_saved_model(tmp_path, capsys):
+    build_tiny_model("llama", "eager").save_pretrained(tmp_path)
+    assert verify_main(["--model", str(tmp_path), "--no-grads", "--json"]) == 0
+    assert '"leaked": false' in capsys.readouterr().out
