@@ -1,0 +1,407 @@
+"""Padding-free preference batches: every pair's chosen and rejected sequences packed into one ``[1, T]`` row.
+
+A DPO batch of ``B`` pairs holds ``2B`` sequences (``prompt + chosen`` and ``prompt + rejected`` of every
+pair). A padded batch right-pads all of them to the longest one; here they become ``2B`` segments of one
+packed row with restarting ``position_ids`` and ``cu_seq_lens_q/k``, so varlen attention computes only
+real tokens and no sequence sees another.
+
+The batch also carries the *padded layout* TRL's ``DPOTrainer`` reasons in: ``input_ids``,
+``attention_mask`` and ``completion_mask`` of shape ``(2B, L)``, chosen rows first, exactly as
+``trl.trainer.dpo_trainer.DataCollatorForPreference`` builds them. They are small integer tensors (no
+model compute runs on them); they let TRL's loss code run unchanged on per-token results of the packed
+forward scattered back into that layout (:func:`unpack_shifted`), with labels carried the other way
+(:func:`pack_padded_labels`). ``packed_index`` links the two layouts: ``packed_index[t]`` is the flat
+index into ``(2B, L)`` of packed token ``t``, or ``2B * L`` (past the end) for tokens that are never a
+prediction target: the first token of every segment and the padding added by ``pad_to_multiple_of``.
+
+>>> collator = PaddingFreePreferenceCollator()
+>>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]}])
+>>> batch["packed_input_ids"].tolist(), batch["position_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
+([[1, 2, 3, 1, 2, 4, 5]], [[0, 1, 2, 0, 1, 2, 3]], [0, 3, 7])
+>>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
+([[1, 2, 3, 0], [1, 2, 4, 5]], [[0, 0, 1, 0], [0, 0, 1, 1]])
+>>> batch["packed_index"].tolist()  # 8 = 2 x 4: segment starts are never targets
+[8, 1, 2, 8, 5, 6, 7]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from .collator import PaddingFreeCollator, _flatten_field
+from .varlen import INT32_MAX
+
+__all__ = [
+    "PACKED_KEYS",
+    "PaddingFreePreferenceCollator",
+    "pack_padded_labels",
+    "preference_pair_lengths",
+    "unpack_shifted",
+]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+TruncationMode = Literal["keep_start", "keep_end"]
+_TRUNCATION_MODES = ("keep_start", "keep_end")
+_PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+# Batch keys that exist only in the packed layout; a model hook turns them into the model's inputs.
+PACKED_KEYS = ("packed_input_ids", "packed_index")
+
+
+def _new_stats() -> dict[str, int]:
+    return {
+        "batches": 0,
+        "pairs": 0,
+        "samples": 0,  # sequences: two per pair
+        "tokens": 0,  # real tokens emitted (after truncation, before padding)
+        "padding_tokens": 0,  # added by pad_to_multiple_of
+        "padded_layout_tokens": 0,  # 2B x longest: what a right-padded batch of the same pairs would run
+        "truncated_samples": 0,
+        "truncated_tokens": 0,
+        "split_samples": 0,  # never used (a split pair cannot be scored); kept for PaddingFreeCollator's keys
+        "split_chunks": 0,
+    }
+
+
+def preference_pair_lengths(
+    prompt_lengths: Any, chosen_lengths: Any, rejected_lengths: Any, max_length: int | None = None
+) -> np.ndarray:
+    """Tokens one pair occupies in a packed row: ``len(prompt + chosen) + len(prompt + rejected)``.
+
+    With ``max_length`` each sequence counts at most ``max_length`` tokens (what the collator keeps with
+    ``overflow="truncate"``). These are the lengths to give :class:`~packing_hf.MultipackBatchSampler`, so a
+    pair is one item of the bin packing and is never split across batches.
+
+    Args:
+        prompt_lengths, chosen_lengths, rejected_lengths: ``(n,)`` ints (lists, arrays or tensors).
+        max_length: the collator's per-sequence ``max_length``, or ``None``.
+
+    Returns:
+        ``(n,)`` int64.
+
+    >>> preference_pair_lengths([3, 2], [4, 1], [2, 6]).tolist()
+    [12, 11]
+    >>> preference_pair_lengths([3, 2], [4, 1], [2, 6], max_length=6).tolist()
+    [11, 9]
+    """
+    arrays = []
+    for name, values in zip(_PAIR_KEYS, (prompt_lengths, chosen_lengths, rejected_lengths), strict=True):
+        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise TypeError(
+                f"{name} lengths must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}"
+            )
+        arrays.append(array.astype(np.int64))
+    prompt, chosen, rejected = arrays
+    if not (prompt.size == chosen.size == rejected.size):
+        raise ValueError(
+            f"got {prompt.size} prompt, {chosen.size} chosen and {rejected.size} rejected lengths; "
+            "every pair needs all three"
+        )
+    first, second = prompt + chosen, prompt + rejected
+    if max_length is not None:
+        first, second = np.minimum(first, max_length), np.minimum(second, max_length)
+    return first + second
+
+
+@dataclass
+class PaddingFreePreferenceCollator(PaddingFreeCollator):
+    """Collate preference pairs into one packed row of ``2B`` segments, plus TRL's padded layout.
+
+    Input: a list of ``B`` feature dicts as TRL's ``DPOTrainer`` prepares them:
+
+    - ``prompt_ids``, ``chosen_ids``, ``rejected_ids``: lists / arrays / tensors of ints ``>= 0``;
+      ``prompt + chosen`` and ``prompt + rejected`` must not be empty;
+    - ``ref_chosen_logps``, ``ref_rejected_logps`` (optional, precomputed reference log-probs): floats.
+
+    Output (``return_tensors="pt"``; ``S = 2B`` sequences, chosen ones first, ``L`` the longest, ``T`` the
+    packed tokens):
+
+    - ``packed_input_ids`` ``(1, T)`` int64, ``position_ids`` ``(1, T)`` int64 restarting at
+      ``position_ids_start``, ``cu_seq_lens_q/k`` ``(S + 1,)`` int32 (one more entry when
+      ``pad_to_multiple_of`` adds a padding segment), ``max_length_q/k`` int, ``seq_idx`` ``(1, T)`` int32
+      if ``return_seq_idx``;
+    - ``packed_index`` ``(T,)`` int64: see the module docstring;
+    - ``input_ids``, ``attention_mask``, ``completion_mask`` ``(S, L)`` int64: TRL's right-padded layout
+      (``pad_token_id`` / 0 / 0 on padding);
+    - ``ref_chosen_logps``, ``ref_rejected_logps`` ``(B,)`` float32, when the features have them.
+
+    Args:
+        max_length: per-sequence length limit (``prompt + completion``), or ``None``.
+        overflow: a sequence longer than ``max_length``: ``"error"`` (default) raises naming the pair;
+            ``"truncate"`` cuts it as TRL's ``DataCollatorForPreference`` does (``truncation_mode``),
+            counted in :attr:`stats` and logged once. ``"split"`` is refused: half a sequence cannot be
+            scored.
+        truncation_mode: ``"keep_start"`` (default) keeps the first ``max_length`` tokens, ``"keep_end"``
+            the last ones (TRL's meaning).
+        pad_to_multiple_of, pad_token_id, position_ids_start, return_seq_idx, return_flash_attn_kwargs,
+            return_position_ids, return_tensors: as in :class:`~packing_hf.PaddingFreeCollator`
+            (``pad_token_id`` also fills the padded layout's ``input_ids``). ``label_pad_id`` is unused:
+            labels are derived by the trainer from ``input_ids`` and ``completion_mask``.
+
+    Attributes:
+        stats: running counters: ``batches``, ``pairs``, ``samples`` (sequences), ``tokens``,
+            ``padding_tokens``, ``padded_layout_tokens`` (``S x L``, what a right-padded batch would
+            compute), ``truncated_samples``, ``truncated_tokens``.
+
+    >>> collator = PaddingFreePreferenceCollator(max_length=3, overflow="truncate")
+    >>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5],
+    ...                    "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}])
+    >>> batch["packed_input_ids"].tolist(), batch["ref_chosen_logps"].tolist()
+    ([[1, 2, 3, 1, 2, 5]], [-1.5])
+    >>> collator.stats["truncated_samples"], collator.stats["truncated_tokens"]
+    (1, 1)
+    """
+
+    truncation_mode: TruncationMode = "keep_start"
+    stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
+
+    input_columns: ClassVar[tuple[str, ...]] = (*_PAIR_KEYS, *_REF_KEYS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overflow == "split":
+            raise ValueError(
+                "overflow='split' cannot be used for preference pairs: a sequence cut into pieces has no single "
+                "log-probability to compare; use overflow='truncate' (TRL's max_length behaviour) or 'error'"
+            )
+        if self.truncation_mode not in _TRUNCATION_MODES:
+            raise ValueError(
+                f"truncation_mode must be one of {_TRUNCATION_MODES}, got {self.truncation_mode!r}"
+            )
+
+    def reset_stats(self) -> None:
+        """Zero the counters in :attr:`stats`."""
+        self.stats = _new_stats()
+
+    def __call__(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, Any]:
+        return_tensors = self.return_tensors if return_tensors is None else return_tensors
+        if return_tensors not in ("pt", "np"):
+            raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
+        if isinstance(features, Mapping):
+            raise TypeError(
+                f"got one dict of columns {sorted(features)[:6]} (a dataset slice such as ds[:8]); "
+                "pass a list of rows instead, e.g. [ds[i] for i in range(8)]"
+            )
+        features = features if isinstance(features, list) else list(features)
+        if not features:
+            raise ValueError("got an empty batch (no features); a preference batch needs at least one pair")
+        columns = {key: self._column(features, key) for key in _PAIR_KEYS}
+        n_pairs = len(features)
+
+        flat: dict[str, np.ndarray] = {}
+        lengths: dict[str, np.ndarray] = {}
+        for key, values in columns.items():
+            flat[key], lengths[key] = _flatten_field(values, key)
+            if flat[key].size and flat[key].min() < 0:
+                bad = int(np.repeat(np.arange(n_pairs), lengths[key])[np.argmax(flat[key] < 0)])
+                raise ValueError(f"sample {bad}: {key!r} holds a negative token id; token ids must be >= 0")
+
+        # Sequence s < B is prompt_s + chosen_s, sequence B + s is prompt_s + rejected_s (TRL's row order).
+        prompt_len = np.concatenate([lengths["prompt_ids"], lengths["prompt_ids"]])  # (S,)
+        completion_len = np.concatenate([lengths["chosen_ids"], lengths["rejected_ids"]])  # (S,)
+        seq_len = prompt_len + completion_len
+        if (seq_len == 0).any():
+            s = int(np.argmax(seq_len == 0))
+            raise ValueError(
+                f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} is empty; drop empty "
+                "pairs from the dataset"
+            )
+        ids, is_completion = self._interleave(flat, lengths, prompt_len, completion_len)
+        ids, is_completion, seq_len = self._apply_max_length(ids, is_completion, seq_len, n_pairs)
+        n_seq, n_tokens = seq_len.size, ids.size
+        width = int(seq_len.max())
+
+        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        seg_lengths = np.append(seq_len, n_pad) if n_pad else seq_len
+        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (segments + 1,)
+        np.cumsum(seg_lengths, out=cu[1:])
+        if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
+            raise ValueError(
+                f"the batch holds {int(cu[-1])} tokens ({n_seq} x {width} padded), more than int32 offsets can "
+                f"address ({INT32_MAX}); use fewer pairs per batch"
+            )
+        starts = cu[:-1]
+        offsets = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,) in-segment
+
+        # packed token -> flat index into the (S, L) padded layout; starts and padding -> S * L (never targets)
+        sentinel = n_seq * width
+        row = np.repeat(np.arange(seg_lengths.size, dtype=np.int64), seg_lengths)
+        packed_index = row * width + offsets
+        packed_index[starts] = sentinel
+        packed_index[n_tokens:] = sentinel
+
+        padded_ids = np.full(n_seq * width, self.pad_token_id, dtype=np.int64)
+        attention = np.zeros(n_seq * width, dtype=np.int64)
+        completion = np.zeros(n_seq * width, dtype=np.int64)
+        real_flat = row[:n_tokens] * width + offsets[:n_tokens]
+        padded_ids[real_flat] = ids
+        attention[real_flat] = 1
+        completion[real_flat] = is_completion
+
+        self.stats["batches"] += 1
+        self.stats["pairs"] += n_pairs
+        self.stats["samples"] += n_seq
+        self.stats["tokens"] += n_tokens
+        self.stats["padding_tokens"] += n_pad
+        self.stats["padded_layout_tokens"] += n_seq * width
+
+        packed_ids = (
+            np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)]) if n_pad else ids
+        )
+        batch: dict[str, Any] = {
+            "packed_input_ids": packed_ids[None],
+            "packed_index": packed_index,
+            "input_ids": padded_ids.reshape(n_seq, width),
+            "attention_mask": attention.reshape(n_seq, width),
+            "completion_mask": completion.reshape(n_seq, width),
+        }
+        if self.return_position_ids:
+            batch["position_ids"] = (offsets + self.position_ids_start)[None]
+        if self.return_seq_idx:
+            batch["seq_idx"] = row.astype(np.int32)[None]
+        if self.return_flash_attn_kwargs:
+            batch["cu_seq_lens_q"] = cu.astype(np.int32)
+            batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
+        for key in _REF_KEYS:
+            if any(key in f for f in features):
+                batch[key] = np.asarray(self._column(features, key), dtype=np.float32)
+        if return_tensors == "pt":
+            batch = {k: torch.from_numpy(v) for k, v in batch.items()}
+        if self.return_flash_attn_kwargs:
+            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+        return batch
+
+    @staticmethod
+    def _interleave(
+        flat: dict[str, np.ndarray],
+        lengths: dict[str, np.ndarray],
+        prompt_len: np.ndarray,
+        completion_len: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ``2B`` sequences back to back, ``(T,)`` ids and ``(T,)`` completion flags, by vectorized gathers.
+
+        Every packed token is either a prompt token (copied from ``prompt_ids``, once per sequence of its
+        pair) or a completion token (from ``chosen_ids`` then ``rejected_ids``, which concatenate in order).
+        """
+        n_pairs = lengths["prompt_ids"].size
+        seq_len = prompt_len + completion_len
+        seq_start = np.cumsum(seq_len) - seq_len
+        offsets = np.arange(int(seq_len.sum()), dtype=np.int64) - np.repeat(seq_start, seq_len)  # (T,)
+        seq = np.repeat(np.arange(seq_len.size), seq_len)  # (T,) sequence of every token
+        is_completion = offsets >= prompt_len[seq]
+
+        prompt_start = np.cumsum(lengths["prompt_ids"]) - lengths["prompt_ids"]  # (B,)
+        completions = np.concatenate([flat["chosen_ids"], flat["rejected_ids"]])
+        completion_start = np.cumsum(completion_len) - completion_len  # (S,) in `completions`
+        pair = seq % n_pairs
+        ids = np.empty(seq.size, dtype=np.int64)
+        p = ~is_completion
+        ids[p] = flat["prompt_ids"][prompt_start[pair[p]] + offsets[p]]
+        c = is_completion
+        ids[c] = completions[completion_start[seq[c]] + offsets[c] - prompt_len[seq[c]]]
+        return ids, is_completion.astype(np.int64)
+
+    def _apply_max_length(
+        self, ids: np.ndarray, is_completion: np.ndarray, seq_len: np.ndarray, n_pairs: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Enforce ``max_length`` on every sequence: raise, or truncate as TRL does; count what changes."""
+        m = self.max_length
+        if m is None or not (too_long := seq_len > m).any():
+            return ids, is_completion, seq_len
+        if self.overflow == "error":
+            s = int(np.argmax(too_long))
+            raise ValueError(
+                f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} has {int(seq_len[s])} "
+                f"tokens > max_length={m}; set overflow='truncate' (TRL's truncation, truncation_mode="
+                f"{self.truncation_mode!r}), raise max_length, or filter long pairs out of the dataset"
+            )
+        seq_start = np.cumsum(seq_len) - seq_len
+        offsets = np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len)
+        if self.truncation_mode == "keep_start":
+            keep = offsets < m
+        else:
+            keep = offsets >= np.repeat(seq_len - m, seq_len)
+        dropped = int(ids.size - keep.sum())
+        self.stats["truncated_samples"] += int(too_long.sum())
+        self.stats["truncated_tokens"] += dropped
+        if not self._warned_overflow:
+            self._warned_overflow = True
+            logger.warning(
+                "PaddingFreePreferenceCollator truncated %d sequence(s) to max_length=%d (%s), dropping %d tokens; "
+                "further cases are only counted in collator.stats",
+                int(too_long.sum()),
+                m,
+                self.truncation_mode,
+                dropped,
+            )
+        return ids[keep], is_completion[keep], np.minimum(seq_len, m)
+
+
+def pack_padded_labels(labels: torch.Tensor, packed_index: torch.Tensor) -> torch.Tensor:
+    """Labels of the padded layout ``(S, L)`` moved to the packed row ``(1, T)``.
+
+    Tokens whose ``packed_index`` is the sentinel ``S * L`` (segment starts, padding) get ``-100``: after
+    the causal shift a segment's first token would be predicted from the previous segment's last one.
+
+    Args:
+        labels: ``(S, L)`` int64, ``-100`` on untrained tokens.
+        packed_index: ``(T,)`` int64 from :class:`PaddingFreePreferenceCollator`.
+
+    Returns:
+        ``(1, T)`` int64.
+
+    >>> pack_padded_labels(torch.tensor([[-100, 7, -100], [-100, 8, 9]]), torch.tensor([6, 1, 6, 4, 5])).tolist()
+    [[-100, 7, -100, 8, 9]]
+    """
+    flat = torch.cat([labels.reshape(-1), labels.new_full((1,), IGNORE_INDEX)])
+    if packed_index.numel() and int(packed_index.max()) >= flat.numel():
+        raise ValueError(
+            f"packed_index reaches {int(packed_index.max())} but the padded labels have {labels.shape[0]} x "
+            f"{labels.shape[1]} entries: the labels do not come from the same batch as packed_index"
+        )
+    return flat[packed_index.to(labels.device)][None]
+
+
+def unpack_shifted(
+    values: torch.Tensor, packed_index: torch.Tensor, num_rows: int, width: int
+) -> torch.Tensor:
+    """Per-token results of a shifted packed forward ``(1, T - 1, ...)`` in the padded layout ``(S, L - 1, ...)``.
+
+    ``values[0, t]`` belongs to the prediction of packed token ``t + 1``; it lands where a right-padded
+    forward puts the prediction of the same token (row ``s``, column ``j - 1`` for token ``j`` of sequence
+    ``s``). Every other entry is zero, as TRL's fused LM head returns on ``-100`` labels. Differentiable.
+
+    Args:
+        values: ``(1, T - 1, ...)`` any dtype.
+        packed_index: ``(T,)`` int64 from :class:`PaddingFreePreferenceCollator`.
+        num_rows, width: ``S`` and ``L`` of the padded layout.
+
+    Returns:
+        ``(S, L - 1, ...)``, same dtype and device as ``values``.
+
+    >>> unpack_shifted(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([6, 1, 6, 4, 5]), 2, 3).tolist()
+    [[1.0, 0.0], [3.0, 4.0]]
+    """
+    if values.dim() < 2 or values.shape[0] != 1 or values.shape[1] != packed_index.numel() - 1:
+        raise ValueError(
+            f"expected per-token values of shape (1, {packed_index.numel() - 1}, ...) for a packed row of "
+            f"{packed_index.numel()} tokens, got {tuple(values.shape)}"
+        )
+    target = packed_index[1:].to(values.device)  # (T - 1,): the token each value predicts
+    valid = target < num_rows * width
+    target = target[valid]
+    dest = (target // width) * (width - 1) + target % width - 1
+    out = values.new_zeros((num_rows * (width - 1), *values.shape[2:]))
+    out = out.index_copy(0, dest, values[0][valid])
+    return out.reshape(num_rows, width - 1, *values.shape[2:])

@@ -1,0 +1,198 @@
+"""PaddingFreePreferenceCollator and the padded <-> packed index maps, against TRL's padded preference collator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing_hf.preference import (
+    PaddingFreePreferenceCollator,
+    pack_padded_labels,
+    preference_pair_lengths,
+    unpack_shifted,
+)
+
+PAIRS = [
+    {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10]},
+    {"prompt_ids": [11], "chosen_ids": [12, 13, 14, 15], "rejected_ids": [16, 17]},
+    {"prompt_ids": [], "chosen_ids": [18, 19], "rejected_ids": [20, 21, 22]},
+]
+
+pair_st = st.fixed_dictionaries(
+    {
+        "prompt_ids": st.lists(st.integers(1, 50), max_size=6),
+        "chosen_ids": st.lists(st.integers(1, 50), min_size=1, max_size=6),
+        "rejected_ids": st.lists(st.integers(1, 50), min_size=1, max_size=6),
+    }
+)
+
+
+def _trl_collator(**kwargs):
+    trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
+    return trl_dpo.DataCollatorForPreference(pad_token_id=0, **kwargs)
+
+
+def _segments(batch) -> list[list[int]]:
+    cu = batch["cu_seq_lens_q"].tolist()
+    ids = batch["packed_input_ids"][0].tolist()
+    return [ids[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def test_packed_row_holds_every_sequence_as_its_own_segment():
+    batch = PaddingFreePreferenceCollator(return_seq_idx=True)(PAIRS)
+    chosen = [p["prompt_ids"] + p["chosen_ids"] for p in PAIRS]
+    rejected = [p["prompt_ids"] + p["rejected_ids"] for p in PAIRS]
+    assert _segments(batch) == chosen + rejected  # TRL's row order: chosen rows, then rejected rows
+    lengths = [len(s) for s in chosen + rejected]
+    assert batch["position_ids"][0].tolist() == [j for n in lengths for j in range(n)]
+    assert batch["seq_idx"][0].tolist() == [s for s, n in enumerate(lengths) for _ in range(n)]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == max(lengths)
+    assert "attention_mask" not in {k for k in batch if k.startswith("packed")}
+
+
+@pytest.mark.parametrize("max_length, mode", [(None, "keep_start"), (4, "keep_start"), (4, "keep_end")])
+def test_padded_layout_equals_trl_collator(max_length, mode):
+    overflow = "truncate" if max_length else "error"
+    ours = PaddingFreePreferenceCollator(max_length=max_length, overflow=overflow, truncation_mode=mode)(
+        PAIRS
+    )
+    theirs = _trl_collator(max_length=max_length, truncation_mode=mode)(PAIRS)
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(ours[key], theirs[key]), key
+    # the packed row holds exactly the real tokens of the padded layout, in row order
+    assert (
+        ours["packed_input_ids"][0].tolist() == theirs["input_ids"][theirs["attention_mask"].bool()].tolist()
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(pairs=st.lists(pair_st, min_size=1, max_size=4), multiple=st.sampled_from([None, 8]))
+def test_labels_and_shifted_outputs_round_trip(pairs, multiple):
+    """A per-token function of (input, next label) computed on the packed row and scattered back equals the
+    same function computed on TRL's padded layout: zeros where the label is -100, values elsewhere."""
+    batch = PaddingFreePreferenceCollator(pad_to_multiple_of=multiple, pad_token_id=3)(pairs)
+    padded = _trl_collator()(pairs)
+    labels = padded["input_ids"].masked_fill(padded["completion_mask"] == 0, -100)  # what TRL passes
+
+    def score(
+        ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:  # (R, N) -> (R, N - 1), like the fused head
+        target = labels[:, 1:]
+        return torch.where(target != -100, ids[:, :-1] * 100.0 + target, torch.zeros(()))
+
+    packed_labels = pack_padded_labels(labels, batch["packed_index"])
+    starts = batch["cu_seq_lens_q"][:-1].long()
+    assert (packed_labels[0, starts] == -100).all()
+    got = unpack_shifted(
+        score(batch["packed_input_ids"], packed_labels), batch["packed_index"], *labels.shape
+    )
+    assert torch.equal(got, score(padded["input_ids"], labels))
+
+
+def test_unpack_shifted_is_differentiable_and_keeps_trailing_dims():
+    batch = PaddingFreePreferenceCollator()(PAIRS[:2])
+    n = batch["packed_input_ids"].shape[1]
+    values = torch.arange(2 * (n - 1), dtype=torch.float32).reshape(1, n - 1, 2).requires_grad_()
+    out = unpack_shifted(values, batch["packed_index"], *batch["input_ids"].shape)
+    assert out.shape == (4, batch["input_ids"].shape[1] - 1, 2)
+    out.sum().backward()
+    # every packed prediction of a non-start token lands exactly once; predictions of segment starts nowhere
+    targets_start = torch.zeros(n - 1, dtype=torch.bool)
+    targets_start[(batch["cu_seq_lens_q"][1:-1] - 1).long()] = True
+    assert torch.equal(values.grad[0, :, 0], (~targets_start).float())
+
+
+def test_pad_to_multiple_of_adds_its_own_segment_that_is_never_a_target():
+    collator = PaddingFreePreferenceCollator(pad_to_multiple_of=16, pad_token_id=2)
+    batch = collator(PAIRS[:1])
+    assert batch["packed_input_ids"].shape == (1, 16) and batch["cu_seq_lens_q"].tolist() == [0, 5, 9, 16]
+    assert batch["packed_input_ids"][0, 9:].tolist() == [2] * 7
+    sentinel = batch["input_ids"].numel()
+    assert (batch["packed_index"][9:] == sentinel).all()
+    assert collator.stats["padding_tokens"] == 7 and collator.stats["tokens"] == 9
+
+
+def test_reference_logps_and_stats():
+    features = [dict(p, ref_chosen_logps=-float(i), ref_rejected_logps=-2.0 * i) for i, p in enumerate(PAIRS)]
+    collator = PaddingFreePreferenceCollator()
+    batch = collator(features)
+    assert batch["ref_chosen_logps"].tolist() == [0.0, -1.0, -2.0]
+    assert batch["ref_rejected_logps"].dtype == torch.float32
+    lengths = [len(p["prompt_ids"]) * 2 + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in PAIRS]
+    assert collator.stats["pairs"] == 3 and collator.stats["samples"] == 6
+    assert collator.stats["tokens"] == sum(lengths) == batch["packed_input_ids"].numel()
+    assert collator.stats["padded_layout_tokens"] == batch["input_ids"].numel() == 6 * 5
+    collator.reset_stats()
+    assert collator.stats["tokens"] == 0
+
+
+def test_numpy_output_and_tensor_inputs():
+    features = [{k: torch.tensor(v, dtype=torch.long) for k, v in p.items()} for p in PAIRS[:2]]
+    batch = PaddingFreePreferenceCollator(return_tensors="np")(features)
+    assert isinstance(batch["packed_input_ids"], np.ndarray)
+    assert batch["packed_input_ids"].tolist()[0][:5] == [5, 6, 7, 8, 9]
+
+
+def test_pair_lengths_count_both_sequences_after_max_length():
+    assert preference_pair_lengths([3, 0], [2, 4], [1, 5]).tolist() == [9, 9]
+    assert preference_pair_lengths([3, 0], [2, 4], [1, 5], max_length=4).tolist() == [8, 8]
+    with pytest.raises(ValueError, match="every pair needs all three"):
+        preference_pair_lengths([1], [1, 2], [1])
+    with pytest.raises(TypeError, match="1-D sequence of ints"):
+        preference_pair_lengths([1.5], [1], [1])
+
+
+def test_overlong_sequence_raises_by_default_naming_the_pair():
+    with pytest.raises(ValueError, match=r"sample 0: prompt \+ chosen has 5 tokens > max_length=4"):
+        PaddingFreePreferenceCollator(max_length=4)(PAIRS)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_length": 4, "overflow": "split"}, "overflow='split' cannot be used for preference pairs"),
+        ({"truncation_mode": "middle"}, "truncation_mode must be one of"),
+        ({"return_tensors": "tf"}, "return_tensors must be"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PaddingFreePreferenceCollator(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "features, error, match",
+    [
+        ([], ValueError, "empty batch"),
+        ({"prompt_ids": [[1]]}, TypeError, "pass a list of rows"),
+        ([{"prompt_ids": [1], "chosen_ids": [2]}], ValueError, "has no 'rejected_ids'"),
+        (
+            [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [1]}],
+            ValueError,
+            r"sample 0: prompt \+ chosen is empty",
+        ),
+        (
+            [PAIRS[0], {"prompt_ids": [1], "chosen_ids": [-5], "rejected_ids": [2]}],
+            ValueError,
+            "sample 1: 'chosen_ids'",
+        ),
+        (
+            [{"prompt_ids": [1], "chosen_ids": [2.5], "rejected_ids": [2]}],
+            TypeError,
+            r"chosen_ids\[0\] = 2.5",
+        ),
+    ],
+)
+def test_malformed_batches_are_named(features, error, match):
+    with pytest.raises(error, match=match):
+        PaddingFreePreferenceCollator()(features)
+
+
+def test_pack_padded_labels_refuses_an_index_from_another_batch():
+    with pytest.raises(ValueError, match="do not come from the same batch"):
+        pack_padded_labels(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match=r"expected per-token values of shape \(1, 2, ...\)"):
+        unpack_shifted(torch.zeros(1, 5), torch.tensor([4, 1, 2]), 2, 2)
