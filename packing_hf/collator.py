@@ -18,22 +18,23 @@ the keys they share the output is identical, and it adds TRL's loss masks, offli
 from __future__ import annotations
 
 import logging
-from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from .varlen import INT32_MAX
+from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
+from .overflow import check_overflow
+from .varlen import check_int32_tokens
 
 __all__ = ["PaddingFreeCollator"]
 
 logger = logging.getLogger(__name__)
 
-OverflowPolicy = Literal["error", "truncate", "split"]
-_OVERFLOW_POLICIES = ("error", "truncate", "split")
+# "drop" is not offered: a collator cannot leave out a sample the sampler already counted in the batch
+_OVERFLOWS = ("error", "truncate", "split")
 # TRL's loss-mask columns: 1 = train on this token. Both present -> a token is trained only if both say so.
 _MASK_KEYS = ("completion_mask", "assistant_masks")
 _OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths"))
@@ -52,90 +53,6 @@ def _new_stats() -> dict[str, int]:
     }
 
 
-def _first_bad_element(values: Sequence[Any]) -> tuple[int, Any] | None:
-    """Index and value of the first element of a list that is not an integer (error path only)."""
-    for j, value in enumerate(values):
-        if not isinstance(value, int | np.integer):
-            return j, value
-    return None
-
-
-def _describe(name: str, index: int, element: int | None = None, indexed: bool = False) -> str:
-    """Where a bad value sits: ``sample 3: 'labels'`` / ``sample 3: labels[7]`` for a batch of features,
-    ``sequences[3]`` / ``sequences[3][7]`` for a plain list of sequences (``indexed=True``)."""
-    if indexed:
-        return f"{name}[{index}]" + ("" if element is None else f"[{element}]")
-    return f"sample {index}: " + (repr(name) if element is None else f"{name}[{element}]")
-
-
-def _sample_to_array(
-    value: Any, index: int, name: str, allow_bool: bool, indexed: bool = False
-) -> np.ndarray:
-    """One sample's field (list / tuple / numpy array / tensor of ints) as a 1-D int64 array."""
-    where = _describe(name, index, indexed=indexed)
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or (value.dtype == torch.bool and not allow_bool):
-            raise TypeError(
-                f"{where} is a tensor of dtype {value.dtype}; it must hold integers (cast with .long())"
-            )
-        value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in ("iu" + ("b" if allow_bool else "")):
-            raise TypeError(
-                f"{where} is an array of dtype {value.dtype}; it must hold integers (cast with .astype(np.int64))"
-            )
-        if value.ndim != 1:
-            raise ValueError(
-                f"{where} has shape {value.shape}, expected a 1-D sequence; drop the batch dimension "
-                "(e.g. tokenize without return_tensors, or index [0])"
-            )
-        return value.astype(np.int64, copy=False)
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"{where} must be a list, numpy array or tensor of ints, got {type(value).__name__}: {value!r:.80}"
-        )
-    try:
-        return np.frombuffer(array("q", value), dtype=np.int64)
-    except OverflowError:
-        raise ValueError(f"{where} holds a value that does not fit in int64") from None
-    except TypeError:
-        bad = _first_bad_element(value)
-        if bad is None:  # only reachable with exotic sequence types
-            raise TypeError(f"{where} holds a non-integer value; it must hold only integers") from None
-        element = _describe(name, index, bad[0], indexed)
-        if isinstance(bad[1], list | tuple | np.ndarray | torch.Tensor):
-            raise ValueError(
-                f"{element} is itself a sequence ({type(bad[1]).__name__}); {name!r} must be a flat 1-D list of ints"
-            ) from None
-        raise TypeError(
-            f"{element} = {bad[1]!r} is a {type(bad[1]).__name__}; {name!r} must hold only integers "
-            "(mixed types are not accepted)"
-        ) from None
-
-
-def _flatten_field(
-    values: list[Any], name: str, allow_bool: bool = False, indexed: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate one field over the batch: ``(flat (T,) int64, lengths (n,) int64)``.
-
-    Lists of Python ints (``datasets`` rows) take a fast path: they are appended to one typed int64
-    buffer, which also rejects floats, strings and None. Any failure is re-diagnosed sample
-    by sample so that the error names the sample index and position (see :func:`_describe`).
-    """
-    buffer = array("q")
-    try:
-        for v in values:
-            # ~10 ns per token; raises on non-lists and on floats, strings, None or nested lists inside
-            buffer.fromlist(v)
-    except (TypeError, OverflowError):
-        pass  # arrays, tensors or a bad value: the per-sample path below converts or names it
-    else:
-        return np.frombuffer(buffer, dtype=np.int64), np.fromiter(map(len, values), np.int64, len(values))
-    arrays = [_sample_to_array(v, i, name, allow_bool, indexed) for i, v in enumerate(values)]
-    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-    return np.concatenate(arrays) if arrays else np.zeros(0, np.int64), lengths
-
-
 def _raise_for_bad_feature(features: list[Any]) -> None:
     """Name the first feature that is not a dict holding ``input_ids`` (error path only)."""
     for i, feature in enumerate(features):
@@ -150,28 +67,6 @@ def _raise_for_bad_feature(features: list[Any]) -> None:
 def _keys_present(features: list[Mapping[str, Any]]) -> frozenset[str]:
     """The optional keys this collator reads that at least one feature has."""
     return _OPTIONAL_KEYS.intersection(set().union(*features))  # one C-level pass over all keys
-
-
-def _locate(token_index: int, lengths: np.ndarray) -> tuple[int, int]:
-    """``(sample, offset inside it)`` of a flat token index, for samples of ``lengths`` ``(n,)`` back to back."""
-    ends = np.cumsum(lengths)
-    sample = int(np.searchsorted(ends, token_index, side="right"))
-    return sample, token_index - int(ends[sample] - lengths[sample])
-
-
-def _offsets_in_segments(lengths: np.ndarray) -> np.ndarray:
-    """``(T,)`` int64: the position of every token inside its segment, for segments ``(n,)`` back to back."""
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
-
-
-def _split_lengths(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cut every segment into ``ceil(L / max_length)`` chunks of ``max_length`` tokens, the last one
-    holding the remainder: ``(chunk lengths, chunks per segment (n,))``."""
-    chunks = -(-lengths // max_length)
-    new_lengths = np.full(int(chunks.sum()), max_length, dtype=np.int64)
-    new_lengths[np.cumsum(chunks) - 1] = lengths - (chunks - 1) * max_length
-    return new_lengths, chunks
 
 
 @dataclass
@@ -245,7 +140,7 @@ class PaddingFreeCollator:
     """
 
     max_length: int | None = None
-    overflow: OverflowPolicy = "error"
+    overflow: Literal["error", "truncate", "split"] = "error"
     pad_to_multiple_of: int | None = None
     pad_token_id: int = 0
     label_pad_id: int = -100
@@ -263,8 +158,7 @@ class PaddingFreeCollator:
     def __post_init__(self) -> None:
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {self.max_length!r}")
-        if self.overflow not in _OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {_OVERFLOW_POLICIES}, got {self.overflow!r}")
+        self.overflow = check_overflow(self.overflow, "PaddingFreeCollator(overflow=...)", _OVERFLOWS)
         if self.pad_to_multiple_of is not None and (
             not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1
         ):
@@ -320,13 +214,13 @@ class PaddingFreeCollator:
             raise
         keys = _keys_present(features)
 
-        ids, lengths = _flatten_field(raw_ids, "input_ids")
+        ids, lengths = flatten_field(raw_ids, "input_ids")
         if (lengths == 0).any():
             bad = int(np.argmax(lengths == 0))
             raise ValueError(f"sample {bad}: 'input_ids' is empty; drop empty samples from the dataset")
         if ids.min() < 0:
             pos = int(np.argmax(ids < 0))
-            i, offset = _locate(pos, lengths)
+            i, offset = locate(pos, lengths)
             raise ValueError(
                 f"sample {i}: input_ids[{offset}] = {int(ids[pos])} is negative; token ids must be "
                 ">= 0 (padding or -100 belong in labels, not input_ids)"
@@ -348,11 +242,7 @@ class PaddingFreeCollator:
         # per-call overhead and intra-op threads make these small ops cost more than the whole collation.
         cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (n + 1,)
         np.cumsum(seg_lengths, out=cu[1:])
-        if cu[-1] > INT32_MAX:
-            raise ValueError(
-                f"the batch holds {int(cu[-1])} tokens, more than int32 cu_seqlens can address ({INT32_MAX}); "
-                "lower the number of tokens per batch"
-            )
+        check_int32_tokens(int(cu[-1]), "the batch")
         starts = cu[:-1]
         # Every segment's first label is masked: its logit would come from the previous sample's last token.
         labels[starts] = self.label_pad_id
@@ -383,18 +273,18 @@ class PaddingFreeCollator:
         """Flat labels ``(T,)`` int64: the given labels (or a copy of the ids) with TRL masks applied."""
         if "labels" in keys:
             values = self._column(features, "labels")
-            labels, label_lengths = _flatten_field(values, "labels")
+            labels, label_lengths = flatten_field(values, "labels")
             self._check_same_lengths("labels", label_lengths, lengths)
         else:
             labels = ids.copy()
         for key in _MASK_KEYS:
             if key not in keys:
                 continue
-            mask, mask_lengths = _flatten_field(self._column(features, key), key, allow_bool=True)
+            mask, mask_lengths = flatten_field(self._column(features, key), key, allow_bool=True)
             self._check_same_lengths(key, mask_lengths, lengths)
             if ((mask != 0) & (mask != 1)).any():
                 pos = int(np.argmax((mask != 0) & (mask != 1)))
-                i, offset = _locate(pos, lengths)
+                i, offset = locate(pos, lengths)
                 raise ValueError(
                     f"sample {i}: {key}[{offset}] = {int(mask[pos])}; a loss mask holds only 0 and 1"
                 )
@@ -434,7 +324,7 @@ class PaddingFreeCollator:
             if "seq_lengths" not in feature:
                 parts.append(lengths[i : i + 1])
                 continue
-            sub = _sample_to_array(feature["seq_lengths"], i, "seq_lengths", allow_bool=False)
+            sub = sample_to_array(feature["seq_lengths"], i, "seq_lengths", allow_bool=False)
             if sub.size == 0 or (sub <= 0).any():
                 raise ValueError(
                     f"sample {i}: seq_lengths = {sub.tolist()[:16]} must be non-empty and all > 0 "
@@ -468,7 +358,7 @@ class PaddingFreeCollator:
         if self.overflow == "error":
             seg = int(np.argmax(too_long))
             # map the segment back to its row (rows with seq_lengths hold several segments)
-            row, _ = _locate(int(seg_lengths[:seg].sum()), lengths)
+            row, _ = locate(int(seg_lengths[:seg].sum()), lengths)
             where = f"sample {row}" + (
                 " (a sub-sample of its seq_lengths)" if "seq_lengths" in features[row] else ""
             )
@@ -478,14 +368,14 @@ class PaddingFreeCollator:
             )
         n_long = int(too_long.sum())
         if self.overflow == "truncate":
-            keep = _offsets_in_segments(seg_lengths) < m  # (T,)
+            keep = offsets_in_segments(seg_lengths) < m  # (T,)
             dropped = int(ids.size - keep.sum())
             ids, labels, seg_lengths = ids[keep], labels[keep], np.minimum(seg_lengths, m)
             self.stats["truncated_samples"] += n_long
             self.stats["truncated_tokens"] += dropped
             action = f"truncated {n_long} sample(s) to max_length={m}, dropping {dropped} tokens"
         else:
-            seg_lengths, chunks = _split_lengths(seg_lengths, m)
+            seg_lengths, chunks = split_lengths(seg_lengths, m)
             n_chunks = int(chunks[too_long].sum())
             self.stats["split_samples"] += n_long
             self.stats["split_chunks"] += n_chunks

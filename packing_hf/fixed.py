@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ._binpack import pack_next_fit, sort_decreasing
-from .collator import _flatten_field, _locate, _offsets_in_segments, _split_lengths
+from ._rows import flatten_field, locate, offsets_in_segments, split_lengths
 
 __all__ = ["concatenate_and_pack", "pack_sequences"]
 
@@ -46,7 +46,7 @@ def _check_args(max_length: int, strategy: str, overflow: str) -> None:
 
 def _check_ids(ids: np.ndarray, lengths: np.ndarray, name: str) -> None:
     if ids.size and ids.min() < 0:
-        bad, _ = _locate(int(np.argmax(ids < 0)), lengths)
+        bad, _ = locate(int(np.argmax(ids < 0)), lengths)
         raise ValueError(f"{name}[{bad}] holds a negative token id; token ids must be >= 0")
 
 
@@ -68,7 +68,7 @@ def _fit_lengths(
         )
     n_long = int(too_long.sum())
     if overflow == "truncate":
-        keep = _offsets_in_segments(lengths) < max_length
+        keep = offsets_in_segments(lengths) < max_length
         dropped = int((~keep).sum())
         logger.warning(
             "pack_sequences truncated %d sequence(s) to max_length=%d, dropping %d tokens",
@@ -77,7 +77,7 @@ def _fit_lengths(
             dropped,
         )
         return [f[keep] for f in flats], np.minimum(lengths, max_length)
-    new_lengths, chunks = _split_lengths(lengths, max_length)
+    new_lengths, chunks = split_lengths(lengths, max_length)
     logger.warning(
         "pack_sequences split %d sequence(s) longer than max_length=%d into %d chunks",
         n_long,
@@ -133,7 +133,7 @@ def _scatter(
 ) -> torch.Tensor:
     """Write the tokens ``(T,)`` of every sequence at ``(row, offset)`` of a ``[n_rows, max_length]`` grid."""
     grid = np.full(n_rows * max_length, fill, dtype=np.int64)
-    inner = _offsets_in_segments(lengths)
+    inner = offsets_in_segments(lengths)
     grid[np.repeat(rows * max_length + offsets, lengths) + inner] = flat
     return torch.from_numpy(grid.reshape(n_rows, max_length))
 
@@ -146,7 +146,7 @@ def _position_grid(
     cols = np.arange(max_length, dtype=np.int64)
     grid = np.where(cols[None, :] >= used[:, None], cols[None, :] - used[:, None], 0) + start
     flat = grid.reshape(-1)
-    inner = _offsets_in_segments(lengths)
+    inner = offsets_in_segments(lengths)
     flat[np.repeat(rows * max_length + offsets, lengths) + inner] = inner + start
     return torch.from_numpy(grid)
 
@@ -207,7 +207,7 @@ def pack_sequences(
     [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
     """
     _check_args(max_length, strategy, overflow)
-    flat, lengths = _flatten_field(list(sequences), "sequences", indexed=True)
+    flat, lengths = flatten_field(list(sequences), "sequences", indexed=True)
     _check_ids(flat, lengths, "sequences")
     (flat,), lengths = _fit_lengths([flat], lengths, max_length, overflow, "sequences")
     rows, offsets, n_rows = _place(lengths, max_length, strategy)
@@ -268,9 +268,9 @@ def concatenate_and_pack(
             f"got {len(input_sequences)} input, {len(label_sequences)} label and {len(attention_masks)} "
             "attention-mask sequences; pass one of each per sequence"
         )
-    ids, lengths = _flatten_field(list(input_sequences), "input_sequences", indexed=True)
-    labels, label_lengths = _flatten_field(list(label_sequences), "label_sequences", indexed=True)
-    masks, mask_lengths = _flatten_field(
+    ids, lengths = flatten_field(list(input_sequences), "input_sequences", indexed=True)
+    labels, label_lengths = flatten_field(list(label_sequences), "label_sequences", indexed=True)
+    masks, mask_lengths = flatten_field(
         list(attention_masks), "attention_masks", allow_bool=True, indexed=True
     )
     for name, other in (("label_sequences", label_lengths), ("attention_masks", mask_lengths)):

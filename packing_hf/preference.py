@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from .collator import PaddingFreeCollator, _flatten_field
+from ._rows import flatten_field
+from .collator import PaddingFreeCollator
 from .varlen import INT32_MAX
 
 __all__ = [
@@ -202,7 +203,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         flat: dict[str, np.ndarray] = {}
         lengths: dict[str, np.ndarray] = {}
         for key, values in columns.items():
-            flat[key], lengths[key] = _flatten_field(values, key)
+            flat[key], lengths[key] = flatten_field(values, key)
             if flat[key].size and flat[key].min() < 0:
                 bad = int(np.repeat(np.arange(n_pairs), lengths[key])[np.argmax(flat[key] < 0)])
                 raise ValueError(f"sample {bad}: {key!r} holds a negative token id; token ids must be >= 0")

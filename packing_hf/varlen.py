@@ -29,6 +29,8 @@ import torch
 
 __all__ = [
     "INT32_MAX",
+    "check_cu_seqlens",
+    "check_int32_tokens",
     "cu_seqlens_to_lengths",
     "cu_seqlens_to_position_ids",
     "cu_seqlens_to_seq_idx",
@@ -36,6 +38,7 @@ __all__ = [
     "lengths_to_position_ids",
     "lengths_to_seq_idx",
     "max_length_from_cu_seqlens",
+    "position_restarts",
     "position_ids_to_cu_seqlens",
     "seq_lengths_to_cu_seqlens",
 ]
@@ -73,19 +76,111 @@ def _check_lengths(lengths: torch.Tensor, name: str = "lengths") -> None:
         )
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
-    if cu_seqlens.numel() == 0 or int(cu_seqlens[0]) != 0:
+def check_int32_tokens(tokens: int, what: str = "a packed row") -> None:
+    """Refuse a token count that int32 ``cu_seqlens`` (what every varlen kernel takes) cannot address.
+
+    The one int32 rule of the package: the collator, the batch guards, the attention and the kernels all
+    call it, so the limit and the advice read the same everywhere.
+
+    >>> check_int32_tokens(2**31)
+    Traceback (most recent call last):
+    ...
+    ValueError: a packed row of 2147483648 tokens overflows int32 cu_seqlens (max 2147483647); lower max_tokens_per_batch or split the row
+    """
+    if tokens > INT32_MAX:
         raise ValueError(
-            f"cu_seqlens must start with 0 and have n + 1 entries, got {cu_seqlens.tolist()[:8]}; "
-            "build it with lengths_to_cu_seqlens(lengths)"
+            f"{what} of {tokens} tokens overflows int32 cu_seqlens (max {INT32_MAX}); "
+            "lower max_tokens_per_batch or split the row"
         )
-    steps = cu_seqlens[1:] - cu_seqlens[:-1]
-    if steps.numel() and bool((steps <= 0).any()):
-        bad = int(torch.nonzero(steps <= 0)[0, 0])
+
+
+def check_cu_seqlens(
+    cu_seqlens: LengthsLike,
+    name: str = "cu_seqlens",
+    *,
+    total: int | None = None,
+    allow_empty: bool = False,
+    exact_total: bool = True,
+) -> list[int]:
+    """The one checker of cumulative sequence lengths; returns their host values.
+
+    The rule: 1-D integers, at least ``[0]``, starting at 0, increasing, within int32, and, when ``total``
+    is given, ending at ``total`` tokens (``exact_total``) or at most there. Two options say where callers
+    legitimately differ: ``allow_empty`` admits zero-length segments (``flash_attn_varlen_func``'s contract,
+    which :func:`packing_hf.varlen_attention` keeps), and ``exact_total=False`` lets trailing tokens sit
+    outside every segment (the same contract). Packed rows from a collator use the strict default.
+
+    Args:
+        cu_seqlens: ``(n + 1,)`` ints (tensor, array or list).
+        name: how the error messages call it (``"cu_seq_lens_q"``, ...).
+        total: tokens of the row they describe (``None``: not checked).
+        allow_empty: accept ``cu[i + 1] == cu[i]``.
+        exact_total: with ``total``, require ``cu[-1] == total`` (else ``cu[-1] <= total``).
+
+    Returns:
+        The values as a list of Python ints (one host copy).
+
+    >>> check_cu_seqlens([0, 3, 5], total=5)
+    [0, 3, 5]
+    >>> check_cu_seqlens([0, 3, 3, 5], allow_empty=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: cu_seqlens must start at 0 and strictly increase, got [0, 3, 3, 5] (an empty segment ends at cu_seqlens[2] = 3); build it with packing_hf.lengths_to_cu_seqlens
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype in (
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ):
+            raise TypeError(f"{name} must hold integers (int32), got dtype {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"{name} must be a 1-D tensor [0, l0, l0 + l1, ...], got shape {tuple(cu_seqlens.shape)}; "
+                "build it with packing_hf.lengths_to_cu_seqlens"
+            )
+        values = cu_seqlens.tolist()
+    else:
+        values = _as_int64_1d(cu_seqlens, name).tolist()
+    shown = f"{values[:8]}{'...' if len(values) > 8 else ''}"
+    if not values or values[0] != 0:
         raise ValueError(
-            f"cu_seqlens must be strictly increasing, but cu_seqlens[{bad + 1}] = {int(cu_seqlens[bad + 1])} "
-            f"<= cu_seqlens[{bad}] = {int(cu_seqlens[bad])} (an empty or negative-length segment)"
+            f"{name} must start at 0 and have n + 1 entries, got {shown}; "
+            "build it with packing_hf.lengths_to_cu_seqlens"
         )
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1] or (values[i] == values[i - 1] and not allow_empty):
+            what = "never decrease" if allow_empty else "strictly increase"
+            kind = "an empty segment" if values[i] == values[i - 1] else "a negative length"
+            raise ValueError(
+                f"{name} must start at 0 and {what}, got {shown} ({kind} ends at {name}[{i}] = {values[i]}); "
+                "build it with packing_hf.lengths_to_cu_seqlens"
+            )
+    check_int32_tokens(values[-1])
+    if total is not None and (values[-1] > total or (exact_total and values[-1] != total)):
+        raise ValueError(
+            f"{name} ends at {values[-1]} but the row holds {total} tokens; "
+            + (
+                "every token must belong to a sample (give padding its own segment)"
+                if exact_total
+                else "segments cannot reach past the row"
+            )
+        )
+    return values
+
+
+def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(..., T)`` bool: True where a token starts a sample (it does not continue the previous position by +1).
+
+    The first token of every row starts a sample. The one "positions restart" rule: the collator's
+    boundaries, the batch guards and the attention's boundary detection all agree with it.
+
+    >>> position_restarts(torch.tensor([[0, 1, 0, 5, 6]])).tolist()
+    [[True, False, True, True, False]]
+    """
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
 
 
 def lengths_to_cu_seqlens(lengths: LengthsLike, *, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -108,11 +203,8 @@ def lengths_to_cu_seqlens(lengths: LengthsLike, *, dtype: torch.dtype = torch.in
     _check_lengths(lengths)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=cu[1:])
-    if dtype == torch.int32 and int(cu[-1]) > INT32_MAX:
-        raise ValueError(
-            f"a packed row of {int(cu[-1])} tokens overflows int32 cu_seqlens (max {INT32_MAX}); "
-            "split the batch into several rows or lower max_tokens_per_batch"
-        )
+    if dtype == torch.int32:
+        check_int32_tokens(int(cu[-1]))
     return cu.to(dtype)
 
 
@@ -123,7 +215,7 @@ def cu_seqlens_to_lengths(cu_seqlens: LengthsLike) -> torch.Tensor:
     [4, 1, 2]
     """
     cu = _as_int64_1d(cu_seqlens, "cu_seqlens")
-    _check_cu_seqlens(cu)
+    check_cu_seqlens(cu)
     return cu[1:] - cu[:-1]
 
 
@@ -214,9 +306,7 @@ def position_ids_to_cu_seqlens(
     pos = _as_int64_1d(position_ids, "position_ids")
     if pos.numel() == 0:
         return torch.zeros(1, dtype=torch.int32, device=pos.device)
-    is_start = torch.ones_like(pos, dtype=torch.bool)
-    is_start[1:] = pos[1:] != pos[:-1] + 1
-    starts = torch.nonzero(is_start).flatten()
+    starts = torch.nonzero(position_restarts(pos)).flatten()
     if start is not None and bool((pos[starts] != start).any()):
         bad = int(starts[pos[starts] != start][0])
         raise ValueError(

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..overflow import check_overflow
+from .data import DATA_OVERFLOWS
+
 __all__ = [
     "DataArguments",
     "JobArguments",
@@ -153,7 +156,7 @@ class DataArguments:
         _check_choice(
             "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
         )
-        _check_choice("DataArguments", "overflow", self.overflow, ("error", "truncate", "drop"))
+        self.overflow = check_overflow(self.overflow, "DataArguments.overflow", DATA_OVERFLOWS)
         if self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
         if self.num_samples is not None and self.num_samples < 1:

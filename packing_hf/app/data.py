@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..overflow import check_overflow
+
 __all__ = [
     "EMBEDDED_DATASET",
     "PreparedDataset",
@@ -42,9 +44,9 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_DATASET = "embedded"
 PromptFormat = Literal["auto", "chat", "alpaca", "text"]
-OverflowPolicy = Literal["error", "truncate", "drop"]
 _PROMPT_FORMATS = ("auto", "chat", "alpaca", "text")
-_OVERFLOW_POLICIES = ("error", "truncate", "drop")
+# "split" is the sampler's (pieces are served by its dataset view), not the data preparation's
+DATA_OVERFLOWS = ("error", "truncate", "drop")
 
 # column set -> record format; the first match wins, so a chat column beats stray text columns
 _FORMATS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -423,7 +425,7 @@ def prepare_dataset(
     tokenizer,
     *,
     max_length: int | None = None,
-    overflow: OverflowPolicy = "error",
+    overflow: str = "error",
     prompt_format: PromptFormat = "auto",
     completion_only_loss: bool = True,
     split: str = "train",
@@ -452,8 +454,7 @@ def prepare_dataset(
     >>> prepared.dataset.column_names, prepared.prompt_format, len(prepared.lengths)
     (['input_ids', 'labels'], 'alpaca', 8)
     """
-    if overflow not in _OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {_OVERFLOW_POLICIES}, got {overflow!r}")
+    overflow = check_overflow(overflow, "prepare_dataset(overflow=...)", DATA_OVERFLOWS)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
     if isinstance(source, str | Path):

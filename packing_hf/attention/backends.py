@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..varlen import INT32_MAX
+from ..varlen import check_cu_seqlens, check_int32_tokens
 
 __all__ = [
     "BACKENDS",
@@ -607,6 +607,20 @@ def select_backend(
 _LAST_BACKEND: str | None = None
 
 
+def check_backend_name(backend: str) -> str:
+    """``backend`` if it is ``"auto"`` or a known backend name, else a ``ValueError`` listing them.
+
+    The one backend-name check: :func:`varlen_attention`, :func:`packing_hf.register_attention` and
+    :func:`packing_hf.patch_flash_attention` all use it.
+
+    >>> check_backend_name("sdpa")
+    'sdpa'
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}")
+    return backend
+
+
 def last_backend() -> str | None:
     """Name of the backend the most recent :func:`varlen_attention` call ran (``None`` before any call).
 
@@ -633,14 +647,10 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
             f"{name} is on {cu.device} but the queries are on {device}; move it with .to({device!s})"
         )
     values = _cached_host_values(cu)
-    # value checks only when they cost no device sync; the per-segment backends check again via _segments
+    # value checks only when they cost no device sync; the per-segment backends check again via _segments.
+    # flash_attn_varlen_func's contract: empty segments allowed, trailing tokens may lie outside every one.
     if values is not None:
-        steps = [b - a for a, b in zip(values[:-1], values[1:], strict=False)]
-        if values[0] != 0 or any(s < 0 for s in steps) or values[-1] > total:
-            raise ValueError(
-                f"{name} = {values[:8]}{'...' if len(values) > 8 else ''} must start at 0, never decrease and "
-                f"end at most at the {total} tokens of the row; build it with packing_hf.lengths_to_cu_seqlens"
-            )
+        check_cu_seqlens(values, name, total=total, allow_empty=True, exact_total=False)
     return cu.to(torch.int32)
 
 
@@ -707,11 +717,7 @@ def varlen_attention(
         )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    if max(q.shape[0], k.shape[0]) > INT32_MAX:
-        raise ValueError(
-            f"{max(q.shape[0], k.shape[0])} packed tokens overflow the int32 offsets of varlen kernels "
-            f"(max {INT32_MAX}); split the batch into several rows or lower max_tokens_per_batch"
-        )
+    check_int32_tokens(max(q.shape[0], k.shape[0]), "a varlen call")
     cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
     cu_k = (
         cu_q
@@ -751,10 +757,7 @@ def varlen_attention(
     if backend == "auto":
         name = select_backend(q.device, q.dtype, features, head_dim=q.shape[-1])
     else:
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"unknown attention backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}"
-            )
+        check_backend_name(backend)
         if not BACKENDS[backend].is_installed():
             raise ValueError(
                 f"attention backend {backend!r} is not installed here; installed: {available_backends()}"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..varlen import INT32_MAX, cu_seqlens_to_position_ids
+from ..varlen import check_cu_seqlens, check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
 
@@ -48,13 +48,6 @@ _FIX_POSITIONS = (
 
 def _first_true(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask.reshape(-1))[0, 0])
-
-
-def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` bool: True where a token does not continue the previous position by +1 (column 0 too)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return starts
 
 
 def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -77,7 +70,7 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     position_ids = batch.get("position_ids")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
-    starts = _restarts(position_ids)
+    starts = position_restarts(position_ids)
     if not bool(starts[:, 1:].any()):
         return None
     return starts
@@ -91,7 +84,7 @@ def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> list[int]:
+def _check_packed_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> list[int]:
     """Validate ``cu_seq_lens_q/k`` and ``max_length_q/k``; returns the host copy of ``cu_seq_lens_q``."""
     cu = batch["cu_seq_lens_q"]
     if batch_size != 1:
@@ -100,33 +93,15 @@ def _check_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: int) -> 
             "a padding-free batch is a single row [1, T]: build it with packing_hf.PaddingFreeCollator, or drop "
             "cu_seq_lens_q/k and keep restarting position_ids per row"
         )
-    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(
-            f"cu_seq_lens_q must be a 1-D integer tensor [0, l0, l0 + l1, ...], got shape {tuple(cu.shape)} "
-            f"dtype {cu.dtype}; build it with packing_hf.lengths_to_cu_seqlens"
-        )
     cu_k = batch.get("cu_seq_lens_k")
     if isinstance(cu_k, torch.Tensor) and cu_k is not cu and not torch.equal(cu_k.to(cu.device), cu):
         raise ValueError(
             "cu_seq_lens_k differs from cu_seq_lens_q, but a packed causal-LM row attends within the same "
             "samples for queries and keys; pass the same tensor for both"
         )
-    host = cu.tolist()
-    if host[0] != 0 or any(b <= a for a, b in zip(host[:-1], host[1:], strict=False)):
-        raise ValueError(
-            f"cu_seq_lens_q must start at 0 and strictly increase, got {host[:8]}{'...' if len(host) > 8 else ''}; "
-            "build it with packing_hf.lengths_to_cu_seqlens"
-        )
-    if host[-1] != total:
-        raise ValueError(
-            f"cu_seq_lens_q ends at {host[-1]} but the packed row holds {total} tokens; every token must belong "
-            "to a sample (give padding its own segment)"
-        )
-    if host[-1] > INT32_MAX:
-        raise ValueError(
-            f"a packed row of {host[-1]} tokens overflows int32 cu_seq_lens (max {INT32_MAX}); "
-            "lower max_tokens_per_batch or split the row"
-        )
+    host = check_cu_seqlens(cu, "cu_seq_lens_q", total=total)
+    if len(host) < 2:
+        raise ValueError("cu_seq_lens_q = [0] describes no sample; a packed row holds at least one")
     longest = max(b - a for a, b in zip(host[:-1], host[1:], strict=False))
     for key in ("max_length_q", "max_length_k"):
         value = batch.get(key)
@@ -173,15 +148,11 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
     if shape is None:
         raise ValueError("a packed batch needs input_ids or inputs_embeds of shape (1, T)")
     batch_size, total = shape
-    if batch_size * total > INT32_MAX:
-        raise ValueError(
-            f"a packed batch of {batch_size} x {total} tokens overflows the int32 offsets of varlen attention "
-            f"(max {INT32_MAX}); lower max_tokens_per_batch or split the batch"
-        )
+    check_int32_tokens(batch_size * total, f"a packed batch of {batch_size} rows")
 
     position_ids = out.get("position_ids")
     if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
-        host = _check_cu_seqlens(out, batch_size, total)
+        host = _check_packed_cu_seqlens(out, batch_size, total)
         if position_ids is None:
             raise ValueError(
                 "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "

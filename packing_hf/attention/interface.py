@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..varlen import INT32_MAX
-from .backends import _host_values, _varlen_attention_masked, varlen_attention
+from ..varlen import check_int32_tokens, position_restarts
+from .backends import _host_values, _varlen_attention_masked, check_backend_name, varlen_attention
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
 
@@ -130,8 +130,8 @@ def _compute_layout(
         else:
             index = torch.nonzero(padding.flatten()).flatten()
             positions, row = positions[index], row[index]
-        starts = torch.ones_like(positions, dtype=torch.bool)
-        starts[1:] = (positions[1:] != positions[:-1] + 1) | (row[1:] != row[:-1])
+        starts = position_restarts(positions)
+        starts[1:] |= row[1:] != row[:-1]  # and every row starts a sample
         return _starts_to_layout(starts, positions.numel(), index)
     # a cache: more keys than queries (decoding, chunked prefill); packed rows are not expected here
     if padding is None:
@@ -222,122 +222,124 @@ def attend(
     True
     """
     batch, tq, hq, _ = query.shape
-    tk = key.shape[1]
     backend = backend or _BACKEND
-    if batch * max(tq, tk) > INT32_MAX:
-        raise ValueError(
-            f"a batch of {batch} x {max(tq, tk)} tokens overflows the int32 offsets of varlen attention "
-            f"(max {INT32_MAX}); lower max_tokens_per_batch or split the batch"
-        )
-    dense = None
-    padding = None
-    if attention_mask is not None:
-        if attention_mask.dim() == 4:
-            dense = attention_mask
-        elif attention_mask.dim() == 2:
-            padding = attention_mask.to(device=query.device, dtype=torch.bool)
-            if padding.shape[1] > tk:  # a mask longer than the keys: keep the last tk, as transformers does
-                padding = padding[:, -tk:]
-            elif padding.shape[1] < tk:  # static cache: slots past the mask hold no tokens yet
-                key, value = key[:, : padding.shape[1]], value[:, : padding.shape[1]]
-                tk = key.shape[1]
-            if padding.shape[0] != batch:
-                raise ValueError(
-                    f"attention_mask {tuple(attention_mask.shape)} does not match the batch of {batch} rows"
-                )
-        else:
-            raise ValueError(
-                f"attention_mask must be (B, T) padding or a (B, H, Tq, Tk) mask, got {tuple(attention_mask.shape)}"
-            )
-
+    check_int32_tokens(batch * max(tq, key.shape[1]), f"a batch of {batch} rows")
+    dense, padding, key, value = _split_mask(attention_mask, key, value, batch)
+    tk = key.shape[1]
     if cu_seq_lens_q is not None:
-        if batch != 1:
-            raise ValueError(
-                f"cu_seq_lens_q describes one packed row, but the batch has {batch} rows; a padding-free batch "
-                "is a single row [1, T]: build it with packing_hf.PaddingFreeCollator"
-            )
-        if padding is not None and not bool(padding.all()):
-            raise ValueError(
-                "an attention_mask with padding was passed next to packed cu_seq_lens_q: the mask would "
-                "contradict the packed boundaries. Drop the attention_mask (cu_seq_lens already keep the "
-                "samples apart) or pad outside the row"
-            )
-        cu_k = cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q
-        max_q = max_length_q
-        max_k = max_length_k if max_length_k is not None else (max_q if cu_k is cu_seq_lens_q else None)
-        if max_q is None:
-            max_q = _longest_segment(cu_seq_lens_q)
-        if max_k is None:
-            max_k = _longest_segment(cu_k)
-        layout = _Layout(cu_seq_lens_q.to(query.device), cu_k.to(query.device), int(max_q), int(max_k))
+        layout = _given_layout(
+            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, batch, padding, query.device
+        )
     else:
         positions = _packed_position_ids(position_ids, batch, tq) if tq == tk else None
         layout = _layout(batch, tq, tk, query.device, padding, positions)
 
-    q = query.reshape(batch * tq, hq, query.shape[-1])
-    k = key.reshape(batch * tk, key.shape[2], key.shape[-1])
-    v = value.reshape(batch * tk, value.shape[2], value.shape[-1])
+    q = query.reshape(batch * tq, hq, query.shape[-1])  # (B*Tq, Hq, D)
+    k = key.reshape(batch * tk, key.shape[2], key.shape[-1])  # (B*Tk, Hkv, D)
+    v = value.reshape(batch * tk, value.shape[2], value.shape[-1])  # (B*Tk, Hkv, Dv)
     if layout.index_q is not None:
         q = q.index_select(0, layout.index_q)
     if layout.index_k is not None:
         k, v = k.index_select(0, layout.index_k), v.index_select(0, layout.index_k)
 
+    kwargs = dict(causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap)
+    kwargs.update(dropout_p=dropout_p, s_aux=s_aux)
     if dense is not None:
         if alibi_slopes is not None:
             raise ValueError(
                 "ALiBi slopes next to a 4-D attention mask are not supported; fold them into the mask"
             )
-        if dense.shape[-2] != tq or dense.shape[-1] != tk or dense.shape[0] not in (1, batch):
-            raise ValueError(
-                f"a 4-D attention_mask {tuple(dense.shape)} does not match {batch} rows of {tq} queries and "
-                f"{tk} keys"
-            )
         if layout.index_q is not None or layout.index_k is not None:
             raise ValueError("a 4-D attention_mask cannot be combined with a 2-D padding mask")
-        dense = dense.to(query.device)
-
-        def segment_mask(sq: int, eq: int, sk: int, ek: int) -> torch.Tensor:
-            row = sq // tq
-            block = dense[row if dense.shape[0] > 1 else 0]
-            return block[:, sq - row * tq : eq - row * tq, sk - row * tk : ek - row * tk]
-
+        segment_mask = _dense_segment_mask(dense.to(query.device), batch, tq, tk)
+        masked_backend = "reference" if backend == "reference" else "sdpa"
         out = _varlen_attention_masked(
-            q,
-            k,
-            v,
-            layout.cu_q,
-            layout.cu_k,
-            segment_mask,
-            causal=causal,
-            softmax_scale=scale,
-            window_size=window_size,
-            softcap=softcap,
-            dropout_p=dropout_p,
-            s_aux=s_aux,
-            backend="reference" if backend == "reference" else "sdpa",
+            q, k, v, layout.cu_q, layout.cu_k, segment_mask, backend=masked_backend, **kwargs
         )
     else:
         out = varlen_attention(
-            q,
-            k,
-            v,
-            layout.cu_q,
-            layout.cu_k,
-            layout.max_q,
-            layout.max_k,
-            causal=causal,
-            softmax_scale=scale,
-            window_size=window_size,
-            softcap=softcap,
-            dropout_p=dropout_p,
-            alibi_slopes=alibi_slopes,
-            s_aux=s_aux,
-            backend=backend,
-        )
-    if layout.index_q is not None:
+            q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+            alibi_slopes=alibi_slopes, backend=backend, **kwargs,
+        )  # fmt: skip
+    if layout.index_q is not None:  # padding queries come back as zeros
         full = out.new_zeros(batch * tq, hq, out.shape[-1])
         out = full.index_copy(0, layout.index_q, out)
     return out.reshape(batch, tq, hq, out.shape[-1])
+
+
+def _split_mask(
+    attention_mask: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, batch: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(dense 4-D mask or None, (B, Tk) bool padding or None, key, value)`` from the mask a layer got.
+
+    A padding mask longer than the keys keeps its last ``Tk`` columns (as transformers does); a shorter one
+    (static cache) cuts the key/value slots past it, which hold no tokens yet.
+    """
+    if attention_mask is None:
+        return None, None, key, value
+    if attention_mask.dim() == 4:
+        return attention_mask, None, key, value
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be (B, T) padding or a (B, H, Tq, Tk) mask, got {tuple(attention_mask.shape)}"
+        )
+    tk = key.shape[1]
+    padding = attention_mask.to(device=key.device, dtype=torch.bool)
+    if padding.shape[1] > tk:
+        padding = padding[:, -tk:]
+    elif padding.shape[1] < tk:
+        key, value = key[:, : padding.shape[1]], value[:, : padding.shape[1]]
+    if padding.shape[0] != batch:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} does not match the batch of {batch} rows"
+        )
+    return None, padding, key, value
+
+
+def _given_layout(
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    max_q: int | None,
+    max_k: int | None,
+    batch: int,
+    padding: torch.Tensor | None,
+    device: torch.device,
+) -> _Layout:
+    """The layout of a packed row whose boundaries came with the batch (``cu_seq_lens_q/k``): used as is."""
+    if batch != 1:
+        raise ValueError(
+            f"cu_seq_lens_q describes one packed row, but the batch has {batch} rows; a padding-free batch "
+            "is a single row [1, T]: build it with packing_hf.PaddingFreeCollator"
+        )
+    if padding is not None and not bool(padding.all()):
+        raise ValueError(
+            "an attention_mask with padding was passed next to packed cu_seq_lens_q: the mask would "
+            "contradict the packed boundaries. Drop the attention_mask (cu_seq_lens already keep the "
+            "samples apart) or pad outside the row"
+        )
+    same = cu_k is None or cu_k is cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    if max_k is None and same:
+        max_k = max_q
+    max_q = _longest_segment(cu_q) if max_q is None else max_q
+    max_k = _longest_segment(cu_k) if max_k is None else max_k
+    return _Layout(cu_q.to(device), cu_k.to(device), int(max_q), int(max_k))
+
+
+def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
+    """``segment_mask(sq, eq, sk, ek)``: the block of a model-built ``(B|1, H|1, Tq, Tk)`` mask for one segment."""
+    if dense.shape[-2] != tq or dense.shape[-1] != tk or dense.shape[0] not in (1, batch):
+        raise ValueError(
+            f"a 4-D attention_mask {tuple(dense.shape)} does not match {batch} rows of {tq} queries and "
+            f"{tk} keys"
+        )
+
+    def segment_mask(sq: int, eq: int, sk: int, ek: int) -> torch.Tensor:
+        row = sq // tq
+        block = dense[row if dense.shape[0] > 1 else 0]
+        return block[:, sq - row * tq : eq - row * tq, sk - row * tk : ek - row * tk]
+
+    return segment_mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,11 +498,7 @@ def register_attention(backend: str = "auto") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from .backends import BACKENDS
-
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}")
-    _BACKEND = backend
+    _BACKEND = check_backend_name(backend)
     if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not varlen_attention_forward:
         AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
     if AttentionMaskInterface._global_mapping.get(ATTENTION_NAME) is not varlen_attention_mask:

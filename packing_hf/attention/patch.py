@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .backends import check_backend_name
 from .interface import attend
 
 __all__ = [
@@ -157,11 +158,7 @@ def patch_flash_attention(backend: str = "auto") -> None:
     >>> unpatch_flash_attention()
     """
     global _ORIGINAL, _BACKEND
-    from .backends import BACKENDS
-
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}")
-    _BACKEND = backend
+    _BACKEND = check_backend_name(backend)
     if _ORIGINAL is not None:
         return
     source = sys.modules.get(_SOURCE)

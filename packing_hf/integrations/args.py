@@ -17,6 +17,8 @@ from typing import Literal
 
 import transformers
 
+from ..overflow import check_overflow
+
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments"]
 
 PREFLIGHT_MODES = ("switch", "error", "off")
@@ -45,11 +47,11 @@ class PackingArguments:
             "again, refusing to train if it still leaks. 'error': refuse to train if they can. 'off': no check.",
         },
     )
-    packing_overflow: Literal["error", "truncate", "split", "skip"] = field(
+    packing_overflow: Literal["error", "truncate", "split", "drop"] = field(
         default="error",
         metadata={
             "help": "With max_tokens_per_batch: what to do with a sample longer than the budget. 'error' "
-            "(default) names it and stops; 'truncate' / 'split' / 'skip' are applied by the sampler and "
+            "(default) names it and stops; 'truncate' / 'split' / 'drop' are applied by the sampler and "
             "counted in its stats (never silently).",
         },
     )
@@ -74,10 +76,7 @@ class PackingArguments:
             raise ValueError(
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
             )
-        if self.packing_overflow not in ("error", "truncate", "split", "skip"):
-            raise ValueError(
-                f"packing_overflow={self.packing_overflow!r}: it must be 'error', 'truncate', 'split' or 'skip'"
-            )
+        self.packing_overflow = check_overflow(self.packing_overflow, "packing_overflow")
 
 
 @dataclass

@@ -102,10 +102,10 @@ def test_non_positive_lengths_are_refused_with_their_index(bad):
 @pytest.mark.parametrize(
     ("cu", "message"),
     [
-        ([1, 3], "start with 0"),
-        ([], "start with 0"),
-        ([0, 3, 3], r"cu_seqlens\[2\] = 3"),
-        ([0, 5, 2], "increasing"),
+        ([1, 3], "start at 0"),
+        ([], "start at 0"),
+        ([0, 3, 3], r"empty segment ends at cu_seqlens\[2\] = 3"),
+        ([0, 5, 2], r"negative length ends at cu_seqlens\[2\] = 2"),
     ],
 )
 def test_malformed_cu_seqlens_are_refused(cu, message):

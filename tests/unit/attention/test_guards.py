@@ -113,7 +113,7 @@ def test_cu_seq_lens_without_position_ids_are_refused():
 def test_cu_seq_lens_not_covering_the_row_are_refused():
     batch = packed()
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 3, 5], dtype=torch.int32)
-    with pytest.raises(ValueError, match="ends at 5 but the packed row holds 9 tokens"):
+    with pytest.raises(ValueError, match="cu_seq_lens_q ends at 5 but the row holds 9 tokens"):
         validate_packed_batch(batch)
 
 
@@ -135,7 +135,7 @@ def test_an_int32_overflowing_row_is_refused_without_allocating_it():
         "input_ids": torch.empty(1, total, dtype=torch.long, device="meta"),
         "cu_seq_lens_q": torch.tensor([0, total // 2, total], dtype=torch.int64),
     }
-    with pytest.raises(ValueError, match="overflows the int32 offsets"):
+    with pytest.raises(ValueError, match="overflows int32 cu_seqlens"):
         validate_packed_batch(batch)
 
 

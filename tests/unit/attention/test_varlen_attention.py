@@ -248,7 +248,7 @@ def test_input_validation():
         varlen_attention(torch.randn(5, 3, 8), k, v, cu, cu, 3, 3)
     with pytest.raises(ValueError, match="must start at 0"):
         varlen_attention(q, k, v, torch.tensor([1, 3, 5], dtype=torch.int32), cu, 3, 3)
-    with pytest.raises(ValueError, match="must start at 0"):
+    with pytest.raises(ValueError, match="ends at 9 but the row holds 5 tokens"):
         varlen_attention(q, k, v, torch.tensor([0, 3, 9], dtype=torch.int32), cu, 3, 3)
     with pytest.raises(ValueError, match="entries"):
         varlen_attention(q, k, v, cu, torch.tensor([0, 5], dtype=torch.int32), 3, 3)
@@ -261,7 +261,7 @@ def test_input_validation():
 def test_int32_overflow_is_refused_before_any_work():
     big = torch.empty(2**31, 1, 1, device="meta")
     cu = torch.tensor([0, 2**31], dtype=torch.int64, device="meta")
-    with pytest.raises(ValueError, match="overflow the int32"):
+    with pytest.raises(ValueError, match="overflows int32 cu_seqlens"):
         varlen_attention(big, big, big, cu, cu, 2**31, 2**31)
 
 
