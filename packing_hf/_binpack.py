@@ -6,6 +6,10 @@ A *bin* is one batch: a set of samples whose lengths sum to at most ``budget`` t
 - :func:`pack_best_fit_decreasing`: near-optimal packing (best-fit decreasing with an O(log budget)
   segment tree, then a repair step that empties the least-filled bins when it can). On real and
   synthetic length distributions it reaches the Martello-Toth lower bound or comes within a bin of it.
+- :func:`pack_best_fit_random_order`: the same best fit and repair, but over the items in a given
+  (random) order, with only the items longer than half the budget placed first. Its bins are a
+  random mix of lengths (what the sampler uses by default) and come within a fraction of a percent
+  of best-fit decreasing on real length distributions.
 - :func:`pack_next_fit`: the naive baseline (fill a bin in order, open a new one when the next sample
   does not fit).
 - :func:`lower_bound_l1`, :func:`lower_bound_l2`: lower bounds on the number of bins any packing
@@ -37,6 +41,7 @@ __all__ = [
     "lower_bound_l1",
     "lower_bound_l2",
     "pack_best_fit_decreasing",
+    "pack_best_fit_random_order",
     "pack_next_fit",
     "packing_efficiency",
     "sort_decreasing",
@@ -338,6 +343,130 @@ def pack_best_fit_decreasing(
     return _packing_from_bin_of(bin_of, sorted_ids, sorted_lengths, int(n_bins), budget)
 
 
+def pack_best_fit_random_order(
+    lengths: LengthsLike,
+    budget: int,
+    order: np.ndarray | None = None,
+    *,
+    long_above: int | None = None,
+    repair: bool = True,
+    level: bool = True,
+) -> Packing:
+    """Best fit over the items in the order given (long items first), then the same repair step.
+
+    Best-fit decreasing fills bins almost perfectly, but because it visits items longest first, every
+    bin holds samples of nearly the same length. Here items are visited in ``order`` (a random
+    permutation, for a random mix), except that the items longer than ``long_above`` come first
+    (in ``order``'s order among themselves): items over half the budget can never share a bin, and
+    opening their bins first leaves their gaps to be filled by the rest, which is where a purely
+    random order loses most of its fill. Each item goes into the open bin it fills most tightly, then
+    :func:`_repair` empties the least-filled bins when the count is above the L2 lower bound, and
+    nearly empty bins are topped up with items from the others (``level``).
+
+    On GSM8K / GPTeacher / Alpaca lengths at budgets of 2k-8k tokens this comes within 0.2% of
+    best-fit decreasing (often equal), with bins whose mean sample length varies as much as in
+    random batches. O(n log budget) like :func:`pack_best_fit_decreasing`.
+
+    Args:
+        lengths: ``(n,)`` ints in ``[1, budget]``.
+        budget: tokens per bin.
+        order: ``(n,)`` a permutation of ``range(n)``: the visiting order (default: the identity).
+        long_above: items longer than this many tokens are placed first (default ``budget // 2``,
+            the items that cannot share a bin with each other; lower values also place the upper
+            mode of bimodal data first). ``long_above >= budget`` places nothing first.
+        repair: run the repair step (on by default).
+        level: top up the bins left under half the mean fill (the last bins opened, holding what fitted
+            nowhere else, which are mostly long samples) with items from other bins, at most one per
+            bin, visited in ``order``: their content is then as random as the others' (on by default).
+
+    Returns:
+        A :class:`Packing`; bins in creation order, items in a bin in placement order.
+
+    Raises:
+        ValueError: budget <= 0, a length <= 0 or > budget, ``order`` not a permutation of ``range(n)``,
+            or ``long_above`` < 0.
+
+    >>> order = np.array([0, 2, 4, 3, 1, 5])  # the 6 and the 5 (> 8 // 2) still go first: 3, then 1
+    >>> pack_best_fit_random_order([2, 6, 3, 5, 1, 4], 8, order).bins()
+    [[3, 2], [1, 0], [4, 5]]
+    """
+    budget = check_budget(budget)
+    lengths = as_lengths(lengths)
+    _check_fits(lengths, budget)
+    n = lengths.size
+    if order is None:
+        order = np.arange(n, dtype=np.int64)
+    else:
+        order = np.asarray(order)
+        if order.shape != (n,) or order.dtype.kind not in "iu" or not _is_permutation(order):
+            raise ValueError(
+                f"order must be a permutation of range({n}) (one visiting position per item), got shape "
+                f"{order.shape} dtype {order.dtype}; pass e.g. numpy.random.default_rng(seed).permutation(n)"
+            )
+        order = order.astype(np.int64, copy=False)
+    if long_above is None:
+        long_above = budget // 2
+    if isinstance(long_above, bool) or not isinstance(long_above, int | np.integer) or long_above < 0:
+        raise ValueError(f"long_above must be an int >= 0 (tokens), got {long_above!r}")
+    if n == 0:
+        return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
+    is_long = lengths[order] > long_above
+    visit = np.concatenate([order[is_long], order[~is_long]])  # (n,) stable: long ones first
+    visit_lengths = lengths[visit]
+    bin_of, n_bins = _best_fit_sorted(visit_lengths, budget)  # best fit in any order (name: historical)
+    if repair:
+        bin_of, n_bins = _repair(visit_lengths, bin_of, int(n_bins), budget)
+    if level:
+        # donors visited in the given order, long items included (positions in ``visit``)
+        by_order = np.empty(n, np.int64)
+        by_order[visit] = np.arange(n)
+        bin_of = _level_light_bins(bin_of.copy(), visit_lengths, int(n_bins), budget, by_order[order])
+    return _packing_from_bin_of(bin_of, visit, visit_lengths, int(n_bins), budget)
+
+
+@njit(cache=True)
+def _level_light_bins(bin_of, lengths, n_bins, budget, visit):  # pragma: no cover - compiled
+    """Top up bins under half the mean fill with items taken from other bins (in place on ``bin_of``).
+
+    Best fit in a random order ends with a nearly empty bin holding what fitted nowhere else: the
+    longest of the last items, so its mean length stands out. Items visited in ``visit`` (a random
+    order) move into it, at most one from each donor bin and only while the donor stays over half
+    the mean fill, until it reaches 90% of the mean fill: its content becomes a random sample too,
+    and the bin count does not change.
+    """
+    tokens = np.zeros(n_bins, np.int64)
+    for i in range(lengths.shape[0]):
+        tokens[bin_of[i]] += lengths[i]
+    mean = tokens.sum() / n_bins
+    light = tokens < 0.5 * mean
+    donated = np.zeros(n_bins, np.bool_)
+    for x in range(n_bins):
+        if not light[x]:
+            continue
+        for j in range(visit.shape[0]):
+            if tokens[x] >= 0.9 * mean:
+                break
+            i = visit[j]
+            b = bin_of[i]
+            y = lengths[i]
+            if light[b] or donated[b] or tokens[x] + y > budget or tokens[b] - y < 0.5 * mean:
+                continue
+            bin_of[i] = x
+            tokens[b] -= y
+            tokens[x] += y
+            donated[b] = True
+    return bin_of
+
+
+def _is_permutation(order: np.ndarray) -> bool:
+    n = order.size
+    if n == 0:
+        return True
+    if order.min() < 0 or order.max() >= n:
+        return False
+    return bool((np.bincount(order, minlength=n) == 1).all())
+
+
 @njit(cache=True)
 def _empty_bin(lengths, bin_of, gap, target, budget, max_visits):  # pragma: no cover - compiled
     """Try to move every item of bin ``target`` into the other bins: ``(success, visits)``.
@@ -564,15 +693,27 @@ def split_bins(packing: Packing, lengths: LengthsLike, extra: int) -> Packing:
         )
     if extra == 0:
         return packing
-    sizes = np.diff(packing.offsets).tolist()
+    # Rounds: each splits (at once) the bins holding the most items, as many as are still needed and
+    # hold >= 2 items; one split at a time would cost O(extra x n) on a million items.
     bin_of = np.repeat(np.arange(n_bins, dtype=np.int64), np.diff(packing.offsets))  # aligned with items
-    for _ in range(extra):
-        b = int(np.argmax(sizes))
-        members = np.nonzero(bin_of == b)[0]
-        bin_of[members[1::2]] = n_bins
-        sizes[b] = members[0::2].size
-        sizes.append(members[1::2].size)
-        n_bins += 1
+    while extra:
+        sizes = np.bincount(bin_of, minlength=n_bins)
+        splittable = int((sizes >= 2).sum())
+        take = min(extra, splittable)
+        chosen = np.argsort(-sizes, kind="stable")[:take]  # (take,) the fullest bins, lowest id first
+        new_id = np.full(n_bins, -1, np.int64)
+        new_id[chosen] = n_bins + np.arange(take)
+        # position of every item within its bin, in item order (a bin's items are not contiguous
+        # after an earlier round)
+        order = np.argsort(bin_of, kind="stable")
+        starts = np.zeros(n_bins + 1, np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        rank = np.empty(bin_of.size, np.int64)
+        rank[order] = np.arange(bin_of.size) - starts[bin_of[order]]
+        moves = (new_id[bin_of] >= 0) & (rank % 2 == 1)  # odd positions of a chosen bin move out
+        bin_of[moves] = new_id[bin_of[moves]]
+        n_bins += take
+        extra -= take
     return _packing_from_bin_of(bin_of, packing.items, lengths[packing.items], n_bins, packing.budget)
 
 

@@ -184,3 +184,49 @@ def test_split_bins_adds_bins_without_losing_items(case, extra):
     split = bp.split_bins(packing, lengths, extra)
     assert split.num_bins == packing.num_bins + extra
     assert_valid_packing(split, lengths, budget)
+
+
+@SETTINGS
+@given(lengths_and_budget(), st.integers(0, 2**32 - 1), st.booleans())
+def test_random_order_best_fit_is_a_valid_packing_near_the_bound(case, seed, level):
+    lengths, budget = case
+    order = np.random.default_rng(seed).permutation(lengths.size)
+    packing = bp.pack_best_fit_random_order(lengths, budget, order, level=level)
+    assert_valid_packing(packing, lengths, budget)
+    bound = bp.lower_bound_l2(lengths, budget) if lengths.size else 0
+    assert packing.num_bins >= bound
+    # no two items over half the budget can share a bin, and best fit never opens a bin needlessly late
+    assert packing.num_bins >= int((lengths > budget // 2).sum())
+    if level:  # leveling moves items but never adds a bin
+        assert packing.num_bins == bp.pack_best_fit_random_order(lengths, budget, order, level=False).num_bins
+
+
+def test_random_order_best_fit_with_everything_first_in_sorted_order_is_best_fit_decreasing():
+    lengths = np.random.default_rng(0).integers(1, 300, size=500)
+    order = bp.sort_decreasing(lengths)
+    ours = bp.pack_best_fit_random_order(lengths, 1000, order, long_above=0, repair=False, level=False)
+    assert ours.bins() == bp.pack_best_fit_decreasing(lengths, 1000, repair=False).bins()
+
+
+def test_leveling_tops_up_the_last_bin_with_a_random_sample():
+    # five 100s fill each of the first 4 bins; the 200s, visited last, fit nowhere and open 2 more bins
+    lengths = np.array([100] * 20 + [200] * 3)
+    order = np.arange(lengths.size)
+    plain = bp.pack_best_fit_random_order(lengths, 500, order, level=False)
+    leveled = bp.pack_best_fit_random_order(lengths, 500, order)
+    assert plain.bin_tokens.tolist() == [500, 500, 500, 500, 400, 200]
+    assert plain.bins()[-1] == [22]  # the last bin: one long sample only
+    assert leveled.num_bins == 6 and leveled.bin_tokens.min() >= 0.5 * leveled.bin_tokens.mean()
+    assert sorted(leveled.bins()[-1]) == [0, 5, 22]  # one 100 from each of the first two bins joined it
+    assert_valid_packing(leveled, lengths, 500)
+
+
+def test_random_order_best_fit_rejects_a_bad_order():
+    with pytest.raises(ValueError, match=r"order must be a permutation of range\(3\)"):
+        bp.pack_best_fit_random_order([1, 2, 3], 10, np.array([0, 0, 1]))
+    with pytest.raises(ValueError, match=r"order must be a permutation of range\(3\)"):
+        bp.pack_best_fit_random_order([1, 2, 3], 10, np.array([0, 1]))
+    with pytest.raises(ValueError, match="long_above must be an int >= 0"):
+        bp.pack_best_fit_random_order([1, 2, 3], 10, long_above=-1)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 11 > budget 10"):
+        bp.pack_best_fit_random_order([1, 11], 10)

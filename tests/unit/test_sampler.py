@@ -1,10 +1,14 @@
-"""MultipackBatchSampler: budget, exact coverage across ranks, determinism, resume, overflow, bad input."""
+"""MultipackBatchSampler: budget, exact coverage across ranks, determinism, resume, overflow, bad input,
+and the random-mix plan (``mixing="random"``): bins and batch mean-length spread on real and generated lengths."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packing_hf import _binpack
-from packing_hf.sampler import MultipackBatchSampler, OverflowView, lengths_from_dataset
+from packing_hf.sampler import (
+    MIXINGS,
+    OVERFLOW_POLICIES,
+    MultipackBatchSampler,
+    OverflowView,
+    lengths_from_dataset,
+)
 
 
 def make_ranks(lengths, budget, replicas, **kwargs) -> list[MultipackBatchSampler]:
@@ -39,33 +49,33 @@ def sampler_cases(draw):
 
 
 @settings(max_examples=80, deadline=None)
-@given(sampler_cases(), st.sampled_from(["tokens", "attention"]))
-def test_every_sample_once_across_ranks_within_budget_and_equal_lengths(case, balance):
+@given(sampler_cases(), st.sampled_from(["tokens", "attention"]), st.sampled_from(MIXINGS))
+def test_every_sample_once_across_ranks_within_budget_and_equal_lengths(case, balance, mixing):
     lengths, budget, replicas, seed = case
     try:
-        samplers = make_ranks(lengths, budget, replicas, seed=seed, balance=balance)
-        len(samplers[0])
+        samplers = make_ranks(lengths, budget, replicas, seed=seed, balance=balance, mixing=mixing)
+        length = len(samplers[0])
     except ValueError as err:
         # only when the data is too small to give every rank the same number of batches without repeats
         assert "cannot give each" in str(err)
-        packed = len(MultipackBatchSampler(lengths, budget))
+        packed = MultipackBatchSampler(lengths, budget, seed=seed, mixing=mixing).stats(0)["packed_batches"]
         assert lengths.size < replicas * -(-packed // replicas)
         return
-    per_rank = epoch_batches(samplers, epoch=1)
-    assert len({len(s) for s in samplers}) == 1
-    assert all(len(batches) == len(s) for batches, s in zip(per_rank, samplers, strict=True))
-    flat = [i for batches in per_rank for batch in batches for i in batch]
-    assert sorted(flat) == list(range(lengths.size))
-    assert all(0 < lengths[batch].sum() <= budget for batches in per_rank for batch in batches)
-    stats = samplers[0].stats()
-    assert stats["batches"] == replicas * len(samplers[0])
-    assert (
-        stats["lower_bound"]
-        <= stats["packed_batches"]
-        <= stats["batches"]
-        < stats["packed_batches"] + replicas
-    )
-    assert stats["tokens"] == lengths.sum()
+    sorted_bins = len(MultipackBatchSampler(lengths, budget, mixing="sorted"))
+    for epoch in (0, 1, 5):  # len() is exact in every epoch, the same on every rank
+        per_rank = epoch_batches(samplers, epoch=epoch)
+        assert all(len(batches) == len(s) == length for batches, s in zip(per_rank, samplers, strict=True))
+        flat = [i for batches in per_rank for batch in batches for i in batch]
+        assert sorted(flat) == list(range(lengths.size))
+        assert all(0 < lengths[batch].sum() <= budget for batches in per_rank for batch in batches)
+        stats = samplers[0].stats()
+        assert stats["batches"] == replicas * length
+        assert stats["lower_bound"] <= stats["packed_batches"] <= stats["batches"]
+        assert stats["split_batches"] == stats["batches"] - stats["packed_batches"]
+        assert stats["tokens"] == lengths.sum()
+    # the batch count before the ranks' rounding stays within 1% + 1 of the sorted plan's
+    if replicas == 1:
+        assert length <= 1.01 * sorted_bins + 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -85,15 +95,14 @@ def test_drop_last_drops_whole_batches_and_counts_them(case):
     stats = samplers[0].stats()
     assert stats["dropped_samples"] == lengths.size - len(flat)
     assert stats["dropped_tokens"] == lengths.sum() - lengths[flat].sum()
-    assert (
-        stats["rank_split_batches"] == 0
-        and stats["batches"] == stats["packed_batches"] - stats["packed_batches"] % replicas
-    )
+    assert stats["split_batches"] == 0
+    assert stats["batches"] == stats["packed_batches"] - stats["packed_batches"] % replicas
 
 
-def test_plan_changes_across_epochs_but_not_the_batch_count():
+@pytest.mark.parametrize("mixing", MIXINGS)
+def test_plan_changes_across_epochs_but_not_the_batch_count(mixing):
     lengths = np.random.default_rng(0).integers(1, 60, size=400)
-    sampler = MultipackBatchSampler(lengths, 256, seed=3)
+    sampler = MultipackBatchSampler(lengths, 256, seed=3, mixing=mixing)
     epochs = [epoch_batches([sampler], e)[0] for e in range(3)]
     assert len({len(b) for b in epochs}) == 1
     assert epochs[0] != epochs[1] != epochs[2]
@@ -101,7 +110,7 @@ def test_plan_changes_across_epochs_but_not_the_batch_count():
     as_sets = [{frozenset(batch) for batch in batches} for batches in epochs]
     assert as_sets[0] != as_sets[1]
     # and a given epoch is reproducible
-    assert epoch_batches([MultipackBatchSampler(lengths, 256, seed=3)], 1)[0] == epochs[1]
+    assert epoch_batches([MultipackBatchSampler(lengths, 256, seed=3, mixing=mixing)], 1)[0] == epochs[1]
 
 
 def test_identical_plan_in_a_separate_process():
@@ -131,25 +140,28 @@ def test_identical_plan_in_a_separate_process():
     assert epoch_batches(make_ranks(lengths, 1000, 3, seed=12), epoch=2) != ours
 
 
-def test_visiting_order_is_not_sorted_by_length():
+@pytest.mark.parametrize("mixing", MIXINGS)
+def test_visiting_order_is_not_sorted_by_length(mixing):
     rng = np.random.default_rng(5)
     lengths = np.clip(rng.lognormal(5.0, 1.0, 3000), 1, 2048).astype(np.int64)
-    batches = list(MultipackBatchSampler(lengths, 2048, seed=0))
+    batches = list(MultipackBatchSampler(lengths, 2048, seed=0, mixing=mixing))
     longest = np.array([lengths[b].max() for b in batches])
     position = np.arange(len(batches))
     # best-fit decreasing creates bins longest first: visited in that order the correlation is ~ -0.9
     assert abs(np.corrcoef(position, longest)[0, 1]) < 0.15
-    ordered = list(MultipackBatchSampler(lengths, 2048, shuffle=False))
+    ordered = list(MultipackBatchSampler(lengths, 2048, shuffle=False, mixing=mixing))
     firsts = [min(b) for b in ordered]
     assert firsts == sorted(firsts)  # shuffle=False: steps in dataset order
-    assert ordered == epoch_batches([MultipackBatchSampler(lengths, 2048, shuffle=False)], epoch=4)[0]
+    again = MultipackBatchSampler(lengths, 2048, shuffle=False, mixing=mixing)
+    assert ordered == epoch_batches([again], epoch=4)[0]
 
 
 @pytest.mark.parametrize("epoch", [0, 3])
 @pytest.mark.parametrize("shard", [True, False])
-def test_resume_yields_exactly_the_remaining_batches(epoch, shard):
+@pytest.mark.parametrize("mixing", MIXINGS)
+def test_resume_yields_exactly_the_remaining_batches(epoch, shard, mixing):
     lengths = np.random.default_rng(2).integers(1, 500, size=600)
-    kwargs = dict(seed=4, num_replicas=2, rank=1, shard=shard)
+    kwargs = dict(seed=4, num_replicas=2, rank=1, shard=shard, mixing=mixing)
     first = MultipackBatchSampler(lengths, 2000, **kwargs)
     first.set_epoch(epoch)
     full = list(first)
@@ -181,6 +193,17 @@ def test_load_state_dict_rejects_a_different_plan():
         sampler.load_state_dict({"epoch": 1})
     with pytest.raises(ValueError, match="batches_consumed"):
         sampler.load_state_dict({**state, "batches_consumed": 99})
+    with pytest.raises(ValueError, match="mixing: saved 'random', now 'sorted'"):
+        MultipackBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0, mixing="sorted").load_state_dict(
+            state
+        )
+    # a state saved before `mixing` existed comes from the sorted plan
+    old = {k: v for k, v in state.items() if k != "mixing"}
+    with pytest.raises(ValueError, match="mixing: saved 'sorted', now 'random'"):
+        sampler.load_state_dict(old)
+    sorted_sampler = MultipackBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0, mixing="sorted")
+    sorted_sampler.load_state_dict({**old, "batches_consumed": 1})
+    assert sorted_sampler.state_dict()["batches_consumed"] == 1
 
 
 def test_overflow_error_names_the_sample():
@@ -188,7 +211,7 @@ def test_overflow_error_names_the_sample():
         MultipackBatchSampler([10, 20, 40, 50], 32)
 
 
-def test_overflow_truncate_skip_and_split_are_counted():
+def test_overflow_truncate_drop_and_split_are_counted():
     lengths = [10, 20, 40, 70]
     truncated = MultipackBatchSampler(lengths, 32, overflow="truncate")
     stats = truncated.stats()
@@ -196,9 +219,17 @@ def test_overflow_truncate_skip_and_split_are_counted():
     assert sorted(i for b in truncated for i in b) == [0, 1, 2, 3]
     assert all(np.minimum(lengths, 32)[b].sum() <= 32 for b in truncated)
 
-    skipped = MultipackBatchSampler(lengths, 32, overflow="skip")
-    assert sorted(i for b in skipped for i in b) == [0, 1]
-    assert (skipped.stats()["skipped_samples"], skipped.stats()["skipped_tokens"]) == (2, 110)
+    assert OVERFLOW_POLICIES == ("error", "truncate", "split", "drop")
+    dropped = MultipackBatchSampler(lengths, 32, overflow="drop")
+    assert sorted(i for b in dropped for i in b) == [0, 1]
+    stats = dropped.stats()
+    assert (stats["overflow_dropped_samples"], stats["overflow_dropped_tokens"]) == (2, 110)
+    assert (stats["dropped_samples"], stats["dropped_tokens"]) == (0, 0)  # drop_last's, a different count
+    with pytest.warns(FutureWarning, match=r"overflow='skip'\) is deprecated.*pass overflow='drop'"):
+        skipped = MultipackBatchSampler(lengths, 32, overflow="skip")
+    assert skipped.overflow == "drop" and list(skipped) == list(dropped)
+    # a checkpoint saved under the old name resumes under the new one
+    skipped.load_state_dict({**dropped.state_dict(), "overflow": "skip"})
 
     split = MultipackBatchSampler(lengths, 32, overflow="split")
     assert (split.stats()["split_samples"], split.stats()["split_pieces"]) == (2, 2 + 3)
@@ -249,6 +280,7 @@ def test_overflow_view_serves_pieces_and_truncations():
         (dict(rank=-1), "rank must be an int >= 0"),
         (dict(overflow="wrap"), "overflow must be one of"),
         (dict(balance="flops"), "balance must be one of"),
+        (dict(mixing="shuffled"), "mixing must be one of"),
     ],
 )
 def test_bad_input(kwargs, match):
@@ -332,8 +364,11 @@ def test_efficiency_and_lower_bound_report():
     assert stats["lower_bound"] == _binpack.lower_bound_l2(lengths, 4096) == sampler.lower_bound()
     assert stats["efficiency"] == sampler.efficiency() == lengths.sum() / (len(sampler) * 4096)
     assert stats["batches_over_lower_bound"] <= 1
+    assert (stats["redraws"], stats["fallback"], stats["long_above"]) == (0, 0, 2048)
+    batches = list(sampler)
+    assert stats["batch_mean_length_std"] == pytest.approx(np.std([lengths[b].mean() for b in batches]))
     assert all(isinstance(v, int | float) for v in stats.values())
-    assert "num_replicas=1" in repr(sampler)
+    assert "num_replicas=1" in repr(sampler) and "mixing='random'" in repr(sampler)
 
 
 def test_is_a_torch_batch_sampler():
@@ -342,3 +377,186 @@ def test_is_a_torch_batch_sampler():
     loader = torch.utils.data.DataLoader(list(range(10, 15)), batch_sampler=sampler, collate_fn=list)
     assert sorted(x for batch in loader for x in batch) == [10, 11, 12, 13, 14]
     assert len(loader) == len(sampler)
+
+
+# ------------------------------------------------------------------------------------------------
+# mixing="random": as few batches as the sorted plan (within 1% + 1), with the length mix of random batches
+
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+BUDGETS = (2048, 4096, 8192)
+
+
+def shared_texts(data_dir: Path, eos: str) -> dict[str, list[str]]:
+    """Every file of the shared data as training texts: GSM8K as in conftest, the others as Alpaca prompts."""
+    texts = {}
+    with open(data_dir / "gsm8k_train.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    texts["gsm8k"] = [f"Question: {r['question']}\nAnswer: {r['answer']}{eos}" for r in rows]
+    for name in ("gpteacher_roleplay", "gpteacher_toolformer", "alpaca_gpt4_1k"):
+        with open(data_dir / f"{name}.json") as f:
+            rows = json.load(f)
+        texts[name] = [
+            (ALPACA_WITH_INPUT if r.get("input") else ALPACA_NO_INPUT).format(
+                instruction=r["instruction"], input=r.get("input", "")
+            )
+            + r["output"]
+            + eos
+            for r in rows
+        ]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def shared_lengths(data_dir) -> dict[str, np.ndarray]:
+    """SmolLM2 token counts of every row of the shared data (~20k rows), cached in the temp folder.
+
+    Tokenizing takes ~10 s on 2 cores; the cache key covers the data files and the tokenizer, so a
+    changed file is tokenized again.
+    """
+    files = sorted(p for p in data_dir.rglob("*") if p.is_file())
+    key = hashlib.sha1(repr([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode())
+    cache = Path(tempfile.gettempdir()) / f"packing_hf_test_lengths_{key.hexdigest()[:16]}.npz"
+    if cache.is_file():
+        with np.load(cache) as stored:
+            return {name: stored[name] for name in stored.files}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(data_dir / "smollm2_tokenizer"))
+    lengths = {
+        name: np.array([len(ids) for ids in tokenizer(texts, return_attention_mask=False)["input_ids"]])
+        for name, texts in shared_texts(data_dir, tokenizer.eos_token).items()
+    }
+    partial = cache.with_suffix(
+        ".partial.npz"
+    )  # written whole, then renamed: parallel workers never see half
+    np.savez(partial, **lengths)
+    partial.replace(cache)
+    return lengths
+
+
+def generated_lengths(name: str, budget: int) -> np.ndarray:
+    """Length distributions that real data does not cover, scaled to the budget."""
+    rng = np.random.default_rng(1)
+    if name == "long_tailed":  # Pareto: most samples short, a few up to the whole budget
+        return np.clip(rng.pareto(1.2, 20_000) * 60 + 10, 1, budget).astype(np.int64)
+    if name == "bimodal":  # short chat turns and documents of 0.3-0.7 budgets
+        return np.concatenate(
+            [rng.integers(20, 200, 15_000), rng.integers(budget * 3 // 10, budget * 7 // 10, 3000)]
+        )
+    if name == "over_half":  # a third of the samples longer than half the budget
+        return np.concatenate(
+            [rng.integers(budget // 2 + 1, budget, 3000), rng.integers(10, budget // 2, 6000)]
+        )
+    if name == "lognormal":
+        return np.clip(rng.lognormal(5.5, 1.0, 20_000), 1, budget).astype(np.int64)
+    raise ValueError(name)
+
+
+GENERATED = ("long_tailed", "bimodal", "over_half", "lognormal")
+
+
+def mean_length_spread(lengths: np.ndarray, batches: list[list[int]]) -> float:
+    """Std across batches of a batch's mean sample length."""
+    return float(np.std([lengths[b].mean() for b in batches]))
+
+
+def random_batches_spread(lengths: np.ndarray, budget: int, draws: int = 4) -> float:
+    """The same for random batches under the same budget: shuffled, then filled in order (next-fit)."""
+    spreads = []
+    for seed in range(draws):
+        order = np.random.default_rng(1000 + seed).permutation(lengths.size)
+        packing = _binpack.pack_next_fit(lengths[order], budget)
+        spreads.append(mean_length_spread(lengths, [order[b] for b in packing.bins()]))
+    return float(np.mean(spreads))
+
+
+def check_random_mix(lengths: np.ndarray, budget: int, *, sorted_is_grouped: bool) -> None:
+    mixed = MultipackBatchSampler(lengths, budget, seed=0)
+    ordered = MultipackBatchSampler(lengths, budget, seed=0, mixing="sorted")
+    sorted_bins = ordered.stats()["packed_batches"]
+    assert len(mixed) <= 1.01 * sorted_bins + 1
+    spreads = []
+    for epoch in range(4):
+        mixed.set_epoch(epoch)
+        spreads.append(mean_length_spread(lengths, list(mixed)))
+        assert len(list(mixed)) == len(mixed) and mixed.stats()["fallback"] == 0
+    reference = random_batches_spread(lengths, budget)
+    assert np.mean(spreads) <= 1.3 * reference
+    if sorted_is_grouped:  # what the sorted plan does on real data: the bound has teeth
+        assert mean_length_spread(lengths, list(ordered)) > 2 * reference
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("name", ["gsm8k", "gpteacher_roleplay", "gpteacher_toolformer", "alpaca_gpt4_1k"])
+def test_random_mix_on_shared_data_lengths(shared_lengths, name, budget):
+    check_random_mix(shared_lengths[name], budget, sorted_is_grouped=True)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("name", GENERATED)
+def test_random_mix_on_generated_lengths(name, budget):
+    check_random_mix(generated_lengths(name, budget), budget, sorted_is_grouped=False)
+
+
+def test_bimodal_data_lowers_the_long_first_threshold():
+    # documents of 0.3-0.7 budgets: with only those over half the budget placed first, the best fit pairs
+    # the others tightly and leaves the short samples to a few batches; a third of the budget mixes better
+    stats = MultipackBatchSampler(generated_lengths("bimodal", 8192), 8192).stats()
+    assert stats["long_above"] in (8192 // 3, 8192 // 4)
+    assert MultipackBatchSampler(generated_lengths("lognormal", 8192), 8192).stats()["long_above"] == 4096
+
+
+def test_batch_mates_change_from_epoch_to_epoch(shared_lengths):
+    lengths = shared_lengths["gsm8k"][:3000]
+
+    def pairs(batches: list[list[int]]) -> set[tuple[int, int]]:
+        return {(a, b) for batch in batches for a in batch for b in batch if a < b}
+
+    def kept(mixing: str) -> float:
+        sampler = MultipackBatchSampler(lengths, 4096, seed=0, mixing=mixing)
+        first, second = (pairs(epoch_batches([sampler], epoch)[0]) for epoch in (0, 1))
+        return len(first & second) / len(first)
+
+    # random batches of ~19 samples out of 3000 share a given pair again with probability ~0.6%
+    assert kept("random") < 0.02
+    mixed = MultipackBatchSampler(lengths, 4096, seed=0)
+    every = [epoch_batches([mixed], e)[0] for e in range(3)]
+    mates = [{i: frozenset(batch) - {i} for batch in batches for i in batch} for batches in every]
+    assert sum(mates[0][i] == mates[1][i] for i in range(lengths.size)) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 6),
+    st.booleans(),
+    st.sampled_from(["long_tailed", "bimodal", "over_half", "lognormal"]),
+)
+def test_len_is_exact_in_every_epoch_on_every_rank(seed, replicas, drop_last, name):
+    population = generated_lengths(name, 2048)
+    lengths = population[np.random.default_rng(seed).choice(population.size, 2000, replace=False)]
+    samplers = make_ranks(lengths, 2048, replicas, seed=seed, drop_last=drop_last)
+    length = len(samplers[0])
+    for epoch in range(0, 40, 3):
+        per_rank = epoch_batches(samplers, epoch)
+        assert [len(b) for b in per_rank] == [length] * replicas
+        flat = [i for batches in per_rank for batch in batches for i in batch]
+        assert len(flat) == len(set(flat))
+        stats = samplers[0].stats()
+        assert len(flat) + stats["dropped_samples"] == lengths.size and stats["fallback"] == 0
+
+
+def test_shuffle_false_fills_bins_in_dataset_order():
+    lengths = np.random.default_rng(3).integers(10, 400, size=500)
+    sampler = MultipackBatchSampler(lengths, 2048, shuffle=False)
+    expected = _binpack.pack_best_fit_random_order(lengths, 2048)  # the identity order
+    assert sorted(map(sorted, sampler)) == sorted(map(sorted, expected.bins()))
+    assert epoch_batches([sampler], 3)[0] == epoch_batches([sampler], 0)[0]
