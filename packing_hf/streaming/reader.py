@@ -309,56 +309,60 @@ class TokenizedStream:
                 yield record
             return
         while True:
-            block = list(islice(records, self.batch_size))
+            block, wheres = [], []  # the records of one tokenizer call, and where each came from
+            for record in islice(records, self.batch_size):
+                block.append(record)
+                wheres.append(self._where)
             if not block:
                 return
-            wheres = None
-            encoded = self._encode(block)
+            encoded = self._encode(block, wheres)
             keys = [k for k in encoded if k != "attention_mask"]
             for key in keys:
                 if len(encoded[key]) != len(block):
-                    wheres = wheres or self.where()
                     raise ValueError(
-                        f"tokenization of {len(block)} records (the last at {wheres}) returned {len(encoded[key])} "
-                        f"values for {key!r}; it must return one per record"
+                        f"tokenization of {len(block)} records ({wheres[0]()} to {wheres[-1]()}) returned "
+                        f"{len(encoded[key])} values for {key!r}; it must return one per record"
                     )
             for i, record in enumerate(block):
+                self._where = wheres[i]  # errors downstream name this sample's record, not the block's last
                 sample = {key: encoded[key][i] for key in keys}
                 for name in self.keep_columns:
+                    if name not in record:
+                        raise ValueError(
+                            f"{wheres[i]()}: keep_columns names {name!r}, which the record lacks"
+                        )
                     sample[name] = record[name]
                 yield sample
 
-    def _encode(self, block: list[Any]) -> Mapping[str, Sequence[Any]]:
+    def _encode(self, block: list[Any], wheres: list[Callable[[], str]]) -> Mapping[str, Sequence[Any]]:
         if self.tokenize is not None:
             encoded = self.tokenize(block)
             if not isinstance(encoded, Mapping) or self.column not in encoded:
+                keys = f" with keys {sorted(encoded)!r}" if isinstance(encoded, Mapping) else ""
                 raise ValueError(
                     f"tokenize() must return a dict of lists holding {self.column!r}, got "
-                    f"{type(encoded).__name__}{' with keys ' + repr(sorted(encoded)) if isinstance(encoded, Mapping) else ''}"
+                    f"{type(encoded).__name__}{keys}"
                 )
             return encoded
         texts = []
-        for record in block:
+        for record, where in zip(block, wheres, strict=True):
             if not isinstance(record, Mapping):
-                raise ValueError(f"expected a dict per record, got {type(record).__name__}")
+                raise ValueError(f"{where()}: expected a dict per record, got {type(record).__name__}")
             if self.formatting_func is not None:
                 text = self.formatting_func(record)
             elif self.text_column in record:
                 text = record[self.text_column]
             else:
                 raise ValueError(
-                    f"a record has no {self.text_column!r} field (keys: {sorted(record)}); set text_column= or "
+                    f"{where()}: no {self.text_column!r} field (keys: {sorted(record)}); set text_column= or "
                     "formatting_func="
                 )
             if not isinstance(text, str):
                 raise ValueError(
-                    f"the text to tokenize must be a str, got {type(text).__name__}: {text!r:.60}; fix "
-                    "text_column / formatting_func"
+                    f"{where()}: the text to tokenize must be a str, got {type(text).__name__}: {text!r:.60}; "
+                    "fix text_column / formatting_func"
                 )
             texts.append(text)
-        for name in self.keep_columns:
-            if any(name not in record for record in block):
-                raise ValueError(f"keep_columns: a record has no {name!r} field (keys: {sorted(block[0])})")
         return self.tokenizer(texts)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -183,6 +183,8 @@ class PackedStream(IterableDataset):
     def _begin_pass(self) -> None:
         state, self._resume = self._resume, None
         self._pending.clear()
+        if self._in_pass:  # the previous iteration was abandoned: its batches are not a resume point
+            self._recent.clear()
         if state is not None and state["in_pass"]:
             self.epoch = state["epoch"]
             self.packer.load_state_dict(state["packer"])

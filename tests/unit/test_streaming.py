@@ -248,21 +248,29 @@ def test_bad_records_are_named_by_file_and_line(tmp_path):
         list(PackedStream([{"input_ids": [1]}, {"text": "a"}], 10))
 
 
-def test_text_field_missing_names_the_fix(tmp_path, tokenizer):
+def test_tokenized_records_are_named_not_the_end_of_their_tokenizer_batch(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"content": "hello"}) + "\n")
-    with pytest.raises(ValueError, match="no 'text' field.*set text_column"):
+    lines = [{"text": "hello world"}, {"text": "a b c"}, {"text": ""}, {"text": "more"}, {"text": "end"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    source = read_stream(path, tokenizer, batch_size=4)
+    with pytest.raises(ValueError, match=r"d\.jsonl:3: sample 2: 'input_ids' is empty"):
+        list(PackedStream(source, 64))
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "hello"}) + "\n")
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: no 'text' field.*set text_column"):
         list(read_stream(path, tokenizer))
 
 
-def test_one_shot_iterators_workers_and_missing_process_group_are_refused():
+def test_one_shot_iterators_workers_and_missing_process_group_are_refused(monkeypatch):
     with pytest.raises(TypeError, match="one-shot iterator"):
         PackedStream(iter(samples([1, 2])), 10)
-    loader = torch.utils.data.DataLoader(PackedStream(samples([1, 2]), 10), batch_size=None, num_workers=1)
-    with pytest.raises(RuntimeError, match="num_workers=0"):
-        list(loader)
     with pytest.raises(RuntimeError, match="torch.distributed initialized"):
         list(PackedStream(samples([1, 2]), 10, num_replicas=2, rank=0))
+    # inside a DataLoader worker (get_worker_info() is set there; faked to spare a worker process)
+    from packing_hf.streaming import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "get_worker_info", lambda: object())
+    with pytest.raises(RuntimeError, match="num_workers=0"):
+        list(PackedStream(samples([1, 2]), 10))
 
 
 def test_dataloader_with_the_collator():
