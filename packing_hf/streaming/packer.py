@@ -42,17 +42,17 @@ import logging
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Overflow", "StreamPacker"]
+from ..overflow import OverflowPolicy, check_overflow
+
+__all__ = ["StreamPacker", "slice_sample", "to_plain"]
 
 logger = logging.getLogger(__name__)
 
-Overflow = Literal["error", "truncate", "split", "skip"]
-OVERFLOWS = ("error", "truncate", "split", "skip")  # the vocabulary of MultipackBatchSampler
 _DRAWS_PER_BLOCK = 4096  # random numbers generated at once (one numpy call instead of one per sample)
 STATE_FORMAT = 1
 # configuration that changes which batches come out: a state saved under one cannot be loaded under another
@@ -75,8 +75,8 @@ def _new_counts() -> dict[str, int]:
         "truncated_tokens": 0,  # tokens cut off by overflow="truncate"
         "split_samples": 0,
         "split_pieces": 0,
-        "skipped_samples": 0,
-        "skipped_tokens": 0,
+        "overflow_dropped_samples": 0,  # left out by overflow="drop"
+        "overflow_dropped_tokens": 0,
         "peak_buffered_samples": 0,  # most samples held at once (buffer + open batches)
     }
 
@@ -127,7 +127,8 @@ class StreamPacker:
         overflow: a sample longer than ``max_tokens_per_batch``: ``"error"`` (default, a ``ValueError``
             naming the sample), ``"truncate"`` (keep the first ``max_tokens_per_batch`` tokens of every
             field aligned with ``column``), ``"split"`` (cut into pieces of at most the budget, each its
-            own sample) or ``"skip"`` (leave it out). All are counted in :meth:`stats`.
+            own sample) or ``"drop"`` (leave it out; ``"skip"`` is a deprecated alias). All are counted
+            in :meth:`stats`, with the names :class:`~packing_hf.MultipackBatchSampler` uses.
         column: the token-id field whose length counts against the budget.
 
     A batch is a ``list`` of the samples (dicts) as pushed, ready for
@@ -141,16 +142,14 @@ class StreamPacker:
         buffer_size: int = 2048,
         open_batches: int = 32,
         seed: int = 0,
-        overflow: Overflow = "error",
+        overflow: OverflowPolicy = "error",
         column: str = "input_ids",
     ) -> None:
         self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
         self.buffer_size = _check_int(buffer_size, "buffer_size", 1)
         self.open_batches = _check_int(open_batches, "open_batches", 1)
         self.seed = _check_int(seed, "seed", 0)
-        if overflow not in OVERFLOWS:
-            raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
-        self.overflow: Overflow = overflow
+        self.overflow: OverflowPolicy = check_overflow(overflow, "StreamPacker(overflow=...)")
         if not isinstance(column, str):
             raise TypeError(f"column must be a str (the token-id field), got {type(column).__name__}")
         self.column = column
@@ -231,7 +230,7 @@ class StreamPacker:
         if self.overflow == "error":
             raise ValueError(
                 f"sample {index} has {length} tokens > max_tokens_per_batch={budget}; raise "
-                "max_tokens_per_batch, filter it out, or pass overflow='truncate', 'split' or 'skip'"
+                "max_tokens_per_batch, filter it out, or pass overflow='truncate', 'split' or 'drop'"
             )
         if not self._warned:
             self._warned = True
@@ -244,9 +243,9 @@ class StreamPacker:
                 self.overflow,
             )
         counts = self._counts
-        if self.overflow == "skip":
-            counts["skipped_samples"] += 1
-            counts["skipped_tokens"] += length
+        if self.overflow == "drop":
+            counts["overflow_dropped_samples"] += 1
+            counts["overflow_dropped_tokens"] += length
             return []
         if self.overflow == "truncate":
             counts["truncated_samples"] += 1
@@ -340,7 +339,7 @@ class StreamPacker:
         """Counters of this pass (flat dict): ``samples_in``, ``batches``, ``samples``, ``tokens``,
         ``fill`` (tokens / (batches x budget)), ``buffered_samples``, ``peak_buffered_samples``,
         ``truncated_samples`` / ``truncated_tokens``, ``split_samples`` / ``split_pieces``,
-        ``skipped_samples`` / ``skipped_tokens``."""
+        ``overflow_dropped_samples`` / ``overflow_dropped_tokens``."""
         counts = dict(self._counts)
         batches = counts["batches"]
         counts["fill"] = counts["tokens"] / (batches * self.max_tokens_per_batch) if batches else 1.0

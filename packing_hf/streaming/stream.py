@@ -55,7 +55,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..fixed import concatenate_and_pack
-from .packer import Overflow, StreamPacker, to_plain
+from ..overflow import OverflowPolicy
+from .packer import StreamPacker, to_plain
 from .reader import TokenizedStream
 
 __all__ = ["PackedStream", "fixed_length_rows"]
@@ -88,7 +89,7 @@ class PackedStream(IterableDataset):
             function returning a fresh iterator of dicts.
         max_tokens_per_batch: token budget of one batch (per rank).
         buffer_size, open_batches, seed, overflow: as in :class:`StreamPacker` (``overflow`` is
-            ``"error"``, ``"truncate"``, ``"split"`` or ``"skip"``, counted in :meth:`stats`).
+            ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"``, counted in :meth:`stats`).
         column: the token-id field.
         num_replicas, rank: data-parallel ranks (default: from ``torch.distributed`` when initialized,
             else 1 / 0). With ``num_replicas > 1`` iterating needs the initialized process group.
@@ -110,7 +111,7 @@ class PackedStream(IterableDataset):
         buffer_size: int = 2048,
         open_batches: int = 32,
         seed: int = 0,
-        overflow: Overflow = "error",
+        overflow: OverflowPolicy = "error",
         column: str = "input_ids",
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -275,9 +276,9 @@ class PackedStream(IterableDataset):
             finished = StreamPacker(**{k: v for k, v in self.packer.config().items()})
             finished.start(epoch, self.rank)
             finished.finish()
-            pending = [b for e, b in lagging if e == epoch]
-            return {**state, "epoch": epoch, "in_pass": True, "records": 0, "packer": finished.state_dict(),
-                    "pending": [to_plain(b) for b in pending]}  # fmt: skip
+            pending = [to_plain(b) for e, b in lagging if e == epoch]
+            state.update(epoch=epoch, in_pass=True, records=0, packer=finished.state_dict(), pending=pending)
+            return state
         if not self._in_pass:
             return {**state, "epoch": self.epoch, "in_pass": False}
         pending = [b for _, b in lagging] + list(self._pending)

@@ -203,7 +203,7 @@ def test_state_of_another_configuration_is_refused():
 
 def test_overflow_policies_are_counted_and_keep_tokens():
     lengths = [5, 23, 7, 10]
-    for policy, kept in (("truncate", 5 + 10 + 7 + 10), ("split", 45), ("skip", 22)):
+    for policy, kept in (("truncate", 5 + 10 + 7 + 10), ("split", 45), ("drop", 22)):
         stream = PackedStream(samples(lengths), 10, overflow=policy, buffer_size=2)
         batches = list(stream)
         stats = stream.stats()
@@ -212,8 +212,15 @@ def test_overflow_policies_are_counted_and_keep_tokens():
         assert {
             "truncate": stats["truncated_tokens"],
             "split": stats["split_pieces"],
-            "skip": stats["skipped_samples"],
-        }[policy] == {"truncate": 13, "split": 3, "skip": 1}[policy]
+            "drop": stats["overflow_dropped_samples"],
+        }[policy] == {"truncate": 13, "split": 3, "drop": 1}[policy]
+
+
+def test_skip_is_the_deprecated_name_of_drop():
+    with pytest.warns(FutureWarning, match="'drop'"):
+        assert StreamPacker(10, overflow="skip").overflow == "drop"
+    with pytest.raises(ValueError, match="'pad' is not an overflow policy"):
+        StreamPacker(10, overflow="pad")
 
 
 def test_labels_and_masks_are_cut_with_the_ids():
