@@ -27,10 +27,15 @@ import torch
 from ..attention import ATTENTION_NAME
 from ..attention.guards import check_forward_call
 from ..verify import PackingReport, check_packing
-from .registry import ArchitectureSupport, support
+from .registry import ArchitectureSupport, check_served_config, support, unsupported_layers
 from .tiny import build_tiny_model, tiny_config
 
-__all__ = ["PackingPreparation", "check_unregistered", "prepare_model_for_packing", "revert_model_for_packing"]
+__all__ = [
+    "PackingPreparation",
+    "check_unregistered",
+    "prepare_model_for_packing",
+    "revert_model_for_packing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -249,12 +254,11 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
 
     if entry.status == "refused":
         raise ValueError(f"{model_type}: {entry.reason}; train it without packing (or with padding)")
-    if varlen and entry.own_attention:
-        raise ValueError(
-            f"{model_type} computes attention itself, not through transformers' AttentionInterface, so "
-            f"attn_implementation={impl!r} cannot keep packed samples apart; load it with "
-            "attn_implementation='eager' (packing_hf then restricts its mask per sample)"
-        )
+    layers = unsupported_layers(config)
+    if layers is not None:
+        raise ValueError(f"{model_type}: {layers}; train it without packing (or with padding)")
+    if varlen:  # the rules the attention itself applies (own attention, chunked attention, ...)
+        check_served_config(config)
     if entry.status == "unknown" and check_unknown:
         report = check_unregistered(config, impl)
         if report.leaked:

@@ -24,7 +24,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["REGISTRY", "ArchitectureSupport", "Status", "iter_sweep", "support"]
+__all__ = [
+    "REGISTRY",
+    "UNSEEN_BY_ATTENTION",
+    "ArchitectureSupport",
+    "Status",
+    "check_served_config",
+    "iter_sweep",
+    "support",
+    "unsupported_layers",
+]
 
 Status = Literal["exact", "mask", "refused", "unknown"]
 
@@ -210,3 +219,79 @@ def iter_sweep() -> Iterator[ArchitectureSupport]:
     True
     """
     return iter(sorted((e for e in REGISTRY.values() if e.sweep), key=lambda e: e.model_type))
+
+
+# Models that consult neither the attention nor the mask interface (no attention at all, or attention and
+# masks computed in the model's own code): loaded with attn_implementation=packing_hf.ATTENTION_NAME they
+# never call packing_hf, so only prepare_model_for_packing / packing_hf.Trainer (which refuse or fix them)
+# can see them. Listed in the docs; the architecture test keeps this set exact.
+UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "openai-gpt", "rwkv", "xlstm"})
+
+# layer kinds (config.layer_types values) that are plain softmax attention over the sample
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+_CHUNKED = (
+    "chunked local attention (attention_chunk_size) restricts keys by absolute chunk, which packing_hf's varlen "
+    "attention does not express (it would attend across chunks); load it with attn_implementation='sdpa' or "
+    "'eager', which keep packed samples apart for this architecture"
+)
+
+
+def unsupported_layers(config: Any) -> str | None:
+    """Why the layers of this *config* cannot keep packed samples apart, whatever its registry entry says.
+
+    Reads ``config.layer_types``: any layer that is not softmax attention (``"conv"``, ``"mamba"``,
+    ``"linear_attention"``, ``"hybrid"``, ...) carries information along the row. LFM2 is the example: its
+    registry entry is exact for an all-attention config, but real LFM2 checkpoints interleave short
+    convolutions. ``None`` when every layer is attention.
+
+    >>> from types import SimpleNamespace
+    >>> unsupported_layers(SimpleNamespace(layer_types=["conv", "full_attention"]))
+    "layer types ['conv'] carry state or mix tokens along the row, across sample boundaries"
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, list | tuple):
+        return None
+    other = sorted({str(t) for t in layer_types} - _ATTENTION_LAYERS - {"chunked_attention"})
+    if other:
+        return f"layer types {other} carry state or mix tokens along the row, across sample boundaries"
+    return None
+
+
+def check_served_config(config: Any) -> None:
+    """Refuse a model that packing_hf's varlen attention (the registered name) cannot keep exact.
+
+    Run by the attention itself, once per model config, on the first call: it is the only place that sees
+    every model loaded with ``attn_implementation=packing_hf.ATTENTION_NAME``, prepared or not. Refuses
+    registry entries marked ``refused``, models that compute attention themselves (the name would be
+    accepted and ignored), configs with non-attention layers (:func:`unsupported_layers`) and chunked local
+    attention, each with the reason and what to do instead.
+
+    Raises:
+        ValueError: naming the architecture and the reason.
+
+    >>> from transformers import AutoConfig
+    >>> check_served_config(AutoConfig.for_model("llama"))
+    >>> check_served_config(AutoConfig.for_model("bamba"))
+    Traceback (most recent call last):
+    ...
+    ValueError: bamba cannot be packed exactly with attn_implementation='packing_hf_varlen': hybrid Mamba2 layers need seq_idx-aware kernels (causal-conv1d, mamba-ssm) to keep packed samples apart; train it without packing (padded batches)
+    """
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    entry = support(model_type)
+    head = f"{model_type} cannot be packed exactly with attn_implementation='packing_hf_varlen': "
+    if entry.status == "refused":
+        raise ValueError(head + entry.reason + "; train it without packing (padded batches)")
+    if entry.own_attention:
+        raise ValueError(
+            head + "it computes attention itself instead of calling the registered attention, so the name "
+            "would be accepted and ignored; load it with attn_implementation='eager' and call "
+            "packing_hf.prepare_model_for_packing(model) (or use packing_hf.Trainer, which does)"
+        )
+    layers = unsupported_layers(config)
+    if layers is not None:
+        raise ValueError(head + layers + "; train it without packing (padded batches)")
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "attention_chunk_size", None) and (
+        not layer_types or "chunked_attention" in layer_types
+    ):
+        raise ValueError(head + _CHUNKED)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ..architectures.registry import check_served_config
 from ..varlen import check_int32_tokens, position_restarts
 from .backends import _host_values, _varlen_attention_masked, check_backend_name, varlen_attention
 
@@ -348,6 +350,20 @@ def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
 
 _WARNED_ATTENTIONS = False
 
+# id(config) -> weakref of configs already checked (one check per model; a config is not hashable)
+_SERVED: dict[int, weakref.ref] = {}
+
+
+def _check_served(config: Any) -> None:
+    """Refuse, once per model config, a model this attention cannot keep exact (see ``check_served_config``)."""
+    if config is None:
+        return
+    seen = _SERVED.get(id(config))
+    if seen is not None and seen() is config:
+        return
+    check_served_config(config)
+    _SERVED[id(config)] = weakref.ref(config)
+
 
 def varlen_attention_forward(
     module: torch.nn.Module,
@@ -392,6 +408,7 @@ def varlen_attention_forward(
     (torch.Size([1, 6, 2, 4]), None)
     """
     global _WARNED_ATTENTIONS
+    _check_served(getattr(module, "config", None))
     if kwargs.get("cache") is not None:
         raise ValueError(
             f"{ATTENTION_NAME} does not drive transformers' paged cache (continuous batching); load the model "
@@ -452,6 +469,8 @@ def varlen_attention_mask(
     >>> varlen_attention_mask(1, 3, 3, attention_mask=torch.tensor([[0, 1, 1]])).tolist()
     [[False, True, True]]
     """
+    # mask creation runs before any layer, also in models that then compute attention themselves
+    _check_served(kwargs.get("config"))
     if kwargs.get("use_vmap"):
         from transformers.masking_utils import sdpa_mask
 
