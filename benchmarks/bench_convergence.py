@@ -1,0 +1,452 @@
+"""Convergence: does multipack train as well as random padded batches? GSM8K, tiny Llama, CPU.
+
+The same tiny Llama (same initial weights per seed) is trained for one epoch on the first ``--rows``
+GSM8K train rows (``Question: ...\\nAnswer: ...<eos>``, SmolLM2 tokenizer) under five ways of making
+batches, with the same real tokens per optimizer step (a ``--budget`` of tokens), AdamW and a short
+warmup + cosine schedule:
+
+- ``padded``: random batches (a fresh permutation per seed, cut into as many batches as multipack
+  makes steps, so both take the same number of steps with the same real tokens per step on
+  average), right-padded, sdpa attention;
+- ``flattened``: the very same batches, flattened into one packed row (``PaddingFreeCollator``,
+  packing_hf's varlen attention): online minibatch packing. It must train exactly like ``padded`` (to
+  float noise) - the *harness check*, which validates the loss bookkeeping of the whole benchmark
+  (run on the first ``--harness-seeds`` seeds);
+- ``multipack``: ``MultipackBatchSampler`` (default ``mixing="random"``) + ``PaddingFreeCollator``;
+- ``multipack_sorted``: the same with ``mixing="sorted"`` (best-fit decreasing, the old default);
+- ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd")`` rows in a random order, one row per step,
+  collated by ``PaddingFreeCollator`` (which reads their ``seq_lengths``).
+
+The loss of a step is the sum of the token losses over every micro-batch of the step divided by the
+number of label tokens in the whole step (``num_items_in_batch``, as the HF Trainer does), also under
+``--grad-accum``. The eval loss (token mean over the first ``--eval-rows`` GSM8K test rows) is taken
+every ``--eval-every`` steps. Contenders advance one step at a time in turn (the one furthest behind
+in its epoch goes next), so load from other processes on a shared machine hits all alike; the wall
+time per epoch counts training steps only (collation, forward, backward, optimizer), not evaluation.
+
+Token ids are remapped to the ids that occur in the data (a few thousand instead of 49,152): the same
+text and tokenization with a smaller embedding / LM head, identical for every contender, so that a
+CPU epoch takes about a minute.
+
+Run from the project root: ``python benchmarks/bench_convergence.py`` (full: 2,000 rows, 3 seeds,
+~15-30 min on 2 shared cores; writes ``benchmarks/results/convergence.json`` and ``convergence.png``)
+or ``--quick`` (48 rows, one seed, ~10 steps per contender; for CI).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _common import RESULTS_DIR, base_parser, gsm8k_token_ids, load_tokenizer, print_table, write_json
+
+import packing_hf
+from packing_hf import PaddingFreeCollator
+from packing_hf.sampler import MultipackBatchSampler
+
+CONTENDERS = ("padded", "flattened", "multipack", "multipack_sorted", "trl_bfd")
+PACKED_ATTENTION = packing_hf.register_attention()
+# the harness check: flattened must follow padded to float noise (fp32; the trajectories only differ
+# by the order of floating-point sums in attention and the loss)
+HARNESS_TOLERANCE = 2e-3
+
+
+def parse_args():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=None, help="GSM8K train rows (default 2000; quick 48)")
+    parser.add_argument("--eval-rows", type=int, default=None, help="GSM8K test rows (default 128; quick 16)")
+    parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048; quick 1024)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3; quick 1)")
+    parser.add_argument("--eval-every", type=int, default=None, help="steps (default 20; quick 4)")
+    parser.add_argument(
+        "--harness-seeds", type=int, default=1, help="seeds that also train 'flattened' (the harness check)"
+    )
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    args = parser.parse_args()
+    defaults = dict(
+        rows=(48, 2000), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20)
+    )
+    for key, (quick, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {CONTENDERS}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+
+def load_data(args) -> tuple[list[list[int]], list[list[int]], int]:
+    """Train and eval token ids, remapped to the ids that occur in them, and that vocabulary's size."""
+    tokenizer = load_tokenizer()
+    train = gsm8k_token_ids("train", args.rows, tokenizer)
+    evaluation = gsm8k_token_ids("test", args.eval_rows, tokenizer)
+    too_long = [len(ids) for ids in train if len(ids) > args.budget]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} train rows are longer than --budget {args.budget}; raise it")
+    used = np.unique(np.concatenate([np.concatenate(train), np.concatenate(evaluation)]))
+    remap = np.zeros(int(used.max()) + 1, np.int64)
+    remap[used] = np.arange(used.size)
+    train = [remap[ids].tolist() for ids in train]
+    evaluation = [remap[ids].tolist() for ids in evaluation]
+    return train, evaluation, int(used.size)
+
+
+def padded_batch(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ``(B, L)`` input_ids / attention_mask / labels (-100 on padding)."""
+    longest = max(map(len, rows))
+    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        labels[r, : len(ids)] = input_ids[r, : len(ids)]
+        mask[r, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def plans(name: str, train: list[list[int]], budget: int, seed: int) -> list[tuple[str, list[Any]]]:
+    """The micro-batches of one epoch: ``("padded", rows)`` or ``("packed", features)`` each."""
+    lengths = np.array([len(ids) for ids in train])
+    if name in ("padded", "flattened"):
+        # as many random batches as multipack has steps: the same number of steps, each with the same
+        # real tokens on average (a batch holds ~budget / mean length samples)
+        steps = len(MultipackBatchSampler(lengths, budget, seed=seed))
+        groups = np.array_split(np.random.default_rng(seed).permutation(lengths.size), steps)
+    elif name in ("multipack", "multipack_sorted"):
+        mixing = "random" if name == "multipack" else "sorted"
+        groups = list(MultipackBatchSampler(lengths, budget, seed=seed, mixing=mixing))
+    else:  # trl_bfd: TRL's packed rows, shuffled as the Trainer's random sampler would
+        import datasets
+        from trl.data_utils import pack_dataset
+
+        packed = pack_dataset(
+            datasets.Dataset.from_dict({"input_ids": train}), seq_length=budget, strategy="bfd"
+        )
+        rows = packed.to_list()
+        order = np.random.default_rng(seed).permutation(len(rows))
+        return [("packed", [rows[i]]) for i in order]
+    if name == "padded":
+        return [("padded", [train[i] for i in group]) for group in groups]
+    return [("packed", [{"input_ids": train[i]} for i in group]) for group in groups]
+
+
+def batch_lengths(micro_batch: tuple[str, list[Any]]) -> list[int]:
+    kind, payload = micro_batch
+    if kind == "padded":
+        return [len(ids) for ids in payload]
+    return [n for row in payload for n in row.get("seq_lengths", [len(row["input_ids"])])]
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+
+def make_model(vocab: int, seed: int, attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+
+
+class Run:
+    """One contender under one seed, advanced one optimizer step at a time."""
+
+    def __init__(self, name: str, micro_batches, init_state, vocab: int, seed: int, args) -> None:
+        self.name = name
+        self.attn = "sdpa" if name == "padded" else PACKED_ATTENTION
+        self.model = make_model(vocab, seed, self.attn)
+        self.model.load_state_dict(init_state)
+        self.model.train()
+        self.steps = [
+            micro_batches[i : i + args.grad_accum] for i in range(0, len(micro_batches), args.grad_accum)
+        ]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
+        total, warmup = len(self.steps), max(1, len(self.steps) // 20)
+
+        def schedule(step: int) -> float:  # linear warmup, cosine to 0 at the end of the epoch
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.collator = PaddingFreeCollator()
+        self.done = 0
+        self.train_seconds = 0.0
+        self.losses: list[float] = []
+        self.evals: list[dict[str, float]] = []
+        self.real_tokens = 0
+        self.computed_tokens = 0  # positions the model ran, padding included
+        step_lengths = [[n for mb in step for n in batch_lengths(mb)] for step in self.steps]
+        self.step_tokens = [sum(s) for s in step_lengths]
+        self.step_mean_lengths = [float(np.mean(s)) for s in step_lengths]
+
+    @property
+    def progress(self) -> float:
+        return self.done / len(self.steps)
+
+    def collate(self, micro_batch) -> dict[str, Any]:
+        kind, payload = micro_batch
+        return padded_batch(payload) if kind == "padded" else self.collator(payload)
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        batches = [self.collate(mb) for mb in self.steps[self.done]]
+        # the token mean over the whole optimizer step, as the Trainer's num_items_in_batch
+        items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        total = 0.0
+        for batch in batches:
+            loss = self.model(**batch, num_items_in_batch=items).loss
+            loss.backward()
+            total += loss.item()
+            self.computed_tokens += batch["input_ids"].numel()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.train_seconds += time.perf_counter() - start
+        self.losses.append(total)
+        self.real_tokens += self.step_tokens[self.done]
+        self.done += 1
+
+    @torch.no_grad()
+    def evaluate(self, eval_batches: list[dict[str, Any]]) -> None:
+        """Token-mean loss over the eval set (packed batches, the same computation for every contender)."""
+        self.model.eval()
+        if self.attn != PACKED_ATTENTION:
+            self.model.set_attn_implementation(PACKED_ATTENTION)
+        total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in eval_batches)
+        loss = sum(self.model(**b, num_items_in_batch=total).loss.item() for b in eval_batches)
+        if self.attn != PACKED_ATTENTION:
+            self.model.set_attn_implementation(self.attn)
+        self.model.train()
+        self.evals.append({"step": self.done, "seconds": self.train_seconds, "loss": loss})
+
+
+def run_seed(seed: int, names: list[str], train, evaluation, vocab: int, args) -> dict[str, Run]:
+    init_state = {k: v.clone() for k, v in make_model(vocab, seed, "sdpa").state_dict().items()}
+    runs = {
+        name: Run(name, plans(name, train, args.budget, seed), init_state, vocab, seed, args)
+        for name in names
+    }
+    eval_lengths = np.array([len(ids) for ids in evaluation])
+    eval_sampler = MultipackBatchSampler(eval_lengths, args.budget, shuffle=False, mixing="sorted")
+    collator = PaddingFreeCollator()
+    eval_batches = [collator([{"input_ids": evaluation[i]} for i in batch]) for batch in eval_sampler]
+    for run in runs.values():
+        run.evaluate(eval_batches)
+    pending = dict(runs)
+    while pending:  # the contender furthest behind in its epoch steps next
+        run = min(pending.values(), key=lambda r: (r.progress, names.index(r.name)))
+        run.step()
+        if run.done % args.eval_every == 0 or run.done == len(run.steps):
+            run.evaluate(eval_batches)
+        if run.done == len(run.steps):
+            del pending[run.name]
+        if run.done % 25 == 0 or run.done == len(run.steps):
+            print(
+                f"  seed {seed} {run.name:17s} step {run.done:4d}/{len(run.steps)}  loss {run.losses[-1]:.4f}",
+                flush=True,
+            )
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def summarize(results: dict[str, list[Run]]) -> tuple[list[dict], dict[str, Any]]:
+    padded = results.get("padded")
+    rows, detail = [], {}
+    for name, runs in results.items():
+        finals = [r.evals[-1]["loss"] for r in runs]
+        seconds = [r.train_seconds for r in runs]
+        row = {
+            "contender": name,
+            "final_eval": statistics.mean(finals),
+            "final_eval_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "steps": statistics.mean(len(r.steps) for r in runs),
+            "tokens_per_step": statistics.mean(r.real_tokens / len(r.steps) for r in runs),
+            "fill": statistics.mean(r.real_tokens / r.computed_tokens for r in runs),
+            "batch_len_std": statistics.mean(float(np.std(r.step_mean_lengths)) for r in runs),
+            "epoch_s": statistics.mean(seconds),
+        }
+        if padded is not None:
+            # per seed, against padded of the same seed (same init, same load on the machine)
+            deltas = [r.evals[-1]["loss"] - p.evals[-1]["loss"] for r, p in zip(runs, padded, strict=False)]
+            row["vs_padded"] = statistics.mean(deltas)
+            row["vs_padded_std"] = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+            row["speedup"] = statistics.mean(
+                p.train_seconds / r.train_seconds for r, p in zip(runs, padded, strict=False)
+            )
+        rows.append(row)
+        detail[name] = {
+            **row,
+            "seeds": [
+                {
+                    "steps": len(r.steps),
+                    "train_seconds": r.train_seconds,
+                    "real_tokens": r.real_tokens,
+                    "computed_tokens": r.computed_tokens,
+                    "train_loss": r.losses,
+                    "eval": r.evals,
+                    "step_mean_length_std": float(np.std(r.step_mean_lengths)),
+                }
+                for r in runs
+            ],
+        }
+    return rows, detail
+
+
+def harness_check(results: dict[str, list[Run]]) -> dict[str, Any] | None:
+    if "padded" not in results or "flattened" not in results:
+        return None
+    step_diff = max(
+        max(abs(a - b) for a, b in zip(p.losses, f.losses, strict=True))
+        for p, f in zip(results["padded"], results["flattened"], strict=False)
+    )
+    eval_diff = max(
+        max(abs(a["loss"] - b["loss"]) for a, b in zip(p.evals, f.evals, strict=True))
+        for p, f in zip(results["padded"], results["flattened"], strict=False)
+    )
+    first_diff = max(
+        abs(p.losses[0] - f.losses[0]) for p, f in zip(results["padded"], results["flattened"], strict=False)
+    )
+    return {
+        "first_step_loss_diff": first_diff,
+        "max_step_loss_diff": step_diff,
+        "max_eval_loss_diff": eval_diff,
+        "tolerance": HARNESS_TOLERANCE,
+        "passed": bool(first_diff < 1e-5 and step_diff < HARNESS_TOLERANCE and eval_diff < HARNESS_TOLERANCE),
+    }
+
+
+def plot(results: dict[str, list[Run]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, runs in results.items():
+        points = min(len(r.evals) for r in runs)
+        loss = [statistics.mean(r.evals[k]["loss"] for r in runs) for k in range(points)]
+        step = [statistics.mean(r.evals[k]["step"] for r in runs) for k in range(points)]
+        seconds = [statistics.mean(r.evals[k]["seconds"] for r in runs) for k in range(points)]
+        style = {"linestyle": "--"} if name == "flattened" else {}
+        axes[0].plot(step, loss, label=name, **style)
+        axes[1].plot(seconds, loss, label=name, **style)
+    for ax, xlabel in zip(axes, ("optimizer step", "training wall time (s)"), strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss (GSM8K test)")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(top=min(ax.get_ylim()[1], 8.5))
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    names = [n for n in CONTENDERS if n in args.contenders.split(",")]
+    train, evaluation, vocab = load_data(args)
+    mean_length = float(np.mean([len(ids) for ids in train]))
+    print(
+        f"GSM8K: {len(train)} train rows (mean {mean_length:.0f} tokens), {len(evaluation)} eval rows, "
+        f"vocabulary {vocab}, budget {args.budget} tokens/step, {args.seeds} seed(s), {args.threads} thread(s)"
+    )
+    results: dict[str, list[Run]] = {name: [] for name in names}
+    for seed in range(args.seeds):
+        these = [n for n in names if n != "flattened" or seed < args.harness_seeds]
+        for name, run in run_seed(seed, these, train, evaluation, vocab, args).items():
+            results[name].append(run)
+    rows, detail = summarize(results)
+    print_table(
+        rows,
+        ["contender", "final_eval", "final_eval_std", "vs_padded", "vs_padded_std", "steps", "tokens_per_step",
+         "fill", "batch_len_std", "epoch_s", "speedup"],
+    )  # fmt: skip
+    check = harness_check(results)
+    if check is not None:
+        verdict = "passed" if check["passed"] else "FAILED"
+        print(
+            f"harness check (flattened = padded to float noise): {verdict}; first step |diff| "
+            f"{check['first_step_loss_diff']:.2e}, max step |diff| {check['max_step_loss_diff']:.2e}, max eval |diff| "
+            f"{check['max_eval_loss_diff']:.2e} (tolerance {HARNESS_TOLERANCE})"
+        )
+    goal = None
+    if "multipack" in detail and "padded" in detail:
+        mp = detail["multipack"]
+        goal = {
+            "multipack_minus_padded": mp["vs_padded"],
+            "loss_within_0.01": mp["vs_padded"] <= 0.01,
+            "speedup_vs_padded": mp["speedup"],
+            "speedup_at_least_1.3": mp["speedup"] >= 1.3,
+        }
+        print(
+            f"goal: multipack - padded final eval loss {mp['vs_padded']:+.4f} (target <= 0.01), "
+            f"epoch speed-up {mp['speedup']:.2f}x (target >= 1.3x)"
+        )
+    payload = {
+        "config": {
+            "rows": len(train),
+            "eval_rows": len(evaluation),
+            "mean_length": mean_length,
+            "vocab": vocab,
+            "budget": args.budget,
+            "seeds": args.seeds,
+            "grad_accum": args.grad_accum,
+            "lr": args.lr,
+            "eval_every": args.eval_every,
+            "threads": args.threads,
+            "model": "llama: hidden 64, intermediate 256, 2 layers, 4 heads / 2 kv heads, tied embeddings",
+        },
+        "table": rows,
+        "harness_check": check,
+        "goal": goal,
+        "contenders": detail,
+    }
+    output = write_json("convergence", payload, args)
+    if not args.no_plot:
+        path = args.plot or (output.with_suffix(".png") if args.output else RESULTS_DIR / "convergence.png")
+        plot(
+            results,
+            path,
+            f"tiny Llama on {len(train)} GSM8K rows, 1 epoch, {args.budget} tokens/step, mean of {args.seeds} seed(s)",
+        )
+    if check is not None and not check["passed"]:
+        raise SystemExit("harness check failed: flattened batches did not train like the same padded batches")
+
+
+if __name__ == "__main__":
+    main()
