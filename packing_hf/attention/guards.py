@@ -54,11 +54,16 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """``(B, T)`` bool marking the first token of every sample, or ``None`` if the batch is not packed.
 
     A batch is packed when it carries ``cu_seq_lens_q`` (one row) or ``position_ids`` restarting inside a
-    row. Costs one host sync when only ``position_ids`` tell.
+    row. Padding (``attention_mask == 0``) is not part of any sample: an ordinary left- or right-padded batch,
+    whose padding slots hold filler positions (``cumsum(mask) - 1`` with padding set to 1, as ``generate``
+    builds them), is not packed. Costs one host sync when only ``position_ids`` tell.
 
     >>> find_packed_boundaries({"position_ids": torch.tensor([[0, 1, 0, 1, 2]])}).int().tolist()
     [[1, 0, 1, 0, 0]]
     >>> find_packed_boundaries({"position_ids": torch.tensor([[0, 1, 2]])}) is None
+    True
+    >>> left_padded = {"position_ids": torch.tensor([[1, 1, 0, 1, 2]]), "attention_mask": torch.tensor([[0, 0, 1, 1, 1]])}
+    >>> find_packed_boundaries(left_padded) is None
     True
     """
     cu = batch.get("cu_seq_lens_q")
@@ -70,10 +75,30 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     position_ids = batch.get("position_ids")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == position_ids.shape and not bool(mask.all()):
+        starts = _restarts_among(position_ids, mask.to(device=position_ids.device, dtype=torch.bool))
+        if not bool((starts.sum(dim=-1) > 1).any()):  # one sample per row: ordinary padding
+            return None
+        return starts
     starts = position_restarts(position_ids)
     if not bool(starts[:, 1:].any()):
         return None
     return starts
+
+
+def _restarts_among(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` bool: sample starts counted over the ``valid`` tokens only (padding is skipped over).
+
+    A valid token starts a sample when it is the first valid token of its row or its position does not
+    continue that of the previous *valid* token by +1.
+    """
+    columns = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    last_valid = torch.where(valid, columns, -1).cummax(dim=-1).values  # (B, T) latest valid column so far
+    previous = torch.full_like(last_valid, -1)
+    previous[:, 1:] = last_valid[:, :-1]  # (B, T) the valid column before each token, -1 if none
+    prev_pos = position_ids.gather(-1, previous.clamp(min=0))
+    return valid & ((previous < 0) | (position_ids != prev_pos + 1))
 
 
 def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -55,6 +55,14 @@ class PackingArguments:
             "counted in its stats (never silently).",
         },
     )
+    packing_eval: bool = field(
+        default=True,
+        metadata={
+            "help": "With max_tokens_per_batch: evaluate on multipack batches too (every eval sample once, the "
+            "same number of batches on every rank); eval_loss is then the token-mean over the eval set, equal to "
+            "the padded eval loss. False: stock padded eval batches."
+        },
+    )
     packing_metrics: bool = field(
         default=True,
         metadata={

@@ -33,12 +33,12 @@ from typing import Any
 from ..architectures import check_architecture, prepare_model_for_packing
 from ..attention import register_attention
 
-__all__ = ["preflight_packing"]
+__all__ = ["base_model", "preflight_packing"]
 
 logger = logging.getLogger(__name__)
 
 
-def _base_model(model: Any) -> Any:
+def base_model(model: Any) -> Any:
     """The ``PreTrainedModel`` under PEFT / accelerate wrappers."""
     for _ in range(4):
         inner = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", None)
@@ -67,7 +67,7 @@ def preflight_packing(model: Any, mode: str = "switch"):
         return None
     if mode not in ("switch", "error"):
         raise ValueError(f"packing_preflight={mode!r}: it must be 'switch', 'error' or 'off'")
-    base = _base_model(model)
+    base = base_model(model)
     config = base.config
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
     # checked as packing_hf prepares it (guards, per-sample masks where the architecture needs them)

@@ -97,6 +97,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
+        # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
+        self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         args = _as_packing_config(args, model)
         padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.

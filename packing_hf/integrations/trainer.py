@@ -38,6 +38,7 @@ predicted tokens as for the padded batch, and the per-token loss is the same.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -56,7 +57,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..collator import PaddingFreeCollator
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics, PackingStatsCollator
-from .preflight import preflight_packing
+from .preflight import base_model, preflight_packing
 
 __all__ = ["SAMPLER_STATE_NAME", "PackingTrainerMixin", "Trainer", "TrainingArguments", "is_packing_collator"]
 
@@ -122,9 +123,9 @@ class PackingTrainerMixin:
             )
         self._multipack_sampler = None
         self._packing_resume_dir: str | None = None
-        self._packing_checked_models: set[int] = set()
-        # handle of prepare_model_for_packing on the trained model (revert() removes its hooks)
+        # handle of prepare_model_for_packing on the model while it trains or evaluates (None otherwise)
         self.packing_preparation = None
+        self._packing_depth = 0  # nested train -> evaluate: prepare once, give the model back once
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         if args.max_tokens_per_batch is None:
@@ -251,20 +252,27 @@ class PackingTrainerMixin:
                 f"{type(dataset).__name__}; materialise it (e.g. datasets.Dataset.from_generator) or unset "
                 "max_tokens_per_batch"
             )
-        args = self.args
         lengths = self._multipack_lengths_of(dataset)  # before unused columns (e.g. "length") are removed
         sampler = self._build_multipack_sampler(lengths)
+        dataloader = self._multipack_dataloader(dataset, sampler, "training", self.data_collator)
+        self._multipack_sampler = sampler
+        self._restore_sampler_epoch(sampler)
+        return dataloader
 
-        collator = self.data_collator
+    def _multipack_dataloader(
+        self, dataset: Any, sampler: Any, description: str, collator: Any
+    ) -> DataLoader:
+        """A DataLoader over ``sampler``'s batches, prepared by accelerate without sharding them a second time."""
+        args = self.args
         if _is_hf_dataset(dataset):
-            dataset = self._remove_unused_columns(dataset, description="training")
+            dataset = self._remove_unused_columns(dataset, description=description)
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="training")
+            collator = self._get_collator_with_removed_columns(collator, description=description)
         # overflow="split"/"truncate": the sampler yields indices of pieces that only its view can serve
         dataset = sampler.wrap_dataset(dataset)
         loader_kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
-            "collate_fn": self._wrap_train_collator(collator),
+            "collate_fn": self._wrap_train_collator(collator) if description == "training" else collator,
             "num_workers": args.dataloader_num_workers,
             "pin_memory": args.dataloader_pin_memory,
             "persistent_workers": args.dataloader_persistent_workers,
@@ -290,9 +298,83 @@ class PackingTrainerMixin:
                 f"the prepared DataLoader yields {len(dataloader)} batches per epoch but the multipack sampler "
                 f"plans {len(sampler)}; accelerate re-sharded it ({type(shard).__name__})"
             )
-        self._multipack_sampler = sampler
-        self._restore_sampler_epoch(sampler)
         return dataloader
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    def _packs_eval(self) -> bool:
+        return self.args.max_tokens_per_batch is not None and self.args.packing_eval
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """Multipack eval batches when ``max_tokens_per_batch`` is set (``packing_eval=False``: stock's).
+
+        Every eval sample is seen once, in a fixed plan, with the same number of batches on every rank."""
+        if not self._packs_eval():
+            return super().get_eval_dataloader(eval_dataset)
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"packing_eval needs a map-style eval dataset with known sample lengths, got "
+                f"{type(dataset).__name__}; materialise it or set packing_eval=False"
+            )
+        from ..sampler import MultipackBatchSampler
+
+        num_replicas, rank = self._data_parallel_world()
+        sampler = MultipackBatchSampler(
+            self._multipack_lengths_of(dataset),
+            self.args.max_tokens_per_batch,
+            shuffle=False,
+            num_replicas=num_replicas,
+            rank=rank,
+            overflow=self.args.packing_overflow,
+        )
+        return self._multipack_dataloader(dataset, sampler, "evaluation", self.data_collator)
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ):
+        """Stock ``evaluate`` on the prepared model; with packed eval batches ``{prefix}_loss`` is the
+        token-mean over the whole eval set (what padded evaluation means by it), not a mean of batch means."""
+        with self._packing_model(self.model):
+            return super().evaluate(
+                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            )
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, *args: Any, **kwargs: Any):
+        if not self._packs_eval():
+            return super().evaluation_loop(dataloader, description, *args, **kwargs)
+        self._packing_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, *args, **kwargs)
+            totals = self._packing_eval_sums
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+        finally:
+            self._packing_eval_sums = None
+        prefix = kwargs.get("metric_key_prefix", args[2] if len(args) > 2 else "eval")
+        key = f"{prefix}_loss"
+        if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:
+            output.metrics[key] = float(totals[0] / totals[1])
+        return output
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, *args: Any, **kwargs: Any
+    ):
+        sums = getattr(self, "_packing_eval_sums", None)
+        labels = inputs.get("labels")
+        # predicted tokens: what the causal loss averages over (stock's num_items_in_batch counts the same)
+        count = (labels[..., 1:] != -100).sum() if isinstance(labels, torch.Tensor) else None
+        loss, logits, out_labels = super().prediction_step(
+            model, inputs, prediction_loss_only, *args, **kwargs
+        )
+        if sums is not None and loss is not None and count is not None:
+            sums[0] += loss.detach().double().to(sums.device) * count.to(sums.device)
+            sums[1] += count.to(sums.device)
+        return loss, logits, out_labels
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
         # With multipack, per_device_train_batch_size means nothing: report the mean samples per optimizer
@@ -402,29 +484,79 @@ class PackingTrainerMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self._packing_resume_dir = resume_from_checkpoint or None
-        if self.model_init is None:
-            self._packing_preflight(self.model)
         self._packing_metrics.reset()
         self._packing_last_logged_step = 0
-        return super().train(
-            resume_from_checkpoint=resume_from_checkpoint,
-            trial=trial,
-            ignore_keys_for_eval=ignore_keys_for_eval,
-            **kwargs,
-        )
+        with self._packing_model(self.model if self.model_init is None else None):
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
 
     def call_model_init(self, trial: Any = None):
         model = super().call_model_init(trial)
-        self._packing_preflight(model)
+        if self._packing_depth and model is not None and self._packs():
+            self._packing_give_back()  # a new model per trial: the previous one goes back as it was
+            self._packing_remember(model)
+            self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
         return model
 
-    def _packing_preflight(self, model: Any) -> None:
-        """Run the pre-flight check once per model, when batches are packed."""
-        packed = self.args.max_tokens_per_batch is not None or is_packing_collator(self.data_collator)
-        if not packed or model is None or id(model) in self._packing_checked_models:
+    def _packs(self) -> bool:
+        return self.args.max_tokens_per_batch is not None or is_packing_collator(self.data_collator)
+
+    def _packing_remember(self, model: Any) -> None:
+        """What the user's model looked like before packing_hf touched it (given back after train/evaluate)."""
+        config = getattr(base_model(model), "config", None)
+        self._packing_user = (
+            base_model(model),
+            getattr(config, "_attn_implementation", None),
+            getattr(self, "_packing_user_use_cache", getattr(config, "use_cache", None)),
+        )
+
+    @contextlib.contextmanager
+    def _packing_model(self, model: Any):
+        """The model prepared for packed batches for the duration (pre-flight check, guards, per-sample masks),
+        then given back as the user passed it: hooks removed, attention implementation and ``use_cache`` as
+        they were, so ``generate`` on padded batches, padded evaluation and ``save_pretrained`` behave as
+        stock. Nested calls (evaluation during training) prepare once."""
+        self._packing_depth += 1
+        try:
+            if self._packing_depth == 1 and model is not None and self._packs():
+                self._packing_remember(model)
+                self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
+            yield
+        finally:
+            self._packing_depth -= 1
+            if self._packing_depth == 0:
+                self._packing_give_back()
+
+    def _packing_give_back(self) -> None:
+        if self.packing_preparation is not None:
+            self.packing_preparation.revert()
+            self.packing_preparation = None
+        user = getattr(self, "_packing_user", None)
+        if user is None:
             return
-        self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
-        self._packing_checked_models.add(id(model))
+        model, attn_implementation, use_cache = user
+        current = getattr(model.config, "_attn_implementation", None)
+        if attn_implementation is not None and current != attn_implementation:
+            model.set_attn_implementation(attn_implementation)  # the pre-flight switched it for training
+        if use_cache is not None:
+            model.config.use_cache = use_cache  # stock Trainer sets args.use_cache (False) on the model
+        self._packing_user = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Stock ``_save``, with the config as the user had it (``use_cache``), not as training set it."""
+        config = getattr(base_model(self.model), "config", None)
+        use_cache = getattr(self, "_packing_user_use_cache", None)
+        if config is None or use_cache is None or config.use_cache == use_cache:
+            return super()._save(output_dir, state_dict)
+        training_value, config.use_cache = config.use_cache, use_cache
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            config.use_cache = training_value
 
     # ---- steps and logs --------------------------------------------------------------------------
 
@@ -482,5 +614,7 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
             args = TrainingArguments(output_dir="tmp_trainer")
         if data_collator is None and getattr(args, "max_tokens_per_batch", None) is not None:
             data_collator = PaddingFreeCollator.for_tokenizer(kw.get("processing_class"))
+        # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
+        self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(model, args, data_collator, *a, **kw)
         self._packing_setup()

@@ -222,10 +222,15 @@ def test_preflight_refuses_or_switches_a_leaking_attention(gsm8k_tokenized, tiny
     with pytest.raises(ValueError, match="packed samples would see each other"):
         trainer("error").train()
     switched = trainer("switch")
+    seen = []
+    switched.model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config._attn_implementation), with_kwargs=False
+    )
     switched.train()
-    assert switched.model.config._attn_implementation == packing_hf.ATTENTION_NAME
-    assert switched.packing_preparation is not None
-    assert not packing_hf.check_packing(switched.model, lengths=(5, 9)).leaked
+    assert seen == [packing_hf.ATTENTION_NAME]  # trained on the varlen attention
+    # and given back as the user passed it
+    assert switched.model.config._attn_implementation == "packing_hf_test_naive_causal"
+    assert switched.packing_preparation is None
 
 
 def test_preflight_refuses_hybrid_mamba_and_prepares_opt(tmp_path):
@@ -244,9 +249,122 @@ def test_preflight_refuses_hybrid_mamba_and_prepares_opt(tmp_path):
     opt = AutoModelForCausalLM.from_config(tiny_config("opt"), attn_implementation="sdpa")
     args = _args(tmp_path, max_tokens_per_batch=64, max_steps=1, packing_preflight="error")
     trainer = packing_hf.Trainer(model=opt, args=args, train_dataset=data)
+    fixed = []
+    opt.register_forward_pre_hook(lambda module, args: fixed.append(trainer.packing_preparation.mask_fix))
     trainer.train()
-    assert trainer.packing_preparation.mask_fix
+    assert fixed == [True]
     assert opt.config._attn_implementation == "sdpa"
-    assert not packing_hf.check_packing(opt, lengths=(5, 9)).leaked
-    trainer.packing_preparation.revert()
-    assert packing_hf.check_packing(opt, lengths=(5, 9)).leaked  # reverted: stock OPT again
+    assert packing_hf.check_packing(opt, lengths=(5, 9)).leaked  # given back: stock OPT again
+
+
+# --------------------------------------------------------------------------------------------------
+# the model after training: a normal model again (padding, generate, save -> stock load)
+
+
+def _left_padded(rows: list[list[int]], pad: int = 0) -> dict[str, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize(("model_type", "attn"), [("llama", "sdpa"), ("opt", "eager")])
+def test_a_prepared_model_still_pads_and_generates(model_type, attn):
+    """Prepared for packing, a model still takes ordinary left-padded batches and generates as stock."""
+    from packing_hf.architectures import build_tiny_model
+
+    model = build_tiny_model(model_type, attn)
+    model.generation_config.pad_token_id = 0
+    batch = _left_padded([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]])
+    with torch.no_grad():
+        stock_logits = model(**batch).logits
+        stock = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        with packing_hf.prepare_model_for_packing(model):
+            assert torch.equal(model(**batch).logits, stock_logits)
+            assert torch.equal(model.generate(**batch, max_new_tokens=6, do_sample=False), stock)
+            # and a packed row still gets its guards
+            with pytest.raises(ValueError, match="attention_mask with padding"):
+                model(
+                    input_ids=torch.arange(3, 12)[None],
+                    position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]]),
+                    attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0]]),
+                )
+
+
+def test_after_train_the_model_generates_saves_and_loads_as_stock(gsm8k_tokenized, tmp_path):
+    """After packing_hf.Trainer.train(): hooks gone, use_cache as the user had it, greedy generation equal to
+    an unprepared copy of the trained weights, and the saved folder loads with stock transformers alone."""
+    import json
+    import subprocess
+    import sys
+
+    from packing_hf.architectures import build_tiny_model
+
+    model = build_tiny_model("opt", "sdpa").train()
+    assert model.config.use_cache
+    data = _small_vocab(gsm8k_tokenized[:12], vocab=512)
+    args = _args(tmp_path, max_tokens_per_batch=1024, max_steps=2)
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert getattr(model, "_packing_hf_preparation", None) is None and not model._forward_pre_hooks
+    assert model.config.use_cache and model.config._attn_implementation == "sdpa"
+
+    model.eval().generation_config.pad_token_id = 0
+    batch = _left_padded([[5, 6, 7, 8, 9], [11, 12]])
+    with torch.no_grad():
+        after = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    copy = build_tiny_model("opt", "sdpa")
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        assert torch.equal(copy.generate(**batch, max_new_tokens=5, do_sample=False), after)
+
+    saved = tmp_path / "saved"
+    trainer.save_model(str(saved))
+    assert json.loads((saved / "config.json").read_text())["use_cache"] is True
+    # a clean interpreter that never imports packing_hf loads it and gets the same greedy tokens
+    script = (
+        "import sys, torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation='sdpa').eval()\n"
+        "m.generation_config.pad_token_id = 0\n"
+        "ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9][-5:], [0, 0, 0, 11, 12]])\n"
+        "mask = (torch.arange(5)[None] >= torch.tensor([[0], [3]])).long()\n"
+        "print(m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False).tolist())\n"
+        "assert 'packing_hf' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(saved)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == after.tolist()
+
+
+def test_eval_is_packed_and_its_loss_is_the_padded_token_mean(gsm8k_tokenized, tiny_llama, tmp_path):
+    data = _small_vocab(gsm8k_tokenized[:24], vocab=128)
+    eval_rows = _small_vocab(gsm8k_tokenized[24:40], vocab=128)
+    model = tiny_llama(vocab_size=128).eval()
+    seen = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    args = _args(tmp_path, max_tokens_per_batch=512, max_steps=1, per_device_eval_batch_size=3)
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=data, eval_dataset=eval_rows)
+    packed = trainer.evaluate()["eval_loss"]
+    assert all(shape[0] == 1 for shape in seen) and sum(shape[1] for shape in seen) == sum(
+        len(r["input_ids"]) for r in eval_rows
+    )
+
+    # the reference: every eval sample alone, summed token losses / predicted tokens
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in eval_rows:
+            ids = torch.tensor([row["input_ids"]])
+            n = ids.shape[1] - 1
+            total += float(model(input_ids=ids, labels=ids, use_cache=False).loss) * n
+            count += n
+    assert packed == pytest.approx(total / count, rel=1e-5)
+
+    stock = packing_hf.Trainer(
+        model=model, args=_args(tmp_path, max_tokens_per_batch=512, packing_eval=False), train_dataset=data,
+        eval_dataset=eval_rows, data_collator=packing_hf.PaddingFreeCollator(),
+    )  # fmt: skip
+    seen.clear()
+    stock.evaluate()
+    assert len(seen) == math.ceil(len(eval_rows) / 8)  # stock: per_device_eval_batch_size samples per batch
