@@ -27,14 +27,13 @@ prediction target: the first token of every segment and the padding added by ``p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from ._rows import flatten_field
 from .collator import PaddingFreeCollator
 from .varlen import INT32_MAX
 
@@ -70,6 +69,43 @@ def _new_stats() -> dict[str, int]:
         "split_samples": 0,  # never used (a split pair cannot be scored); kept for PaddingFreeCollator's keys
         "split_chunks": 0,
     }
+
+
+def _ids_array(value: Any, index: int, key: str) -> np.ndarray:
+    """One pair's token ids (list / numpy array / tensor of ints) as a 1-D int64 array, naming bad input."""
+    where = f"sample {index}: {key!r}"
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        raise TypeError(f"{where} must be a list, numpy array or tensor of ints, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nesting
+        raise ValueError(f"{where} must be a flat 1-D list of ints, got nested lists") from None
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1:
+        raise ValueError(f"{where} has shape {array.shape}; it must be a flat 1-D list of ints")
+    if array.dtype.kind not in "iu":
+        raise TypeError(
+            f"{where} holds {array.dtype} values (first: {array[0].item()!r}); token ids must be integers"
+        )
+    if array.min() < 0:
+        raise ValueError(f"{where} holds the negative id {int(array.min())}; token ids must be >= 0")
+    return array.astype(np.int64, copy=False)
+
+
+def _column(features: list[Mapping[str, Any]], key: str) -> list[Any]:
+    """``[f[key] for f in features]``, naming the first feature that is not a dict or lacks the key."""
+    for i, feature in enumerate(features):
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"sample {i} is a {type(feature).__name__}, expected a dict of fields")
+        if key not in feature:
+            raise ValueError(
+                f"sample {i} has no {key!r} (keys: {sorted(feature)}); preference pairs need prompt_ids, "
+                "chosen_ids and rejected_ids (tokenize with TRL's DPOTrainer)"
+            )
+    return [feature[key] for feature in features]
 
 
 def preference_pair_lengths(
@@ -197,16 +233,13 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         features = features if isinstance(features, list) else list(features)
         if not features:
             raise ValueError("got an empty batch (no features); a preference batch needs at least one pair")
-        columns = {key: self._column(features, key) for key in _PAIR_KEYS}
-        n_pairs = len(features)
-
         flat: dict[str, np.ndarray] = {}
         lengths: dict[str, np.ndarray] = {}
-        for key, values in columns.items():
-            flat[key], lengths[key] = flatten_field(values, key)
-            if flat[key].size and flat[key].min() < 0:
-                bad = int(np.repeat(np.arange(n_pairs), lengths[key])[np.argmax(flat[key] < 0)])
-                raise ValueError(f"sample {bad}: {key!r} holds a negative token id; token ids must be >= 0")
+        for key in _PAIR_KEYS:
+            arrays = [_ids_array(v, i, key) for i, v in enumerate(_column(features, key))]
+            flat[key] = np.concatenate(arrays)
+            lengths[key] = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        n_pairs = len(features)
 
         # Sequence s < B is prompt_s + chosen_s, sequence B + s is prompt_s + rejected_s (TRL's row order).
         prompt_len = np.concatenate([lengths["prompt_ids"], lengths["prompt_ids"]])  # (S,)
@@ -276,7 +309,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
         for key in _REF_KEYS:
             if any(key in f for f in features):
-                batch[key] = np.asarray(self._column(features, key), dtype=np.float32)
+                batch[key] = np.asarray(_column(features, key), dtype=np.float32)
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:

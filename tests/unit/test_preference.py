@@ -182,7 +182,7 @@ def test_bad_configuration_is_refused(kwargs, match):
         (
             [{"prompt_ids": [1], "chosen_ids": [2.5], "rejected_ids": [2]}],
             TypeError,
-            r"chosen_ids\[0\] = 2.5",
+            "sample 0: .chosen_ids. holds float64 values .first: 2.5.; token ids must be integers",
         ),
     ],
 )

@@ -1,0 +1,335 @@
+"""packing_hf.DPOTrainer against stock trl.DPOTrainer on padded batches: same log-probs, losses, gradients.
+
+Pairs are built from real GSM8K rows (reference answer vs. a truncated one), tokenized by TRL with the
+SmolLM2 tokenizer; the models are one tiny llama (fp32) loaded twice with the same weights: sdpa for the
+stock padded run, packing_hf's varlen attention for the packed run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import datasets
+import pytest
+import torch
+from transformers import TrainerCallback
+
+trl = pytest.importorskip("trl")
+
+import packing_hf  # noqa: E402
+from packing_hf.integrations.dpo import DPOConfig, DPOTrainer, PackedPreferenceForward  # noqa: E402
+from packing_hf.preference import PaddingFreePreferenceCollator  # noqa: E402
+
+REL = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+MAX_LENGTH = 128
+
+
+@pytest.fixture(scope="module")
+def pairs(gsm8k_rows):
+    """``pairs(n)``: a fresh Dataset of ``n`` GSM8K preference pairs, reference answer vs. the same answer with
+    its lines reversed (a new fingerprint every call, so TRL's precompute cache never serves one trainer the
+    other's reference log-probs). The two completions differ from their first token: a rejected answer that
+    shares a long prefix with the chosen one makes chosen - rejected a cancellation of nearly equal sums,
+    whose rounding no exactness test can bound."""
+
+    # short rows keep the 49k-vocabulary LM head cheap; their lengths still vary (about 90 to 150 tokens)
+    short = [r for r in gsm8k_rows(400) if len(r["question"]) < 160 and len(r["answer"]) < 250]
+
+    def build(n: int) -> datasets.Dataset:
+        rows = short[:n]
+        return datasets.Dataset.from_dict(
+            {
+                "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
+                "chosen": [" " + r["answer"] for r in rows],
+                # the same lines in reverse order: the final "#### n" first, the reasoning after it
+                "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
+            }
+        )
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def twins(tiny_llama):
+    """``twins(seed=0)``: (stock sdpa model, packed varlen model) holding the same fresh weights."""
+
+    def build(seed: int = 0):
+        reference = tiny_llama(seed=seed)
+        packed = tiny_llama(attn_implementation=packing_hf.register_attention())
+        packed.load_state_dict(reference.state_dict())
+        return reference, packed
+
+    return build
+
+
+def _common(tmp_path, name: str, **overrides) -> dict:
+    defaults = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_steps=1,
+        seed=0,
+        bf16=False,  # TRL defaults to bf16 autocast, even on CPU; exactness is measured in fp32
+        # TRL's own per-sequence truncation, on both sides; it also keeps the 49k-vocabulary LM head cheap
+        max_length=MAX_LENGTH,
+    )
+    return {**defaults, **overrides}
+
+
+def _build(tmp_path, tokenizer, twins, data, ref: bool = True, **config):
+    """(stock trainer, packed trainer) on copies of the same data and weights."""
+    policy_stock, policy_packed = twins()
+    ref_stock, ref_packed = twins(seed=1) if ref else (None, None)  # a reference unlike the policy
+    stock = trl.DPOTrainer(
+        model=policy_stock,
+        ref_model=ref_stock,
+        args=trl.DPOConfig(**_common(tmp_path, "stock", **config)),
+        train_dataset=data(),
+        processing_class=tokenizer,
+    )
+    packed = DPOTrainer(
+        model=policy_packed,
+        ref_model=ref_packed,
+        args=DPOConfig(**_common(tmp_path, "packed", **config)),
+        train_dataset=data(),
+        processing_class=tokenizer,
+    )
+    return stock, packed
+
+
+def _batches(stock, packed, indices):
+    rows = [stock.train_dataset[i] for i in indices]
+    for i, row in zip(indices, rows, strict=True):  # same tokenization
+        assert all(
+            packed.train_dataset[i][key] == row[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")
+        )
+    return stock._prepare_inputs(stock.data_collator(rows)), packed._prepare_inputs(
+        packed.data_collator(rows)
+    )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = float(want.abs().max()) or 1.0
+    assert float((got - want).abs().max()) <= REL * scale, f"{what}: {got} vs {want}"
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": ["sigmoid"]},
+        # IPO (divides by completion lengths) with WPO weights (reads log_sum_sq_probs per token)
+        {"loss_type": ["ipo"], "use_weighting": True},
+        # several losses at once (sft averages per-token log-probs) and LD-DPO length weighting
+        {"loss_type": ["hinge", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5},
+    ],
+    ids=["sigmoid", "ipo+wpo", "hinge+sft+ld_alpha"],
+)
+def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, pairs, config):
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(4), **config)
+    padded_batch, packed_batch = _batches(stock, packed, range(4))
+    assert packed_batch["packed_input_ids"].numel() < padded_batch["input_ids"].numel()  # padding avoided
+
+    # per-sequence chosen/rejected log-probs of the policy and of the reference model
+    for name in ("model", "ref_model"):
+        got = packed.compute_ref_log_probs(getattr(packed, name), packed_batch)
+        want = stock.compute_ref_log_probs(getattr(stock, name), padded_batch)
+        for g, w, side in zip(got, want, ("chosen", "rejected"), strict=True):
+            assert g.shape == w.shape == (4,)
+            _close(g, w, f"{name} {side} logps")
+
+    loss_p, grads_p = _loss_and_grads(packed, packed_batch)
+    loss_s, grads_s = _loss_and_grads(stock, padded_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    # TRL's metrics come from the scattered per-token outputs too (entropy, mean logits, top-1 accuracy).
+    # Rewards are beta x (policy - reference) log-probs: a difference of sums of ~100 terms, so they get an
+    # absolute tolerance on the scale of those sums rather than a relative one.
+    for key, values in stock._metrics["train"].items():
+        got, want = torch.tensor(packed._metrics["train"][key]), torch.tensor(values)
+        assert torch.allclose(got, want, rtol=REL, atol=1e-4), f"metric {key}: {got} vs {want}"
+
+
+def test_precomputed_reference_logps_match_stock(tmp_path, tokenizer, twins, pairs):
+    stock, packed = _build(
+        tmp_path,
+        tokenizer,
+        twins,
+        lambda: pairs(4),
+        ref=False,
+        precompute_ref_log_probs=True,
+        loss_type=["ipo"],
+    )
+    assert packed.data_collator.stats["pairs"] == 4  # the packed collator computed them (not a shared cache)
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        _close(torch.tensor(packed.train_dataset[column]), torch.tensor(stock.train_dataset[column]), column)
+    padded_batch, packed_batch = _batches(stock, packed, [3, 0, 2])
+    loss_p, grads_p = _loss_and_grads(packed, packed_batch)
+    loss_s, grads_s = _loss_and_grads(stock, padded_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+
+
+class _GradientProbe(TrainerCallback):
+    """Keeps the accumulated gradient seen right before every optimizer step."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(
+            torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None])
+        )
+
+
+def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, pairs):
+    config = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.05,
+        logging_steps=1,
+    )
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(8), **config)
+    probes = []
+    for trainer in (stock, packed):
+        probes.append(_GradientProbe())
+        trainer.add_callback(probes[-1])
+        trainer.train()
+    (grads_s, grads_p) = (probe.grads for probe in probes)
+    assert len(grads_s) == len(grads_p) == 2
+    for step, (g_p, g_s) in enumerate(zip(grads_p, grads_s, strict=True)):
+        _close(g_p, g_s, f"accumulated gradient of step {step}")
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (stock, packed)]
+    assert len(losses[0]) == 2
+    _close(torch.tensor(losses[1]), torch.tensor(losses[0]), "logged losses")
+    params = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (stock, packed)]
+    _close(params[1], params[0], "parameters after two SGD steps")
+    # packing metrics are logged next to TRL's: the padded layout would have computed more tokens
+    logged = next(h for h in packed.state.log_history if "loss" in h)
+    assert logged["padding_avoided_per_step"] > 0 and "rewards/margins" in logged
+
+
+@dataclass
+class RecordingPreferenceCollator(PaddingFreePreferenceCollator):
+    """Records the pairs (as ``prompt_ids + chosen_ids`` tuples) of every batch it collates."""
+
+    batches: list = field(default_factory=list, init=False, repr=False)
+
+    def __call__(self, features, return_tensors=None):
+        self.batches.append([tuple(f["prompt_ids"] + f["chosen_ids"]) for f in features])
+        return super().__call__(features, return_tensors)
+
+
+def test_multipack_keeps_pairs_whole_within_the_budget(tmp_path, tokenizer, twins, pairs):
+    collator = RecordingPreferenceCollator(max_length=MAX_LENGTH, overflow="truncate")
+    _, model = twins()
+    budget = 400
+    trainer = DPOTrainer(
+        model=model,
+        args=DPOConfig(
+            **_common(tmp_path, "multipack", max_steps=-1, num_train_epochs=1, logging_steps=1),
+            max_tokens_per_batch=budget,
+            precompute_ref_log_probs=True,
+        ),
+        data_collator=collator,
+        train_dataset=pairs(12),
+        processing_class=tokenizer,
+    )
+    collator.batches.clear()  # drop the precompute batches
+    trainer.train()
+    data = trainer.train_dataset
+    tokens = {  # what a pair occupies in a packed row: both sequences, each truncated to max_length
+        tuple(row["prompt_ids"] + row["chosen_ids"]): min(
+            len(row["prompt_ids"]) + len(row["chosen_ids"]), MAX_LENGTH
+        )
+        + min(len(row["prompt_ids"]) + len(row["rejected_ids"]), MAX_LENGTH)
+        for row in data
+    }
+    seen = [key for batch in collator.batches for key in batch]
+    assert sorted(seen) == sorted(tokens)  # every pair exactly once, both of its sequences in one batch
+    for batch in collator.batches:
+        assert sum(tokens[key] for key in batch) <= budget
+    assert len(collator.batches) == len(trainer._multipack_sampler) < len(data)
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
+    _, model = twins()
+    trainer = DPOTrainer(
+        model=model,
+        args=DPOConfig(**_common(tmp_path, "tight"), max_tokens_per_batch=64, precompute_ref_log_probs=True),
+        train_dataset=pairs(2),
+        processing_class=tokenizer,
+    )
+    with pytest.raises(ValueError, match="max_tokens_per_batch"):
+        trainer.get_train_dataloader()
+
+
+@pytest.mark.parametrize(
+    "config, extra, match",
+    [
+        ({"padding_free": True}, {}, "padding_free=True is TRL's own"),
+        ({}, {"compute_metrics": lambda p: {}}, "compute_metrics needs the padded logits"),
+        (
+            {"max_tokens_per_batch": 512, "packing_overflow": "split"},
+            {},
+            "packing_overflow='split' would cut",
+        ),
+        ({}, {"data_collator": "trl"}, "does not pack preference pairs"),
+        ({}, {"images": True}, "vision-language preference batches are not packed"),
+    ],
+    ids=["padding_free", "compute_metrics", "overflow_split", "padded_collator", "vision"],
+)
+def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):
+    _, model = twins()
+    data = pairs(2)
+    if extra.pop("images", False):
+        data = data.add_column("images", [[]] * len(data))
+    if extra.get("data_collator") == "trl":
+        extra["data_collator"] = trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=0)
+    with pytest.raises(ValueError, match=match):
+        DPOTrainer(
+            model=model,
+            args=DPOConfig(**_common(tmp_path, "refused", **config), precompute_ref_log_probs=True),
+            train_dataset=data,
+            processing_class=tokenizer,
+            **extra,
+        )
+
+
+def test_hooks_touch_only_packed_calls_and_are_removable(tmp_path, tokenizer, twins, pairs):
+    reference, model = twins()
+    trainer = DPOTrainer(
+        model=model,
+        args=DPOConfig(**_common(tmp_path, "hooks"), precompute_ref_log_probs=True),
+        train_dataset=pairs(2),
+        processing_class=tokenizer,
+    )
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-6)
+        batch = trainer.data_collator([trainer.train_dataset[0]])
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        with pytest.raises(ValueError, match="without fused_lm_head=True"):
+            model(**batch)
+        out = model(**batch, labels=labels, fused_lm_head=True)
+    assert out.log_probs.shape == (2, batch["input_ids"].shape[1] - 1)
+    assert any(isinstance(h, PackedPreferenceForward) for h, _ in trainer._packed_forwards.values())
+    trainer.remove_packing_hooks()
+    assert not model._forward_pre_hooks and not model._forward_hooks
