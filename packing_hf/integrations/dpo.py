@@ -34,6 +34,7 @@ parallelism, and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -266,6 +267,20 @@ def _check_options(args: DPOConfig, model: Any, data_collator: Any, train_datase
         )
 
 
+@contextlib.contextmanager
+def _prepared_once(model: Any, mode: str):
+    """``model`` checked and prepared for packed batches for the duration, then given back as it was."""
+    attn_implementation = getattr(model.config, "_attn_implementation", None)
+    preparation = preflight_packing(model, mode=mode)
+    try:
+        yield
+    finally:
+        if preparation is not None:
+            preparation.revert()
+        if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
+            model.set_attn_implementation(attn_implementation)  # the pre-flight switched it
+
+
 def _pad_token_id(processing_class: Any) -> int:
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     for name in ("pad_token_id", "eos_token_id"):
@@ -326,8 +341,9 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 pad_token_id=_pad_token_id(processing_class),
             )
-        # Filled before TRL's __init__, which may already run packed forwards (precompute_ref_log_probs).
-        self._packed_forwards: dict[int, tuple[PackedPreferenceForward, Any]] = {}
+        # Set before TRL's __init__, which may already run packed forwards (precompute_ref_log_probs).
+        self._packed_forwards: dict[int, PackedPreferenceForward] = {}
+        self._reference_prepared = False
         super().__init__(
             model,
             ref_model=ref_model,
@@ -346,52 +362,73 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
                     "a packed preference row does not support; unset it or use trl.DPOTrainer"
                 )
         self._packing_setup()
-        self._prepare_packed_model(self.model)
-        if self.ref_model is not None:
-            self._prepare_packed_model(self.ref_model)
 
     # ---- packed forwards -------------------------------------------------------------------------
 
-    def _prepare_packed_model(self, model: Any) -> None:
-        """Pre-flight check (once per model) and the packed-forward hooks, before its first packed forward."""
+    def _install_packed_forward(self, model: Any) -> None:
+        """The packed-forward hooks on ``model`` (once): they stay, and only act on packed preference batches."""
         unwrapped = self.accelerator.unwrap_model(model)
-        if id(unwrapped) in self._packed_forwards:
-            return
-        preparation = preflight_packing(unwrapped, mode=self.args.packing_preflight)
-        self._packed_forwards[id(unwrapped)] = (PackedPreferenceForward(unwrapped), preparation)
-        checked = getattr(self, "_packing_checked_models", None)
-        if checked is not None:  # the mixin's own pre-flight in train() must not prepare it twice
-            checked.add(id(unwrapped))
-            if unwrapped is self.model:
-                self.packing_preparation = preparation
+        if id(unwrapped) not in self._packed_forwards:
+            self._packed_forwards[id(unwrapped)] = PackedPreferenceForward(unwrapped)
 
     def remove_packing_hooks(self) -> None:
-        """Remove the packed-forward hooks and the pre-flight preparations from the policy and reference model."""
-        for hooks, preparation in self._packed_forwards.values():
+        """Remove the packed-forward hooks from the policy and the reference model."""
+        for hooks in self._packed_forwards.values():
             hooks.remove()
-            if preparation is not None:
-                preparation.revert()
         self._packed_forwards.clear()
-        self._packing_checked_models.clear()
-        self.packing_preparation = None
 
-    def _packing_setup(self) -> None:
-        super()._packing_setup()
-        # models prepared during TRL's __init__ (precompute) are already checked
-        self._packing_checked_models.update(self._packed_forwards)
-        if id(self.model) in self._packed_forwards:
-            self.packing_preparation = self._packed_forwards[id(self.model)][1]
+    @contextlib.contextmanager
+    def _packed_reference(self):
+        """The reference model prepared like the policy (pre-flight check, guards) for the duration, then given
+        back as it was; the policy is handled by the mixin's own ``_packing_model``. Nested calls (evaluation
+        during training) prepare once."""
+        ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+        if ref is None or self._reference_prepared:
+            yield
+            return
+        self._reference_prepared = True
+        try:
+            with _prepared_once(ref, self.args.packing_preflight):
+                yield
+        finally:
+            self._reference_prepared = False
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        # runs inside TRL's __init__ (and evaluate): check and prepare the model that computes them
+        model = self.ref_model if self.ref_model is not None else self.model
+        self._install_packed_forward(model)
+        with self._packing_model(self.accelerator.unwrap_model(model)):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def _packing_model(self, model: Any):
+        if not hasattr(self, "_multipack_sampler"):  # before _packing_setup (precompute in TRL's __init__)
+            return _prepared_once(model, self.args.packing_preflight)
+        return super()._packing_model(model)
+
+    def train(self, *args: Any, **kwargs: Any):
+        self._install_packed_forward(self.model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        with self._packed_reference():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        self._install_packed_forward(self.model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        with self._packed_reference():
+            return super().evaluate(*args, **kwargs)
 
     def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]):
-        self._prepare_packed_model(model)
+        self._install_packed_forward(model)
         return super().compute_ref_log_probs(model, inputs)
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
     ):
-        self._prepare_packed_model(model)
+        self._install_packed_forward(model)
         if self.ref_model is not None:
-            self._prepare_packed_model(self.ref_model)
+            self._install_packed_forward(self.ref_model)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

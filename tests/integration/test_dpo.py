@@ -330,6 +330,6 @@ def test_hooks_touch_only_packed_calls_and_are_removable(tmp_path, tokenizer, tw
             model(**batch)
         out = model(**batch, labels=labels, fused_lm_head=True)
     assert out.log_probs.shape == (2, batch["input_ids"].shape[1] - 1)
-    assert any(isinstance(h, PackedPreferenceForward) for h, _ in trainer._packed_forwards.values())
+    assert any(isinstance(h, PackedPreferenceForward) for h in trainer._packed_forwards.values())
     trainer.remove_packing_hooks()
     assert not model._forward_pre_hooks and not model._forward_hooks
