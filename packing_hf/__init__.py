@@ -1,8 +1,9 @@
 """packing_hf: fast and exact sequence packing for Hugging Face Transformers and TRL.
 
 Importing this package is light and changes nothing in transformers or torch: every public name is
-resolved lazily on first access, and patching only happens when you call ``patch_flash_attention()``
-or ``register_attention()``.
+resolved lazily on first access. Reading ``packing_hf.ATTENTION_NAME`` registers packing_hf's attention
+with transformers (it adds a name, replaces nothing), so ``attn_implementation=packing_hf.ATTENTION_NAME``
+works as is; ``patch_flash_attention()`` is the only call that swaps a transformers function, reversibly.
 
 >>> import packing_hf
 >>> packing_hf.lengths_to_cu_seqlens([3, 2]).tolist()
@@ -68,7 +69,13 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'packing_hf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"packing_hf.{module_name}"), name)
+    module = importlib.import_module(f"packing_hf.{module_name}")
+    if name == "ATTENTION_NAME":
+        # `attn_implementation=packing_hf.ATTENTION_NAME` must work as soon as the name is read: registering
+        # adds a key to transformers' attention registries (it replaces nothing and patches nothing)
+        value = module.register_attention()
+    else:
+        value = getattr(module, name)
     globals()[name] = value  # cache: the next access skips __getattr__
     return value
 

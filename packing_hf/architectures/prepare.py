@@ -200,7 +200,9 @@ def check_unregistered(config: Any, attn_implementation: str) -> PackingReport:
     cfg = tiny_config(config)
     key = (cfg.to_json_string(use_diff=False), attn_implementation)
     if key not in _UNREGISTERED_CACHE:
-        _UNREGISTERED_CACHE[key] = check_packing(build_tiny_model(config, attn_implementation))
+        _UNREGISTERED_CACHE[key] = check_packing(
+            build_tiny_model(config, attn_implementation), noise_floor=False
+        )
     return _UNREGISTERED_CACHE[key]
 
 

@@ -94,8 +94,10 @@ def test_unknown_backend_is_refused_without_patching():
     assert fa_utils._flash_attention_forward is ORIGINAL
 
 
-def test_importing_packing_hf_patches_and_registers_nothing():
-    """In a fresh interpreter: snapshot transformers' objects, import packing_hf (all names), compare."""
+def test_importing_packing_hf_patches_nothing_and_reading_the_name_only_registers_it():
+    """In a fresh interpreter: snapshot transformers' objects, import packing_hf (all names), compare. Reading
+    ATTENTION_NAME adds exactly that key to the two registries (what makes attn_implementation=... work);
+    nothing is replaced."""
     script = textwrap.dedent(
         """
         import sys
@@ -115,21 +117,31 @@ def test_importing_packing_hf_patches_and_registers_nothing():
         before = snapshot()
         import packing_hf
         import packing_hf.attention
-        names = [n for n in packing_hf.__all__ if n in ("varlen_attention", "register_attention", "ATTENTION_NAME",
+        names = [n for n in packing_hf.__all__ if n in ("varlen_attention", "register_attention",
                  "patch_flash_attention", "flash_attention_patched", "select_backend")]
         for name in names:
             getattr(packing_hf, name)
+        middle = snapshot()
+        assert before[0] is middle[0] and before[1] is middle[1], "flash forward replaced at import"
+        assert before[2] == middle[2], "AttentionInterface changed at import"
+        assert before[3] == middle[3], "AttentionMaskInterface changed at import"
+        name = packing_hf.ATTENTION_NAME
         after = snapshot()
-        assert before[0] is after[0] and before[1] is after[1], "flash forward replaced at import"
-        assert before[2] == after[2], "AttentionInterface changed at import"
-        assert before[3] == after[3], "AttentionMaskInterface changed at import"
-        assert "packing_hf_varlen" not in after[2]
-        print("unchanged", len(names))
+        assert before[0] is after[0] and before[1] is after[1], "flash forward replaced"
+        for registry_before, registry_after in ((before[2], after[2]), (before[3], after[3])):
+            assert set(registry_after) - set(registry_before) == {name}
+            assert all(registry_after[k] is v for k, v in registry_before.items()), "an entry was replaced"
+        # and the name works right away
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=packing_hf.ATTENTION_NAME)
+        print(model.config._attn_implementation, len(names))
         """
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "unchanged 6"
+    assert result.stdout.strip() == "packing_hf_varlen 5"
 
 
 def test_patched_function_accepts_every_argument_of_the_original():
