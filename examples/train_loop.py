@@ -4,9 +4,9 @@ The sampler decides which samples share a batch (at most ``max_tokens_per_batch`
 the collator flattens them into one row ``[1, T]`` with restarting ``position_ids`` and ``cu_seq_lens``,
 so attention never crosses a sample boundary. No Trainer involved.
 
-    python examples/train_loop.py                                      # SmolLM2-135M-Instruct, embedded data
-    python examples/train_loop.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    python examples/train_loop.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
+    .venv/bin/python examples/train_loop.py                                      # SmolLM2-135M-Instruct, embedded GSM8K rows
+    .venv/bin/python examples/train_loop.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
+    .venv/bin/python examples/train_loop.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from packing_hf import MultipackBatchSampler, PaddingFreeCollator, check_packing
 from packing_hf.app.config import ModelArguments
 from packing_hf.app.data import prepare_dataset
-from packing_hf.train import load_model, load_tokenizer
+from packing_hf.app.modeling import load_model, load_tokenizer
 
 TINY = {
     "hidden_size": 64,
@@ -34,7 +34,9 @@ TINY = {
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data", default="embedded", help="'embedded', a .json/.jsonl file, or a Hub dataset"
+        "--data",
+        default="embedded",
+        help="'embedded' (GSM8K rows shipped with packing_hf), a .json/.jsonl file, or a Hub dataset",
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     data = prepare_dataset(args.data, tokenizer, max_length=args.max_tokens_per_batch, limit=args.num_samples)
     sampler = MultipackBatchSampler(data.lengths, args.max_tokens_per_batch, shuffle=True, seed=0)
     loader = DataLoader(
-        data.dataset.with_format(None),  # plain lists; the collator builds the tensors
+        data.dataset.remove_columns("where").with_format(
+            None
+        ),  # plain lists; the collator builds the tensors
         batch_sampler=sampler,
         collate_fn=PaddingFreeCollator(pad_token_id=tokenizer.pad_token_id),
     )

@@ -5,9 +5,9 @@ decreasing) and ``PaddingFreeCollator`` turns every packed sample into its own a
 (``cu_seq_lens``), so samples in a row never see each other. Stock TRL refuses a custom collator in
 padding-free mode; ``packing_hf.SFTTrainer`` accepts it (and adds multipack via ``max_tokens_per_batch``).
 
-    python examples/train_sft.py                                       # SmolLM2-135M-Instruct
-    python examples/train_sft.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    python examples/train_sft.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
+    .venv/bin/python examples/train_sft.py                                       # SmolLM2-135M-Instruct
+    .venv/bin/python examples/train_sft.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
+    .venv/bin/python examples/train_sft.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from packing_hf import PaddingFreeCollator, SFTConfig, SFTTrainer
 from packing_hf.app.config import ModelArguments
-from packing_hf.app.data import load_records
-from packing_hf.train import load_model, load_tokenizer
+from packing_hf.app.data import read_records, trl_records
+from packing_hf.app.modeling import load_model, load_tokenizer
 
 TINY = {
     "hidden_size": 64,
@@ -30,22 +30,12 @@ TINY = {
 }
 
 
-def to_conversation(record: dict) -> dict:
-    """An instruction (or question/answer) record as TRL's conversational prompt/completion."""
-    prompt = record.get("instruction") or record.get("question")
-    if record.get("input"):
-        prompt = f"{prompt}\n\n{record['input']}"
-    answer = record.get("output") or record.get("answer")
-    return {
-        "prompt": [{"role": "user", "content": prompt}],
-        "completion": [{"role": "assistant", "content": answer}],
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data", default="embedded", help="'embedded' or a .json/.jsonl instruction or Q&A file"
+        "--data",
+        default="embedded",
+        help="'embedded' (GSM8K rows shipped with packing_hf) or a .json/.jsonl file",
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -68,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(model_args)
     model = load_model(model_args, tokenizer)
 
-    records = load_records(args.data, limit=args.num_samples)
-    dataset = records.map(to_conversation, remove_columns=records.column_names)
+    # every record checked (file and line in errors), then TRL's conversational prompt/completion
+    dataset = trl_records(read_records(args.data, limit=args.num_samples), tokenizer)
 
     config = SFTConfig(
         output_dir=args.output_dir,

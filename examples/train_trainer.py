@@ -3,9 +3,9 @@
 The only changes from a stock ``transformers.Trainer`` script: import ``Trainer`` / ``TrainingArguments``
 from ``packing_hf``, set ``max_tokens_per_batch``, and collate with ``PaddingFreeCollator``.
 
-    python examples/train_trainer.py                                   # SmolLM2-135M-Instruct, embedded data
-    python examples/train_trainer.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    python examples/train_trainer.py --tiny --tokenizer ../shared/data/smollm2_tokenizer   # seconds, CPU
+    .venv/bin/python examples/train_trainer.py                                   # SmolLM2-135M-Instruct, embedded GSM8K rows
+    .venv/bin/python examples/train_trainer.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
+    .venv/bin/python examples/train_trainer.py --tiny --tokenizer ../shared/data/smollm2_tokenizer   # seconds, CPU
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
 from packing_hf.app.config import ModelArguments
 from packing_hf.app.data import prepare_dataset
-from packing_hf.train import load_model, load_tokenizer
+from packing_hf.app.modeling import load_model, load_tokenizer
 
 TINY = {
     "hidden_size": 64,
@@ -31,7 +31,9 @@ TINY = {
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data", default="embedded", help="'embedded', a .json/.jsonl file, or a Hub dataset"
+        "--data",
+        default="embedded",
+        help="'embedded' (GSM8K rows shipped with packing_hf), a .json/.jsonl file, or a Hub dataset",
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=data.dataset,
+        train_dataset=data.dataset.remove_columns("where"),  # `where` (file:line) is for messages
         processing_class=tokenizer,
         data_collator=PaddingFreeCollator(pad_token_id=tokenizer.pad_token_id),
     )

@@ -22,7 +22,13 @@ import torch
 
 from ..strategies import padded_batches
 
-__all__ = ["evaluate_loss", "measure_throughput", "padded_collator", "padded_efficiency"]
+__all__ = [
+    "evaluate_loss",
+    "length_sorted_batches",
+    "measure_throughput",
+    "padded_collator",
+    "padded_efficiency",
+]
 
 
 def padded_collator(tokenizer):
@@ -66,19 +72,45 @@ def _attention(model, implementation: str | None):
         model.set_attn_implementation(current)
 
 
-def _time_batches(model, batches: list[dict[str, Any]], device: torch.device, autocast_dtype) -> float:
+def _micro_batches(batch: dict[str, Any], max_tokens: int | None) -> list[dict[str, Any]]:
+    """Split a padded batch row-wise into micro-batches of at most ``max_tokens`` tokens (at least one row).
+
+    Every row keeps its padded length, so the work (and the padding) is that of the whole batch; only the
+    peak memory is bounded, as with gradient accumulation.
+    """
+    rows, length = batch["input_ids"].shape
+    if max_tokens is None or rows * length <= max_tokens:
+        return [batch]
+    per = max(1, max_tokens // length)
+    return [
+        {k: v[start : start + per] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        for start in range(0, rows, per)
+    ]
+
+
+def _time_batches(
+    model, batches: list[dict[str, Any]], device: torch.device, autocast_dtype, max_tokens: int | None = None
+) -> float:
     """Seconds for forward + backward over ``batches`` (gradients discarded; weights unchanged)."""
     autocast = _autocast(device, autocast_dtype)
     _sync(device)
     start = time.perf_counter()
     for batch in batches:
-        with autocast:
-            loss = model(**_to_device(batch, device), use_cache=False).loss  # no KV cache in training
-        loss.backward()
+        for micro in _micro_batches(batch, max_tokens):
+            with autocast:
+                loss = model(**_to_device(micro, device), use_cache=False).loss  # no KV cache in training
+            loss.backward()
+            del loss
     _sync(device)
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed
+
+
+def _bar(total: int, desc: str | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=desc is None, leave=False)
 
 
 def measure_throughput(
@@ -93,6 +125,8 @@ def measure_throughput(
     autocast_dtype: torch.dtype | None = None,
     padded_attn_implementation: str | None = "sdpa",
     repeats: int = 2,
+    max_tokens_per_micro_batch: int | None = None,
+    desc: str | None = None,
 ) -> dict[str, float]:
     """Time the same samples as packed batches and as stock padded batches (forward + backward).
 
@@ -115,11 +149,28 @@ def measure_throughput(
         autocast_dtype: e.g. ``torch.bfloat16`` for mixed precision, None for the model's dtype.
         padded_attn_implementation: attention for the padded run (None = keep the model's).
         repeats: timed passes over the batches (>= 1).
+        max_tokens_per_micro_batch: run a padded batch holding more tokens (padding included) in
+            row-wise micro-batches of at most this many tokens, as gradient accumulation would: the
+            same work, with the peak memory of training (None = whole batches).
+        desc: a progress bar's label (None: no bar).
 
     Returns:
         ``real_tokens`` (the same for both), ``packed_tokens``/``padded_tokens`` (with padding),
         ``packed_seconds``/``padded_seconds``, ``packed_tokens_per_s``/``padded_tokens_per_s`` (real
         tokens per second) and ``speedup`` (packed / padded tokens per second).
+
+    >>> from transformers import AutoConfig, AutoModelForCausalLM
+    >>> from transformers import AutoTokenizer
+    >>> from packing_hf import PaddingFreeCollator
+    >>> tok = AutoTokenizer.from_pretrained(str(SHARED_DATA / "smollm2_tokenizer"))
+    >>> model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    >>> samples = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    >>> result = measure_throughput(model, samples, [[0, 1]], padded_batch_size=2,
+    ...     packed_collator=PaddingFreeCollator(), padded_collator=padded_collator(tok),
+    ...     max_tokens_per_micro_batch=3)
+    >>> result["real_tokens"], result["packed_tokens"], result["padded_tokens"]
+    (5, 5, 6)
     """
     if padded_batch_size < 1:
         raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}")
@@ -146,21 +197,29 @@ def measure_throughput(
     model.train()
     packed_times = np.full((repeats, len(packed)), np.inf)
     padded_times = np.full((repeats, len(padded)), np.inf)
-    try:
-        _time_batches(model, [packed_collator([samples[shortest]])], device, autocast_dtype)
-        with _attention(model, padded_attn_implementation):
-            _time_batches(model, [padded_collator([samples[shortest]])], device, autocast_dtype)
-        # Interleaved, batch by batch, so a load spike from another process hits both paths alike; the
-        # fastest of the repeats of every batch is kept (the usual estimator on a shared machine).
-        for r in range(repeats):
-            for i in range(max(len(packed), len(padded))):
-                if i < len(packed):
-                    packed_times[r, i] = _time_batches(model, [packed[i]], device, autocast_dtype)
-                if i < len(padded):
-                    with _attention(model, padded_attn_implementation):
-                        padded_times[r, i] = _time_batches(model, [padded[i]], device, autocast_dtype)
-    finally:
-        model.train(was_training)
+    limit = max_tokens_per_micro_batch
+    with _bar(2 + repeats * (len(packed) + len(padded)), desc) as bar:
+        try:
+            _time_batches(model, [packed_collator([samples[shortest]])], device, autocast_dtype)
+            bar.update()
+            with _attention(model, padded_attn_implementation):
+                _time_batches(model, [padded_collator([samples[shortest]])], device, autocast_dtype)
+            bar.update()
+            # Interleaved, batch by batch, so a load spike from another process hits both paths alike;
+            # the fastest of the repeats of every batch is kept (the usual estimator on a shared machine).
+            for r in range(repeats):
+                for i in range(max(len(packed), len(padded))):
+                    if i < len(packed):
+                        packed_times[r, i] = _time_batches(model, [packed[i]], device, autocast_dtype)
+                        bar.update()
+                    if i < len(padded):
+                        with _attention(model, padded_attn_implementation):
+                            padded_times[r, i] = _time_batches(
+                                model, [padded[i]], device, autocast_dtype, limit
+                            )
+                        bar.update()
+        finally:
+            model.train(was_training)
     packed_seconds = float(packed_times.min(axis=0).sum())
     padded_seconds = float(padded_times.min(axis=0).sum())
     packed_tps = real_tokens / packed_seconds
@@ -179,37 +238,74 @@ def measure_throughput(
     }
 
 
+def length_sorted_batches(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Indices in batches of similar lengths whose padded size (rows x longest) is at most ``max_tokens``
+    (a longer sample gets a batch of its own): little padding, bounded memory.
+
+    >>> length_sorted_batches([5, 2, 9, 3], max_tokens=10)
+    [[1, 3], [0], [2]]
+    """
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order.tolist():
+        longest = int(lengths[index])  # ascending: the newcomer is the longest
+        if current and (len(current) + 1) * longest > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
 @torch.no_grad()
 def evaluate_loss(
     model,
     samples: Sequence[dict[str, Any]],
     *,
-    batch_size: int,
     collator,
+    max_tokens_per_batch: int,
     device: torch.device | str | None = None,
     autocast_dtype: torch.dtype | None = None,
+    desc: str | None = None,
 ) -> float:
-    """Mean next-token loss over every predicted token of ``samples`` (padded batches: exact on any model).
+    """Mean next-token loss over every trained token of ``samples`` (padded batches: exact on any model).
+
+    Samples are batched by length (see :func:`length_sorted_batches`), so a batch holds at most
+    ``max_tokens_per_batch`` tokens, padding included: no more memory than a training step.
 
     Args:
         model: a causal LM; run in eval mode, its train/eval flag is restored.
         samples: ``{"input_ids": [...], "labels": [...]}`` per sample.
-        batch_size: samples per forward.
-        collator: builds a batch from samples, e.g. ``DataCollatorForSeq2Seq(tokenizer, padding=True)``.
+        collator: builds a padded batch, e.g. ``DataCollatorForSeq2Seq(tokenizer, padding=True)``.
+        max_tokens_per_batch: the largest batch, padding included.
         device: where to run (default: the model's device).
         autocast_dtype: e.g. ``torch.bfloat16``; None for the model's dtype.
+        desc: a progress bar's label (None: no bar).
 
     Returns:
         The token-weighted mean loss (each batch's mean loss weighted by its predicted tokens).
+
+    >>> from transformers import AutoConfig, AutoModelForCausalLM
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained(str(SHARED_DATA / "smollm2_tokenizer"))
+    >>> model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    >>> samples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    >>> collate = padded_collator(tok)
+    >>> 3.0 < evaluate_loss(model, samples, collator=collate, max_tokens_per_batch=8) < 4.0  # ~ln(32)
+    True
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     autocast = _autocast(device, autocast_dtype)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    batches = length_sorted_batches([len(s["input_ids"]) for s in samples], max_tokens_per_batch)
     try:
-        for start in range(0, len(samples), batch_size):
-            batch = _to_device(collator(list(samples[start : start + batch_size])), device)
+        for indices in _iter_bar(batches, desc):
+            batch = _to_device(collator([samples[i] for i in indices]), device)
             predicted = int((batch["labels"][:, 1:] != -100).sum())
             if predicted == 0:
                 continue
@@ -222,3 +318,9 @@ def evaluate_loss(
     if count == 0:
         raise ValueError("evaluate_loss: no sample has a trained (non -100) label")
     return total / count
+
+
+def _iter_bar(items: Sequence[Any], desc: str | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=desc is None, leave=False)

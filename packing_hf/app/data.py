@@ -1,19 +1,41 @@
-"""Datasets for the ``packing-hf`` command line: load records, format prompts, tokenize with loss masks.
+"""Datasets for the ``packing-hf`` command line: read records, check them one by one, render prompts,
+tokenize with loss masks.
 
-Three sources, one result (a ``datasets.Dataset`` with ``input_ids`` and ``labels``, ready for
+Sources, one result (a ``datasets.Dataset`` with ``input_ids`` and ``labels``, ready for
 :class:`~packing_hf.PaddingFreeCollator`):
 
-- ``"embedded"``: a small instruction dataset generated deterministically by :mod:`packing_hf.app.demo` (arithmetic,
-  sorting, counting, unit conversion, ...), so the demo runs offline with nothing downloaded;
+- ``"embedded"``: a slice of GSM8K (MIT, shipped in ``packing_hf/app/embedded/`` with its license):
+  1,000 training rows; ``"embedded:eval"`` is 200 held-out rows of GSM8K's test split;
 - a local ``.json`` (a list of objects) or ``.jsonl`` file;
 - any other string is a Hugging Face Hub dataset name (needs network, loaded with ``datasets``).
 
-Record formats are detected from the columns: ``messages`` (a chat, rendered with the tokenizer's chat
-template), ``instruction``/``input``/``output`` (Alpaca), ``question``/``answer`` (GSM8K-style),
-``prompt``/``completion``, or ``text`` (plain language modelling). With ``completion_only_loss=True``
-(the default) only the answer tokens are trained: prompt tokens get label ``-100``.
+Every record is read as it is, never through a schema inferred from other records, and its format is
+told from its own fields (:func:`detect_format`):
 
->>> detect_format(["instruction", "input", "output"])
+=================  ================================================================================
+``messages``       OpenAI chat: ``role`` (system/user/assistant/tool), ``content``, ``tool_calls``,
+                   ``tool_call_id``/``name`` on tool results; optional record-level ``tools``
+``conversations``  ShareGPT / LLaMA-Factory: ``from`` (human/gpt/system/function_call/observation)
+                   and ``value``; optional record-level ``system`` and ``tools``
+``instruction``    Alpaca: ``instruction``, ``output``, optional ``input``, ``system``, ``history``
+``question``       ``question`` / ``answer`` (GSM8K)
+``prompt``         ``prompt`` / ``completion``
+``text``           plain language modelling, every token trained
+=================  ================================================================================
+
+A file holds one format unless ``mixed_formats`` is set; a record that does not fit is an error naming
+its file and line, as is a value of the wrong type (a number where text belongs), an empty
+instruction or a turn out of order. Records with nothing to learn (an empty answer, or no assistant
+turn) are counted, skipped and reported; none left is an error.
+
+Tool calls reach the prompt: a chat template that knows ``tool_calls``/``tools`` renders them itself;
+for one that does not (SmolLM2's ChatML), the call is written into the assistant turn as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes/Qwen convention) and the tool
+list into the system turn, so the model is trained to emit the call. With ``completion_only_loss=True``
+(the default) only assistant turns (tool calls included) are trained: every other token gets label
+``-100``.
+
+>>> detect_format({"instruction": "Add", "input": "2, 3", "output": "5"})
 'instruction'
 """
 
@@ -21,8 +43,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,30 +55,55 @@ from ..overflow import check_overflow
 
 __all__ = [
     "EMBEDDED_DATASET",
+    "EMBEDDED_EVAL",
     "PreparedDataset",
+    "Record",
+    "RecordSet",
     "detect_format",
     "format_records",
     "load_records",
     "prepare_dataset",
+    "preview_samples",
+    "read_records",
+    "normalise_record",
+    "render_record",
     "tokenize_records",
+    "trl_records",
 ]
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_DATASET = "embedded"
+EMBEDDED_EVAL = "embedded:eval"
+_EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
+_EMBEDDED_FILES = {EMBEDDED_DATASET: "gsm8k_train.jsonl", EMBEDDED_EVAL: "gsm8k_eval.jsonl"}
 PromptFormat = Literal["auto", "chat", "alpaca", "text"]
 _PROMPT_FORMATS = ("auto", "chat", "alpaca", "text")
 # "split" is the sampler's (pieces are served by its dataset view), not the data preparation's
 DATA_OVERFLOWS = ("error", "truncate", "drop")
 
-# column set -> record format; the first match wins, so a chat column beats stray text columns
-_FORMATS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("messages", ("messages",)),
-    ("instruction", ("instruction", "output")),
-    ("question", ("question", "answer")),
-    ("prompt", ("prompt", "completion")),
-    ("text", ("text",)),
-)
+# format -> (the field that names it, required fields, optional fields); the first match wins
+_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "messages": (("messages",), ("tools",)),
+    "conversations": (("conversations",), ("system", "tools")),
+    "instruction": (("instruction", "output"), ("input", "system", "history")),
+    "question": (("question", "answer"), ("system",)),
+    "prompt": (("prompt", "completion"), ("system",)),
+    "text": (("text",), ()),
+}
+_ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT / LLaMA-Factory speaker names -> chat roles
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",  # its value is the call, as JSON
+    "observation": "tool",
+    "tool": "tool",
+    "function": "tool",
+}
 
 _ALPACA_HEADER = (
     "Below is an instruction that describes a task{with_input}. "
@@ -64,30 +112,364 @@ _ALPACA_HEADER = (
 
 
 # --------------------------------------------------------------------------------------------------
-# Loading
+# Records: read, detect, check, normalise
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_json_records(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        records = []
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path}:{line_number} is not valid JSON ({error.msg}); fix that line"
-                ) from None
-        return records
-    try:
+@dataclass
+class Record:
+    """One record after its checks, in a form every renderer takes.
+
+    ``messages`` are ``{"role", "content"}`` dicts (plus ``tool_calls``: ``[{"name", "arguments"}]``
+    on assistant turns, ``name``/``tool_call_id`` on tool turns); ``text`` is set instead for plain text.
+    ``alpaca`` keeps an Alpaca record's ``(instruction, input)`` apart for the Alpaca prompt.
+
+    >>> Record(where="x.jsonl:1", format="text", text="hi").trainable
+    True
+    """
+
+    where: str
+    format: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    text: str | None = None
+    alpaca: tuple[str, str] | None = None
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why the record has nothing to learn (``"empty answer"``, ``"no assistant turn"``), or None."""
+        if self.text is not None:
+            return None if self.text.strip() else "empty answer"
+        answers = [m for m in self.messages or () if m["role"] == "assistant"]
+        if not answers:
+            return "no assistant turn"
+        if all(not m["content"].strip() and not m.get("tool_calls") for m in answers):
+            return "empty answer"
+        return None
+
+    @property
+    def trainable(self) -> bool:
+        return self.skip_reason is None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"where": self.where, "format": self.format, "messages": self.messages, "tools": self.tools,
+             "text": self.text, "alpaca": self.alpaca}
+        )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Record:
         data = json.loads(text)
+        alpaca = data.pop("alpaca", None)
+        return cls(**data, alpaca=tuple(alpaca) if alpaca is not None else None)
+
+
+@dataclass
+class RecordSet:
+    """The checked records of one source, and what was done to them (nothing changes silently).
+
+    >>> RecordSet(source="x", records=[], total=0).skipped
+    {}
+    """
+
+    source: str
+    records: list[Record]
+    total: int  # records in the source (before num_samples)
+    formats: Counter = field(default_factory=Counter)
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> where
+    ignored_fields: Counter = field(default_factory=Counter)
+    limit: int | None = None
+    limit_key: str = "num_samples"
+
+    def describe(self) -> str:
+        """One line: how many records, which formats, what was skipped or ignored."""
+        used = len(self.records)
+        formats = ", ".join(f"{n} {name}" for name, n in self.formats.most_common())
+        parts = [f"{self.source}: {used:,} records ({formats})"]
+        if self.limit is not None and self.limit < self.total:
+            parts.append(f"the first {self.limit:,} of {self.total:,} ({self.limit_key})")
+        for reason, where in self.skipped.items():
+            parts.append(f"{len(where)} skipped ({reason}: {_first(where)})")
+        if self.ignored_fields:
+            parts.append(
+                "fields not used: " + ", ".join(f"{k} ({n})" for k, n in self.ignored_fields.most_common())
+            )
+        return "; ".join(parts)
+
+
+def _first(where: Sequence[str], count: int = 3) -> str:
+    shown = ", ".join(where[:count])
+    return shown + (f" and {len(where) - count} more" if len(where) > count else "")
+
+
+def detect_format(record: Mapping[str, Any] | Iterable[str]) -> str:
+    """Name the format of one record from its own fields (a mapping, or its field names).
+
+    Returns one of ``"messages"``, ``"conversations"``, ``"instruction"``, ``"question"``, ``"prompt"``,
+    ``"text"``; fields holding None count as absent.
+
+    >>> detect_format({"question": "2+2?", "answer": "4", "id": 7})
+    'question'
+    >>> detect_format({"conversations": [{"from": "human", "value": "hi"}]})
+    'conversations'
+    """
+    if isinstance(record, Mapping):
+        present = {key for key, value in record.items() if value is not None}
+    else:
+        present = set(record)
+    for name, (required, _) in _FORMATS.items():
+        if set(required) <= present:
+            return name
+    expected = "; ".join("+".join(required) for required, _ in _FORMATS.values())
+    raise ValueError(
+        f"cannot tell the record format from its fields {sorted(present)}; expected one of: {expected} "
+        "(rename the fields to one of these)"
+    )
+
+
+def _string(value: Any, where: str, name: str, *, empty_ok: bool = True) -> str:
+    if isinstance(value, bool) or not isinstance(value, str):
+        kind = "null" if value is None else f"{type(value).__name__} {value!r}"[:80]
+        raise TypeError(
+            f'{where}: {name} must be a string, got {kind}; write it as text in the file (e.g. "42")'
+        )
+    if not empty_ok and not value.strip():
+        raise ValueError(f"{where}: {name} is empty; fill it in or remove the record")
+    return value
+
+
+def _content(value: Any, where: str, name: str) -> str:
+    """A message's content: a string, None (no text), or OpenAI's list of text parts."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise ValueError(
+                    f"{where}: {name}[{j}] is not a text part ({str(part)[:60]}); only text content can be "
+                    "trained here"
+                )
+            texts.append(_string(part.get("text"), where, f"{name}[{j}].text"))
+        return "".join(texts)
+    return _string(value, where, name)
+
+
+def _tool_call(call: Any, where: str, name: str) -> dict[str, Any]:
+    """``{"name", "arguments"}`` from OpenAI's ``{"type": "function", "function": {...}}`` or flat form;
+    JSON-string arguments are parsed (chat templates expect a mapping)."""
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: {name} is not valid JSON ({error.msg}): {call[:80]!r}") from None
+    if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+        call = call["function"]
+    if not isinstance(call, Mapping) or "name" not in call:
+        raise ValueError(
+            f"{where}: {name} must be a tool call {{'name': ..., 'arguments': {{...}}}}, got {str(call)[:80]}"
+        )
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass  # free-form arguments stay text
+    return {"name": _string(call["name"], where, f"{name}.name", empty_ok=False), "arguments": arguments}
+
+
+def _tools(value: Any, where: str) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: tools is a string but not JSON ({error.msg})") from None
+    if isinstance(value, Mapping):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise TypeError(f"{where}: tools must be a list of tool definitions (JSON objects)")
+    return [dict(t) for t in value] or None
+
+
+def _check_order(messages: list[dict[str, Any]], where: str) -> None:
+    """Roles in an order every chat template can render: system first, no two user turns in a row, tool
+    results only after an assistant turn that called a tool."""
+    if not messages:
+        raise ValueError(f"{where}: the conversation has no turns")
+    previous = None
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "system" and i != 0:
+            raise ValueError(f"{where}: turn {i} is a system turn; only the first turn may be one")
+        if role == "user" and previous == "user":
+            raise ValueError(
+                f"{where}: turns {i - 1} and {i} are both user turns; merge them or add the answer"
+            )
+        if role == "assistant" and previous == "assistant":
+            raise ValueError(f"{where}: turns {i - 1} and {i} are both assistant turns; merge them")
+        if role == "tool":
+            called = next((m for m in reversed(messages[:i]) if m["role"] != "tool"), None)
+            if called is None or called["role"] != "assistant" or not called.get("tool_calls"):
+                raise ValueError(
+                    f"{where}: turn {i} is a tool result, but no assistant tool call comes before it"
+                )
+        if role == "assistant" and previous in (None, "system"):
+            raise ValueError(f"{where}: turn {i} is an assistant turn before any user turn")
+        previous = role
+
+
+def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise TypeError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
+    messages = []
+    for i, turn in enumerate(raw):
+        name = f"messages[{i}]"
+        if not isinstance(turn, Mapping):
+            raise TypeError(f"{where}: {name} must be an object with role and content")
+        role = turn.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"{where}: {name}.role is {role!r}; expected one of {', '.join(_ROLES)}")
+        message: dict[str, Any] = {
+            "role": role,
+            "content": _content(turn.get("content"), where, f"{name}.content"),
+        }
+        calls = turn.get("tool_calls")
+        if calls:
+            if role != "assistant":
+                raise ValueError(
+                    f"{where}: {name} is a {role} turn with tool_calls; only assistants call tools"
+                )
+            if not isinstance(calls, list):
+                calls = [calls]
+            message["tool_calls"] = [
+                _tool_call(c, where, f"{name}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
+        if role == "tool":
+            for key in ("name", "tool_call_id"):
+                if turn.get(key) is not None:
+                    message[key] = _string(turn[key], where, f"{name}.{key}")
+        messages.append(message)
+    return messages
+
+
+def _sharegpt_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise TypeError(f"{where}: conversations must be a list of {{'from', 'value'}} objects")
+    messages = []
+    for i, turn in enumerate(raw):
+        name = f"conversations[{i}]"
+        if not isinstance(turn, Mapping):
+            raise TypeError(f"{where}: {name} must be an object with from and value")
+        speaker = turn.get("from", turn.get("role"))
+        role = _SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            raise ValueError(
+                f"{where}: {name}.from is {speaker!r}; expected one of {', '.join(_SHAREGPT_ROLES)}"
+            )
+        value = turn.get("value", turn.get("content"))
+        if speaker == "function_call":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{where}: {name}.value is not a JSON tool call ({error.msg})") from None
+            calls = value if isinstance(value, list) else [value]
+            tool_calls = [_tool_call(c, where, f"{name}.value") for c in calls]
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"] = tool_calls  # gpt's words, then its call: one assistant turn
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": tool_calls})
+            continue
+        messages.append({"role": role, "content": _string(value, where, f"{name}.value")})
+    return messages
+
+
+def normalise_record(record: Any, where: str, record_format: str | None = None) -> Record:
+    """Check one raw record and turn it into a :class:`Record` (raises with ``where`` in the message).
+
+    Args:
+        record: the raw JSON object.
+        where: ``"file:line"`` (or ``"source record i"``) for error messages.
+        record_format: the expected format (None: detect it from the record).
+
+    >>> normalise_record({"question": "2+2?", "answer": "4"}, "x.jsonl:1").messages[1]
+    {'role': 'assistant', 'content': '4'}
+    >>> normalise_record({"question": "2+2?", "answer": 4}, "x.jsonl:2")
+    Traceback (most recent call last):
+    ...
+    TypeError: x.jsonl:2: answer must be a string, got int 4; write it as text in the file (e.g. "42")
+    """
+    if not isinstance(record, Mapping):
+        raise TypeError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    try:
+        found = detect_format(record)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    if record_format is not None and found != record_format:
+        raise ValueError(
+            f"{where}: a {found!r} record in a file of {record_format!r} records; one format per file "
+            "(split the file, or set mixed_formats: true)"
+        )
+    system = record.get("system")
+    system = _string(system, where, "system") if system is not None else ""
+    tools = _tools(record.get("tools"), where)
+    if found == "text":
+        return Record(where, found, text=_string(record["text"], where, "text"))
+    alpaca = None
+    if found == "messages":
+        messages = _openai_messages(record["messages"], where)
+    elif found == "conversations":
+        messages = _sharegpt_messages(record["conversations"], where)
+    else:
+        messages = []
+        if found == "instruction":
+            instruction = _string(record["instruction"], where, "instruction", empty_ok=False)
+            extra = record.get("input")
+            extra = _string(extra, where, "input") if extra is not None else ""
+            for j, pair in enumerate(record.get("history") or ()):
+                if not (isinstance(pair, list | tuple) and len(pair) == 2):
+                    raise ValueError(f"{where}: history[{j}] must be a [question, answer] pair")
+                messages.append({"role": "user", "content": _string(pair[0], where, f"history[{j}][0]")})
+                messages.append({"role": "assistant", "content": _string(pair[1], where, f"history[{j}][1]")})
+            user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+            answer = _string(record["output"], where, "output")
+            alpaca = (instruction, extra) if not messages else None
+        else:
+            first, second = _FORMATS[found][0]
+            user = _string(record[first], where, first, empty_ok=False)
+            answer = _string(record[second], where, second)
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    if system.strip():
+        if messages and messages[0]["role"] == "system":
+            raise ValueError(f"{where}: both a system field and a system turn; keep one")
+        messages.insert(0, {"role": "system", "content": system})
+    _check_order(messages, where)
+    return Record(where, found, messages=messages, tools=tools, alpaca=alpaca if not system.strip() else None)
+
+
+def _iter_file(path: Path) -> Iterable[tuple[str, Any]]:
+    """``(where, raw record)`` of a .json / .jsonl file."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as lines:
+            for line_number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{line_number}", json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{line_number} is not valid JSON ({error.msg}); fix that line"
+                    ) from None
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise ValueError(
-            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); for one object per line "
-            "name the file *.jsonl"
+            f"{path}:{error.lineno} is not valid JSON ({error.msg}); for one object per line name the file *.jsonl"
         ) from None
     if isinstance(data, dict):
         # {"train": [...], ...} or {"data": [...]}: the usual wrappers around a list of records
@@ -100,7 +482,107 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
         data = next(iter(lists.values()))
     if not isinstance(data, list):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}; expected a list of records")
-    return data
+    for i, raw in enumerate(data):
+        yield f"{path} record {i + 1}", raw
+
+
+def _iter_source(source: str, split: str, config_name: str | None) -> Iterable[tuple[str, Any]]:
+    if source in _EMBEDDED_FILES:
+        yield from _iter_file(_EMBEDDED_DIR / _EMBEDDED_FILES[source])
+        return
+    path = Path(source).expanduser()
+    if path.suffix in (".json", ".jsonl"):
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file {path} does not exist; check the `dataset` path")
+        yield from _iter_file(path)
+        return
+    if path.exists():
+        raise ValueError(f"{path} exists but is not a .json/.jsonl file; convert it to JSON Lines")
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(source, config_name, split=split)
+    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
+        raise ValueError(
+            f"could not load the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
+            f"{type(error).__name__}: {error}. Use a local .json/.jsonl path, 'embedded', or check the "
+            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
+        ) from error
+    for i, row in enumerate(dataset):
+        yield f"{source} record {i + 1}", row
+
+
+def read_records(
+    source: str | Path,
+    *,
+    split: str = "train",
+    config_name: str | None = None,
+    limit: int | None = None,
+    mixed_formats: bool = False,
+    skip_untrainable: bool = True,
+) -> RecordSet:
+    """Read and check every record of a source (no tokenizer, no model: errors come first and cheap).
+
+    Args:
+        source: ``"embedded"`` / ``"embedded:eval"`` (the shipped GSM8K slices), a ``.json``/``.jsonl``
+            path, or a Hugging Face Hub dataset name (needs network).
+        split, config_name: the split / configuration of a Hub dataset.
+        limit: use the first ``limit`` records (reported; None = all).
+        mixed_formats: allow records of several formats in one source.
+        skip_untrainable: skip (and count) records with nothing to learn: an empty answer, or no
+            assistant turn. None left is an error.
+
+    Raises:
+        ValueError / TypeError: naming the file and line of the first bad record.
+
+    >>> records = read_records("embedded", limit=4)
+    >>> len(records.records), records.total, dict(records.formats)
+    (4, 1000, {'question': 4})
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"num_samples must be >= 1 or unset, got {limit}")
+    source = str(source)
+    records: list[Record] = []
+    result = RecordSet(source=source, records=records, total=0, limit=limit)
+    file_format: tuple[str, str] | None = None
+    for where, raw in _iter_source(source, split, config_name):
+        result.total += 1
+        if limit is not None and result.total > limit:
+            continue  # counted, so the report can say "the first N of M"
+        record = normalise_record(
+            raw, where, None if mixed_formats or file_format is None else file_format[0]
+        )
+        if file_format is None:
+            file_format = (record.format, where)
+        result.formats[record.format] += 1
+        required, optional = _FORMATS[record.format]
+        for key, value in raw.items():
+            if key not in required and key not in optional and value is not None:
+                result.ignored_fields[key] += 1
+        reason = record.skip_reason
+        if reason is not None and skip_untrainable:
+            result.skipped.setdefault(reason, []).append(where)
+            continue
+        records.append(record)
+    if result.total == 0:
+        raise ValueError(f"{source} holds no records")
+    if not records:
+        reasons = "; ".join(f"{len(w)} with {r} ({_first(w)})" for r, w in result.skipped.items())
+        raise ValueError(
+            f"nothing to train on in {source}: every record has nothing to learn ({reasons}); every record "
+            "needs a non-empty answer / assistant turn"
+        )
+    for reason, where in result.skipped.items():
+        logger.warning(
+            "%s: skipped %d of %d records with %s (%s): they would teach nothing%s",
+            source,
+            len(where),
+            len(records) + sum(map(len, result.skipped.values())),
+            reason,
+            _first(where),
+            " but to stop at once" if reason == "empty answer" else "",
+        )
+    return result
 
 
 def load_records(
@@ -109,198 +591,202 @@ def load_records(
     split: str = "train",
     config_name: str | None = None,
     limit: int | None = None,
-    seed: int = 0,
+    mixed_formats: bool = False,
 ):
-    """Load a dataset as a ``datasets.Dataset`` of raw records (not tokenized yet).
+    """The checked records of a source as a ``datasets.Dataset`` with one column, ``record`` (each a
+    :class:`Record` as JSON: no schema is shared between records, so no field is lost).
 
-    Args:
-        source: ``"embedded"`` (generated offline, see :func:`make_embedded_dataset`), a path to a
-            ``.json``/``.jsonl`` file, or a Hugging Face Hub dataset name (needs network).
-        split: the split of a Hub dataset (ignored for local files).
-        config_name: the configuration of a Hub dataset, e.g. ``"main"`` for ``openai/gsm8k``.
-        limit: keep the first ``limit`` records (the embedded dataset generates exactly that many;
-            default 1000 there).
-        seed: seed of the embedded dataset.
-
-    >>> load_records("embedded", limit=4).num_rows
-    4
+    >>> load_records("embedded", limit=3).num_rows
+    3
     """
-    import datasets
-
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 or None, got {limit}")
-    if str(source) == EMBEDDED_DATASET:
-        from .demo import make_embedded_dataset
-
-        return datasets.Dataset.from_list(make_embedded_dataset(limit or 1000, seed=seed))
-    path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl"):
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file {path} does not exist; check the `dataset` path")
-        records = _read_json_records(path)
-        if limit is not None:
-            records = records[:limit]
-        if not records:
-            raise ValueError(f"{path} holds no records")
-        return datasets.Dataset.from_list(records)
-    if path.exists():
-        raise ValueError(f"{path} exists but is not a .json/.jsonl file; convert it to JSON Lines")
-    try:
-        dataset = datasets.load_dataset(str(source), config_name, split=split)
-    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
-        raise ValueError(
-            f"could not load the Hub dataset {str(source)!r} (config {config_name!r}, split {split!r}): "
-            f"{type(error).__name__}: {error}. Use a local .json/.jsonl path, 'embedded', or check the "
-            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
-        ) from error
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
-    return dataset
-
-
-# --------------------------------------------------------------------------------------------------
-# Formatting: record -> (text, character spans to train on)
-# --------------------------------------------------------------------------------------------------
-
-
-def detect_format(column_names: Sequence[str]) -> str:
-    """Name the record format of a dataset from its columns.
-
-    Returns one of ``"messages"``, ``"instruction"``, ``"question"``, ``"prompt"``, ``"text"``.
-
-    >>> detect_format(["question", "answer"])
-    'question'
-    """
-    columns = set(column_names)
-    for name, required in _FORMATS:
-        if set(required) <= columns:
-            return name
-    expected = "; ".join("+".join(required) for _, required in _FORMATS)
-    raise ValueError(
-        f"cannot tell the record format from the columns {sorted(columns)}; expected one of: {expected} "
-        "(rename your columns to one of these)"
+    return _records_dataset(
+        read_records(source, split=split, config_name=config_name, limit=limit, mixed_formats=mixed_formats)
     )
 
 
-def _as_messages(record: dict[str, Any], record_format: str) -> list[dict[str, str]]:
-    if record_format == "messages":
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if record_format == "instruction":
-        user = record["instruction"]
-        if record.get("input"):
-            user = f"{user}\n\n{record['input']}"
-        return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
-    if record_format == "question":
-        return [
-            {"role": "user", "content": record["question"]},
-            {"role": "assistant", "content": record["answer"]},
-        ]
-    return [
-        {"role": "user", "content": record["prompt"]},
-        {"role": "assistant", "content": record["completion"]},
-    ]
+def _records_dataset(records: RecordSet | Sequence[Record]):
+    import datasets
+
+    items = records.records if isinstance(records, RecordSet) else records
+    return datasets.Dataset.from_dict({"record": [r.to_json() for r in items]})
 
 
-def _render_chat(messages: list[dict[str, str]], tokenizer, index: int) -> tuple[str, list[tuple[int, int]]]:
+# --------------------------------------------------------------------------------------------------
+# Rendering: record -> (text, character spans to train on)
+# --------------------------------------------------------------------------------------------------
+
+
+def _template(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default", next(iter(template.values()), ""))
+    return template or ""
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+
+
+def chat_messages(record: Record, tokenizer) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """The record's messages and tools as this tokenizer's chat template will see them.
+
+    A template that renders ``tool_calls`` gets them in OpenAI's form; for one that does not, each call
+    is appended to its assistant turn as ``<tool_call>{json}</tool_call>``. Likewise a template that
+    ignores ``tools`` finds the tool list, as JSON, in the system turn.
+
+    >>> from types import SimpleNamespace
+    >>> r = normalise_record({"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant",
+    ...     "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]}]}, "x")
+    >>> chat_messages(r, SimpleNamespace(chat_template="{{ message['content'] }}"))[0][1]["content"]
+    '<tool_call>\\n{"name": "w", "arguments": {}}\\n</tool_call>'
+    """
+    template = _template(tokenizer)
+    native_calls = "tool_calls" in template
+    native_tools = "tools" in template.replace("tool_calls", "")
+    messages = []
+    for message in record.messages or ():
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if calls:
+            if native_calls:
+                message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+            else:
+                texts = [message["content"]] if message["content"] else []
+                message["content"] = "\n".join(texts + [_call_text(call) for call in calls])
+        if not native_calls:
+            message.pop("tool_call_id", None)
+            message.pop("name", None)
+        messages.append(message)
+    tools = record.tools
+    if tools and not native_tools:
+        listing = "You can call these tools:\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing += '\nTo call one, answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + listing}
+        else:
+            messages.insert(0, {"role": "system", "content": listing})
+        tools = None
+    return messages, tools
+
+
+def _apply_template(tokenizer, messages, tools, where: str, **kwargs) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    except Exception as error:  # jinja's TemplateError/TypeError: name the record
+        raise ValueError(
+            f"{where}: the chat template of {getattr(tokenizer, 'name_or_path', 'the tokenizer')!r} cannot "
+            f"render this record ({type(error).__name__}: {error})"
+        ) from error
+
+
+def _render_chat(record: Record, tokenizer) -> tuple[str, list[tuple[int, int]]]:
     """Render a chat with the chat template; return the text and the character spans of assistant turns.
 
     The span of assistant turn ``i`` runs from the end of the prompt rendered up to it (with the
-    generation prompt) to the end of the chat rendered through it, so it covers the answer and the
-    template's end-of-turn token, which the model must learn to emit.
+    generation prompt) to the end of the chat rendered through it, so it covers the answer, its tool
+    calls and the template's end-of-turn token, which the model must learn to emit.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    messages, tools = chat_messages(record, tokenizer)
+    text = _apply_template(tokenizer, messages, tools, record.where)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = (
-            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            if i
-            else ""
-        )
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = _apply_template(tokenizer, messages[:i], tools, record.where, add_generation_prompt=True)
+        through = _apply_template(tokenizer, messages[: i + 1], tools, record.where)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise ValueError(
-                f"record {index}: the chat template does not render conversations prefix by prefix, so "
+                f"{record.where}: the chat template does not render conversations prefix by prefix, so "
                 "assistant turns cannot be located; set completion_only_loss: false to train on all tokens"
             )
         spans.append((len(before), len(through)))
     return text, spans
 
 
-def _render_alpaca(messages: list[dict[str, str]], eos: str) -> tuple[str, list[tuple[int, int]]]:
-    if len(messages) != 2 or messages[0]["role"] != "user" or messages[1]["role"] != "assistant":
+def _render_alpaca(record: Record, eos: str) -> tuple[str, list[tuple[int, int]]]:
+    messages = record.messages or []
+    if record.alpaca is not None:
+        instruction, input_text = record.alpaca
+    elif len(messages) == 2 and not messages[1].get("tool_calls"):
+        instruction, input_text = messages[0]["content"], ""
+    else:
         raise ValueError(
-            "the alpaca prompt format takes one user turn and one answer; use prompt_format: chat"
+            f"{record.where}: the alpaca prompt format takes one instruction and one answer (no system "
+            "turn, history or tool calls); use prompt_format: chat"
         )
-    user = messages[0]["content"]
-    instruction, _, input_text = user.partition("\n\n")
     header = _ALPACA_HEADER.format(with_input=", paired with an input" if input_text else "")
     prompt = f"{header}### Instruction:\n{instruction}\n\n"
     if input_text:
         prompt += f"### Input:\n{input_text}\n\n"
     prompt += "### Response:\n"
-    text = prompt + messages[1]["content"] + eos
+    text = prompt + messages[-1]["content"] + eos
     return text, [(len(prompt), len(text))]
 
 
-def format_records(
-    records: dict[str, list[Any]], tokenizer, record_format: str, prompt_format: str, first_index: int = 0
-) -> tuple[list[str], list[list[tuple[int, int]] | None]]:
-    """Turn a batch of records (column -> values) into texts and the character spans to train on.
-
-    ``None`` spans mean "train on every token" (plain text).
+def render_record(record: Record, tokenizer, prompt_format: str) -> tuple[str, list[tuple[int, int]] | None]:
+    """``(text, character spans to train on)`` of one record; None spans = train on every token.
 
     Args:
-        records: a batch as ``datasets`` passes it to a batched ``map``.
-        tokenizer: a Hugging Face tokenizer (its chat template is used by ``prompt_format="chat"``).
-        record_format: from :func:`detect_format`.
+        record: a checked record (see :func:`read_records`).
+        tokenizer: its chat template is used by ``prompt_format="chat"``, its EOS by the others.
         prompt_format: ``"chat"``, ``"alpaca"`` or ``"text"`` (``"auto"`` resolved by the caller).
-        first_index: index of the batch's first record, for error messages.
 
     >>> from types import SimpleNamespace
-    >>> texts, spans = format_records({"text": ["hi"]}, SimpleNamespace(eos_token="</s>"), "text", "text")
-    >>> texts, spans
+    >>> render_record(Record("x", "text", text="hi"), SimpleNamespace(eos_token="</s>"), "text")
+    ('hi</s>', None)
+    """
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    if record.text is not None:
+        return record.text + eos, None
+    if prompt_format == "chat":
+        return _render_chat(record, tokenizer)
+    if prompt_format == "alpaca":
+        return _render_alpaca(record, eos)
+    raise ValueError(
+        f"{record.where}: prompt_format {prompt_format!r} does not fit {record.format!r} records; use 'chat' "
+        "or 'alpaca'"
+    )
+
+
+def format_records(
+    records: Sequence[Record], tokenizer, prompt_format: str
+) -> tuple[list[str], list[list[tuple[int, int]] | None]]:
+    """:func:`render_record` over a batch: the texts and their trained character spans.
+
+    >>> from types import SimpleNamespace
+    >>> format_records([Record("x", "text", text="hi")], SimpleNamespace(eos_token="</s>"), "text")
     (['hi</s>'], [None])
     """
-    eos = tokenizer.eos_token or ""
-    size = len(next(iter(records.values())))
-    texts: list[str] = []
-    spans: list[list[tuple[int, int]] | None] = []
-    for j in range(size):
-        record = {key: values[j] for key, values in records.items()}
-        if record_format == "text":
-            texts.append(str(record["text"]) + eos)
-            spans.append(None)
-            continue
-        messages = _as_messages(record, record_format)
-        if prompt_format == "chat":
-            text, trained = _render_chat(messages, tokenizer, first_index + j)
-        elif prompt_format == "alpaca":
-            text, trained = _render_alpaca(messages, eos)
-        else:
-            raise ValueError(
-                f"prompt_format {prompt_format!r} does not fit {record_format!r} records; use 'chat' or 'alpaca'"
-            )
-        texts.append(text)
-        spans.append(trained)
-    return texts, spans
+    rendered = [render_record(record, tokenizer, prompt_format) for record in records]
+    return [text for text, _ in rendered], [spans for _, spans in rendered]
 
 
-def _resolve_prompt_format(prompt_format: str, record_format: str, tokenizer) -> str:
+def _resolve_prompt_format(prompt_format: str, formats: Iterable[str], tokenizer) -> str:
     if prompt_format not in _PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {_PROMPT_FORMATS}, got {prompt_format!r}")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
+    formats = set(formats)
+    has_template = bool(_template(tokenizer))
+    chats = formats & {"messages", "conversations"}
     if prompt_format == "auto":
-        if record_format == "text":
+        if formats <= {"text"}:
             return "text"
-        if record_format == "messages" or has_template:
-            return "chat" if has_template else "missing-template"
+        if has_template:
+            return "chat"
+        if chats:
+            raise ValueError(
+                f"{'/'.join(sorted(chats))} records need a chat template, but the tokenizer "
+                f"{getattr(tokenizer, 'name_or_path', '')!r} has none; use a chat model's tokenizer"
+            )
         return "alpaca"
-    if prompt_format == "text" and record_format != "text":
-        raise ValueError(f"prompt_format 'text' needs a 'text' column, but the records are {record_format!r}")
+    if prompt_format == "text" and formats - {"text"}:
+        raise ValueError(
+            f"prompt_format 'text' needs 'text' records, but the records are {sorted(formats)}; use auto"
+        )
     if prompt_format == "chat" and not has_template:
-        return "missing-template"
+        raise ValueError(
+            f"prompt_format: chat, but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
+            "template; set prompt_format: alpaca or use a chat model's tokenizer"
+        )
     return prompt_format
 
 
@@ -323,78 +809,88 @@ def _labels_from_spans(
 
 
 def tokenize_records(
-    dataset,
+    records,
     tokenizer,
     *,
     prompt_format: PromptFormat = "auto",
     completion_only_loss: bool = True,
     num_proc: int | None = None,
-    desc: str = "Tokenizing",
+    desc: str | None = "Tokenizing",
 ):
-    """Tokenize raw records into ``input_ids`` / ``labels`` columns (a batched ``map`` with a progress bar).
+    """Tokenize checked records into ``input_ids`` / ``labels`` (a batched ``map`` with a progress bar).
 
     Every record becomes one sample; nothing is truncated here (see :func:`prepare_dataset`).
 
     Args:
-        dataset: a ``datasets.Dataset`` of records in one of the formats of :func:`detect_format`.
+        records: a :class:`RecordSet`, a list of :class:`Record`, or :func:`load_records`' dataset.
         tokenizer: a fast Hugging Face tokenizer (character offsets locate the trained spans).
         prompt_format: ``"auto"`` (chat template when the tokenizer has one, else Alpaca; plain text
             for ``text`` records), ``"chat"``, ``"alpaca"`` or ``"text"``.
         completion_only_loss: train only on answers (assistant turns); prompts get label ``-100``.
         num_proc: worker processes for ``datasets.map`` (None = in process).
-        desc: the progress bar's label.
+        desc: the progress bar's label (None: no bar).
 
     Returns:
-        The dataset with columns ``input_ids`` (list of int) and ``labels`` (list of int, ``-100`` where
-        not trained), the record columns removed.
+        A ``datasets.Dataset`` with ``input_ids`` (list of int), ``labels`` (list of int, ``-100``
+        where not trained) and ``where`` (the record's file and line).
 
-    >>> import datasets
     >>> from transformers import PreTrainedTokenizerFast
     >>> from tokenizers import Tokenizer, models, pre_tokenizers
     >>> backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2, "</s>": 3}, unk_token="[UNK]"))
     >>> backend.pre_tokenizer = pre_tokenizers.Split("</s>", "isolated")
     >>> tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
-    >>> ds = tokenize_records(datasets.Dataset.from_list([{"text": "hi"}]), tok, desc=None)
+    >>> ds = tokenize_records([Record("x", "text", text="hi")], tok, desc=None)
     >>> ds[0]["input_ids"], ds[0]["labels"]
     ([1, 3], [1, 3])
     """
+    import datasets
+
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"{type(tokenizer).__name__} is a slow tokenizer; character offsets need a fast one "
             "(AutoTokenizer.from_pretrained(..., use_fast=True))"
         )
-    record_format = detect_format(dataset.column_names)
-    resolved = _resolve_prompt_format(prompt_format, record_format, tokenizer)
-    if resolved == "missing-template":
-        raise ValueError(
-            f"{record_format!r} records need a chat template, but the tokenizer "
-            f"{getattr(tokenizer, 'name_or_path', '')!r} has none; set prompt_format: alpaca or use a chat model"
-        )
+    if isinstance(records, datasets.Dataset):
+        dataset = records
+        formats = {Record.from_json(text).format for text in dataset["record"]}
+    else:
+        dataset = _records_dataset(records)
+        items = records.records if isinstance(records, RecordSet) else records
+        formats = {record.format for record in items}
+    resolved = _resolve_prompt_format(prompt_format, formats, tokenizer)
     # Chat templates already spell out their special tokens; adding BOS/EOS again would double them.
     add_special_tokens = resolved != "chat"
 
-    def tokenize_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[list[int]]]:
-        texts, spans = format_records(batch, tokenizer, record_format, resolved, indices[0] if indices else 0)
+    def tokenize_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        items = [Record.from_json(text) for text in batch["record"]]
+        texts, spans = format_records(items, tokenizer, resolved)
         encoded = tokenizer(
             texts, add_special_tokens=add_special_tokens, return_offsets_mapping=completion_only_loss
         )
         input_ids = encoded["input_ids"]
-        if not completion_only_loss:
-            return {"input_ids": input_ids, "labels": [list(ids) for ids in input_ids]}
-        labels = [
-            _labels_from_spans(ids, offsets, trained)
-            for ids, offsets, trained in zip(input_ids, encoded["offset_mapping"], spans, strict=True)
-        ]
-        return {"input_ids": input_ids, "labels": labels}
+        if completion_only_loss:
+            labels = [
+                _labels_from_spans(ids, offsets, trained)
+                for ids, offsets, trained in zip(input_ids, encoded["offset_mapping"], spans, strict=True)
+            ]
+        else:
+            labels = [list(ids) for ids in input_ids]
+        return {"input_ids": input_ids, "labels": labels, "where": [r.where for r in items]}
 
-    return dataset.map(
-        tokenize_batch,
-        batched=True,
-        with_indices=True,
-        remove_columns=dataset.column_names,
-        num_proc=num_proc,
-        desc=desc,
-    )
+    from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
+
+    quiet = desc is None and is_progress_bar_enabled()
+    if quiet:  # datasets would draw a "Map" bar anyway
+        disable_progress_bars()
+    try:
+        tokenized = dataset.map(
+            tokenize_batch, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=desc
+        )
+    finally:
+        if quiet:
+            enable_progress_bars()
+    tokenized.info.description = resolved  # read back by prepare_dataset
+    return tokenized
 
 
 @dataclass
@@ -410,7 +906,8 @@ class PreparedDataset:
     prompt_format: str
     num_truncated: int = 0
     num_dropped: int = 0
-    num_untrained: int = 0  # samples with no trained token (e.g. an empty answer): they add no loss
+    num_untrained: int = 0  # samples with no trained token left (truncated away): they add no loss
+    records: RecordSet | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -421,7 +918,7 @@ class PreparedDataset:
 
 
 def prepare_dataset(
-    source: str | Path | Any,
+    source: str | Path | RecordSet,
     tokenizer,
     *,
     max_length: int | None = None,
@@ -431,56 +928,62 @@ def prepare_dataset(
     split: str = "train",
     config_name: str | None = None,
     limit: int | None = None,
-    seed: int = 0,
+    mixed_formats: bool = False,
     num_proc: int | None = None,
+    desc: str | None = "Tokenizing",
 ) -> PreparedDataset:
-    """Load, format and tokenize a dataset, then apply the over-long sample policy.
+    """Read, check, render and tokenize a dataset, then apply the over-long sample policy.
 
     Args:
-        source, split, config_name, limit, seed: see :func:`load_records`; ``source`` may also be
-            records already loaded as a ``datasets.Dataset``.
-        tokenizer, prompt_format, completion_only_loss, num_proc: see :func:`tokenize_records`.
+        source, split, config_name, limit, mixed_formats: see :func:`read_records`; ``source`` may
+            also be a :class:`RecordSet` already read.
+        tokenizer, prompt_format, completion_only_loss, num_proc, desc: see :func:`tokenize_records`.
         max_length: the longest sample allowed, in tokens (None = no limit).
         overflow: what to do with longer samples: ``"error"`` (default: raise, naming how many and
-            the longest), ``"truncate"`` (keep the first ``max_length`` tokens) or ``"drop"``;
-            truncations and drops are counted in the result and logged.
+            the longest, with its file and line), ``"truncate"`` (keep the first ``max_length``
+            tokens) or ``"drop"``; truncations and drops are counted in the result and logged.
 
-    >>> from transformers import PreTrainedTokenizerFast
-    >>> from tokenizers import Tokenizer, models, pre_tokenizers
-    >>> backend = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1}, unk_token="[UNK]"))
-    >>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    >>> tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
-    >>> prepared = prepare_dataset("embedded", tok, limit=8, max_length=2048)
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained(str(SHARED_DATA / "smollm2_tokenizer"))
+    >>> prepared = prepare_dataset("embedded", tok, limit=8, max_length=2048, desc=None)
     >>> prepared.dataset.column_names, prepared.prompt_format, len(prepared.lengths)
-    (['input_ids', 'labels'], 'alpaca', 8)
+    (['input_ids', 'labels', 'where'], 'chat', 8)
     """
     overflow = check_overflow(overflow, "prepare_dataset(overflow=...)", DATA_OVERFLOWS)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
-    if isinstance(source, str | Path):
-        records = load_records(source, split=split, config_name=config_name, limit=limit, seed=seed)
-    else:  # records already loaded (a datasets.Dataset)
-        records, source = source, "the dataset"
-    record_format = detect_format(records.column_names)
-    resolved = _resolve_prompt_format(prompt_format, record_format, tokenizer)
+    if isinstance(source, RecordSet):
+        records = source
+    else:
+        records = read_records(
+            source, split=split, config_name=config_name, limit=limit, mixed_formats=mixed_formats
+        )
     dataset = tokenize_records(
         records,
         tokenizer,
         prompt_format=prompt_format,
         completion_only_loss=completion_only_loss,
         num_proc=num_proc,
+        desc=desc,
     )
-    prepared = PreparedDataset(dataset=dataset, record_format=record_format, prompt_format=resolved)
+    formats = records.formats.most_common()
+    prepared = PreparedDataset(
+        dataset=dataset,
+        record_format=formats[0][0] if len(formats) == 1 else "mixed",
+        prompt_format=dataset.info.description,
+        records=records,
+    )
     lengths = prepared.lengths
     if max_length is not None:
         too_long = np.flatnonzero(lengths > max_length)
         if too_long.size:
             longest = int(too_long[np.argmax(lengths[too_long])])
+            where = dataset[longest]["where"]
             if overflow == "error":
                 raise ValueError(
-                    f"{too_long.size} of {len(lengths)} samples of {source} are longer than max_length="
-                    f"{max_length} tokens (sample {longest} has {int(lengths[longest])}); raise max_length, "
-                    "or set overflow: truncate or overflow: drop"
+                    f"{too_long.size} of {len(lengths)} samples of {records.source} are longer than "
+                    f"max_length={max_length} tokens (the longest, {where}, has {int(lengths[longest])}); "
+                    "raise max_length, or set overflow: truncate or overflow: drop"
                 )
             if overflow == "truncate":
                 dataset = dataset.map(
@@ -488,28 +991,35 @@ def prepare_dataset(
                         key: [ids[:max_length] for ids in batch[key]] for key in ("input_ids", "labels")
                     },
                     batched=True,
-                    desc=f"Truncating {too_long.size} samples",
+                    desc=f"Truncating {too_long.size} samples" if desc else None,
                 )
                 prepared.num_truncated = int(too_long.size)
             else:
                 dataset = dataset.select(np.flatnonzero(lengths <= max_length))
                 prepared.num_dropped = int(too_long.size)
             logger.warning(
-                "%s %d of %d samples longer than max_length=%d (the longest had %d tokens)",
+                "%s %d of %d samples longer than max_length=%d (the longest, %s, had %d tokens)",
                 "truncated" if overflow == "truncate" else "dropped",
                 too_long.size,
                 len(lengths),
                 max_length,
+                where,
                 int(lengths[longest]),
             )
             prepared.dataset = dataset
     if len(prepared.dataset) == 0:
-        raise ValueError(f"no samples left from {source} (all {len(lengths)} were longer than max_length)")
+        raise ValueError(
+            f"no samples left from {records.source} (all {len(lengths)} were longer than max_length)"
+        )
     prepared.num_untrained = _count_untrained(prepared.dataset)
+    if prepared.num_untrained == len(prepared.dataset):
+        raise ValueError(
+            f"nothing to train on in {records.source}: no sample has a trained token left"
+            + (" after truncation to max_length; raise max_length" if prepared.num_truncated else "")
+        )
     if prepared.num_untrained:
         logger.warning(
-            "%d of %d samples have no trained token (an empty answer, or one truncated away): they add "
-            "nothing to the loss",
+            "%d of %d samples have no trained token left (truncated away): they add nothing to the loss",
             prepared.num_untrained,
             len(prepared.dataset),
         )
@@ -529,28 +1039,89 @@ def _count_untrained(dataset) -> int:
     return int(np.count_nonzero(per_sample_trained == 0))
 
 
-def trl_records(dataset, tokenizer):
-    """Records in TRL's formats (conversational prompt/completion, messages, or text), for SFTTrainer."""
-    record_format = detect_format(dataset.column_names)
-    chat = bool(getattr(tokenizer, "chat_template", None))
+def trl_records(records: RecordSet | Sequence[Record], tokenizer):
+    """Records in TRL's formats (conversational prompt/completion, messages, or text), for SFTTrainer.
 
-    def convert(row: dict[str, Any]) -> dict[str, Any]:
-        if record_format == "messages":
-            return {"messages": row["messages"]}
-        if record_format == "text":
-            return {"text": row["text"]}
-        if record_format == "instruction":
-            prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-            completion = row["output"]
-        elif record_format == "question":
-            prompt, completion = row["question"], row["answer"]
+    Tool calls and tool lists are written into the turns' text (as for a template without tool
+    support), so every record has the same plain ``{"role", "content"}`` schema.
+    """
+    import datasets
+
+    items = records.records if isinstance(records, RecordSet) else records
+    chat = bool(_template(tokenizer))
+    rows: dict[str, list[Any]] = {}
+    plain = type("Plain", (), {"chat_template": ""})()  # renders calls and tools as text
+    for record in items:
+        if record.text is not None:
+            row = {"text": record.text}
         else:
-            prompt, completion = row["prompt"], row["completion"]
-        if chat:
-            return {
-                "prompt": [{"role": "user", "content": prompt}],
-                "completion": [{"role": "assistant", "content": completion}],
-            }
-        return {"prompt": prompt + "\n", "completion": completion}
+            messages, _ = chat_messages(record, plain)
+            single = len(messages) == 2 and messages[0]["role"] == "user"
+            if not chat:
+                if not single:
+                    raise ValueError(
+                        f"{record.where}: multi-turn records need a tokenizer with a chat template"
+                    )
+                row = {"prompt": messages[0]["content"] + "\n", "completion": messages[1]["content"]}
+            elif single:
+                row = {"prompt": messages[:1], "completion": messages[1:]}
+            else:
+                row = {"messages": messages}
+        if rows and set(row) != set(rows):
+            raise ValueError(
+                f"{record.where}: trainer: sft needs one record shape per dataset (single-turn or multi-turn "
+                "chats or text, not a mix); use trainer: trainer"
+            )
+        for key, value in row.items():
+            rows.setdefault(key, []).append(value)
+    return datasets.Dataset.from_dict(rows)
 
-    return dataset.map(convert, remove_columns=dataset.column_names, desc="Formatting for TRL")
+
+# --------------------------------------------------------------------------------------------------
+# Preview: the samples as the model sees them
+# --------------------------------------------------------------------------------------------------
+
+TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
+
+
+def preview_samples(dataset, tokenizer, count: int, *, tokens: bool = False) -> str:
+    """The first ``count`` tokenized samples as the model sees them, trained tokens between « and ».
+
+    Each run of consecutive tokens with the same label mask is decoded on its own (special tokens
+    kept), so the text is exactly the token sequence; ``tokens=True`` adds one line per token:
+    position, token id, label (``-100`` = not trained) and the token's text.
+
+    Args:
+        dataset: :func:`tokenize_records`' output (``input_ids``, ``labels``, ``where``).
+        tokenizer: the tokenizer that made it.
+        count: how many samples (from the first).
+        tokens: add the per-token table.
+
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained(str(SHARED_DATA / "smollm2_tokenizer"))
+    >>> ds = tokenize_records([normalise_record({"question": "2+2?", "answer": "4"}, "x:1")], tok, desc=None)
+    >>> print(preview_samples(ds, tok, 1).splitlines()[-3:])
+    ['<|im_start|>assistant', '«4<|im_end|>', '»']
+    """
+    blocks = []
+    for i, row in enumerate(dataset.select(range(min(count, len(dataset))))):
+        ids, labels = row["input_ids"], row["labels"]
+        trained = [label != -100 for label in labels]
+        parts, start = [], 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or trained[end] != trained[start]:
+                text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+                parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained[start] else text)
+                start = end
+        header = (
+            f"--- sample {i + 1} ({row.get('where', '?')}): {len(ids)} tokens, {sum(trained)} trained "
+            f"(between {TRAINED_OPEN} and {TRAINED_CLOSE}) ---"
+        )
+        block = [header, "".join(parts)]
+        if tokens:
+            block.append(f"{'pos':>5} {'id':>7} {'label':>7}  token")
+            for position, (token, label) in enumerate(zip(ids, labels, strict=True)):
+                shown = tokenizer.convert_ids_to_tokens(token)
+                block.append(f"{position:>5} {token:>7} {label:>7}  {shown!r}")
+        blocks.append("\n".join(block))
+    return "\n\n".join(blocks)

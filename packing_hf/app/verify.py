@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -18,11 +19,10 @@ from ..architectures.prepare import prepare_model_for_packing
 from ..architectures.registry import iter_sweep, support
 from ..architectures.sweep import IMPLEMENTATIONS, ArchitectureResult, describe_error, sweep_architecture
 from ..architectures.tiny import build_tiny_model
-from ..attention import resolve_attn_implementation
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, check_packing
+from .config import check_attn_implementation, check_model_type
 
 __all__ = ["format_table", "result_dict", "verify_main"]
-
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attn-implementation",
         default="sdpa",
-        help="eager, sdpa, packing_hf (packing_hf's varlen attention), ... (default: sdpa)",
+        help="eager, sdpa, packing_hf or packing_hf_varlen (packing_hf's varlen attention), "
+        "flash_attention_2, ... (default: sdpa)",
     )
     parser.add_argument(
         "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="sample lengths, e.g. 7,12,5"
@@ -55,12 +56,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: Sequence[str] | None = None) -> int:
     """``packing-hf verify``: exit status 0 when packing is exact, 1 on a leak or refusal, 2 on bad usage."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
     try:
         lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
     except ValueError:
-        print(f"--lengths must be comma-separated integers, got {args.lengths!r}", file=sys.stderr)
-        return 2
+        return _usage_error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if not lengths or min(lengths) < 1:
+        return _usage_error(f"--lengths must be positive sample lengths (e.g. 7,12,5), got {args.lengths!r}")
+    if args.tolerance <= 0:
+        return _usage_error(f"--tolerance must be > 0, got {args.tolerance}")
     if args.all:
         results = []
         for entry in iter_sweep():
@@ -71,7 +79,17 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
             print(format_table(results))
         return 0
 
-    implementation = resolve_attn_implementation(args.attn_implementation)
+    try:
+        implementation = check_attn_implementation(args.attn_implementation)
+        if args.model_type is not None:
+            check_model_type(args.model_type)
+    except ValueError as error:
+        return _usage_error(str(error))
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        return _usage_error(
+            f"--model {args.model}: no model folder there (no config.json); pass a folder written by "
+            "save_pretrained, or --model-type for a tiny model of an architecture"
+        )
     if args.model_type is not None:
         try:
             model = build_tiny_model(args.model_type, implementation)
@@ -84,9 +102,12 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
-            args.model, attn_implementation=implementation, dtype=torch.float32
-        ).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                args.model, attn_implementation=implementation, dtype=torch.float32
+            ).eval()
+        except (OSError, ValueError) as error:
+            return _usage_error(f"cannot load --model {args.model}: {str(error).splitlines()[0]}")
     handle = None
     if not args.stock:
         try:
@@ -101,6 +122,11 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
             handle.revert()
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
     return 1 if report.leaked else 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"packing-hf verify: error: {message}", file=sys.stderr)
+    return 2
 
 
 def result_dict(result: ArchitectureResult) -> dict:

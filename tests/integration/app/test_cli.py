@@ -32,13 +32,19 @@ def test_train_tiny_cpu_config_with_overrides(tmp_path, data_dir, capsys):
             "--per_device_train_batch_size",
             "2",
             "baseline_batches=1",
+            "eval_dataset=null",
             f"--output_dir={out}",
             "--disable_tqdm",
         ]
     )
     assert status == 0
     printed = capsys.readouterr().out
-    for line in ("efficiency   packed", "throughput   packed", "steps        loss", "saved"):
+    for line in (
+        "fill (real / provisioned tokens)",
+        "tokens/s (forward+backward)",
+        "training     multipack",
+        "saved",
+    ):
         assert line in printed
     summary = json.loads((out / "packing_summary.json").read_text())
     assert summary["global_step"] == 2 and summary["batching"] == "multipack"
@@ -59,7 +65,7 @@ def test_train_config_errors_exit_2_with_the_reason(tmp_path, capsys):
     bad.write_text("model_type: llama\nmax_tokns_per_batch: 512\n")
     assert main(["train", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "unknown config key 'max_tokns_per_batch'" in err and "max_tokens_per_batch" in err
+    assert f"unknown config key 'max_tokns_per_batch' in {bad}. Did you mean 'max_tokens_per_batch'?" in err
     assert main(["train", TINY_CONFIG, "sample_packing=false"]) == 2  # the YAML sets max_tokens_per_batch
     assert "needs multipack batching" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
@@ -81,6 +87,7 @@ def test_stats_on_real_data_prints_the_table_and_writes_plot_and_json(tmp_path, 
             "600",
             "--plot",
             str(png),
+            "--mixed-formats",
             "--json",
             str(report),
         ]
@@ -177,8 +184,9 @@ def test_train_without_multipack(overrides, batching, tmp_path, data_dir, capsys
     summary = json.loads((out / "packing_summary.json").read_text())
     assert summary["batching"] == batching and summary["max_tokens_per_batch"] is None
     assert summary["global_step"] == 2 and summary["padded_batch_size"] == 4
+    assert summary["eval_loss_after"] > 0 and summary["eval_samples"] == 8  # tiny_cpu.yaml's eval_num_samples
     # padded-vs-flattened timing of the same 4 samples, whatever the training batches were
     baseline = summary["baseline"]
     assert baseline["packed_batches"] == baseline["padded_batches"] == 1
     assert baseline["packed_tokens"] == baseline["real_tokens"] <= baseline["padded_tokens"]
-    assert f"batching     {batching}" in capsys.readouterr().out
+    assert f"training     {batching}:" in capsys.readouterr().out

