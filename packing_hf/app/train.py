@@ -218,11 +218,24 @@ def _restore_user_config(model, use_cache: Any, attn_implementation: str | None)
         model.set_attn_implementation(attn_implementation)
 
 
+def _peak_rss_gb() -> float | None:
+    """The process's peak resident memory so far, in GB (None where ``resource`` is missing: Windows)."""
+    try:
+        import resource
+        import sys
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux
+
+
 class _Phases:
-    """Wall seconds per phase of the job, for the summary (where the time went)."""
+    """Wall seconds per phase of the job, and the peak memory by the end of each (where the time and the
+    memory went: the diagnostics after training must not raise the peak of training)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.peak_rss_gb: dict[str, float | None] = {}
         self._started = time.perf_counter()
         self._phase: tuple[str, float] | None = None
 
@@ -234,6 +247,7 @@ class _Phases:
         if self._phase is not None:
             name, began = self._phase
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self.peak_rss_gb[name] = _peak_rss_gb()
             self._phase = None
 
     @property
@@ -414,6 +428,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         summary["output_dir"] = None
     phases.stop()
     summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
+    summary["peak_rss_gb"] = phases.peak_rss_gb
     summary["total_seconds"] = phases.total
     _print_summary(summary, print_fn)
     if cfg.job.save_model and trainer.is_world_process_zero():
@@ -462,6 +477,11 @@ def _print_summary(summary: dict[str, Any], print_fn) -> None:
         )
     elif summary.get("packing_efficiency") is not None:
         lines.append(f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary['packing_efficiency']):>12}")
+    if summary.get("logged_packing_efficiency") is not None:
+        lines.append(
+            f"{'':34}(the step logs' packing_efficiency is each step's own fill; their padded_batch_efficiency "
+            "pads that step's samples)"
+        )
     if base:
         lines.append(
             f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
@@ -477,6 +497,13 @@ def _print_summary(summary: dict[str, Any], print_fn) -> None:
     lines.append("-" * 90)
     if summary.get("output_dir"):
         lines.append(f"saved        {summary['output_dir']}")
+    peaks = summary.get("peak_rss_gb") or {}
+    if peaks.get("train"):
+        job, trained = max(v for v in peaks.values() if v is not None), peaks["train"]
+        lines.append(
+            f"memory       peak RSS {job:.2f} GB for the job, {trained:.2f} GB by the end of training "
+            f"(x{job / trained:.2f})"
+        )
     phases = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["seconds"].items())
     lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} ({phases})")
     lines.append(rule)
