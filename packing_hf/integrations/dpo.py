@@ -299,8 +299,8 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
     per-sequence truncation, ``truncation_mode``; counted in the collator's ``stats``) and
     ``pad_to_multiple_of``. Load the models with an attention that keeps packed segments apart (sdpa/eager
     for llama-like models, or ``attn_implementation=packing_hf.register_attention()``); the pre-flight check
-    (``packing_preflight``) verifies it for the policy and the reference model, before the first packed
-    forward (also before precomputing reference log-probs).
+    (``packing_preflight``) verifies it for the policy and the reference model while they train, evaluate
+    or precompute reference log-probs, and gives them back as they were afterwards.
 
     >>> import datasets
     >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
