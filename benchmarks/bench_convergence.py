@@ -28,13 +28,14 @@ Token ids are remapped to the ids that occur in the data (a few thousand instead
 text and tokenization with a smaller embedding / LM head, identical for every contender, so that a
 CPU epoch takes about a minute.
 
-Run from the project root: ``python benchmarks/bench_convergence.py`` (full: 2,000 rows, 3 seeds,
+Run from the project root: ``python benchmarks/bench_convergence.py`` (full: 1,200 rows, 3 seeds,
 ~15-30 min on 2 shared cores; writes ``benchmarks/results/convergence.json`` and ``convergence.png``)
 or ``--quick`` (48 rows, one seed, ~10 steps per contender; for CI).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -58,7 +59,7 @@ HARNESS_TOLERANCE = 2e-3
 
 def parse_args():
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=None, help="GSM8K train rows (default 2000; quick 48)")
+    parser.add_argument("--rows", type=int, default=None, help="GSM8K train rows (default 1200; quick 48)")
     parser.add_argument("--eval-rows", type=int, default=None, help="GSM8K test rows (default 128; quick 16)")
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048; quick 1024)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3; quick 1)")
@@ -72,9 +73,12 @@ def parse_args():
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="only redraw the PNG from this JSON (no training)"
+    )
     args = parser.parse_args()
     defaults = dict(
-        rows=(48, 2000), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20)
+        rows=(48, 1200), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20)
     )
     for key, (quick, full) in defaults.items():
         if getattr(args, key) is None:
@@ -347,36 +351,70 @@ def harness_check(results: dict[str, list[Run]]) -> dict[str, Any] | None:
     }
 
 
-def plot(results: dict[str, list[Run]], path: Path, title: str) -> None:
+def plot(detail: dict[str, Any], path: Path, title: str) -> None:
+    """Eval loss vs step and vs training wall time, and each contender minus padded (same seed) vs step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, runs in results.items():
-        points = min(len(r.evals) for r in runs)
-        loss = [statistics.mean(r.evals[k]["loss"] for r in runs) for k in range(points)]
-        step = [statistics.mean(r.evals[k]["step"] for r in runs) for k in range(points)]
-        seconds = [statistics.mean(r.evals[k]["seconds"] for r in runs) for k in range(points)]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    padded = detail.get("padded")
+    for name, result in detail.items():
+        seeds = result["seeds"]
+        points = min(len(s["eval"]) for s in seeds)
+
+        def mean(key: str, k: int, seeds=seeds) -> float:
+            return statistics.mean(s["eval"][k][key] for s in seeds)
+
+        step = [mean("step", k) for k in range(points)]
+        loss = [mean("loss", k) for k in range(points)]
         style = {"linestyle": "--"} if name == "flattened" else {}
         axes[0].plot(step, loss, label=name, **style)
-        axes[1].plot(seconds, loss, label=name, **style)
-    for ax, xlabel in zip(axes, ("optimizer step", "training wall time (s)"), strict=True):
+        axes[1].plot([mean("seconds", k) for k in range(points)], loss, label=name, **style)
+        if padded is not None:
+            pairs = list(zip(seeds, padded["seeds"], strict=False))  # flattened may have fewer seeds
+            points = min(points, *(len(p["eval"]) for _, p in pairs))
+            delta = [
+                statistics.mean(s["eval"][k]["loss"] - p["eval"][k]["loss"] for s, p in pairs)
+                for k in range(points)
+            ]
+            axes[2].plot(step[:points], delta, label=name, **style)
+    labels = ("optimizer step", "training wall time (s)", "optimizer step")
+    for ax, xlabel in zip(axes, labels, strict=True):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss (GSM8K test)")
         ax.grid(alpha=0.3)
+    for ax in axes[:2]:
+        ax.set_ylabel("eval loss (GSM8K test)")
         ax.set_ylim(top=min(ax.get_ylim()[1], 8.5))
+    axes[2].set_ylabel("eval loss minus padded's (same seed)")
+    axes[2].axhline(0.0, color="black", linewidth=0.8)
+    axes[2].set_ylim(-0.08, 0.08)
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}")
+
+
+def plot_title(config: dict[str, Any]) -> str:
+    return (
+        f"tiny Llama on {config['rows']} GSM8K rows, 1 epoch, {config['budget']} tokens/step, "
+        f"mean of {config['seeds']} seed(s)"
+    )
 
 
 def main() -> None:
     args = parse_args()
+    if args.replot is not None:
+        document = json.loads(args.replot.read_text())
+        plot(
+            document["contenders"],
+            args.plot or args.replot.with_suffix(".png"),
+            plot_title(document["config"]),
+        )
+        return
     torch.set_num_threads(args.threads)
     names = [n for n in CONTENDERS if n in args.contenders.split(",")]
     train, evaluation, vocab = load_data(args)
@@ -439,11 +477,7 @@ def main() -> None:
     output = write_json("convergence", payload, args)
     if not args.no_plot:
         path = args.plot or (output.with_suffix(".png") if args.output else RESULTS_DIR / "convergence.png")
-        plot(
-            results,
-            path,
-            f"tiny Llama on {len(train)} GSM8K rows, 1 epoch, {args.budget} tokens/step, mean of {args.seeds} seed(s)",
-        )
+        plot(detail, path, plot_title(payload["config"]))
     if check is not None and not check["passed"]:
         raise SystemExit("harness check failed: flattened batches did not train like the same padded batches")
 

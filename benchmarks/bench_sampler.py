@@ -1,16 +1,21 @@
-"""Multipack sampler: packing speed and fill, against TRL's bfd packing, next-fit and padded batches.
+"""Multipack sampler: packing speed and fill of both plans, against TRL's bfd packing, next-fit and padded batches.
 
 Two parts, both measured in the same run as the baselines:
 
 1. Speed on 1,000,000 synthetic lengths (lognormal, mean ~640, clipped to 16..4096) at a 4096-token
-   budget, after the one-time numba compilation: ``pack_best_fit_decreasing`` and the sampler's
-   per-epoch plan, against naive next-fit on the same lengths and TRL's
-   ``pack_dataset(..., strategy="bfd")`` on the first 100,000 of them (TRL is too slow for 1M).
-2. Fill on real data from ``../shared/data`` (GSM8K train, GPTeacher roleplay + toolformer,
-   Alpaca-GPT4 1k), tokenized with the SmolLM2 tokenizer as an Alpaca prompt + answer + EOS, at budgets
-   4096 and 16384: batches against the Martello-Toth L2 lower bound, fill, and the same figures for
-   TRL bfd (as called by default, which packs each 1,000-row map batch on its own, and over the
-   whole dataset at once), next-fit and plain padded batches of the same average real tokens per step.
+   budget, after the one-time numba compilation: ``pack_best_fit_decreasing``, the random-order best
+   fit, and the sampler's plan for both ``mixing="random"`` (default) and ``"sorted"`` (first epoch,
+   which includes the epoch-independent work, and later epochs), against naive next-fit on the same
+   lengths and TRL's ``pack_dataset(..., strategy="bfd")`` on the first 100,000 of them (TRL is too
+   slow for 1M).
+2. Fill and length mix on real data from ``../shared/data`` (GSM8K train, GPTeacher roleplay +
+   toolformer, Alpaca-GPT4 1k), tokenized with the SmolLM2 tokenizer as an Alpaca prompt + answer +
+   EOS, at budgets 2048, 4096, 8192 and 16384: batches against the Martello-Toth L2 lower bound and
+   fill for both sampler plans, TRL bfd (as called by default, which packs each 1,000-row map batch
+   on its own, and over the whole dataset at once), next-fit and plain padded batches of the same
+   average real tokens per step; and the std across batches of a batch's mean sample length for both
+   plans, divided by that of random batches (the samples shuffled, then cut at the budget: next-fit,
+   mean of 3 shuffles). ~1 is a random mix; the sorted plan groups lengths (3-9x on this data).
 
 Run from the project root: ``python benchmarks/bench_sampler.py [--quick]``. Writes
 ``benchmarks/results/bench_sampler.json``.
@@ -117,12 +122,23 @@ def speed(args) -> dict:
     next_fit = _binpack.pack_next_fit(lengths, budget)
     bound = _binpack.lower_bound_l2(lengths, budget)
 
-    sampler = MultipackBatchSampler(lengths, budget, num_replicas=8, rank=0)
-    first_epoch = measure(
-        lambda: MultipackBatchSampler(lengths, budget, num_replicas=8, rank=0)._plan(0), repeat=1
-    )
-    epochs = iter(range(1, 10_000))
-    plan = measure(lambda: sampler._plan(next(epochs)), repeat=repeat)  # a fresh epoch every call
+    order = np.random.default_rng(0).permutation(lengths.size)
+    random_order = measure(lambda: _binpack.pack_best_fit_random_order(lengths, budget, order), repeat=repeat)
+    random_packing = _binpack.pack_best_fit_random_order(lengths, budget, order)
+    plans = {}
+    for mixing in ("random", "sorted"):
+        sampler = MultipackBatchSampler(lengths, budget, num_replicas=8, rank=0, mixing=mixing)
+        first_epoch = measure(
+            lambda m=mixing: MultipackBatchSampler(lengths, budget, num_replicas=8, rank=0, mixing=m)._plan(
+                0
+            ),
+            repeat=1,
+        )
+        epochs = iter(range(1, 10_000))
+        plan = measure(lambda s=sampler, e=epochs: s._plan(next(e)), repeat=repeat)  # a fresh epoch per call
+        plans[mixing] = (sampler, first_epoch, plan)
+    sampler, first_epoch, plan = plans["random"]
+    sorted_sampler, sorted_first_epoch, sorted_plan = plans["sorted"]
 
     subset = lengths[:n_trl]
     dataset = arrow_dataset(subset)
@@ -139,9 +155,16 @@ def speed(args) -> dict:
         "multipack_cpu_s": ours["cpu"],
         "multipack_wall_s": ours["wall"],
         "multipack_wall_min_s": ours["wall_min"],
+        "random_order_cpu_s": random_order["cpu"],
+        "random_order_batches": random_packing.num_bins,
         "sampler_first_epoch_cpu_s": first_epoch["cpu"],
+        "sampler_first_epoch_wall_s": first_epoch["wall"],
         "sampler_epoch_plan_cpu_s": plan["cpu"],
         "sampler_epoch_plan_wall_s": plan["wall"],
+        "sampler_batches": len(sampler) * 8,
+        "sorted_sampler_first_epoch_cpu_s": sorted_first_epoch["cpu"],
+        "sorted_sampler_epoch_plan_cpu_s": sorted_plan["cpu"],
+        "sorted_sampler_batches": len(sorted_sampler) * 8,
         "next_fit_cpu_s": naive["cpu"],
         "multipack_batches": packing.num_bins,
         "next_fit_batches": next_fit.num_bins,
@@ -175,19 +198,23 @@ def speed(args) -> dict:
             "fill": next_fit.efficiency(),
         },
         {
-            "method": f"sampler, first epoch, {n:,}",
-            "cpu_s": first_epoch["cpu"],
-            "wall_s": first_epoch["wall"],
-            "batches": len(sampler) * 8,
-            "fill": sampler.efficiency(),
+            "method": f"random-order best fit, {n:,}",
+            "cpu_s": random_order["cpu"],
+            "wall_s": random_order["wall"],
+            "batches": random_packing.num_bins,
+            "fill": random_packing.efficiency(),
         },
-        {
-            "method": f"sampler, next epochs, {n:,}",
-            "cpu_s": plan["cpu"],
-            "wall_s": plan["wall"],
-            "batches": len(sampler) * 8,
-            "fill": sampler.efficiency(),
-        },
+        *(
+            {
+                "method": f"sampler {mixing}, {which}, {n:,}",
+                "cpu_s": timing["cpu"],
+                "wall_s": timing["wall"],
+                "batches": len(s) * 8,
+                "fill": s.efficiency(),
+            }
+            for mixing, (s, first, later) in plans.items()
+            for which, timing in (("first epoch", first), ("next epochs", later))
+        ),
         {
             "method": f"multipack (ours), {n_trl:,}",
             "cpu_s": ours_subset["cpu"],
@@ -234,20 +261,38 @@ def real_datasets(quick: bool) -> dict[str, list[dict]]:
     return {k: v[:2000] for k, v in data.items()} if quick else data
 
 
+def mean_length_spread(lengths: np.ndarray, batches) -> float:
+    """Std across batches of a batch's mean sample length."""
+    return float(np.std([lengths[np.asarray(b)].mean() for b in batches]))
+
+
+def random_batches_spread(lengths: np.ndarray, budget: int, draws: int = 3) -> float:
+    """The same for random batches: shuffled, then cut at the budget (next-fit); mean of ``draws`` shuffles."""
+    spreads = []
+    for seed in range(draws):
+        order = np.random.default_rng(1000 + seed).permutation(lengths.size)
+        packing = _binpack.pack_next_fit(lengths[order], budget)
+        spreads.append(mean_length_spread(lengths, [order[b] for b in packing.bins()]))
+    return float(np.mean(spreads))
+
+
 def fill(args) -> list[dict]:
     import datasets
 
     tokenizer = load_tokenizer()
     rows = []
+    budgets = (2048, 4096) if args.quick else (2048, 4096, 8192, 16384)
     for name, records in real_datasets(args.quick).items():
         ids = tokenizer([alpaca_text(r, tokenizer.eos_token) for r in records])["input_ids"]
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
         dataset = datasets.Dataset.from_dict({"input_ids": ids})
-        for budget in (4096, 16384):
+        for budget in budgets:
             tokens = int(lengths.sum())
             bound = _binpack.lower_bound_l2(lengths, budget)
-            sampler = MultipackBatchSampler(lengths, budget)
-            ours = len(sampler)
+            mixed = MultipackBatchSampler(lengths, budget)
+            ordered = MultipackBatchSampler(lengths, budget, mixing="sorted")
+            reference = random_batches_spread(lengths, budget)
+            mixed_spread = np.mean([mixed.stats(epoch)["batch_mean_length_std"] for epoch in range(3)])
             trl_rows, trl_tokens = trl_bfd_rows(dataset, budget)
             trl_whole_rows, _ = trl_bfd_rows(dataset, budget, whole=True)
             assert trl_tokens == tokens  # nothing truncated: every sample fits the budget
@@ -264,10 +309,17 @@ def fill(args) -> list[dict]:
                     "mean_len": float(lengths.mean()),
                     "tokens": tokens,
                     "L2": bound,
-                    "multipack": ours,
-                    "over_L2": ours - bound,
-                    "fill": sampler.efficiency(),
-                    "fill_vs_L2": bound / ours,
+                    "multipack": len(mixed),
+                    "over_L2": len(mixed) - bound,
+                    "fill": mixed.efficiency(),
+                    "fill_vs_L2": bound / len(mixed),
+                    "sorted": len(ordered),
+                    "sorted_over_L2": len(ordered) - bound,
+                    "sorted_fill": ordered.efficiency(),
+                    "extra_vs_sorted_pct": 100.0 * (len(mixed) / len(ordered) - 1),
+                    "random_batches_len_std": reference,
+                    "multipack_len_std_ratio": mixed_spread / reference,
+                    "sorted_len_std_ratio": ordered.stats()["batch_mean_length_std"] / reference,
                     "trl_bfd": trl_rows,
                     "trl_bfd_fill": tokens / (trl_rows * budget),
                     "trl_bfd_whole": trl_whole_rows,
@@ -283,22 +335,11 @@ def fill(args) -> list[dict]:
     print_table(
         rows,
         [
-            "dataset",
-            "budget",
-            "samples",
-            "L2",
-            "multipack",
-            "over_L2",
-            "fill",
-            "trl_bfd",
-            "trl_bfd_fill",
-            "trl_bfd_whole",
-            "next_fit",
-            "next_fit_fill",
-            "padded_bs",
-            "padded_fill",
+            "dataset", "budget", "samples", "L2", "multipack", "fill", "sorted", "sorted_fill",
+            "extra_vs_sorted_pct", "multipack_len_std_ratio", "sorted_len_std_ratio", "trl_bfd", "trl_bfd_fill",
+            "trl_bfd_whole", "next_fit_fill", "padded_fill",
         ],
-    )
+    )  # fmt: skip
     return rows
 
 
