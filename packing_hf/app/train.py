@@ -92,6 +92,8 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet, RecordSet | None]:
         )
         eval_records.limit_key = "eval_num_samples"
         say(eval_records.describe())
+    elif data.eval_dataset is not None:
+        say(f"eval_dataset {data.eval_dataset} is not used with trainer: sft (TRL tokenizes; no eval loss)")
     return records, eval_records
 
 
