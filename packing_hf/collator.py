@@ -38,6 +38,33 @@ _OVERFLOWS = ("error", "truncate", "split")
 # TRL's loss-mask columns: 1 = train on this token. Both present -> a token is trained only if both say so.
 _MASK_KEYS = ("completion_mask", "assistant_masks")
 _OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths"))
+# read by the collator, or dropped by design (attention_mask would merge samples, position_ids are rebuilt)
+_KNOWN_KEYS = ("input_ids", *_OPTIONAL_KEYS, "attention_mask", "position_ids")
+_KNOWN_KEYS_SET = frozenset(_KNOWN_KEYS)
+
+
+def _check_int_field(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or (minimum is not None and value < minimum)
+    ):
+        need = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {need}{' or None' if optional else ''}, got {value!r}")
+
+
+def _concatenate(values: list[Any], key: str, return_tensors: str) -> Any:
+    """Pass-through values of one key: arrays concatenated along dim 0, scalars stacked."""
+    try:
+        tensors = [torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v) for v in values]
+        out = torch.cat(tensors) if tensors[0].dim() else torch.stack(tensors)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"passthrough key {key!r}: cannot concatenate the samples' values along the first dimension ({exc})"
+        ) from None
+    return out if return_tensors == "pt" else out.numpy()
 
 
 def _new_stats() -> dict[str, int]:
@@ -89,8 +116,10 @@ class PaddingFreeCollator:
     - ``seq_lengths`` (optional): the row was already packed offline (e.g. TRL's ``bfd`` packing) and
       holds several samples of these lengths; each becomes its own segment.
 
-    Every other key is ignored; in particular ``attention_mask`` is dropped and ``position_ids`` is
-    recomputed from the boundaries (a tokenizer's ``position_ids`` would run across samples).
+    ``attention_mask`` is dropped and ``position_ids`` is recomputed from the boundaries (a tokenizer's
+    ``position_ids`` would run across samples). Any other key raises a ``ValueError`` naming it, rather than
+    being lost without a word (``pixel_values`` of a multimodal dataset, say): list it in
+    ``passthrough_keys`` to hand it to the model, or in ``drop_keys`` to drop it knowingly.
 
     With ``sdpa``/``eager`` attention, transformers finds the boundaries from ``position_ids`` only when
     no KV cache exists: call the model with ``use_cache=False`` (``Trainer`` sets
@@ -123,6 +152,10 @@ class PaddingFreeCollator:
         return_flash_attn_kwargs: also return ``cu_seq_lens_q/k`` and ``max_length_q/k``.
         return_position_ids: also return ``position_ids``.
         return_tensors: ``"pt"`` or ``"np"``.
+        passthrough_keys: extra keys the model consumes: the values of the samples that have the key are
+            concatenated along their first dimension (e.g. ``pixel_values`` ``(n_images, C, H, W)`` per sample
+            -> ``(total_images, C, H, W)``; scalars are stacked) and returned under the same key.
+        drop_keys: extra keys to drop without an error (e.g. raw text columns kept next to the tokens).
 
     Attributes:
         stats: running counters (``batches``, ``samples``, ``tokens``, ``padding_tokens``,
@@ -149,6 +182,8 @@ class PaddingFreeCollator:
     return_flash_attn_kwargs: bool = True
     return_position_ids: bool = True
     return_tensors: str = "pt"
+    passthrough_keys: tuple[str, ...] = ()
+    drop_keys: tuple[str, ...] = ()
     stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
     _warned_overflow: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -156,15 +191,27 @@ class PaddingFreeCollator:
     input_columns: ClassVar[tuple[str, ...]] = ("input_ids", "labels", *_MASK_KEYS, "seq_lengths")
 
     def __post_init__(self) -> None:
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {self.max_length!r}")
-        self.overflow = check_overflow(self.overflow, "PaddingFreeCollator(overflow=...)", _OVERFLOWS)
-        if self.pad_to_multiple_of is not None and (
-            not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1
-        ):
+        _check_int_field("max_length", self.max_length, minimum=1, optional=True)
+        _check_int_field("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1, optional=True)
+        _check_int_field("position_ids_start", self.position_ids_start, minimum=0)
+        _check_int_field("label_pad_id", self.label_pad_id, minimum=None)
+        if self.pad_token_id is None:
             raise ValueError(
-                f"pad_to_multiple_of must be a positive int or None, got {self.pad_to_multiple_of!r}"
+                "pad_token_id=None: the collator needs an id for padding (pad_to_multiple_of); set the "
+                "tokenizer's pad token, or use PaddingFreeCollator.for_tokenizer(tokenizer), which falls back to 0"
             )
+        _check_int_field("pad_token_id", self.pad_token_id, minimum=0)
+        for name in ("passthrough_keys", "drop_keys"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(k, str) for k in value):
+                raise TypeError(f"{name} must be a tuple of key names, got {value!r}")
+            setattr(self, name, tuple(value))
+        clash = (set(self.passthrough_keys) | set(self.drop_keys)) & set(_KNOWN_KEYS)
+        if clash:
+            raise ValueError(
+                f"{sorted(clash)} are read by the collator itself; remove them from passthrough_keys/drop_keys"
+            )
+        self.overflow = check_overflow(self.overflow, "PaddingFreeCollator(overflow=...)", _OVERFLOWS)
         if self.return_tensors not in ("pt", "np"):
             raise ValueError(f"return_tensors must be 'pt' or 'np', got {self.return_tensors!r}")
         if not (self.return_position_ids or self.return_flash_attn_kwargs):
@@ -213,6 +260,18 @@ class PaddingFreeCollator:
             _raise_for_bad_feature(features)
             raise
         keys = _keys_present(features)
+        present = set().union(*features)  # one C-level pass over all keys
+        unknown = present - _KNOWN_KEYS_SET - set(self.passthrough_keys) - set(self.drop_keys)
+        if unknown:
+            raise ValueError(
+                f"the samples carry {sorted(unknown)}, which PaddingFreeCollator does not use and would lose "
+                "(multimodal inputs such as pixel_values, say); pass passthrough_keys=(...) to hand them to the "
+                "model (concatenated along the first dimension), drop_keys=(...) to drop them knowingly, or "
+                "remove the columns from the dataset"
+            )
+        if any(type(v[0]) is bool for v in raw_ids if isinstance(v, list) and v):
+            bad = next(i for i, v in enumerate(raw_ids) if isinstance(v, list) and v and type(v[0]) is bool)
+            raise TypeError(f"sample {bad}: 'input_ids' holds bools; token ids must be ints")
 
         ids, lengths = flatten_field(raw_ids, "input_ids")
         if (lengths == 0).any():
@@ -265,6 +324,9 @@ class PaddingFreeCollator:
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:
             batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+        for key in self.passthrough_keys:
+            if key in present:
+                batch[key] = _concatenate([f[key] for f in features if key in f], key, return_tensors)
         return batch
 
     def _labels(
@@ -275,6 +337,15 @@ class PaddingFreeCollator:
             values = self._column(features, "labels")
             labels, label_lengths = flatten_field(values, "labels")
             self._check_same_lengths("labels", label_lengths, lengths)
+            # -100 is the ignore index of every Hugging Face loss, whatever label_pad_id the padding uses
+            bad_label = (labels < 0) & (labels != self.label_pad_id) & (labels != -100)
+            if bad_label.any():
+                pos = int(np.argmax(bad_label))
+                i, offset = locate(pos, lengths)
+                raise ValueError(
+                    f"sample {i}: labels[{offset}] = {int(labels[pos])}; a label is a token id (>= 0), or -100 "
+                    f"(or label_pad_id={self.label_pad_id}) for an untrained token"
+                )
         else:
             labels = ids.copy()
         for key in _MASK_KEYS:

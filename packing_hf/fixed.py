@@ -246,11 +246,13 @@ def concatenate_and_pack(
         attention_masks: ``n`` mask sequences ``(L_i,)``, copied as given.
         max_length: row length.
         pad_token_id: input id of the padding; padding gets label ``label_pad_id`` and mask 0.
-        label_pad_id: label of padding (and, with ``return_position_ids``, of every sequence's first token).
+        label_pad_id: label of padding and of every sequence's first token.
         strategy, overflow, position_ids_start: as in :func:`pack_sequences`.
-        return_position_ids: also return restarting position ids ``[rows, max_length]``. The rows are
-            then meant to be trained sample by sample, so the first label of every sequence is set to
-            ``label_pad_id``: otherwise it would train the previous sequence's last token to predict it.
+        return_position_ids: also return restarting position ids ``[rows, max_length]``, for a model that
+            keeps the sequences of a row apart (varlen attention). Without them the ``attention_masks`` are
+            copied as given, so an all-ones mask lets the sequences of a row attend to each other (classic
+            concatenation packing); either way the first label of every sequence is ``label_pad_id``, so no
+            sequence is trained to predict across a boundary.
 
     Returns:
         ``(packed_inputs, packed_labels, packed_masks)``, each ``[rows, max_length]`` int64, plus
@@ -284,9 +286,10 @@ def concatenate_and_pack(
     (ids, labels, masks), lengths = _fit_lengths(
         [ids, labels, masks], lengths, max_length, overflow, "input_sequences"
     )
-    if return_position_ids:
-        labels = labels.copy()
-        labels[np.cumsum(lengths) - lengths] = label_pad_id
+    # Every sequence's first label is masked: in a row it follows another sequence, and even with its own
+    # position ids its logit would come from that sequence's last token.
+    labels = labels.copy()
+    labels[np.cumsum(lengths) - lengths] = label_pad_id
     rows, offsets, n_rows = _place(lengths, max_length, strategy)
     result = tuple(
         _scatter(values, lengths, rows, offsets, n_rows, max_length, fill)

@@ -121,6 +121,7 @@ def recording_collator():
     @dataclass
     class RecordingCollator(PaddingFreeCollator):
         batches: list = field(default_factory=list, init=False, repr=False)
+        drop_keys: tuple = ("idx",)  # recorded, not collated
         input_columns = (*PaddingFreeCollator.input_columns, "idx")
 
         def __call__(self, features, return_tensors=None):

@@ -71,6 +71,7 @@ def main(out_dir: str) -> None:
         """Records the ``idx`` of the samples of every batch it collates (in consumption order)."""
 
         batches: list = field(default_factory=list, init=False, repr=False)
+        drop_keys: tuple = ("idx",)  # recorded, not collated
         input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
 
         def __call__(self, features, return_tensors=None):

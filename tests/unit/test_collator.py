@@ -170,7 +170,7 @@ def test_lists_arrays_and_tensors_collate_alike_and_inputs_are_not_modified():
     assert labels == [[3, 4, 5], [6, 7]]
 
 
-def test_extra_keys_are_ignored_and_position_ids_recomputed():
+def test_extra_keys_are_refused_unless_dropped_or_passed_through_and_position_ids_recomputed():
     features = [
         {
             "input_ids": [1, 2, 3],
@@ -187,9 +187,27 @@ def test_extra_keys_are_ignored_and_position_ids_recomputed():
             "messages": [],
         },
     ]
-    out = PaddingFreeCollator()(features)
+    with pytest.raises(ValueError, match=r"the samples carry \['messages', 'text'\].*drop_keys"):
+        PaddingFreeCollator()(features)
+    out = PaddingFreeCollator(drop_keys=("text", "messages"))(features)
     assert "attention_mask" not in out and "text" not in out
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+
+
+def test_passthrough_keys_reach_the_batch_concatenated():
+    """Multimodal inputs are handed on, not lost: per-sample image tensors concatenated along dim 0."""
+    features = [
+        {"input_ids": [1, 2, 3], "pixel_values": torch.ones(1, 3, 2, 2)},
+        {"input_ids": [4, 5]},  # a text-only sample
+        {"input_ids": [6], "pixel_values": torch.zeros(2, 3, 2, 2)},
+    ]
+    with pytest.raises(ValueError, match="pixel_values"):
+        PaddingFreeCollator()(features)
+    out = PaddingFreeCollator(passthrough_keys=("pixel_values",))(features)
+    assert out["pixel_values"].shape == (3, 3, 2, 2) and out["pixel_values"][0].eq(1).all()
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
+    with pytest.raises(ValueError, match="read by the collator itself"):
+        PaddingFreeCollator(drop_keys=("labels",))
 
 
 def test_input_columns_name_every_consumed_key():
@@ -332,7 +350,7 @@ def test_datasets_rows_through_a_dataloader_with_a_worker():
             "text": ["a", "b", "c"],
         }
     )
-    collator = PaddingFreeCollator()
+    collator = PaddingFreeCollator(drop_keys=("text",))
     loader = torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=collator, num_workers=1)
     (batch,) = list(loader)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]

@@ -118,7 +118,8 @@ def test_concatenate_and_pack_places_the_three_fields_together():
         label_pad_id=-1,
     )
     assert inputs.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
-    assert labels.tolist() == [[-100, 2, 3, 4, 5, -1], [-100, -100, 8, 9, -1, -1]]
+    # every sequence's first label is masked (the second one's 4 would be predicted from the first's 3)
+    assert labels.tolist() == [[-1, 2, 3, -1, 5, -1], [-1, -100, 8, 9, -1, -1]]
     assert masks.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
     assert inputs.dtype == labels.dtype == masks.dtype == torch.int64
 
