@@ -184,7 +184,7 @@ class RecordSet:
     def describe(self) -> str:
         """One line: how many records, which formats, what was skipped or ignored."""
         used = len(self.records)
-        formats = ", ".join(f"{n} {name}" for name, n in self.formats.most_common())
+        formats = ", ".join(f"{n:,} {name}" for name, n in self.formats.most_common())
         parts = [f"{self.source}: {used:,} records ({formats})"]
         if self.limit is not None and self.limit < self.total:
             parts.append(f"the first {self.limit:,} of {self.total:,} ({self.limit_key})")
