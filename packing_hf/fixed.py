@@ -24,6 +24,8 @@ import torch
 
 from ._binpack import pack_next_fit, sort_decreasing
 from ._rows import flatten_field, locate, offsets_in_segments, split_lengths
+from .overflow import check_overflow
+from .varlen import INT32_MAX
 
 __all__ = ["concatenate_and_pack", "pack_sequences"]
 
@@ -33,15 +35,28 @@ Strategy = Literal["greedy", "ffd"]
 Overflow = Literal["error", "truncate", "split"]
 
 
-def _check_args(max_length: int, strategy: str, overflow: str) -> None:
-    if not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+def _check_args(max_length: Any, strategy: str, overflow: str, **ints: Any) -> None:
+    """Validate the shared arguments; ``ints`` are further int arguments by name (all must be ints)."""
+    _check_int("max_length", max_length, minimum=1)
+    if max_length > INT32_MAX:
+        raise ValueError(f"max_length={max_length} is longer than int32 positions can address ({INT32_MAX})")
+    for name, value in ints.items():
+        _check_int(name, value, minimum=0 if name in ("pad_token_id", "position_ids_start") else None)
     if strategy not in ("greedy", "ffd"):
         raise ValueError(
             f"strategy must be 'greedy' (in order) or 'ffd' (first-fit decreasing), got {strategy!r}"
         )
-    if overflow not in ("error", "truncate", "split"):
-        raise ValueError(f"overflow must be 'error', 'truncate' or 'split', got {overflow!r}")
+    check_overflow(overflow, "overflow", ("error", "truncate", "split"))
+
+
+def _check_int(name: str, value: Any, minimum: int | None) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or (minimum is not None and value < minimum)
+    ):
+        need = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {need}, got {value!r}")
 
 
 def _check_ids(ids: np.ndarray, lengths: np.ndarray, name: str) -> None:
@@ -206,7 +221,9 @@ def pack_sequences(
     >>> pos.tolist()
     [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
     """
-    _check_args(max_length, strategy, overflow)
+    _check_args(
+        max_length, strategy, overflow, pad_token_id=pad_token_id, position_ids_start=position_ids_start
+    )
     flat, lengths = flatten_field(list(sequences), "sequences", indexed=True)
     _check_ids(flat, lengths, "sequences")
     (flat,), lengths = _fit_lengths([flat], lengths, max_length, overflow, "sequences")
@@ -264,7 +281,10 @@ def concatenate_and_pack(
     >>> inputs.tolist(), labels.tolist(), masks.tolist()
     ([[1, 2, 3, 0, 0], [4, 5, 6, 7, 0]], [[-100, 2, 3, -100, -100], [-100, -100, 6, 7, -100]], [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
     """
-    _check_args(max_length, strategy, overflow)
+    _check_args(
+        max_length, strategy, overflow, pad_token_id=pad_token_id, label_pad_id=label_pad_id,
+        position_ids_start=position_ids_start,
+    )  # fmt: skip
     if not (len(input_sequences) == len(label_sequences) == len(attention_masks)):
         raise ValueError(
             f"got {len(input_sequences)} input, {len(label_sequences)} label and {len(attention_masks)} "
