@@ -9,6 +9,13 @@ used padding-free batches or ``max_tokens_per_batch`` is set. Everything of
 :class:`~packing_hf.integrations.trainer.PackingTrainerMixin` applies (multipack, exact resume,
 pre-flight check, packing metrics).
 
+Streaming: a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``) with
+``max_tokens_per_batch`` and ``max_steps`` is tokenized lazily by TRL (labels with the completion-only /
+assistant-only masks) and packed online by a :class:`~packing_hf.streaming.PackedStream`, with exact resume,
+as in :class:`packing_hf.Trainer`. Streams of already tokenized samples (``PackedStream``,
+``TokenizedStream``, a torch ``IterableDataset``) go to :class:`packing_hf.Trainer` instead: TRL only takes
+``datasets`` objects.
+
 What reaches the collator is what TRL prepared: ``input_ids`` and ``labels`` with completion-only /
 assistant-only masks already folded in (-100), plus ``seq_lengths`` for rows TRL packed itself
 (``packing=True``, bfd), which :class:`~packing_hf.PaddingFreeCollator` turns into one segment per
@@ -31,7 +38,7 @@ import trl
 
 from ..collator import PaddingFreeCollator
 from .args import PackingArguments
-from .trainer import PackingTrainerMixin
+from .trainer import PackingTrainerMixin, _is_hf_iterable, is_stream
 
 __all__ = ["SFTConfig", "SFTTrainer"]
 
@@ -99,6 +106,14 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     ) -> None:
         # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
         self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
+        if is_stream(train_dataset) and not _is_hf_iterable(train_dataset):
+            # TRL accepts datasets.Dataset / IterableDataset only (it tokenizes them itself)
+            raise TypeError(
+                f"SFTTrainer tokenizes its dataset itself and takes a datasets.IterableDataset for streaming "
+                f"(load_dataset(..., streaming=True)), got {type(train_dataset).__name__}; for a stream of "
+                "already tokenized samples (PackedStream, TokenizedStream, a torch IterableDataset) use "
+                "packing_hf.Trainer with max_tokens_per_batch"
+            )
         args = _as_packing_config(args, model)
         padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.

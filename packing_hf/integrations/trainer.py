@@ -26,6 +26,12 @@ What the subclass adds to the stock Trainer (each item is something stock gets w
   this model's architecture and attention implementation, else switch to packing_hf's varlen attention or
   refuse (:mod:`packing_hf.integrations.preflight`).
 - Packing metrics in the logs (:mod:`packing_hf.integrations.callbacks`).
+- Streaming datasets (a ``torch`` / ``datasets`` ``IterableDataset``, a
+  :class:`~packing_hf.streaming.TokenizedStream` or :class:`~packing_hf.streaming.PackedStream`) with
+  ``max_tokens_per_batch`` and ``max_steps``: batches come from a rank-aware ``PackedStream`` (bounded
+  shuffle buffer + best fit), passes follow one another without a break, and every checkpoint holds each
+  rank's stream position and buffer (``packing_hf_stream_rank{r}.json``), so a resumed run sees exactly
+  the batches the uninterrupted run would have (see ``docs/streaming.md``).
 
 Loss normalisation needs no change: the collator masks the first label of every sample, so the count
 stock takes over ``labels[..., 1:]`` (``num_items_in_batch``, gathered across ranks) is the same number of
@@ -55,16 +61,27 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ..collator import PaddingFreeCollator
+from ..streaming import PackedStream, TokenizedStream
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics, PackingStatsCollator
 from .preflight import base_model, preflight_packing
 
-__all__ = ["SAMPLER_STATE_NAME", "PackingTrainerMixin", "Trainer", "TrainingArguments", "is_packing_collator"]
+__all__ = [
+    "SAMPLER_STATE_NAME",
+    "STREAM_STATE_NAME",
+    "PackingTrainerMixin",
+    "Trainer",
+    "TrainingArguments",
+    "is_packing_collator",
+    "is_stream",
+]
 
 logger = logging.getLogger(__name__)
 
 # Written next to trainer_state.json in every checkpoint of a multipack run.
 SAMPLER_STATE_NAME = "packing_hf_sampler.json"
+# Written by every rank in every checkpoint of a streaming run (``.format(rank=r)``).
+STREAM_STATE_NAME = "packing_hf_stream_rank{rank}.json"
 _STATE_FORMAT = 1
 
 
@@ -102,6 +119,69 @@ def _lengths_fingerprint(lengths: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+def _is_hf_iterable(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return False
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is read as a stream (no length, no random access): a ``torch.utils.data.IterableDataset``
+    (:class:`~packing_hf.streaming.PackedStream` included), a ``datasets.IterableDataset`` or a
+    :class:`~packing_hf.streaming.TokenizedStream`. With ``max_tokens_per_batch`` the trainers pack those
+    online with a :class:`~packing_hf.streaming.PackedStream`.
+
+    >>> from packing_hf.streaming import read_stream
+    >>> is_stream(read_stream([{"input_ids": [1, 2]}])), is_stream([{"input_ids": [1, 2]}])
+    (True, False)
+    """
+    return isinstance(dataset, torch.utils.data.IterableDataset | TokenizedStream) or _is_hf_iterable(dataset)
+
+
+class _Reiterable:
+    """A ``torch.utils.data.IterableDataset`` as the function :class:`TokenizedStream` reads a fresh pass from."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        # named in the stream's fingerprint, which a resumed run must match
+        self.__qualname__ = f"iter({type(dataset).__name__})"
+
+    def __call__(self) -> Any:
+        return iter(self.dataset)
+
+
+class _ConsecutivePasses(torch.utils.data.IterableDataset):
+    """The passes of a :class:`PackedStream`, one after another, as one endless iterable.
+
+    The Trainer cannot know where a pass of a stream ends: were the loader to end with the pass, the last
+    gradient-accumulation step of a pass would hold fewer micro-batches than the others, and the Trainer
+    carries their gradient, normalised by their own token count, into the next pass's first step (two
+    token means added). Here every optimizer step holds exactly ``gradient_accumulation_steps`` micro-batches
+    and its loss is the token mean over them, whichever pass they come from; ``max_steps`` ends training.
+    """
+
+    def __init__(self, stream: PackedStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __iter__(self) -> Any:
+        empty_passes = 0
+        while True:
+            yielded = False
+            for batch in self.stream:
+                yielded = True
+                yield batch
+            # one empty pass is legitimate (a stream resumed exactly at the end of a pass); two are no data
+            empty_passes = 0 if yielded else empty_passes + 1
+            if empty_passes == 2:
+                raise ValueError(
+                    f"the training stream {self.stream!r} yielded no batch in a whole pass: it holds no samples; "
+                    "check the dataset (and its shard on this rank)"
+                )
+
+
 class PackingTrainerMixin:
     """What ``packing_hf.Trainer`` and ``packing_hf.SFTTrainer`` add to their Hugging Face base class.
 
@@ -123,6 +203,10 @@ class PackingTrainerMixin:
             )
         self._multipack_sampler = None
         self._packing_resume_dir: str | None = None
+        # the PackedStream the training batches come from (None unless training on a stream), and how many
+        # of its batches the training loop used, all passes together: what a checkpoint's position is
+        self.packing_stream: PackedStream | None = None
+        self._stream_batches_consumed = 0
         # handle of prepare_model_for_packing on the model while it trains or evaluates (None otherwise)
         self.packing_preparation = None
         self._packing_depth = 0  # nested train -> evaluate: prepare once, give the model back once
@@ -156,7 +240,9 @@ class PackingTrainerMixin:
                     f"max_tokens_per_batch does not support {name}={getattr(parallelism, name)}: multipack shards "
                     "batches over data-parallel ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch."
                 )
-        if args.train_sampling_strategy not in ("random", None):
+        if is_stream(self.train_dataset):
+            self._check_stream_settings(self.train_dataset)
+        if args.train_sampling_strategy not in ("random", None) and not is_stream(self.train_dataset):
             logger.warning(
                 "train_sampling_strategy=%r is not used: with max_tokens_per_batch the batches come from "
                 "MultipackBatchSampler",
@@ -233,8 +319,10 @@ class PackingTrainerMixin:
         """The training DataLoader: multipack batches when ``max_tokens_per_batch`` is set, else stock's.
 
         With multipack, ``len(dataloader)`` is the exact number of batches this rank yields per epoch, the
-        same on every rank.
+        same on every rank. A streaming training dataset (see :func:`is_stream`) is packed online by a
+        :class:`~packing_hf.streaming.PackedStream` instead: no ``len()``, ``max_steps`` ends training.
         """
+        self._multipack_sampler = self.packing_stream = None  # the loader built now decides which one is used
         if self.args.max_tokens_per_batch is None:
             # stock's loader; only the collator is wrapped (for the metrics) for the duration of the call
             original = self.data_collator
@@ -246,11 +334,13 @@ class PackingTrainerMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset = self.train_dataset
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        if is_stream(dataset):
+            return self._stream_train_dataloader(dataset)
+        if not hasattr(dataset, "__len__"):
             raise ValueError(
-                f"max_tokens_per_batch needs a map-style dataset with known sample lengths, got "
-                f"{type(dataset).__name__}; materialise it (e.g. datasets.Dataset.from_generator) or unset "
-                "max_tokens_per_batch"
+                f"max_tokens_per_batch needs a map-style dataset with known sample lengths or a stream (an "
+                f"IterableDataset), got {type(dataset).__name__}; materialise it (e.g. datasets.Dataset.from_list) "
+                "or unset max_tokens_per_batch"
             )
         lengths = self._multipack_lengths_of(dataset)  # before unused columns (e.g. "length") are removed
         sampler = self._build_multipack_sampler(lengths)
@@ -300,6 +390,188 @@ class PackingTrainerMixin:
             )
         return dataloader
 
+    # ---- streams ---------------------------------------------------------------------------------
+
+    def _check_stream_settings(self, dataset: Any) -> None:
+        """Refuse the settings a streaming training dataset cannot honour, each with its fix."""
+        args = self.args
+        name = type(dataset).__name__
+        if args.dataloader_num_workers > 0:
+            raise ValueError(
+                f"dataloader_num_workers={args.dataloader_num_workers} with a streaming train_dataset ({name}): "
+                "the stream's position and buffer live in the main process (a checkpoint saves them) and every "
+                "worker would read the same shard again; set dataloader_num_workers=0 (tokenization is batched)"
+            )
+        if args.max_steps <= 0:
+            raise ValueError(
+                f"max_steps={args.max_steps} with a streaming train_dataset ({name}): a stream has no length, so "
+                "the number of optimizer steps (and the learning-rate schedule) must be given; set max_steps > 0"
+            )
+        collator = self.data_collator
+        columns = getattr(collator, "input_columns", None)
+        if columns is not None and "input_ids" not in columns:
+            raise ValueError(
+                f"a streaming train_dataset ({name}) is packed by the length of each sample's 'input_ids', but "
+                f"the collator {type(collator).__name__} does not take 'input_ids' (it takes {list(columns)}); "
+                "materialise the dataset (e.g. datasets.Dataset.from_generator) to pack it with the multipack sampler"
+            )
+        if self._data_parallel_world()[0] > 1:
+            # A rank whose shard ran out yields one-token batches without a trained label while another rank
+            # still has data: exact only if each loss is divided by the token count of all ranks.
+            counts_tokens = (
+                getattr(self, "model_accepts_loss_kwargs", False) or self.compute_loss_func is not None
+            )
+            if not args.average_tokens_across_devices:
+                raise ValueError(
+                    "average_tokens_across_devices=False with a streaming train_dataset on several processes: a "
+                    "rank whose shard ran out trains on padding batches (no labels) while the others finish the "
+                    "pass, which is exact only when the loss is divided by the token count of all ranks; set "
+                    "average_tokens_across_devices=True"
+                )
+            if not counts_tokens:
+                raise ValueError(
+                    f"{type(base_model(self.model)).__name__}.forward takes no loss kwargs (num_items_in_batch), so "
+                    "the Trainer averages the loss of every micro-batch on its own: a padding batch of a streaming "
+                    "train_dataset (no labels) would give a NaN loss on several processes; pass compute_loss_func "
+                    "(summed token losses / num_items_in_batch) or use one process"
+                )
+
+    def _packed_stream_of(self, dataset: Any, description: str) -> PackedStream:
+        """``dataset`` as this rank's :class:`PackedStream` (a ``PackedStream`` given by the user is checked, not rebuilt)."""
+        args = self.args
+        num_replicas, rank = self._data_parallel_world()
+        if isinstance(dataset, PackedStream):
+            different = [
+                f"{key}={have} but {want_name}={want}"
+                for key, have, want_name, want in (
+                    (
+                        "max_tokens_per_batch",
+                        dataset.max_tokens_per_batch,
+                        "max_tokens_per_batch",
+                        args.max_tokens_per_batch,
+                    ),
+                    ("num_replicas", dataset.num_replicas, "the number of processes", num_replicas),
+                    ("rank", dataset.rank, "this process's rank", rank),
+                )
+                if have != want
+            ]
+            if different:
+                raise ValueError(
+                    f"the {description} PackedStream was built with {'; '.join(different)}; build it after "
+                    "TrainingArguments (whose set-up starts torch.distributed) with the Trainer's "
+                    "max_tokens_per_batch, or pass a TokenizedStream / IterableDataset and let the Trainer pack it"
+                )
+            return dataset
+        if _is_hf_iterable(dataset):
+            columns = dataset.column_names  # None when the features are not known before reading
+            if columns is not None and "input_ids" not in columns:
+                raise ValueError(
+                    f"the {description} datasets.IterableDataset has no 'input_ids' column (columns: {columns}), so "
+                    "its samples cannot be packed by token count; tokenize it first (dataset.map(tokenize, "
+                    "batched=True)) or read it with packing_hf.streaming.read_stream(dataset, tokenizer, "
+                    "text_column=...)"
+                )
+            source = dataset
+        elif isinstance(dataset, TokenizedStream):
+            source = dataset
+        else:  # any other torch IterableDataset: each pass is a fresh iteration, sharded by the stream
+            source = _Reiterable(dataset)
+        collator = self.data_collator
+        return PackedStream(
+            source,
+            args.max_tokens_per_batch,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            overflow=args.packing_overflow,
+            pad_token_id=int(getattr(collator, "pad_token_id", 0) or 0),
+            # explicit: the stream would read the world size at construction, the Trainer's is authoritative
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+
+    def _stream_dataloader(self, dataset: Any, description: str, collator: Any) -> DataLoader:
+        """A DataLoader over the batches of ``dataset`` (already lists of samples), left out of
+        ``accelerator.prepare``: with several processes prepare would read on rank 0 and broadcast, or shard
+        the batches again, while the stream already gives each rank its own. The Trainer moves the inputs
+        to the device itself (``_prepare_inputs``)."""
+        args = self.args
+        collator = self._get_collator_with_removed_columns(collator, description=description)
+        if description == "training":
+            collator = self._wrap_train_collator(collator)
+        return DataLoader(
+            dataset,
+            batch_size=None,
+            collate_fn=collator,
+            num_workers=0,
+            pin_memory=args.dataloader_pin_memory,
+            # its own generator: creating the iterator draws a seed, which must not come from the global RNG that
+            # a resumed run restores (dropout would shift by one draw)
+            generator=torch.Generator().manual_seed(
+                args.data_seed if args.data_seed is not None else args.seed
+            ),
+        )
+
+    def _stream_train_dataloader(self, dataset: Any) -> DataLoader:
+        self._check_stream_settings(dataset)
+        stream = self._packed_stream_of(dataset, "training")
+        self._restore_stream(stream)
+        self.packing_stream = stream
+        self._stream_batches_consumed = int(stream.stats()["batches_yielded"])
+        return self._stream_dataloader(_ConsecutivePasses(stream), "training", self.data_collator)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """Stock's, counting the micro-batches the training loop takes from a stream (the checkpoint's position)."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.packing_stream is not None:
+            self._stream_batches_consumed += len(batch_samples)
+        return batch_samples, num_items_in_batch
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(*args, **kwargs)
+        if self.packing_stream is not None:
+            # The stream resumes from its own saved state; stock's skip_first_batches would then skip (and
+            # read) that many batches of the already resumed stream.
+            steps_trained_in_current_epoch = 0
+        return epochs_trained, steps_trained_in_current_epoch
+
+    def _save_stream_state(self, output_dir: str) -> None:
+        """Every rank writes its stream's position and buffer (``STREAM_STATE_NAME``) into ``output_dir``."""
+        stream = self.packing_stream
+        consumed = self._stream_batches_consumed
+        state = {
+            "format": _STATE_FORMAT,
+            "global_step": self.state.global_step,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "batches_consumed": consumed,
+            "stream": stream.state_dict(batches_consumed=consumed),
+        }
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, STREAM_STATE_NAME.format(rank=stream.rank)), "w") as f:
+            json.dump(state, f)
+
+    def _restore_stream(self, stream: PackedStream) -> None:
+        """On resume: put ``stream`` where the checkpoint's run left this rank's stream."""
+        checkpoint = self._packing_resume_dir
+        if checkpoint is None or self.args.ignore_data_skip:
+            return  # ignore_data_skip: the user asked for the data to restart from the stream's beginning
+        name = STREAM_STATE_NAME.format(rank=stream.rank)
+        fix = (
+            "resume with the data, world size, max_tokens_per_batch, seed and packing_overflow of that run, or pass "
+            "ignore_data_skip=True to restart the stream from its beginning"
+        )
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resuming from {checkpoint} with a streaming train_dataset, but the checkpoint has no {name} (it "
+                f"was not saved by a streaming run on {stream.num_replicas} process(es)), so the stream's position "
+                f"is unknown; {fix}"
+            )
+        with open(path) as f:
+            state = json.load(f)
+        try:
+            stream.load_state_dict(state["stream"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot resume the stream of {checkpoint} ({name}): {exc}; {fix}") from None
+
     # ---- evaluation ------------------------------------------------------------------------------
 
     def _packs_eval(self) -> bool:
@@ -316,9 +588,15 @@ class PackingTrainerMixin:
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        if is_stream(dataset):
+            # one pass of a stream, each eval sample once; ranks that run out first yield padding batches,
+            # which add nothing to the token sums of prediction_step
+            return self._stream_dataloader(
+                self._packed_stream_of(dataset, "evaluation"), "evaluation", self.data_collator
+            )
+        if not hasattr(dataset, "__len__"):
             raise ValueError(
-                f"packing_eval needs a map-style eval dataset with known sample lengths, got "
+                f"packing_eval needs a map-style eval dataset with known sample lengths or a stream, got "
                 f"{type(dataset).__name__}; materialise it or set packing_eval=False"
             )
         from ..sampler import MultipackBatchSampler
@@ -372,8 +650,11 @@ class PackingTrainerMixin:
             model, inputs, prediction_loss_only, *args, **kwargs
         )
         if sums is not None and loss is not None and count is not None:
-            sums[0] += loss.detach().double().to(sums.device) * count.to(sums.device)
-            sums[1] += count.to(sums.device)
+            count = count.to(sums.device)
+            weighted = loss.detach().double().to(sums.device) * count
+            # a batch without labels (a stream's padding batch) has a NaN mean loss and weighs nothing
+            sums[0] += torch.where(count > 0, weighted, torch.zeros_like(weighted))
+            sums[1] += count
         return loss, logits, out_labels
 
     def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
@@ -395,6 +676,9 @@ class PackingTrainerMixin:
         return global_step // steps_per_epoch, (global_step % steps_per_epoch) * gas
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.packing_stream is not None:
+            self._save_stream_state(os.path.join(self._get_output_dir(trial=trial), folder))
         if self._multipack_sampler is not None and self.args.should_save:
             # The sampler's own counter runs ahead of training (the DataLoader prefetches): the position
             # saved is the Trainer's, from its step count.
@@ -412,7 +696,6 @@ class PackingTrainerMixin:
                 "lengths_sha1": _lengths_fingerprint(self._multipack_sampler.lengths),
                 "sampler": sampler_state,
             }
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             output_dir = os.path.join(self._get_output_dir(trial=trial), folder)
             os.makedirs(output_dir, exist_ok=True)
             with open(os.path.join(output_dir, SAMPLER_STATE_NAME), "w") as f:
