@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from ._limits import INT32_MAX
+
 __all__ = [
     "Packing",
     "as_lengths",
@@ -95,7 +97,21 @@ def as_lengths(lengths: LengthsLike, name: str = "lengths") -> np.ndarray:
 def check_budget(budget: int, name: str = "budget") -> int:
     if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget <= 0:
         raise ValueError(f"{name} must be a positive int (tokens per batch), got {budget!r}")
+    if budget > INT32_MAX:
+        raise ValueError(
+            f"{name}={budget} is more tokens than int32 cu_seqlens can address in one batch ({INT32_MAX}); "
+            "lower it"
+        )
     return int(budget)
+
+
+def _tree_budget(lengths: np.ndarray, budget: int) -> int:
+    """The budget the best-fit kernels index their free-space tree by: at most the total of the lengths.
+
+    A budget above the total holds everything in one bin, which a bin of exactly the total does too, so the
+    plan is the same while memory stays bounded by the data, not by the budget (2**26 tokens of budget would
+    otherwise allocate gigabytes for three samples)."""
+    return int(min(budget, max(int(lengths.sum()), 1)))
 
 
 def _check_fits(lengths: np.ndarray, budget: int) -> None:
@@ -337,7 +353,7 @@ def pack_best_fit_decreasing(
         return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
     sorted_ids = sort_decreasing(lengths, order)
     sorted_lengths = lengths[sorted_ids]
-    bin_of, n_bins = _best_fit_sorted(sorted_lengths, budget)
+    bin_of, n_bins = _best_fit_sorted(sorted_lengths, _tree_budget(sorted_lengths, budget))
     if repair:
         bin_of, n_bins = _repair(sorted_lengths, bin_of, int(n_bins), budget)
     return _packing_from_bin_of(bin_of, sorted_ids, sorted_lengths, int(n_bins), budget)
@@ -413,7 +429,8 @@ def pack_best_fit_random_order(
     is_long = lengths[order] > long_above
     visit = np.concatenate([order[is_long], order[~is_long]])  # (n,) stable: long ones first
     visit_lengths = lengths[visit]
-    bin_of, n_bins = _best_fit_sorted(visit_lengths, budget)  # best fit in any order (name: historical)
+    # best fit in any order (the kernel's name is historical)
+    bin_of, n_bins = _best_fit_sorted(visit_lengths, _tree_budget(visit_lengths, budget))
     if repair:
         bin_of, n_bins = _repair(visit_lengths, bin_of, int(n_bins), budget)
     if level:
@@ -776,6 +793,8 @@ def lower_bound_l2(lengths: LengthsLike, budget: int) -> int:
     _check_fits(lengths, budget)
     if lengths.size == 0:
         return 0
+    if int(lengths.sum()) <= budget:  # everything fits in one bin (and the tables below stay small)
+        return 1
     count = np.bincount(lengths, minlength=budget + 2).astype(np.int64)  # (budget + 2,) by length
     tokens = count * np.arange(budget + 2, dtype=np.int64)
     # count_ge[x] / tokens_ge[x]: number / tokens of items with length >= x, for x in [0, budget + 1]

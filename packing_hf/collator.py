@@ -27,7 +27,7 @@ import torch
 
 from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
 from .overflow import check_overflow
-from .varlen import check_int32_tokens
+from .varlen import INT32_MAX, check_int32_tokens
 
 __all__ = ["PaddingFreeCollator"]
 
@@ -46,6 +46,8 @@ _KNOWN_KEYS_SET = frozenset(_KNOWN_KEYS)
 def _check_int_field(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
     if value is None and optional:
         return
+    if isinstance(value, int | np.integer) and not isinstance(value, bool) and abs(value) > INT32_MAX:
+        raise ValueError(f"{name}={value} is past what int32 positions and cu_seqlens address ({INT32_MAX})")
     if (
         isinstance(value, bool)
         or not isinstance(value, int | np.integer)

@@ -38,6 +38,7 @@ How an epoch is planned (identical on every rank, no communication):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -72,6 +73,7 @@ _PLAN_KEYS = (
     "drop_last",
     "overflow",
     "mixing",
+    "lengths_sha1",
 )
 
 # mixing="random": the batch count is the most bins among the draws of epochs 0-4 plus 0.1% (on more
@@ -207,13 +209,11 @@ class MultipackBatchSampler(Sampler[list[int]]):
             ones every epoch, counted in :meth:`stats` as ``dropped_samples`` / ``dropped_tokens``).
         overflow: a sample longer than ``max_tokens_per_batch`` (one of :data:`OVERFLOW_POLICIES`):
             ``"error"`` (default) raises a ``ValueError`` naming its index and length.
-            ``"truncate"`` packs it as ``max_tokens_per_batch`` tokens; the DataLoader must then get
-            ``sampler.wrap_dataset(dataset)`` (which cuts it), or the collator must cut it
-            (``PaddingFreeCollator(max_length=sampler.max_tokens_per_batch, overflow="truncate")``):
-            with neither, that batch would exceed the budget. ``"split"`` packs it as
-            ``ceil(L / budget)`` pieces, yielded as indices ``>= len(dataset)`` that only the
-            :class:`OverflowView` returned by ``sampler.wrap_dataset(dataset)`` serves (the plain
-            dataset raises ``IndexError`` on them). ``"drop"`` leaves it out (``"skip"`` is a
+            ``"truncate"`` packs it as ``max_tokens_per_batch`` tokens, ``"split"`` as
+            ``ceil(L / budget)`` pieces yielded as indices ``>= len(dataset)``; with either, the DataLoader
+            must get ``sampler.wrap_dataset(dataset)`` (the :class:`OverflowView` that cuts them and serves
+            the pieces), and iterating before ``wrap_dataset`` was called raises, since the batches would
+            exceed the budget or index past the dataset. ``"drop"`` leaves it out (``"skip"`` is a
             deprecated alias). All of them are counted in :meth:`stats` and logged once.
         balance: how steps are formed from bins when ``num_replicas > 1``: ``"tokens"`` (default) puts
             bins of similar token counts in the same step; ``"attention"`` uses the sum of squared
@@ -281,6 +281,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
     ) -> None:
         super().__init__()
         self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
+        _binpack.check_budget(self.max_tokens_per_batch, "max_tokens_per_batch")  # the int32 limit
         if overflow == "skip":
             warnings.warn(
                 "MultipackBatchSampler(overflow='skip') is deprecated: it is now called 'drop' (the same "
@@ -319,6 +320,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
         self._build_items()
 
         self._start = 0  # batches to skip at the next __iter__ (set by load_state_dict)
+        self._wrapped = False  # wrap_dataset was called: indices of pieces / truncations are served
         self._consumed = 0  # batches yielded in the current epoch (what state_dict saves)
         self._template: dict[str, Any] | None = None
         self._plan_cache: tuple[int, dict[str, Any]] | None = None
@@ -593,6 +595,14 @@ class MultipackBatchSampler(Sampler[list[int]]):
         return self.num_steps * (1 if self.shard else self.num_replicas)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if not self._wrapped and (self.pieces.size or self._counts["truncated_samples"]):
+            n_long = self._counts["split_samples"] + self._counts["truncated_samples"]
+            raise ValueError(
+                f"overflow={self.overflow!r} packed {n_long} over-long sample(s) as "
+                f"{'pieces' if self.pieces.size else 'max_tokens_per_batch tokens'}, which only the sampler's "
+                "dataset view serves: build the DataLoader on sampler.wrap_dataset(dataset) (packing_hf.Trainer "
+                "does), else the batches would exceed max_tokens_per_batch or index past the dataset"
+            )
         plan = self._plan()
         steps = plan["steps"]
         # shard=False: step-major, so batch i belongs to rank i % num_replicas
@@ -632,6 +642,8 @@ class MultipackBatchSampler(Sampler[list[int]]):
             "drop_last": self.drop_last,
             "overflow": self.overflow,
             "mixing": self.mixing,
+            # the plan depends on every length, not only on their count
+            "lengths_sha1": hashlib.sha1(np.ascontiguousarray(self.lengths).tobytes()).hexdigest(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -680,6 +692,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
         itself, so the collator needs no ``max_length``. With ``"error"`` and ``"drop"``, or when no
         sample is too long, the dataset is returned unchanged.
         """
+        self._wrapped = True
         if self.overflow in ("split", "truncate") and (self.pieces.size or self._counts["truncated_samples"]):
             return OverflowView(dataset, self)
         return dataset

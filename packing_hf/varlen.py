@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ._limits import INT32_MAX
+
 __all__ = [
     "INT32_MAX",
     "check_cu_seqlens",
@@ -43,8 +45,6 @@ __all__ = [
     "seq_lengths_to_cu_seqlens",
 ]
 
-# cu_seqlens are int32 in every varlen kernel; a packed row longer than this cannot be addressed.
-INT32_MAX = 2**31 - 1
 
 LengthsLike = Sequence[int] | np.ndarray | torch.Tensor
 

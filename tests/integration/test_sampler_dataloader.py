@@ -79,12 +79,19 @@ def test_split_and_truncate_reach_the_collator_within_budget(gsm8k_dataset):
     assert all(rebuilt[i] == tuple(gsm8k_dataset[i]["input_ids"]) for i in np.nonzero(lengths > budget)[0])
 
     truncate = MultipackBatchSampler(gsm8k_dataset, budget, overflow="truncate", seed=0)
-    collator = PaddingFreeCollator(max_length=truncate.max_tokens_per_batch, overflow="truncate")
-    loader = torch.utils.data.DataLoader(gsm8k_dataset, batch_sampler=truncate, collate_fn=collator)
+    with pytest.raises(ValueError, match="wrap_dataset"):  # without its view the batches would overflow
+        list(
+            torch.utils.data.DataLoader(
+                gsm8k_dataset, batch_sampler=truncate, collate_fn=PaddingFreeCollator()
+            )
+        )
+    loader = torch.utils.data.DataLoader(
+        truncate.wrap_dataset(gsm8k_dataset), batch_sampler=truncate, collate_fn=PaddingFreeCollator()
+    )
     row_lengths = [int(batch["input_ids"].shape[1]) for batch in loader]
     assert max(row_lengths) <= budget
     assert sum(row_lengths) == int(np.minimum(lengths, budget).sum())
-    assert collator.stats["truncated_tokens"] == truncate.stats()["truncated_tokens"] > 0
+    assert int(lengths.sum()) - sum(row_lengths) == truncate.stats()["truncated_tokens"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,10 @@ def smollm2():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        spec.submodule_search_locations[0], gguf_file=GGUF_FILE, dtype=torch.float32, attn_implementation="sdpa"
+        spec.submodule_search_locations[0],
+        gguf_file=GGUF_FILE,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
     )
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
@@ -41,5 +44,7 @@ def test_real_weights_exact_when_exact_and_leak_when_leaking(smollm2, one_torch_
     assert "rounding noise" in exact.summary() and exact.summary().endswith("exact")
 
     leak = check_packing(smollm2, gradients=False, attention_mask=True)  # sdpa + all-ones mask: a real leak
-    assert leak.leaked and leak.leaked_samples == (1, 2), leak.summary()  # the first sample has no one before it
+    assert leak.leaked and leak.leaked_samples == (1, 2), (
+        leak.summary()
+    )  # the first sample has no one before it
     assert leak.max_logits_diff > 1000 * NOISE_MARGIN * max(leak.logits_noise)

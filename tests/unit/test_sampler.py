@@ -216,6 +216,10 @@ def test_overflow_truncate_drop_and_split_are_counted():
     truncated = MultipackBatchSampler(lengths, 32, overflow="truncate")
     stats = truncated.stats()
     assert (stats["truncated_samples"], stats["truncated_tokens"]) == (2, 8 + 38)
+    # iterated without its dataset view, the batches would exceed the budget: refused with the fix
+    with pytest.raises(ValueError, match=r"overflow='truncate' packed 2 over-long sample.*wrap_dataset"):
+        next(iter(truncated))
+    truncated.wrap_dataset([{"input_ids": [0] * n} for n in lengths])
     assert sorted(i for b in truncated for i in b) == [0, 1, 2, 3]
     assert all(np.minimum(lengths, 32)[b].sum() <= 32 for b in truncated)
 
@@ -232,6 +236,9 @@ def test_overflow_truncate_drop_and_split_are_counted():
     skipped.load_state_dict({**dropped.state_dict(), "overflow": "skip"})
 
     split = MultipackBatchSampler(lengths, 32, overflow="split")
+    with pytest.raises(ValueError, match=r"overflow='split' packed 2 over-long sample\(s\) as pieces"):
+        next(iter(split))
+    split.wrap_dataset([{"input_ids": [0] * n} for n in lengths])
     assert (split.stats()["split_samples"], split.stats()["split_pieces"]) == (2, 2 + 3)
     assert split.pieces.tolist() == [[2, 0, 32], [2, 32, 40], [3, 0, 32], [3, 32, 64], [3, 64, 70]]
     keys = sorted(i for b in split for i in b)

@@ -283,7 +283,7 @@ def test_one_shot_iterators_workers_and_missing_process_group_are_refused(monkey
 def test_dataloader_with_the_collator():
     data = samples([3, 5, 2, 7, 4, 6])
     loader = torch.utils.data.DataLoader(
-        PackedStream(data, 12, seed=1), batch_size=None, collate_fn=PaddingFreeCollator()
+        PackedStream(data, 12, seed=1), batch_size=None, collate_fn=PaddingFreeCollator(drop_keys=("idx",))
     )
     batches = list(loader)
     assert sum(b["input_ids"].shape[1] for b in batches) == 27

@@ -168,7 +168,10 @@ def test_own_attention_models_refuse_the_varlen_implementation():
     from packing_hf.attention import register_attention
 
     model.config._attn_implementation = register_attention()  # what loading bloom with it would set
-    with pytest.raises(ValueError, match="bloom cannot be packed exactly.*computes attention itself.*attn_implementation='eager'"):
+    with pytest.raises(
+        ValueError,
+        match="bloom cannot be packed exactly.*computes attention itself.*attn_implementation='eager'",
+    ):
         prepare_model_for_packing(model)
 
 

@@ -332,7 +332,9 @@ def test_after_train_the_model_generates_saves_and_loads_as_stock(gsm8k_tokenize
         "print(m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False).tolist())\n"
         "assert 'packing_hf' not in sys.modules\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, str(saved)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(saved)], capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == after.tolist()
 
 
