@@ -306,6 +306,7 @@ class PackingTrainerMixin:
             rank=rank,
             drop_last=args.dataloader_drop_last,
             overflow=args.packing_overflow,
+            mixing=args.multipack_mixing,
         )
 
     def _wrap_train_collator(self, collator: Any) -> Any:
@@ -638,6 +639,14 @@ class PackingTrainerMixin:
         if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:
             output.metrics[key] = float(totals[0] / totals[1])
         return output
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        if getattr(self, "_packing_eval_sums", None) is not None:
+            # Packed evaluation weighs each batch's mean loss by the batch's own token count (prediction_step).
+            # Stock's count is gathered over ranks in evaluation too, which would make each rank's loss its
+            # share of a global mean (times the number of processes) instead of its own mean.
+            return None
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, *args: Any, **kwargs: Any
