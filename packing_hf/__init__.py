@@ -36,6 +36,12 @@ _LAZY: dict[str, str] = {
     # sampler.py
     "MultipackBatchSampler": "sampler",
     "lengths_from_dataset": "sampler",
+    # preference.py: chosen/rejected pairs in one packed row
+    "PaddingFreePreferenceCollator": "preference",
+    # streaming/: iterable datasets packed on the fly
+    "PackedStream": "streaming",
+    "read_stream": "streaming",
+    "streaming_dataset_reader": "streaming",
     # attention/
     "ATTENTION_NAME": "attention",
     "varlen_attention": "attention",
@@ -60,6 +66,8 @@ _LAZY: dict[str, str] = {
     "TrainingArguments": "integrations",
     "SFTTrainer": "integrations",
     "SFTConfig": "integrations",
+    "DPOTrainer": "integrations",
+    "DPOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -105,8 +113,10 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .attention.guards import validate_packed_batch
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
-    from .integrations import SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .preference import PaddingFreePreferenceCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
+    from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .varlen import (
         cu_seqlens_to_lengths,
         cu_seqlens_to_position_ids,

@@ -1,7 +1,7 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
-``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` and ``SFTConfig`` import TRL
-on first access, so ``packing_hf.Trainer`` works without TRL installed.
+``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
+``DPOTrainer`` / ``DPOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -10,12 +10,15 @@ on first access, so ``packing_hf.Trainer`` works without TRL installed.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .args import PackingArguments
 from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 
 __all__ = [
+    "DPOConfig",
+    "DPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
     "SFTConfig",
@@ -24,22 +27,23 @@ __all__ = [
     "TrainingArguments",
 ]
 
-_TRL_NAMES = ("SFTTrainer", "SFTConfig")
+_TRL_NAMES = {"SFTTrainer": "sft", "SFTConfig": "sft", "DPOTrainer": "dpo", "DPOConfig": "dpo"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _TRL_NAMES:
         try:
-            from . import sft
+            module = importlib.import_module(f"{__name__}.{_TRL_NAMES[name]}")
         except ImportError as exc:
             raise ImportError(
                 f"packing_hf.{name} needs TRL ({exc}); install it with `pip install 'packing-hf[trl]'`"
             ) from exc
-        value = getattr(sft, name)
+        value = getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'packing_hf.integrations' has no attribute {name!r}")
 
 
 if TYPE_CHECKING:
+    from .dpo import DPOConfig, DPOTrainer
     from .sft import SFTConfig, SFTTrainer
