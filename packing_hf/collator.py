@@ -25,9 +25,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
+from ._rows import check_int_arg, flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
 from .overflow import check_overflow
-from .varlen import INT32_MAX, check_int32_tokens
+from .varlen import check_int32_tokens
 
 __all__ = ["PaddingFreeCollator"]
 
@@ -41,20 +41,6 @@ _OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths"))
 # read by the collator, or dropped by design (attention_mask would merge samples, position_ids are rebuilt)
 _KNOWN_KEYS = ("input_ids", *_OPTIONAL_KEYS, "attention_mask", "position_ids")
 _KNOWN_KEYS_SET = frozenset(_KNOWN_KEYS)
-
-
-def _check_int_field(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, int | np.integer) and not isinstance(value, bool) and abs(value) > INT32_MAX:
-        raise ValueError(f"{name}={value} is past what int32 positions and cu_seqlens address ({INT32_MAX})")
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or (minimum is not None and value < minimum)
-    ):
-        need = "an int" if minimum is None else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {need}{' or None' if optional else ''}, got {value!r}")
 
 
 def _concatenate(values: list[Any], key: str, return_tensors: str) -> Any:
@@ -193,16 +179,16 @@ class PaddingFreeCollator:
     input_columns: ClassVar[tuple[str, ...]] = ("input_ids", "labels", *_MASK_KEYS, "seq_lengths")
 
     def __post_init__(self) -> None:
-        _check_int_field("max_length", self.max_length, minimum=1, optional=True)
-        _check_int_field("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1, optional=True)
-        _check_int_field("position_ids_start", self.position_ids_start, minimum=0)
-        _check_int_field("label_pad_id", self.label_pad_id, minimum=None)
+        check_int_arg("max_length", self.max_length, minimum=1, optional=True)
+        check_int_arg("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1, optional=True)
+        check_int_arg("position_ids_start", self.position_ids_start, minimum=0)
+        check_int_arg("label_pad_id", self.label_pad_id, minimum=None)
         if self.pad_token_id is None:
             raise ValueError(
                 "pad_token_id=None: the collator needs an id for padding (pad_to_multiple_of); set the "
                 "tokenizer's pad token, or use PaddingFreeCollator.for_tokenizer(tokenizer), which falls back to 0"
             )
-        _check_int_field("pad_token_id", self.pad_token_id, minimum=0)
+        check_int_arg("pad_token_id", self.pad_token_id, minimum=0)
         for name in ("passthrough_keys", "drop_keys"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(k, str) for k in value):

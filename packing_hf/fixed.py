@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from ._binpack import pack_next_fit, sort_decreasing
-from ._rows import flatten_field, locate, offsets_in_segments, split_lengths
+from ._rows import check_int_arg, flatten_field, locate, offsets_in_segments, split_lengths
 from .overflow import check_overflow
-from .varlen import INT32_MAX
 
 __all__ = ["concatenate_and_pack", "pack_sequences"]
 
@@ -37,26 +36,14 @@ Overflow = Literal["error", "truncate", "split"]
 
 def _check_args(max_length: Any, strategy: str, overflow: str, **ints: Any) -> None:
     """Validate the shared arguments; ``ints`` are further int arguments by name (all must be ints)."""
-    _check_int("max_length", max_length, minimum=1)
-    if max_length > INT32_MAX:
-        raise ValueError(f"max_length={max_length} is longer than int32 positions can address ({INT32_MAX})")
+    check_int_arg("max_length", max_length, minimum=1)
     for name, value in ints.items():
-        _check_int(name, value, minimum=0 if name in ("pad_token_id", "position_ids_start") else None)
+        check_int_arg(name, value, minimum=0 if name in ("pad_token_id", "position_ids_start") else None)
     if strategy not in ("greedy", "ffd"):
         raise ValueError(
             f"strategy must be 'greedy' (in order) or 'ffd' (first-fit decreasing), got {strategy!r}"
         )
     check_overflow(overflow, "overflow", ("error", "truncate", "split"))
-
-
-def _check_int(name: str, value: Any, minimum: int | None) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or (minimum is not None and value < minimum)
-    ):
-        need = "an int" if minimum is None else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {need}, got {value!r}")
 
 
 def _check_ids(ids: np.ndarray, lengths: np.ndarray, name: str) -> None:
