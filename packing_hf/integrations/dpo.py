@@ -252,7 +252,7 @@ def _check_options(args: DPOConfig, model: Any, data_collator: Any, train_datase
     if args.max_tokens_per_batch is not None and args.packing_overflow in ("truncate", "split"):
         raise ValueError(
             f"packing_overflow={args.packing_overflow!r} would cut a preference pair, whose two sequences must "
-            "be scored whole; use 'error' (default) or 'skip', raise max_tokens_per_batch, or lower max_length"
+            "be scored whole; use 'error' (default) or 'drop', raise max_tokens_per_batch, or lower max_length"
         )
     row = _first_row(train_dataset)
     if isinstance(row, Mapping) and ("image" in row or "images" in row):
