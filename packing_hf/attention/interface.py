@@ -29,7 +29,13 @@ import torch
 
 from ..architectures.registry import check_served_config
 from ..varlen import check_int32_tokens, position_restarts
-from .backends import _host_values, _varlen_attention_masked, check_backend_name, varlen_attention
+from .backends import (
+    _cached_host_values,
+    _host_values,
+    _varlen_attention_masked,
+    check_backend_name,
+    varlen_attention,
+)
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
 
@@ -319,13 +325,24 @@ def _given_layout(
             "contradict the packed boundaries. Drop the attention_mask (cu_seq_lens already keep the "
             "samples apart) or pad outside the row"
         )
-    same = cu_k is None or cu_k is cu_q
-    cu_k = cu_q if cu_k is None else cu_k
+    same = cu_k is None or cu_k is cu_q or _known_equal(cu_q, cu_k)
+    cu_k = cu_q if same else cu_k
     if max_k is None and same:
         max_k = max_q
+    # the collator's max_length_q/k are Python ints: no host read; without them the boundaries are read once
+    # per forward (cached for the other layers), which under torch.compile is a graph break
     max_q = _longest_segment(cu_q) if max_q is None else max_q
     max_k = _longest_segment(cu_k) if max_k is None else max_k
-    return _Layout(cu_q.to(device), cu_k.to(device), int(max_q), int(max_k))
+    cu_q = cu_q.to(device)
+    # the same object for keys and queries lets the backends take their self-attention fast paths
+    return _Layout(cu_q, cu_q if same else cu_k.to(device), max_q, max_k)
+
+
+def _known_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two boundary tensors are known equal without reading them (host copies made earlier, e.g. by
+    :func:`packing_hf.validate_packed_batch`, which checks that ``cu_seq_lens_k`` equals ``cu_seq_lens_q``)."""
+    host_a = _cached_host_values(a)
+    return host_a is not None and host_a == _cached_host_values(b)
 
 
 def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
