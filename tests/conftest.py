@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Property tests draw the same examples on every run (CI must not pass or fail by chance); set
+# HYPOTHESIS_PROFILE=explore to draw new ones while developing.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Under pytest-xdist every worker gets one core; more threads per worker would only fight.

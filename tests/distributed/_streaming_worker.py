@@ -46,7 +46,7 @@ def main(data_path: str, out_dir: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    collator = PaddingFreeCollator()
+    collator = PaddingFreeCollator(drop_keys=("idx",))  # the test records idx from the stream itself
 
     def make():
         return PackedStream(data_path, MAX_TOKENS_PER_BATCH, **STREAM_KWARGS)
