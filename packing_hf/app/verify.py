@@ -19,6 +19,7 @@ from ..architectures.prepare import prepare_model_for_packing
 from ..architectures.registry import iter_sweep, support
 from ..architectures.sweep import IMPLEMENTATIONS, ArchitectureResult, describe_error, sweep_architecture
 from ..architectures.tiny import build_tiny_model
+from ..attention import ATTENTION_NAME
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, check_packing
 from .config import check_attn_implementation, check_model_type
 
@@ -142,10 +143,24 @@ def result_dict(result: ArchitectureResult) -> dict:
     }
 
 
+_SERVED_REFUSAL = "cannot be packed exactly with attn_implementation="
+
+
+def _refused_by_attention(result: ArchitectureResult) -> str | None:
+    """The reason packing_hf's attention gave when it refused the unprepared model at its first forward."""
+    error = result.stock.error if result.stock is not None else None
+    if not error or _SERVED_REFUSAL not in error:
+        return None
+    after_name = error.split(_SERVED_REFUSAL, 1)[1].split("': ", 1)[-1]  # past "...='packing_hf_varlen': "
+    return after_name.split(";")[0].strip()
+
+
 def _cell(result: ArchitectureResult) -> str:
     verdict = result.verdict
     if verdict == "n/a":
         return "n/a"
+    if verdict == "refused" and _refused_by_attention(result) is not None:
+        return "refused (by the attention itself)"  # no silent leak even without prepare_model_for_packing
     stock = result.stock
     leak = ""
     if stock is not None and stock.leaked:
@@ -176,6 +191,11 @@ def format_table(results: Sequence[ArchitectureResult]) -> str:
     ]
     for model_type in sorted(by_type):
         entry = support(model_type)
-        cells = [_cell(by_type[model_type][i]) if i in by_type[model_type] else "" for i in implementations]
-        lines.append(f"| {model_type} | {entry.status} | " + " | ".join(cells) + f" | {entry.reason} |")
+        row = by_type[model_type]
+        cells = [_cell(row[i]) if i in row else "" for i in implementations]
+        why = entry.reason
+        attention_reason = _refused_by_attention(row["packing_hf"]) if "packing_hf" in row else None
+        if not why and attention_reason:  # exact on eager/sdpa, refused by the varlen attention (llama4)
+            why = f"{ATTENTION_NAME}: {attention_reason}"
+        lines.append(f"| {model_type} | {entry.status} | " + " | ".join(cells) + f" | {why} |")
     return "\n".join(lines)
