@@ -25,9 +25,18 @@ flash_attn_4    ``flash_attn.cute`` (FA4)                  CUDA sm90/sm100, fp16
 flash_attn      ``flash_attn.flash_attn_varlen_func``      CUDA sm80+, fp16/bf16
 torch_varlen    ``torch.nn.attention.varlen.varlen_attn``  CUDA sm80+, fp16/bf16 (recent torch)
 sdpa            one SDPA call per segment (or one batched  any device and dtype, autograd
-                call when all segments have one length)
+                call when all segments have one length);
+                under torch.compile and off the CPU: the
+                ``sdpa_padded`` layout (no host read)
+sdpa_padded     one SDPA call on the segments padded into  any (never "auto": ``sdpa`` picks it
+                an ``(n, H, max_len, D)`` batch            where it is the right choice)
 reference       explicit dense masks (for tests)           any (O(T^2) memory; never "auto")
 ==============  ========================================  =====================================
+
+No backend reads the boundary values inside a compiled graph or on an accelerator: ``sdpa_padded`` takes its
+shapes from ``n`` and ``max_seqlen_q/k`` (Python ints from the collator), and the flash kernels read
+``cu_seqlens`` on the device. Where a read is free (a CPU tensor, eager mode) ``cu_seqlens`` is read and
+checked once per tensor object, then cached for every later layer.
 
 >>> q = k = v = torch.randn(5, 2, 8)
 >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
