@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..overflow import check_overflow
-from .data import DATA_OVERFLOWS
+from .data import DATA_OVERFLOWS, STREAM_OVERFLOWS
 
 __all__ = [
     "DataArguments",
@@ -171,6 +171,13 @@ class DataArguments:
         metadata={"help": "Samples longer than max_length: error, truncate or drop (counted and reported)."},
     )
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read, check and tokenize records as training consumes them, packed online (JSON Lines, "
+            "Parquet, Hub); needs max_tokens_per_batch and max_steps."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice(
@@ -562,7 +569,55 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     result.batching = _resolve_batching(result)
+    if data_args.streaming:
+        try:
+            _check_streaming(result)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
     return result
+
+
+def _check_streaming(cfg: TrainConfig) -> None:
+    """Refuse what ``streaming: true`` cannot do: whatever needs the whole dataset up front (its length for
+    the number of steps, a plan of all its lengths), or a setting the stream would ignore."""
+    data, training = cfg.data, cfg.training
+    budget = getattr(training, "max_tokens_per_batch", None)
+    if cfg.job.trainer == "sft":
+        raise ValueError(
+            "streaming: true is offered with trainer: trainer (which renders and masks records as trainer: sft "
+            "does not: the same prompts and labels as without streaming); set trainer: trainer"
+        )
+    if budget is None:
+        raise ValueError(
+            "streaming: true needs max_tokens_per_batch (records are packed into batches of that many tokens "
+            "as they arrive); set max_tokens_per_batch, e.g. max_tokens_per_batch=4096"
+        )
+    if training.max_steps <= 0:
+        raise ValueError(
+            f"streaming: true needs max_steps > 0, got {training.max_steps}: a stream has no length, so "
+            "num_train_epochs cannot give the number of steps; set max_steps"
+        )
+    if data.overflow not in STREAM_OVERFLOWS:
+        raise ValueError(
+            f"overflow: {data.overflow} is not offered with streaming: true (every record read is handed on "
+            "as one sample); set overflow: truncate or error, or filter the long records out of the file"
+        )
+    if data.dataset_num_proc is not None:
+        raise ValueError(
+            f"dataset_num_proc={data.dataset_num_proc} does not apply with streaming: true (records are "
+            "tokenized in batches in the training process); remove dataset_num_proc"
+        )
+    if training.dataloader_num_workers > 0:
+        raise ValueError(
+            f"dataloader_num_workers={training.dataloader_num_workers} with streaming: true: the stream's "
+            "position and buffer live in the main process (a checkpoint saves them); set dataloader_num_workers=0"
+        )
+    if not getattr(training, "average_tokens_across_devices", True):
+        raise ValueError(
+            "average_tokens_across_devices: false with streaming: true: a process whose shard runs out trains "
+            "on empty padding batches, exact only when the loss is divided by every process's token count; "
+            "set average_tokens_across_devices: true"
+        )
 
 
 def _rename_deprecated(values: dict[str, Any], cli: dict[str, list[str]], training_cls) -> None:

