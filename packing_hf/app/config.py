@@ -582,11 +582,6 @@ def _check_streaming(cfg: TrainConfig) -> None:
     the number of steps, a plan of all its lengths), or a setting the stream would ignore."""
     data, training = cfg.data, cfg.training
     budget = getattr(training, "max_tokens_per_batch", None)
-    if cfg.job.trainer == "sft":
-        raise ValueError(
-            "streaming: true is offered with trainer: trainer (which renders and masks records as trainer: sft "
-            "does not: the same prompts and labels as without streaming); set trainer: trainer"
-        )
     if budget is None:
         raise ValueError(
             "streaming: true needs max_tokens_per_batch (records are packed into batches of that many tokens "

@@ -1152,7 +1152,7 @@ class RecordStream:
     >>> [len(s["input_ids"]) == len(s["labels"]) for s in records.stream]
     [True, True, True]
     >>> records.describe()
-    'embedded (streamed): 3 records read (3 question); the first 3 of the source in every pass (num_samples)'
+    'embedded (streamed): 3 records read by this process (3 question); the first 3 of the source in every pass (num_samples)'
     """
 
     def __init__(
@@ -1267,10 +1267,23 @@ class RecordStream:
                 self.num_untrained += 1
         return {"input_ids": input_ids, "labels": labels}
 
+    def trl_dataset(self):
+        """The checked records as a ``datasets.IterableDataset`` of TRL rows (see :func:`trl_records`), for
+        ``trainer: sft``: TRL renders and tokenizes them as they are read (``prompt_format``,
+        ``max_length`` and ``overflow`` of this stream do not apply: TRL's own settings do)."""
+        import datasets
+
+        def rows():
+            yield from _trl_rows((item["record"] for item in self()), self.tokenizer)
+
+        return datasets.IterableDataset.from_generator(rows)
+
     def describe(self) -> str:
         """One line: the records read so far, their formats, what was skipped, truncated or ignored."""
         formats = ", ".join(f"{n:,} {name}" for name, n in self.formats.most_common())
-        parts = [f"{self.source} (streamed): {self.records_read:,} records read ({formats})"]
+        parts = [f"{self.source} (streamed): {self.records_read:,} records read by this process"]
+        if formats:
+            parts[0] += f" ({formats})"
         if self.limit is not None:
             parts.append(f"the first {self.limit:,} of the source in every pass (num_samples)")
         for reason, where in self.skipped.items():
@@ -1286,18 +1299,11 @@ class RecordStream:
         return "; ".join(parts)
 
 
-def trl_records(records: RecordSet | Sequence[Record], tokenizer):
-    """Records in TRL's formats (conversational prompt/completion, messages, or text), for SFTTrainer.
-
-    Tool calls and tool lists are written into the turns' text (as for a template without tool
-    support), so every record has the same plain ``{"role", "content"}`` schema.
-    """
-    import datasets
-
-    items = records.records if isinstance(records, RecordSet) else records
+def _trl_rows(items: Iterable[Record], tokenizer) -> Iterable[dict[str, Any]]:
+    """Each record as a TRL row (see :func:`trl_records`); one row shape per source."""
     chat = bool(_template(tokenizer))
-    rows: dict[str, list[Any]] = {}
     plain = type("Plain", (), {"chat_template": ""})()  # renders calls and tools as text
+    shape = None
     for record in items:
         if record.text is not None:
             row = {"text": record.text}
@@ -1314,11 +1320,26 @@ def trl_records(records: RecordSet | Sequence[Record], tokenizer):
                 row = {"prompt": messages[:1], "completion": messages[1:]}
             else:
                 row = {"messages": messages}
-        if rows and set(row) != set(rows):
+        if shape is not None and set(row) != shape:
             raise ValueError(
                 f"{record.where}: trainer: sft needs one record shape per dataset (single-turn or multi-turn "
                 "chats or text, not a mix); use trainer: trainer"
             )
+        shape = set(row)
+        yield row
+
+
+def trl_records(records: RecordSet | Sequence[Record], tokenizer):
+    """Records in TRL's formats (conversational prompt/completion, messages, or text), for SFTTrainer.
+
+    Tool calls and tool lists are written into the turns' text (as for a template without tool
+    support), so every record has the same plain ``{"role", "content"}`` schema.
+    """
+    import datasets
+
+    items = records.records if isinstance(records, RecordSet) else records
+    rows: dict[str, list[Any]] = {}
+    for row in _trl_rows(items, tokenizer):
         for key, value in row.items():
             rows.setdefault(key, []).append(value)
     return datasets.Dataset.from_dict(rows)

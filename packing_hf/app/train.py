@@ -144,11 +144,12 @@ def _build_trainer(
 ):
     """The Trainer for ``cfg`` (``trainer: sft``: TRL tokenizes; ``prompt_format`` does not apply there,
     TRL renders conversations with the chat template). With ``stream`` the Trainer packs it online (a
-    ``PackedStream`` of ``max_tokens_per_batch``, the default buffer)."""
+    ``PackedStream`` of ``max_tokens_per_batch``, the default buffer); ``trainer: sft`` gets its records as
+    a ``datasets.IterableDataset`` that TRL tokenizes as it reads."""
     import packing_hf
 
     training = cfg.training
-    if stream is not None:
+    if stream is not None and cfg.job.trainer != "sft":
         return packing_hf.Trainer(
             model=model,
             args=training,
@@ -165,7 +166,7 @@ def _build_trainer(
         return packing_hf.SFTTrainer(
             model=model,
             args=training,
-            train_dataset=trl_records(records, tokenizer),
+            train_dataset=stream.trl_dataset() if stream is not None else trl_records(records, tokenizer),
             processing_class=tokenizer,
             data_collator=collator,
         )
@@ -464,7 +465,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
 
     summary["baseline"] = None
     baseline_pool = None
-    if stream is not None and cfg.job.baseline_batches > 0:
+    if stream is not None and not sft and cfg.job.baseline_batches > 0:
         phases.start("baseline")
         # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
         baseline_pool = _stream_pool(stream, cfg.job.baseline_batches * 4 * training.max_tokens_per_batch)

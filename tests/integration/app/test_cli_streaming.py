@@ -102,7 +102,7 @@ def test_the_stream_renders_and_masks_records_as_the_map_style_path(tmp_path, to
     assert [s["labels"] for s in samples] == expected["labels"]
     assert (
         stream.describe()
-        == f"{data} (streamed): 8 records read (8 question); 1 skipped (empty answer: {data}:3)"
+        == f"{data} (streamed): 8 records read by this process (8 question); 1 skipped (empty answer: {data}:3)"
     )
 
     parquet = tmp_path / "t.parquet"
@@ -129,11 +129,10 @@ def test_truncation_is_counted_and_reported(tmp_path, tokenizer):
         (["max_tokens_per_batch=null"], "streaming: true needs max_tokens_per_batch"),
         (["max_steps=-1"], "streaming: true needs max_steps > 0, got -1"),
         (["overflow=drop"], "overflow: drop is not offered with streaming: true"),
-        (["trainer=sft"], "streaming: true is offered with trainer: trainer"),
         (["dataloader_num_workers=2"], "dataloader_num_workers=2 with streaming: true"),
         (["dataset_num_proc=2"], "dataset_num_proc=2 does not apply with streaming: true"),
     ],
-    ids=["no-budget", "no-max-steps", "drop", "sft", "workers", "num-proc"],
+    ids=["no-budget", "no-max-steps", "drop", "workers", "num-proc"],
 )
 def test_settings_that_need_the_whole_dataset_are_refused_before_the_model(
     tmp_path, tok, gsm8k_rows, capsys, overrides, message
@@ -154,23 +153,46 @@ def test_a_json_list_is_refused_before_the_model(tmp_path, tok, capsys):
 
 
 @pytest.mark.parametrize(
-    ("bad", "message"),
+    ("bad", "message", "overrides"),
     [
-        ({"question": "2+2?", "answer": 4}, ":13: answer must be a string, got int 4"),
-        ({"text": "plain words"}, ":13: a 'text' record in a file of 'question' records"),
+        ({"question": "2+2?", "answer": 4}, ":13: answer must be a string, got int 4", []),
+        ({"question": "2+2?", "answer": 4}, ":13: answer must be a string, got int 4", ["trainer=sft"]),
+        ({"text": "plain words"}, ":13: a 'text' record in a file of 'question' records", []),
         (
             {"question": "Count: " + "one two three " * 200, "answer": "done"},
             ":13: the sample has 6",  # 600-odd tokens, more than max_length=512
+            [],
         ),
     ],
-    ids=["wrong-type", "other-format", "too-long"],
+    ids=["wrong-type", "wrong-type-sft", "other-format", "too-long"],
 )
 def test_a_bad_record_in_the_middle_of_the_stream_stops_with_its_line(
-    tmp_path, tok, gsm8k_rows, capsys, bad, message
+    tmp_path, tok, gsm8k_rows, capsys, bad, message, overrides
 ):
     rows = gsm8k_rows(20)
     rows.insert(12, bad)
     data = write_jsonl(tmp_path / "t.jsonl", rows)
-    assert train(tok, tmp_path, data) == 1
+    assert train(tok, tmp_path, data, *overrides) == 1
     err = capsys.readouterr().err
     assert f"packing-hf train: error: {data}{message}" in err
+
+
+def test_trainer_sft_streams_the_records_to_trl(tmp_path, tok, gsm8k_rows, batch_widths, capsys):
+    data = write_jsonl(tmp_path / "t.jsonl", gsm8k_rows(12))
+    assert train(tok, tmp_path, data, "trainer=sft") == 0
+    out = capsys.readouterr().out
+    assert f"max_tokens_per_batch={BUDGET}: 3 steps in" in out and f"{data} (streamed): " in out
+    assert len(batch_widths) >= 3 and max(batch_widths) <= BUDGET
+
+
+def test_a_streamed_run_resumes_from_its_checkpoint(tmp_path, tok, gsm8k_rows, capsys):
+    data = write_jsonl(tmp_path / "t.jsonl", gsm8k_rows(12))
+    assert train(tok, tmp_path, data, "max_steps=2", "save_strategy=steps", "save_steps=2") == 0
+    assert (tmp_path / "out" / "checkpoint-2" / "packing_hf_stream_rank0.json").is_file()
+    capsys.readouterr()
+    assert train(tok, tmp_path, data, "resume_from_checkpoint=true") == 0
+    out = capsys.readouterr().out
+    assert f"resuming from the last checkpoint in {tmp_path / 'out'}" in out
+    assert f"max_tokens_per_batch={BUDGET}: 3 steps in" in out
+    # steps 1 and 2 came from the checkpoint: the resumed run logs the loss of step 3 only
+    assert sum(line.startswith("{'loss'") for line in out.splitlines()) == 1
