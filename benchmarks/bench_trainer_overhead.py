@@ -7,9 +7,12 @@ same order, and ``PaddingFreeCollator`` turns each into the same ``[1, T]`` batc
 
 - ``stock``: ``transformers.Trainer`` + ``PaddingFreeCollator`` (attention: packing_hf's registered varlen);
 - ``packing_hf``: ``packing_hf.Trainer`` with the same collator (pre-flight, guards, metrics);
-- ``sft``: ``packing_hf.SFTTrainer`` (TRL's ``compute_loss``: entropy and token accuracy over the logits);
+- ``sft``: ``packing_hf.SFTTrainer`` (TRL's ``compute_loss``: a chunked fused LM head computing log-probs,
+  entropy and top-1 accuracy), with the same precision and no gradient checkpointing, as the others;
 - ``sft_no_metrics``: the same with TRL's per-step logit metrics skipped (a subclass defined here: the change
-  proposed to ``packing_hf.SFTTrainer``, measured before it is made).
+  proposed to ``packing_hf.SFTTrainer``, measured before it is made);
+- ``sft_trl_defaults``: ``packing_hf.SFTTrainer`` with TRL's own ``SFTConfig`` defaults left as they are
+  (``gradient_checkpointing=True``, ``bf16=True``), which is what a user gets without setting them.
 
 Rounds are interleaved: each round trains every contender for ``--steps`` steps from the same initial
 weights; a step's time is the wall time between two ``on_step_end`` callbacks (data loading, forward,
@@ -107,9 +110,15 @@ def build_trainer(name: str, dataset, tokenizer, steps: int, output_dir: str, ca
         args = TrainingArguments(**common)
         trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
     else:
-        cls = SFTTrainer if name == "sft" else _no_metric_sft_class()
+        cls = _no_metric_sft_class() if name == "sft_no_metrics" else SFTTrainer
+        # TRL's SFTConfig turns gradient checkpointing and bf16 on by default; the stock contenders have neither
+        matched = {} if name == "sft_trl_defaults" else {"gradient_checkpointing": False, "bf16": False}
         args = SFTConfig(
-            padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True}, **common
+            padding_free=True,
+            max_length=None,
+            dataset_kwargs={"skip_prepare_dataset": True},
+            **matched,
+            **common,
         )
         trainer = cls(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, data_collator=collator
@@ -171,7 +180,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile one run per contender")
     args = parser.parse_args()
     steps = args.steps or (3 if args.quick else 4)
-    rounds = args.rounds or (1 if args.quick else 6)
+    rounds = args.rounds or (1 if args.quick else 4)
 
     transformers.logging.set_verbosity_error()
     tokenizer = load_tokenizer()
@@ -180,7 +189,7 @@ def main() -> None:
     if len(dataset) < steps:
         raise SystemExit(f"only {len(dataset)} packed rows; lower --steps or --tokens")
 
-    names = ["stock", "packing_hf", "sft", "sft_no_metrics"]
+    names = ["stock", "packing_hf", "sft", "sft_no_metrics", "sft_trl_defaults"]
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as out:

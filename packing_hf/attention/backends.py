@@ -840,7 +840,8 @@ def varlen_attention(
         v: ``(Tk, Hkv, Dv)`` values.
         cu_seqlens_q: ``(n + 1,)`` int32 query boundaries ``[0, ..., <= Tq]`` (int64 is converted).
         cu_seqlens_k: ``(n + 1,)`` int32 key boundaries (same ``n``).
-        max_seqlen_q: longest query segment (a Python int; a tensor costs a device sync).
+        max_seqlen_q: longest query segment, or more (a Python int; a tensor costs a device sync). The
+            padded layout uses it as the width of every segment; checked when the boundaries are read.
         max_seqlen_k: longest key segment.
         causal: causal masking, aligned bottom-right when a segment has more keys than queries.
         softmax_scale: defaults to ``1 / sqrt(D)``.

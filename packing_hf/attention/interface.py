@@ -215,7 +215,8 @@ def attend(
         position_ids: ``(B|1, Tq)`` positions; restarts mark packed samples.
         cu_seq_lens_q: ``(n + 1,)`` int32 boundaries of the flattened queries (requires ``B == 1``).
         cu_seq_lens_k: same for the keys (defaults to ``cu_seq_lens_q``).
-        max_length_q: longest query segment (ints; computed from the boundaries when missing).
+        max_length_q: longest query segment (an int, symbolic under ``torch.compile``); when missing it is
+            computed from the boundaries, one host read per forward (a graph break under compile).
         max_length_k: longest key segment.
         backend: a :func:`packing_hf.varlen_attention` backend; ``None`` = the one given to
             :func:`register_attention` (``"auto"`` by default).
