@@ -228,9 +228,10 @@ class PaddingFreeCollator:
         """Zero the counters in :attr:`stats`."""
         self.stats = _new_stats()
 
-    def __call__(
-        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
-    ) -> dict[str, Any]:
+    def _batch_arguments(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None, unit: str
+    ) -> tuple[list[Mapping[str, Any]], str]:
+        """The features as a non-empty list and the output format, or an error saying what was passed."""
         return_tensors = self.return_tensors if return_tensors is None else return_tensors
         if return_tensors not in ("pt", "np"):
             raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
@@ -241,7 +242,13 @@ class PaddingFreeCollator:
             )
         features = features if isinstance(features, list) else list(features)
         if not features:
-            raise ValueError("got an empty batch (no features); a packed batch needs at least one sample")
+            raise ValueError(f"got an empty batch (no features); a packed batch needs at least {unit}")
+        return features, return_tensors
+
+    def __call__(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, Any]:
+        features, return_tensors = self._batch_arguments(features, return_tensors, "one sample")
         try:
             raw_ids = [f["input_ids"] for f in features]
         except (KeyError, TypeError, IndexError):

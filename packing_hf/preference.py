@@ -222,17 +222,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
     def __call__(
         self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
     ) -> dict[str, Any]:
-        return_tensors = self.return_tensors if return_tensors is None else return_tensors
-        if return_tensors not in ("pt", "np"):
-            raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
-        if isinstance(features, Mapping):
-            raise TypeError(
-                f"got one dict of columns {sorted(features)[:6]} (a dataset slice such as ds[:8]); "
-                "pass a list of rows instead, e.g. [ds[i] for i in range(8)]"
-            )
-        features = features if isinstance(features, list) else list(features)
-        if not features:
-            raise ValueError("got an empty batch (no features); a preference batch needs at least one pair")
+        features, return_tensors = self._batch_arguments(features, return_tensors, "one pair")
         flat: dict[str, np.ndarray] = {}
         lengths: dict[str, np.ndarray] = {}
         for key in _PAIR_KEYS:
