@@ -9,10 +9,6 @@ within the token budget counted over both sequences of every pair.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,26 +23,12 @@ REL = 1e-5
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_process_packed_dpo_matches_stock(tmp_path, data_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PACKING_HF_DATA"] = str(data_dir)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(tmp_path)]
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"2-process DPO run did not finish in {LAUNCH_TIMEOUT_S}s (hang?):\n{(exc.stderr or '')[-3000:]}"
-        )
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+def test_two_process_packed_dpo_matches_stock(tmp_path, data_dir, launch, torchrun_command):
+    launch(
+        [*torchrun_command(), str(WORKER), str(tmp_path)],
+        LAUNCH_TIMEOUT_S,
+        "2-process DPO run",
+        PACKING_HF_DATA=str(data_dir),
     )
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

@@ -9,12 +9,8 @@ checkpoint in the middle of epoch 1 consumes exactly the batches each rank had l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,37 +23,7 @@ LAUNCH_TIMEOUT_S = 240
 pytestmark = pytest.mark.distributed
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("packing_hf_train_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(command: list[str], out_dir: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    try:
-        proc = subprocess.run(
-            [*command, str(WORKER), str(out_dir)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"2-process run did not finish in {LAUNCH_TIMEOUT_S}s (hang?):\n{(exc.stderr or '')[-3000:]}"
-        )
-    assert proc.returncode == 0, (
-        f"launcher failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
+def _ranks(out_dir: Path) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -69,8 +35,7 @@ def _reference_first_step_grads(worker, sample_ids: list[int], right_padded_batc
     return {name: p.grad.double().flatten() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_run(records: list[dict], right_padded_batch) -> None:
-    worker = _worker_module()
+def _check_run(worker, records: list[dict], right_padded_batch) -> None:
     r0, r1 = records
     assert r0["world_size"] == r1["world_size"] == 2
     # same number of optimizer steps and batches on both ranks, as planned from len(dataloader)
@@ -126,16 +91,16 @@ def _check_run(records: list[dict], right_padded_batch) -> None:
         assert rec["resumed_global_step"] == rec["global_step"]
 
 
-def test_torchrun_two_processes(right_padded_batch, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    _check_run(_launch(command, tmp_path), right_padded_batch)
+def test_torchrun_two_processes(right_padded_batch, tmp_path, launch, torchrun_command, load_worker):
+    launch([*torchrun_command(), str(WORKER), str(tmp_path)], LAUNCH_TIMEOUT_S)
+    _check_run(load_worker(WORKER), _ranks(tmp_path), right_padded_batch)
 
 
-def test_accelerate_launch_two_processes(right_padded_batch, tmp_path):
+def test_accelerate_launch_two_processes(right_padded_batch, tmp_path, launch, free_port, load_worker):
     # `--cpu` with several processes means MPI to accelerate; the torchrun-based launcher is `--multi_gpu`,
     # and the worker's use_cpu=True selects gloo on CPU.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
-    _check_run(_launch(command, tmp_path), right_padded_batch)
+    command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+    launch([*command, str(WORKER), str(tmp_path)], LAUNCH_TIMEOUT_S)
+    _check_run(load_worker(WORKER), _ranks(tmp_path), right_padded_batch)

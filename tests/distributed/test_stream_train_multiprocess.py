@@ -11,12 +11,7 @@ weights; evaluation on the stream gives the token-mean loss over every sample.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,42 +23,11 @@ LAUNCH_TIMEOUT_S = 240
 pytestmark = pytest.mark.distributed
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("packing_hf_stream_train_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
+def records(tmp_path_factory, launch, torchrun_command, load_worker):
     out_dir = tmp_path_factory.mktemp("stream_train2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    try:
-        proc = subprocess.run(
-            [*command, str(WORKER), str(out_dir)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"2-process run did not finish in {LAUNCH_TIMEOUT_S}s (hang?):\n{(exc.stderr or '')[-3000:]}"
-        )
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
-    return _worker_module(), [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    launch([*torchrun_command(), str(WORKER), str(out_dir)], LAUNCH_TIMEOUT_S)
+    return load_worker(WORKER), [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_disjoint_shards_equal_steps_padding(records):

@@ -8,12 +8,7 @@ ahead of the training loop) continues with exactly the batches the uninterrupted
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,44 +19,13 @@ LAUNCH_TIMEOUT_S = 180
 pytestmark = pytest.mark.distributed
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("packing_hf_streaming_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    worker = _worker_module()
+def records(tmp_path_factory, launch, torchrun_command, load_worker):
+    worker = load_worker(WORKER)
     folder = tmp_path_factory.mktemp("streaming2")
     data = folder / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in worker.make_records()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    try:
-        proc = subprocess.run(
-            [*command, str(WORKER), str(data), str(folder)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"2-process stream did not finish in {LAUNCH_TIMEOUT_S}s (hang?):\n{(exc.stderr or '')[-3000:]}"
-        )
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
+    launch([*torchrun_command(), str(WORKER), str(data), str(folder)], LAUNCH_TIMEOUT_S, "2-process stream")
     return worker, [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
