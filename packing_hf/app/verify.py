@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..architectures.prepare import prepare_model_for_packing
-from ..architectures.registry import iter_sweep, support
+from ..registry import iter_sweep, support
 from ..architectures.sweep import IMPLEMENTATIONS, ArchitectureResult, describe_error, sweep_architecture
 from ..architectures.tiny import build_tiny_model
 from ..attention import ATTENTION_NAME

@@ -1,6 +1,6 @@
 """``prepare_model_for_packing``: make one model instance exact on packed rows, or refuse it; reversible.
 
-Driven by the registry (:mod:`packing_hf.architectures.registry`): every prepared model gets the batch
+Driven by the registry (:mod:`packing_hf.registry`): every prepared model gets the batch
 guards of :mod:`packing_hf.attention.guards` (a forward pre-hook); architectures whose mask ignores
 ``position_ids`` get per-sample masks in their decoder layers under eager/sdpa; refused architectures
 raise with the reason; an architecture the registry does not know is checked once on a tiny copy of its
@@ -27,7 +27,7 @@ import torch
 from ..attention import ATTENTION_NAME
 from ..attention.guards import check_forward_call
 from ..verify import PackingReport, check_packing
-from .registry import ArchitectureSupport, check_served_config, support, unsupported_layers
+from ..registry import ArchitectureSupport, check_served_config, support, unsupported_layers
 from .tiny import build_tiny_model, tiny_config
 
 __all__ = [

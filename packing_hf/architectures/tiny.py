@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import resolve_attn_implementation
-from .registry import support
+from ..registry import support
 
 __all__ = ["build_tiny_model", "tiny_config"]
 

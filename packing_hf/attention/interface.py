@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..architectures.registry import check_served_config
+from ..registry import check_served_config
 from ..varlen import check_int32_tokens, position_restarts
 from .backends import (
     _cached_host_values,

@@ -15,9 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "packing_hf"
 ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
-# Deprecated re-exports kept where a documented path moved: they point upwards on purpose.
-SHIMS = {"packing_hf.config", "packing_hf.data", "packing_hf.train", "packing_hf.attention.models"}
-
 # Layers, bottom up. A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
@@ -29,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._binpack",
             "packing_hf._rows",
             # data about architectures, read by the attention to refuse models it cannot keep exact
-            "packing_hf.architectures.registry",
+            "packing_hf.registry",
         ),
     ),
     (
@@ -93,9 +90,8 @@ def imports_of(module: str) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    # the package facade (packing_hf/__init__.py) only names things lazily; shims are deprecated re-exports
-    skip = SHIMS | {"packing_hf"}
-    return {m: imports_of(m) - skip for m in MODULES if m not in skip}
+    # the package facade (packing_hf/__init__.py) only names things lazily
+    return {m: imports_of(m) - {"packing_hf"} for m in MODULES if m != "packing_hf"}
 
 
 def test_every_module_belongs_to_a_layer():
@@ -181,6 +177,4 @@ def test_architecture_doc_lists_every_module_and_each_imports():
     gone = sorted(set(listed) - set(MODULES))
     assert not gone, f"docs/architecture.md lists modules that do not exist: {gone}"
     for name in listed:
-        if name in SHIMS:
-            continue  # importing them warns by design; they are listed as deprecated
         importlib.import_module(name)

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import packing_hf
 from packing_hf.architectures import check_served_config, prepare_model_for_packing, tiny_config
-from packing_hf.architectures.registry import unsupported_layers
+from packing_hf.registry import unsupported_layers
 from packing_hf.verify import build_packed_batch, check_packing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
