@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from ..architectures.prepare import prepare_model_for_packing
-from ..registry import iter_sweep, support
 from ..architectures.sweep import IMPLEMENTATIONS, ArchitectureResult, describe_error, sweep_architecture
 from ..architectures.tiny import build_tiny_model
 from ..attention import ATTENTION_NAME
+from ..registry import iter_sweep, support
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, check_packing
 from .config import check_attn_implementation, check_model_type
 

@@ -26,8 +26,8 @@ import torch
 
 from ..attention import ATTENTION_NAME
 from ..attention.guards import check_forward_call
-from ..verify import PackingReport, check_packing
 from ..registry import ArchitectureSupport, check_served_config, support, unsupported_layers
+from ..verify import PackingReport, check_packing
 from .tiny import build_tiny_model, tiny_config
 
 __all__ = [
