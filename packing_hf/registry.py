@@ -31,8 +31,10 @@ __all__ = [
     "Status",
     "check_served_config",
     "iter_sweep",
+    "multimodal_refusal",
     "support",
     "unsupported_layers",
+    "wrapper_text_config",
 ]
 
 Status = Literal["exact", "mask", "refused", "unknown"]
@@ -191,14 +193,54 @@ _ENTRIES = [
     *[
         _entry(m, "refused", _MULTIMODAL, sweep=False)
         for m in (
-            "dots3_note emu3 fuyu gemma3 gemma3n gemma4 gemma4_unified gemma4_unified_assistant gemma4_assistant git "
-            "got_ocr2 llama4 mllama moshi moss_transcribe_diarize musicgen musicgen_melody phi4_multimodal qwen3_5 "
-            "qwen3_5_moe qwen4_exp blt"
+            "dots3_note emu3 fuyu gemma3n gemma4_unified gemma4_unified_assistant gemma4_assistant git "
+            "moshi moss_transcribe_diarize musicgen musicgen_melody phi4_multimodal qwen4_exp blt"
         ).split()
     ],
 ]
 
 REGISTRY: dict[str, ArchitectureSupport] = {e.model_type: e for e in _ENTRIES}
+
+# --- vision-language wrappers (``*ForConditionalGeneration`` with a ``text_config``) ---------------------
+# The wrapper's language model is a text decoder whose own entry decides (text-only and image+text data
+# alike); these are the wrapper-specific parts that cannot be kept per sample, by wrapper model_type and by
+# kind of data ("text": packed text-only rows, "image": packed rows holding images).
+_CROSS_ATTENTION = (
+    "image+text rows: its cross-attention layers attend from every text token to the images of the whole "
+    "batch row (cross_attention_mask is per row, not per packed sample)"
+)
+_MULTIMODAL_REFUSED: dict[tuple[str, str], str] = {
+    ("mllama", "image"): _CROSS_ATTENTION,
+}
+
+
+def wrapper_text_config(config: Any) -> Any | None:
+    """The text decoder's config of a multimodal wrapper (``config.text_config``), or ``None`` for a text model.
+
+    A wrapper is a config holding a ``text_config`` of its own model type next to a vision (or audio) tower:
+    its language model is a text decoder whose registry entry decides whether packed rows stay exact.
+
+    >>> from transformers import AutoConfig
+    >>> wrapper_text_config(AutoConfig.for_model("llava")).model_type
+    'llama'
+    >>> wrapper_text_config(AutoConfig.for_model("llama")) is None
+    True
+    """
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or not hasattr(text, "model_type"):
+        return None
+    if getattr(text, "model_type", None) == getattr(config, "model_type", None):
+        return None
+    return text
+
+
+def multimodal_refusal(model_type: str, data: Literal["text", "image"]) -> str | None:
+    """Why the wrapper ``model_type`` cannot pack ``data`` rows exactly (``None``: its text decoder decides).
+
+    >>> multimodal_refusal("mllama", "text") is None, multimodal_refusal("mllama", "image") is not None
+    (True, True)
+    """
+    return _MULTIMODAL_REFUSED.get((model_type, data))
 
 
 def support(model_type: str) -> ArchitectureSupport:

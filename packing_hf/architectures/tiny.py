@@ -133,6 +133,31 @@ def _representative_layers(layer_types: Sequence[str], keep: int) -> list[int]:
     return sorted(chosen)
 
 
+# vision tower fields -> tiny value (the tower only has to run: it never decides whether packing is exact)
+_TINY_VISION: dict[str, int] = {
+    "hidden_size": 32,
+    "embed_dim": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "attention_heads": 2,
+    "depth": 2,
+    "num_hidden_layers": 2,
+    "projection_dim": 32,
+}
+
+
+def _tiny_vision(vision: dict, text_hidden: int) -> dict:
+    """A tiny vision tower config (as a dict): width, depth and heads shrunk, its output sized for the text model."""
+    out = {**vision, **{k: v for k, v in _TINY_VISION.items() if isinstance(vision.get(k), int)}}
+    if "out_hidden_size" in vision:
+        out["out_hidden_size"] = text_hidden
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if isinstance(vision.get(key), list):
+            out[key] = [1] if key == "fullatt_block_indexes" else [0]
+    return out
+
+
 def tiny_config(config, **overrides):
     """A tiny copy of a causal-LM config that keeps the architecture's features.
 
@@ -214,9 +239,13 @@ def tiny_config(config, **overrides):
 
     vocab_key = present("vocab_size")
     vocab = new.get(vocab_key, data.get(vocab_key)) if vocab_key else None
+    wrapper = vocab is None and isinstance(data.get("text_config"), dict)
+    if wrapper:
+        vocab = _TINY_VOCAB  # a multimodal wrapper: its image/video token ids index the tiny text vocabulary
     if isinstance(vocab, int):
-        # special token ids outside the tiny vocabulary would index past the embedding table
-        spare = vocab - 1
+        # special token ids outside the tiny vocabulary would index past the embedding table (a wrapper's
+        # start below the text config's own, so that an image token never doubles as end-of-sequence)
+        spare = vocab - 1 - (16 if wrapper else 0)
         for key, value in data.items():
             if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= vocab:
                 new[key] = spare
@@ -228,9 +257,20 @@ def tiny_config(config, **overrides):
     for key, value in data.items():
         if key == "text_config" and isinstance(value, dict) and getattr(base, key, None) is not None:
             new[key] = tiny_config(getattr(base, key)).to_dict()
+        elif key == "vision_config" and isinstance(value, dict):
+            text = new.get("text_config") or data.get("text_config") or {}
+            new[key] = _tiny_vision(value, text.get("hidden_size", _TINY_HIDDEN))
         elif key in ("attn_config", "ffn_config") and isinstance(value, dict):
             new[key] = {**value, **{k: v for k, v in _TINY_FIELDS.items() if isinstance(value.get(k), int)}}
 
+    rope = data.get("rope_parameters")
+    mrope = "mrope_section" in (getattr(type(base), "ignore_keys_at_rope_validation", None) or ())
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or mrope):
+        # multimodal RoPE splits head_dim / 2 frequencies into (temporal, height, width) sections
+        head_dim = new.get(present("head_dim") or "", _TINY_HEAD_DIM)
+        half = (head_dim or _TINY_HEAD_DIM) // 2
+        section = [half // 4, half // 4]
+        new["rope_parameters"] = {**rope, "mrope_section": [half - sum(section), *section]}
     new.update(support(str(getattr(base, "model_type", ""))).tiny)
     new.update(overrides)
     return type(base)(**{**data, **new})
@@ -242,15 +282,18 @@ def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
     >>> build_tiny_model("qwen2").config.hidden_size
     64
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     cfg = tiny_config(config)
+    # a vision-language wrapper that is no causal LM of the auto mappings (Qwen2-VL, LLaVA, ...)
+    auto = AutoModelForCausalLM
+    if getattr(cfg, "text_config", None) is not None and cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        auto = AutoModelForImageTextToText
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(
-            cfg, attn_implementation=resolve_attn_implementation(attn_implementation)
-        )
+        model = auto.from_config(cfg, attn_implementation=resolve_attn_implementation(attn_implementation))
     finally:
         torch.random.set_rng_state(generator_state)  # do not disturb the caller's random stream
     return model.float().eval()

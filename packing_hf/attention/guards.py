@@ -51,6 +51,13 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask.reshape(-1))[0, 0])
 
 
+def _text_positions(position_ids: Any) -> Any:
+    """The ``(B, T)`` text positions: multimodal RoPE ``(4, B, T)`` positions carry them in their first row."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        return position_ids[0]
+    return position_ids
+
+
 def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """``(B, T)`` bool marking the first token of every sample, or ``None`` if the batch is not packed.
 
@@ -73,7 +80,7 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
         starts = torch.zeros(1, total, dtype=torch.bool, device=cu.device)
         starts[0, cu[:-1].long()] = True
         return starts
-    position_ids = batch.get("position_ids")
+    position_ids = _text_positions(batch.get("position_ids"))
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
     mask = batch.get("attention_mask")
@@ -176,7 +183,7 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
     batch_size, total = shape
     check_int32_tokens(batch_size * total, f"a packed batch of {batch_size} rows")
 
-    position_ids = out.get("position_ids")
+    position_ids = _text_positions(out.get("position_ids"))
     if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
         host = _check_packed_cu_seqlens(out, batch_size, total)
         # the attention layers reuse this host copy instead of reading the boundaries again, and get one
