@@ -40,6 +40,7 @@ __all__ = [
     "IMAGE_KEYS",
     "TOKEN_KEYS",
     "MultimodalCollator",
+    "image_block_masks",
     "mm_token_types",
     "mrope_position_ids",
 ]
@@ -134,6 +135,59 @@ def mrope_position_ids(
     out = torch.empty(4, 1, total, dtype=torch.long, device=device)
     out[0, 0] = cu_seqlens_to_position_ids(cu).to(device)
     out[1:, 0] = positions[:, valid].to(device=device, dtype=torch.long)
+    return out
+
+
+def image_block_masks(
+    cu_seqlens: Sequence[int],
+    token_type_ids: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-sample attention masks of a packed row whose image tokens attend bidirectionally within their image.
+
+    Gemma 3 lets the tokens of one image see each other both ways (a block), text stays causal. Each block is
+    taken within its sample (a block never continues across a sample boundary), and every pair across
+    samples is masked. Built here because transformers' sliding-window mask looks the blocks up by the
+    per-sample positions of a packed row, which points them at other tokens.
+
+    Args:
+        cu_seqlens: ``n + 1`` sample offsets into the row.
+        token_type_ids: ``(1, T)``: 1 for image tokens, 0 for text.
+        sliding_window: the window of the sliding layers (``None``: no ``"sliding_attention"`` entry).
+        dtype: ``None`` for boolean masks (True = attend, for sdpa); a float dtype for additive masks (eager).
+
+    Returns:
+        ``{"full_attention": (1, 1, T, T), "sliding_attention": (1, 1, T, T)}``.
+
+    >>> masks = image_block_masks([0, 3, 5], torch.tensor([[0, 1, 1, 1, 0]]))
+    >>> masks["full_attention"][0, 0].int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    """
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    total = cu[-1]
+    device = token_type_ids.device
+    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=False)], device=device)
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)  # (T,)
+    first = torch.zeros(total, dtype=torch.bool, device=device)
+    first[torch.tensor(cu[:-1], device=device)] = True
+    image = token_type_ids.reshape(-1)[:total] == 1
+    previous_image = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), image[:-1]])
+    block = torch.cumsum(image & (first | ~previous_image), 0)  # a new block at every image run start
+    block = torch.where(image, block, -1)  # (T,)
+    index = torch.arange(total, device=device)
+    same = sample[:, None] == sample[None, :]
+    keep = same & ((index[:, None] >= index[None, :]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0)))
+    masks = {"full_attention": keep}
+    if sliding_window is not None:
+        masks["sliding_attention"] = keep & (index[None, :] > index[:, None] - sliding_window)
+    out = {}
+    for name, mask in masks.items():
+        mask = mask[None, None]  # (1, 1, T, T)
+        if dtype is not None:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+        out[name] = mask
     return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "IMAGE_BLOCK_MASK",
     "REGISTRY",
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
@@ -209,9 +210,17 @@ _CROSS_ATTENTION = (
     "image+text rows: its cross-attention layers attend from every text token to the images of the whole "
     "batch row (cross_attention_mask is per row, not per packed sample)"
 )
+_UNVERIFIED_BLOCKS = (
+    "image+text rows: its image tokens attend bidirectionally within their image (token_type_ids), a mask "
+    "packing_hf has not verified per sample for this model"
+)
 _MULTIMODAL_REFUSED: dict[tuple[str, str], str] = {
     ("mllama", "image"): _CROSS_ATTENTION,
+    **{(m, "image"): _UNVERIFIED_BLOCKS for m in ("gemma4", "paligemma", "molmo2", "deepseek_ocr2")},
 }
+# wrappers whose image tokens attend bidirectionally within their image block (token_type_ids == 1):
+# prepare_model_for_packing hands their layers per-sample block masks on packed image rows
+IMAGE_BLOCK_MASK = frozenset({"gemma3"})
 
 
 def wrapper_text_config(config: Any) -> Any | None:

@@ -26,8 +26,9 @@ import torch
 
 from ..attention import ATTENTION_NAME
 from ..attention.guards import check_forward_call
-from ..multimodal import mm_token_types, mrope_position_ids
+from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
 from ..registry import (
+    IMAGE_BLOCK_MASK,
     REGISTRY,
     ArchitectureSupport,
     check_served_config,
@@ -154,6 +155,7 @@ class PackingPreparation:
         self._image_refusal = multimodal_refusal(wrapper_type, "image")
         if self._image_refusal is not None:
             self._image_refusal = f"{wrapper_type}: {self._image_refusal}; pack its text-only data, or pad"
+        self._image_blocks = wrapper_type in IMAGE_BLOCK_MASK
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         if mask_fix:
             layers = _decoder_layers(_language_model(model))
@@ -175,6 +177,8 @@ class PackingPreparation:
             raise ValueError(self._image_refusal)
         if self._rope_index is not None and starts is not None:
             checked = self._multimodal_positions(module, args, checked, starts)
+        if self._image_blocks and starts is not None and checked.get("token_type_ids") is not None:
+            checked = self._image_block_mask(module, checked, starts)
         # Kept after the forward returns: activation checkpointing re-runs the layers during backward, and
         # their hooks must restrict the mask the same way again. The next forward replaces it.
         self._same = None
@@ -230,6 +234,28 @@ class PackingPreparation:
             image_grid_thw=kwargs.get("image_grid_thw"),
             video_grid_thw=kwargs.get("video_grid_thw"),
             second_per_grid_ts=kwargs.get("second_per_grid_ts"),
+        )
+        return kwargs
+
+    def _image_block_mask(self, module: torch.nn.Module, kwargs: dict, starts: torch.Tensor) -> dict:
+        """Per-sample block masks for a packed row whose image tokens attend within their image (Gemma 3)."""
+        token_type_ids = kwargs["token_type_ids"]
+        if not bool((token_type_ids == 1).any()):
+            return kwargs
+        if self._impl == ATTENTION_NAME:
+            raise ValueError(
+                f"{self.model_type}: packed image+text rows need its bidirectional image-block mask, which "
+                "packing_hf's varlen attention (causal within each sample) does not express; load the model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
+        if starts.shape[0] != 1:
+            raise ValueError(f"{self.model_type}: packed image+text rows must be one padding-free row (1, T)")
+        text = module.config.get_text_config()
+        cu = torch.nonzero(starts[0]).reshape(-1).tolist() + [int(starts.shape[-1])]
+        dtype = None if self._impl != "eager" else next(module.parameters()).dtype
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = image_block_masks(
+            cu, token_type_ids, sliding_window=getattr(text, "sliding_window", None), dtype=dtype
         )
         return kwargs
 

@@ -152,6 +152,8 @@ def _tiny_vision(vision: dict, text_hidden: int) -> dict:
     out = {**vision, **{k: v for k, v in _TINY_VISION.items() if isinstance(vision.get(k), int)}}
     if "out_hidden_size" in vision:
         out["out_hidden_size"] = text_hidden
+    elif "embed_dim" in vision and "hidden_size" in vision:  # Qwen2-VL: embed_dim inside, hidden_size out
+        out["hidden_size"] = text_hidden
     for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
         if isinstance(vision.get(key), list):
             out[key] = [1] if key == "fullatt_block_indexes" else [0]
