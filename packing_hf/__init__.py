@@ -38,6 +38,8 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
+    # multimodal.py: image+text samples in one packed row
+    "MultimodalCollator": "multimodal",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -114,6 +116,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader

@@ -178,7 +178,9 @@ def image_block_masks(
     block = torch.where(image, block, -1)  # (T,)
     index = torch.arange(total, device=device)
     same = sample[:, None] == sample[None, :]
-    keep = same & ((index[:, None] >= index[None, :]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0)))
+    keep = same & (
+        (index[:, None] >= index[None, :]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0))
+    )
     masks = {"full_attention": keep}
     if sliding_window is not None:
         masks["sliding_attention"] = keep & (index[None, :] > index[:, None] - sliding_window)
@@ -186,7 +188,9 @@ def image_block_masks(
     for name, mask in masks.items():
         mask = mask[None, None]  # (1, 1, T, T)
         if dtype is not None:
-            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
         out[name] = mask
     return out
 

@@ -216,7 +216,9 @@ def _random_samples(config, lengths: Sequence[int], seed: int) -> list[torch.Ten
     for cfg in {id(config): config, id(text_config): text_config}.values():
         for key, value in cfg.to_dict().items():
             if key.endswith(("_token_id", "_token_index")):
-                special.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+                special.update(
+                    v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)
+                )
     allowed = torch.tensor([t for t in range(min(vocab, 4096)) if t not in special])
     generator = torch.Generator().manual_seed(seed)
     return [allowed[torch.randint(len(allowed), (int(n),), generator=generator)] for n in lengths]

@@ -290,7 +290,10 @@ def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
     cfg = tiny_config(config)
     # a vision-language wrapper that is no causal LM of the auto mappings (Qwen2-VL, LLaVA, ...)
     auto = AutoModelForCausalLM
-    if getattr(cfg, "text_config", None) is not None and cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if (
+        getattr(cfg, "text_config", None) is not None
+        and cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
         auto = AutoModelForImageTextToText
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

@@ -20,14 +20,26 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # --------------------------------------------------------------------------------------------------
 # text-only data through the multimodal classes
 
-WRAPPERS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "llava", "mllama", "llama4"]
+WRAPPERS = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "gemma3",
+    "llava",
+    "mllama",
+    "llama4",
+]
 
 
 @pytest.mark.parametrize("model_type", WRAPPERS)
 @pytest.mark.parametrize("implementation", ["sdpa", "packing_hf"])
 def test_text_only_rows_through_a_vlm_wrapper_are_exact_when_prepared(model_type, implementation):
     if model_type == "llama4" and implementation == "packing_hf":
-        pytest.skip("chunked attention: refused by the varlen attention (test_llama4_chunked_is_refused_under_varlen)")
+        pytest.skip(
+            "chunked attention: refused by the varlen attention (test_llama4_chunked_is_refused_under_varlen)"
+        )
     model = build_tiny_model(model_type, implementation)
     assert "ForConditionalGeneration" in type(model).__name__
     with prepare_model_for_packing(model):
@@ -64,7 +76,11 @@ def test_three_row_positions_on_a_packed_row_are_refused():
     model = build_tiny_model("qwen2_vl", "sdpa")
     positions = torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5)
     with prepare_model_for_packing(model), pytest.raises(ValueError, match=r"\(4, B, T\) positions"):
-        model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=positions, cu_seq_lens_q=torch.tensor([0, 3, 5]))
+        model(
+            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
+            position_ids=positions,
+            cu_seq_lens_q=torch.tensor([0, 3, 5]),
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,7 +195,9 @@ def test_qwen_vl_image_rows_equal_every_sample_alone(qwen_models, model_type, po
     samples = _qwen_samples(model)
     rope_index = model.model.get_rope_index if positions == "collator" else None
     batch = MultimodalCollator(rope_index, image_token_id=model.config.image_token_id)(samples)
-    assert batch["position_ids"].shape == ((4, 1, batch["input_ids"].shape[1]) if rope_index else batch["input_ids"].shape)
+    assert batch["position_ids"].shape == (
+        (4, 1, batch["input_ids"].shape[1]) if rope_index else batch["input_ids"].shape
+    )
     assert batch["pixel_values"].shape[0] == sum(len(s.get("pixel_values", ())) for s in samples)
     with prepare_model_for_packing(model):
         logits, grads = _packed_vs_alone(model, samples, batch)
@@ -200,7 +218,9 @@ def test_qwen_vl_negative_controls_are_caught(qwen_models, model_type):
     # 2. image tokens placed by text positions (the model's positions for text, not each image's grid)
     flat = dict(batch, position_ids=batch["position_ids"][:1].expand(4, 1, total))
     for wrong in (merged, flat):
-        logits, _ = _packed_vs_alone(model.eval(), samples, {**wrong, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False})
+        logits, _ = _packed_vs_alone(
+            model.eval(), samples, {**wrong, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
+        )
         assert logits > 100 * DEFAULT_TOLERANCE, logits
 
 
@@ -210,14 +230,19 @@ def test_mrope_positions_restart_per_sample_and_match_the_model_alone(qwen_model
     batch = MultimodalCollator()(samples)
     ids = batch["input_ids"]
     positions = mrope_position_ids(
-        model.model.get_rope_index, ids, batch["cu_seq_lens_q"], mm_token_types(ids, model.config.image_token_id),
+        model.model.get_rope_index,
+        ids,
+        batch["cu_seq_lens_q"],
+        mm_token_types(ids, model.config.image_token_id),
         image_grid_thw=batch["image_grid_thw"],
     )
     cu = batch["cu_seq_lens_q"].tolist()
     for i, sample in enumerate(samples):
         kwargs = _alone_kwargs(model, sample)
         if "image_grid_thw" in kwargs:
-            alone, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs["image_grid_thw"])
+            alone, _ = model.model.get_rope_index(
+                kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs["image_grid_thw"]
+            )
         else:
             alone = torch.arange(len(sample["input_ids"])).expand(3, 1, -1)
         assert torch.equal(positions[1:, :, cu[i] : cu[i + 1]], alone)
@@ -263,7 +288,9 @@ def test_fixed_size_image_rows_equal_every_sample_alone(build):
     # negative control: no restarting positions (one long sample) is caught by the same comparison
     merged = {k: v for k, v in batch.items() if not k.startswith(("cu_seq", "max_length"))}
     merged["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
-    logits, _ = _packed_vs_alone(model, samples, {**merged, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False})
+    logits, _ = _packed_vs_alone(
+        model, samples, {**merged, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
+    )
     assert logits > 100 * DEFAULT_TOLERANCE
     if model.config.model_type == "gemma3":
         # the block mask turned off: transformers' own sliding mask on a packed row looks the image blocks up by
@@ -283,7 +310,13 @@ def test_image_blocks_never_continue_across_a_sample_boundary():
 
 def test_mllama_image_rows_are_refused_by_name():
     model = build_tiny_model("mllama", "sdpa")
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "position_ids": torch.tensor([[0, 1, 0, 1]]),
-             "pixel_values": torch.zeros(1, 1, 1, 3, 8, 8)}
-    with prepare_model_for_packing(model), pytest.raises(ValueError, match="mllama: image\\+text rows: its cross-attention"):
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8]]),
+        "position_ids": torch.tensor([[0, 1, 0, 1]]),
+        "pixel_values": torch.zeros(1, 1, 1, 3, 8, 8),
+    }
+    with (
+        prepare_model_for_packing(model),
+        pytest.raises(ValueError, match="mllama: image\\+text rows: its cross-attention"),
+    ):
         model(**batch)
