@@ -109,6 +109,13 @@ def _restarts_among(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return valid & ((previous < 0) | (position_ids != prev_pos + 1))
 
 
+def _config_caches(config: Any) -> bool:
+    """Whether the model would build a cache by default: its config, or a multimodal wrapper's text config
+    (``Trainer`` sets ``model.config.use_cache = False`` on the wrapper only)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "use_cache", True)) or bool(getattr(text, "use_cache", True))
+
+
 def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
     for key in ("input_ids", "inputs_embeds", "position_ids", "labels"):
         value = batch.get(key)
@@ -234,7 +241,7 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
             "past_key_values was passed with a packed row: a cache turns off packed-sequence masking and "
             "would mix samples; packed rows are for training, call the model without a cache"
         )
-    if out.get("use_cache") or (out.get("use_cache") is None and getattr(config, "use_cache", True)):
+    if out.get("use_cache") or (out.get("use_cache") is None and _config_caches(config)):
         out["use_cache"] = False  # a cache disables packed-sequence detection in transformers' mask creation
 
     labels = out.get("labels")

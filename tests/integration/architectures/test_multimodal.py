@@ -320,3 +320,48 @@ def test_mllama_image_rows_are_refused_by_name():
         pytest.raises(ValueError, match="mllama: image\\+text rows: its cross-attention"),
     ):
         model(**batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry points: packing_hf.Trainer (pre-flight, multipack) on text-only data through a VLM wrapper
+
+
+def test_trainer_packs_text_only_data_through_a_qwen_vl_wrapper(gsm8k_tokenized, tmp_path):
+    import datasets
+
+    import packing_hf
+
+    model = build_tiny_model("qwen2_vl", "sdpa").train()
+    rows = [{"input_ids": [t % 400 for t in r["input_ids"]]} for r in gsm8k_tokenized[:12]]
+    seen = []
+    model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(getattr(kwargs["position_ids"], "shape", None)),
+        with_kwargs=True,
+    )
+    args = packing_hf.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_tokens_per_batch=512, max_steps=2, packing_preflight="error", learning_rate=1e-3,
+    )  # fmt: skip
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and len(batch["cu_seq_lens_q"]) > 2  # several samples in one row
+    # step 0 is exact: the packed loss is the token-weighted mean of every sample's loss alone
+    cu = batch["cu_seq_lens_q"].tolist()
+    model.eval()
+    with prepare_model_for_packing(model), torch.no_grad():
+        packed = model(**batch).loss
+        total = count = 0.0
+        for a, b in zip(cu[:-1], cu[1:], strict=False):
+            labels = batch["labels"][:, a:b]
+            n = int((labels[:, 1:] != -100).sum())
+            total += (
+                float(model(input_ids=batch["input_ids"][:, a:b], labels=labels, use_cache=False).loss) * n
+            )
+            count += n
+    assert float(packed) == pytest.approx(total / count, rel=1e-5)
+    seen.clear()
+    model.train()
+    trainer.train()
+    assert seen and all(shape is not None and shape[0] == 4 for shape in seen), (
+        seen
+    )  # the text row reached the language model
