@@ -40,10 +40,10 @@ from ..sampler import MultipackBatchSampler
 from .baseline import evaluate_loss, measure_throughput, padded_collator, padded_efficiency
 from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
 from .data import PreparedDataset, prepare_dataset
+from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
-from .modeling import load_model, load_tokenizer, model_source
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 
