@@ -14,9 +14,9 @@ expanded, so every sample's length is its true sequence length.
 
 One epoch of forward + backward + SGD step over the same samples is one round; contenders alternate
 round by round (interleaved), and the median round time gives real tokens/s (padding not counted). Peak
-memory: each contender runs one epoch in a fresh subprocess that builds only its own batches and reports
-its resident-set high-water mark (model, data and the epoch's activations; RSS sees torch's allocations,
-tracemalloc does not).
+memory: each contender runs one epoch in a fresh subprocess that builds only its own batches; the
+resident-set high-water mark is reset just before the epoch (Linux ``clear_refs``) and the epoch's peak
+minus the resident set before it is reported (RSS sees torch's allocations, tracemalloc does not).
 
     python benchmarks/bench_vlm.py            # default sizes
     python benchmarks/bench_vlm.py --quick    # smoke run
@@ -25,7 +25,6 @@ tracemalloc does not).
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -145,15 +144,28 @@ def setup(args, which=("padded", "packed")):
     return models, samples, {name: makers[name]() for name in which}
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def memory_child(args) -> None:
-    """One epoch of one contender in this fresh process; prints the process's peak resident memory."""
+    """One epoch of one contender in this fresh process; prints the extra resident memory its epoch needed.
+
+    The resident-set high-water mark is reset just before the epoch (``/proc/self/clear_refs``, Linux), so
+    the peak is the epoch's own (activations, gradients, masks), not the setup's (tokenizer, data)."""
     models, _, batches = setup(args, (args.memory_of,))
     model = models[args.memory_of]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     handle = prepare_model_for_packing(model)
+    run_epoch(model, batches[args.memory_of][:1], optimizer)  # optimizer state and allocator warmed up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident set
+    before = _status_kib("VmRSS")
     run_epoch(model, batches[args.memory_of], optimizer)
+    peak = _status_kib("VmHWM")
     handle.revert()
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_mib": (peak - before) / 1024}))
 
 
 def main() -> None:
