@@ -258,6 +258,15 @@ class MultimodalCollator:
         )
 
     @property
+    def input_columns(self) -> tuple[str, ...]:
+        """Dataset columns this collator consumes: a ``Trainer`` must not strip them (``remove_unused_columns``).
+
+        >>> "pixel_values" in MultimodalCollator().input_columns
+        True
+        """
+        return (*self._base.input_columns, *self.passthrough_keys, *TOKEN_KEYS)
+
+    @property
     def stats(self) -> dict[str, int]:
         """The token and sample counts of the underlying :class:`~packing_hf.PaddingFreeCollator`."""
         return self._base.stats
