@@ -365,3 +365,33 @@ def test_trainer_packs_text_only_data_through_a_qwen_vl_wrapper(gsm8k_tokenized,
     assert seen and all(shape is not None and shape[0] == 4 for shape in seen), (
         seen
     )  # the text row reached the language model
+
+
+def test_trainer_packs_image_rows_with_the_multimodal_collator(qwen_models, tmp_path):
+    import datasets
+
+    import packing_hf
+
+    model = build_tiny_model("qwen2_vl", "sdpa").train()
+    generator = torch.Generator().manual_seed(1)
+    rows = [_qwen_sample(model.config, (4 + i, 3), [(1, 2 * (1 + i % 3), 4)], generator) for i in range(8)]
+    dataset = datasets.Dataset.from_list(
+        [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in rows]
+    )
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            (kwargs["position_ids"].shape, kwargs["pixel_values"].shape)
+        ),
+        with_kwargs=True,
+    )
+    args = packing_hf.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_tokens_per_batch=96, max_steps=2, learning_rate=1e-3,
+    )  # fmt: skip
+    collator = MultimodalCollator(image_token_id=model.config.image_token_id)
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer.train()
+    assert len(seen) == 2
+    for positions, pixels in seen:  # mRoPE rows computed per sample inside the prepared model
+        assert positions[0] == 4 and pixels[0] > 0
