@@ -55,7 +55,7 @@ def test_truncation_keeps_the_weights_aligned(tmp_path, tokenizer):
     [
         (-1, r"messages\[1\]\.weight = -1"),
         (float("nan"), r"messages\[1\]\.weight = nan"),
-        ("high", "weight = 'high'"),
+        ("high", r"messages\[1\]\.weight = 'high'"),
     ],
 )
 def test_bad_weights_name_the_record(weight, message, tmp_path):
