@@ -174,3 +174,34 @@ def test_named_errors(tmp_path):
                 label_smoothing_factor=0.1,
             ),
         )
+
+
+def test_sft_trainer_follows_the_same_contract(reference, tokenizer, tmp_path):
+    """packing_hf.SFTTrainer: packed weighted "sample" step equals the padded Trainer reference."""
+    import datasets
+    from transformers import TrainerCallback
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grads = {
+                n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+
+    capture = Capture()
+    args = packing_hf.SFTConfig(
+        str(tmp_path), loss_normalization="sample", gradient_accumulation_steps=16, max_tokens_per_batch=BUDGET,
+        max_steps=1, max_grad_norm=0.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        disable_tqdm=True, packing_metrics=False, seed=harness.SEED, max_length=None,
+        bf16=False, gradient_checkpointing=False,  # TRL's defaults; the reference is fp32
+    )  # fmt: skip
+    trainer = packing_hf.SFTTrainer(
+        model=harness.make_model(),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(harness.make_samples(weighted=True)),
+        processing_class=tokenizer,
+        data_collator=packing_hf.PaddingFreeCollator(),
+        callbacks=[capture],
+    )
+    trainer.train()
+    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    _same((capture.grads, loss), reference("sample", True))
