@@ -54,7 +54,9 @@ class PackingLossMixin:
         args = self.args
         conflicts = []
         if any(base.__name__ == "DPOTrainer" for base in type(self).__mro__):
-            conflicts.append("DPO, whose loss is one term per preference pair: leave loss_normalization='token'")
+            conflicts.append(
+                "DPO, whose loss is one term per preference pair: leave loss_normalization='token'"
+            )
         if self.compute_loss_func is not None:
             conflicts.append("a compute_loss_func (it would replace the normalised loss): drop it")
         if args.label_smoothing_factor:
@@ -87,6 +89,12 @@ class PackingLossMixin:
         if not self._packing_counting:
             return super()._get_num_items_in_batch(batch_samples, device)
         normalization = self.args.loss_normalization
+        single = self.accelerator.num_processes == 1
+        if normalization == "token" and single and not any(LOSS_WEIGHTS_KEY in b for b in batch_samples):
+            # the default on one process: stock's count, nothing else to agree on
+            self._packing_loss_active = False
+            self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
+            return super()._get_num_items_in_batch(batch_samples, device)
         # (any batch has weights, sum of target weights, samples), summed over micro-batches then ranks
         local = torch.zeros(3, dtype=torch.float64)
         for batch in batch_samples:
@@ -104,7 +112,8 @@ class PackingLossMixin:
             )
             local += torch.tensor([float(weights is not None), target_weight, samples], dtype=torch.float64)
         totals = local.to(device)
-        if self.accelerator.num_processes > 1:
+        if not single:
+            # every rank must take the same path this step (a stream's padding batch carries no weights)
             totals = self.accelerator.reduce(totals, reduction="sum")
         self._packing_loss_active = normalization != "token" or bool(totals[0] > 0)
         if not self._packing_loss_active:
