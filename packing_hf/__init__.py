@@ -38,6 +38,9 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
+    # rollouts.py: online-RL rollouts in packed rows
+    "pack_rollouts": "rollouts",
+    "unpack_rollouts": "rollouts",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -68,6 +71,10 @@ _LAZY: dict[str, str] = {
     "SFTConfig": "integrations",
     "DPOTrainer": "integrations",
     "DPOConfig": "integrations",
+    "GRPOTrainer": "integrations",
+    "GRPOConfig": "integrations",
+    "RLOOTrainer": "integrations",
+    "RLOOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -113,8 +120,20 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .attention.guards import validate_packed_batch
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
-    from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .integrations import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+        SFTConfig,
+        SFTTrainer,
+        Trainer,
+        TrainingArguments,
+    )
     from .preference import PaddingFreePreferenceCollator
+    from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .varlen import (

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.fixed",
             "packing_hf.sampler",
             "packing_hf.preference",
+            "packing_hf.rollouts",
             "packing_hf.streaming",
         ),
     ),
