@@ -49,7 +49,9 @@ class RolloutPack:
         labels: ``(1, T)`` int64, the token on real completion tokens, ``-100`` elsewhere.
         target: ``(T - 1,)`` int64: the flat ``(B, C)`` index the shifted packed position ``t`` (which predicts
             token ``t + 1``) lands on, ``B * C`` where it is not a target.
-        rows: ``(n,)`` int64, the batch rows this pack holds, in packed order.
+        rows: ``(n,)`` int64, the batch rows this pack holds (sorted).
+        prefix_seq_idx: ``(n_segments,)`` int32 when rollouts share their prompt (``-1`` for an ordinary or
+            prefix segment, the prefix's segment index for a branch), else ``None``.
     """
 
     input_ids: torch.Tensor
@@ -59,10 +61,13 @@ class RolloutPack:
     labels: torch.Tensor
     target: torch.Tensor
     rows: torch.Tensor
+    prefix_seq_idx: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, object]:
         """The keyword arguments of the packed forward (``labels`` included)."""
+        shared = {} if self.prefix_seq_idx is None else {"prefix_seq_idx": self.prefix_seq_idx}
         return {
+            **shared,
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.cu_seq_lens,
@@ -110,25 +115,79 @@ def rollout_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np
     return starts, ends
 
 
-def _assign_packs(lengths: np.ndarray, max_tokens_per_batch: int | None, min_packs: int) -> list[np.ndarray]:
-    n = lengths.size
-    if max_tokens_per_batch is None:
-        bins = [np.arange(n, dtype=np.int64)]
-        if min_packs > 1:  # equal shares of rows, so ranks can stay in step
-            bins = [b for b in np.array_split(np.arange(n, dtype=np.int64), min(min_packs, n)) if b.size]
-        return bins
-    too_long = np.flatnonzero(lengths > max_tokens_per_batch)
+# An item of the bin packing: segments (row, first column, end column, is_branch) kept in one packed row.
+_Segment = tuple[int, int, int, bool]
+
+
+def _rollout_items(
+    ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, prompt_width: int, share_prompts: bool
+) -> list[list[_Segment]]:
+    """One item per rollout, or with ``share_prompts`` one per group of rollouts with the same prompt tokens:
+    the prompt but its last token as a prefix segment, then one branch per rollout (its last prompt token,
+    which predicts the completion's first token, and its completion)."""
+    rows = range(ids.shape[0])
+    if not share_prompts:
+        return [[(b, int(starts[b]), int(ends[b]), False)] for b in rows]
+    groups: dict[bytes, list[int]] = {}
+    for b in rows:
+        groups.setdefault(ids[b, starts[b] : prompt_width].tobytes(), []).append(b)
+    items = []
+    for members in groups.values():
+        branches = [b for b in members if ends[b] > prompt_width]  # rows with completion tokens
+        lonely = [b for b in members if b not in branches]
+        if len(branches) < 2 or prompt_width - starts[members[0]] < 2:  # nothing to share
+            lonely = members
+            branches = []
+        items.extend([[(b, int(starts[b]), int(ends[b]), False)] for b in lonely])
+        if branches:
+            first = branches[0]
+            prefix = (first, int(starts[first]), prompt_width - 1, False)
+            items.append([prefix, *[(b, prompt_width - 1, int(ends[b]), True) for b in branches]])
+    return items
+
+
+def _split_group(item: list[_Segment]) -> list[list[_Segment]]:
+    """A shared group in two halves, each with its own copy of the prefix (a lone branch is a plain rollout
+    again: the rollouts of a group have the same prompt, hence the same first column)."""
+    (_, first, prefix_end, _), branches = item[0], item[1:]
+    out = []
+    for half in (branches[: len(branches) // 2], branches[len(branches) // 2 :]):
+        if len(half) == 1:
+            out.append([(half[0][0], first, half[0][2], False)])
+        else:
+            out.append([(half[0][0], first, prefix_end, False), *half])
+    return out
+
+
+def _tokens(item: list[_Segment]) -> int:
+    return sum(end - start for _, start, end, _ in item)
+
+
+def _assign_packs(
+    items: list[list[_Segment]], max_tokens_per_batch: int | None, min_packs: int
+) -> list[list[list[_Segment]]]:
+    while len(items) < min_packs and any(len(item) > 2 for item in items):  # ranks need more forwards
+        largest = max(range(len(items)), key=lambda i: (len(items[i]), _tokens(items[i])))
+        items = items[:largest] + _split_group(items[largest]) + items[largest + 1 :]
+    weights = np.array([_tokens(item) for item in items], dtype=np.int64)
+    budget = max_tokens_per_batch if max_tokens_per_batch is not None else int(weights.sum())
+    too_long = np.flatnonzero(weights > budget)
     if too_long.size:
-        row = int(too_long[0])
-        raise ValueError(
-            f"rollout {row} holds {int(lengths[row])} tokens (prompt + completion) > max_tokens_per_batch="
-            f"{max_tokens_per_batch}; a rollout is never split: raise max_tokens_per_batch to at least "
-            f"{int(lengths.max())} (or shorten max_prompt_length / max_completion_length)"
+        item = items[int(too_long[0])]
+        what = (
+            f"the group of {len(item) - 1} rollouts sharing a prompt"
+            if len(item) > 1
+            else f"rollout {item[0][0]}"
         )
-    packing = pack_best_fit_decreasing(lengths, max_tokens_per_batch)
-    if packing.num_bins < min(min_packs, n):
-        packing = split_bins(packing, lengths, min(min_packs, n) - packing.num_bins)
-    return [np.sort(np.asarray(b, dtype=np.int64)) for b in packing.bins()]
+        raise ValueError(
+            f"{what} holds {int(weights[too_long[0]])} tokens > max_tokens_per_batch={max_tokens_per_batch}; "
+            f"rollouts (and, with prompt sharing, groups) are never split: raise max_tokens_per_batch to at least "
+            f"{int(weights.max())}, shorten max_prompt_length / max_completion_length, or turn share_prompt off"
+        )
+    packing = pack_best_fit_decreasing(weights, budget)
+    if packing.num_bins < min(min_packs, len(items)):
+        packing = split_bins(packing, weights, min(min_packs, len(items)) - packing.num_bins)
+    return [[items[i] for i in sorted(b)] for b in packing.bins()]
 
 
 def pack_rollouts(
@@ -137,22 +196,36 @@ def pack_rollouts(
     logits_to_keep: int,
     max_tokens_per_batch: int | None = None,
     min_packs: int = 1,
+    share_prompts: bool = False,
 ) -> list[RolloutPack]:
     """TRL's padded rollout batch as packed rows (see the module docstring).
+
+    With ``share_prompts``, rollouts whose prompt tokens are identical (a GRPO group) share one copy of the
+    prompt: the prompt but its last token becomes a prefix segment, and every rollout a branch holding the
+    last prompt token and its completion, attending to the prefix and itself with positions continuing from
+    the prefix (``prefix_seq_idx``, see :mod:`packing_hf.shared_prefix`; the model needs packing_hf's
+    attention). A group is never split across rows.
 
     Args:
         input_ids: ``(B, P + C)`` int64, left-padded prompts then right-padded completions.
         attention_mask: ``(B, P + C)``, 1 on real tokens (see :func:`rollout_spans`).
         logits_to_keep: ``C``, the completion width; only real tokens in the last ``C`` columns are targets.
         max_tokens_per_batch: most tokens in one packed row, or ``None`` for a single row.
-        min_packs: make at least ``min(min_packs, B)`` rows (by splitting bins), so that data-parallel ranks
-            run as many forwards each.
+        min_packs: make at least ``min(min_packs, B)`` rows (by splitting bins, then groups), so that
+            data-parallel ranks run as many forwards each.
+        share_prompts: compute every group's prompt once (see above).
 
     Returns:
         The :class:`RolloutPack` rows, every batch row in exactly one of them.
 
     Raises:
-        ValueError: a malformed mask, or a rollout longer than ``max_tokens_per_batch``.
+        ValueError: a malformed mask, or a rollout (group) longer than ``max_tokens_per_batch``.
+
+    >>> ids = torch.tensor([[7, 8, 9, 1, 2], [7, 8, 9, 3, 0]])  # one prompt, two completions
+    >>> mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    >>> [pack] = pack_rollouts(ids, mask, logits_to_keep=2, share_prompts=True)
+    >>> pack.input_ids.tolist(), pack.position_ids.tolist(), pack.prefix_seq_idx.tolist()
+    ([[7, 8, 9, 1, 2, 9, 3]], [[0, 1, 2, 3, 4, 2, 3]], [-1, 0, 0])
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -160,36 +233,44 @@ def pack_rollouts(
         )
     starts, ends = rollout_spans(attention_mask, logits_to_keep)
     batch, width = input_ids.shape
-    prompt_width = width - int(logits_to_keep)
-    lengths = ends - starts
+    keep = int(logits_to_keep)
+    prompt_width = width - keep
     ids_cpu = input_ids.detach().cpu()
+    items = _rollout_items(ids_cpu.numpy(), starts, ends, prompt_width, share_prompts)
     real = attention_mask.detach().to("cpu", torch.bool).numpy()
+    device = input_ids.device
     packs = []
-    for rows in _assign_packs(lengths, max_tokens_per_batch, min_packs):
-        seg = lengths[rows]
+    for bin_items in _assign_packs(items, max_tokens_per_batch, min_packs):
+        segments = [segment for item in bin_items for segment in item]
+        seg = np.array([end - start for _, start, end, _ in segments], dtype=np.int64)
+        prefix_of, first_segment = [], 0  # every item: a plain or prefix segment, then its branches
+        for item in bin_items:
+            prefix_of.extend([-1] + [first_segment] * (len(item) - 1))
+            first_segment += len(item)
         total = int(seg.sum())
         check_int32_tokens(total, "a packed row of rollouts")
+        row_of = np.repeat(np.array([r for r, _, _, _ in segments], dtype=np.int64), seg)  # (T,)
         offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(seg) - seg, seg)  # (T,) in segment
-        row_of = np.repeat(rows, seg)  # (T,) batch row of every packed token
-        column = starts[row_of] + offsets  # (T,) column in the padded layout
+        column = np.repeat(np.array([c for _, c, _, _ in segments], dtype=np.int64), seg) + offsets
         tokens = ids_cpu[torch.from_numpy(row_of), torch.from_numpy(column)]
         is_target = (column >= prompt_width) & real[row_of, column]
         labels = torch.where(torch.from_numpy(is_target), tokens, torch.full_like(tokens, IGNORE_INDEX))
         # the shifted position t predicts token t + 1; a segment's first token is a prompt token, never a target
-        flat = row_of * int(logits_to_keep) + (column - prompt_width)
-        target = np.where(is_target, flat, batch * int(logits_to_keep))[1:]
+        target = np.where(is_target, row_of * keep + (column - prompt_width), batch * keep)[1:]
         cu = np.zeros(seg.size + 1, dtype=np.int32)
         np.cumsum(seg, out=cu[1:])
-        device = input_ids.device
+        shared = any(p >= 0 for p in prefix_of)
         packs.append(
             RolloutPack(
                 input_ids=tokens[None].to(device),
-                position_ids=torch.from_numpy(offsets)[None].to(device),
+                # a branch continues its prefix: every token sits at its column minus its prompt's first column
+                position_ids=torch.from_numpy(column - starts[row_of])[None].to(device),
                 cu_seq_lens=torch.from_numpy(cu).to(device),
                 max_length=int(seg.max()),
                 labels=labels[None].to(device),
                 target=torch.from_numpy(target).to(device),
-                rows=torch.from_numpy(rows),
+                rows=torch.from_numpy(np.unique(row_of)),
+                prefix_seq_idx=torch.tensor(prefix_of, dtype=torch.int32, device=device) if shared else None,
             )
         )
     return packs

@@ -15,6 +15,13 @@ metrics then run unchanged on the same numbers.
   (a micro-batch for the training pass; ``per_device_train_batch_size`` rows for the no-grad passes) are
   bin-packed into rows of at most that many tokens, one forward each; a rollout is never split. ``None``
   (default): one packed row per TRL forward. Data-parallel ranks run the same number of forwards.
+- ``share_prompt=True``: the rollouts of one forward that share their prompt tokens (a group) store and
+  compute the prompt once: a prefix segment, then one branch per completion attending to the prefix and
+  itself (:mod:`packing_hf.shared_prefix`, packing_hf's attention). ``G (P + R)`` tokens become
+  ``P + G (R + 1)``; the prompt's gradient is the sum over the group, as with ``G`` copies. TRL shuffles a
+  generation batch before cutting it into micro-batches, so the training pass shares only what a
+  micro-batch holds of a group (all of it with ``steps_per_generation=1``); the no-grad passes score the
+  generation batch in order.
 - Refused with a ``ValueError`` (they cannot be exact on a packed row, or are not verified): vision-language
   inputs, MoE router auxiliary losses (``output_router_logits`` with ``router_aux_loss_coef != 0``: a
   load-balancing loss over padded rows is not a sum over packed ones), ``use_liger_kernel``, prompt-learning
@@ -37,6 +44,7 @@ from typing import Any, Literal
 import torch
 import trl
 
+from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES
 from .preflight import base_model, preflight_packing
@@ -61,6 +69,16 @@ class RolloutPackingArguments:
             "help": "Most tokens (prompt + completion, summed over rollouts) in one packed forward. The rollouts "
             "TRL scores in one forward are bin-packed into rows of at most this many tokens, one forward each; a "
             "rollout is never split. None (default): one packed row per TRL forward."
+        },
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the prompt of rollouts that share it (a GRPO/RLOO group in one forward) once: the "
+            "prompt becomes a prefix segment and every completion a branch attending to it and to itself "
+            "(positions continue from the prompt). Exact; the gradient through the prompt is the sum over its "
+            "branches. Needs packing_hf's attention (the model is switched to it for the duration). Groups are "
+            "never split across packed rows."
         },
     )
     packing_preflight: Literal["switch", "error", "off"] = field(
@@ -155,7 +173,8 @@ class PackedRolloutsMixin:
 
     Put it first in the bases of a TRL online trainer whose log-prob method has TRL 1.x's signature. After a
     call, :attr:`packing_stats` holds running counts: ``forwards``, ``packed_tokens`` (tokens the packed
-    forwards computed) and ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced).
+    forwards computed), ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced) and
+    ``shared_prompts`` (prompt segments computed once for several rollouts).
     """
 
     def _packing_init(self) -> None:
@@ -172,7 +191,7 @@ class PackedRolloutsMixin:
                 f"{self.args.router_aux_loss_coef}): TRL computes it over the padded rows of each forward, which "
                 "packed rows do not reproduce; set router_aux_loss_coef=0.0 or use the stock TRL trainer"
             )
-        self.packing_stats = {"forwards": 0, "packed_tokens": 0, "padded_tokens": 0}
+        self.packing_stats = {"forwards": 0, "packed_tokens": 0, "padded_tokens": 0, "shared_prompts": 0}
         self._prepared: dict[int, Any] = {}
 
     # ---- models prepared for packed rows -----------------------------------------------------------
@@ -183,6 +202,9 @@ class PackedRolloutsMixin:
         if id(base) in self._prepared:
             return
         attn_implementation = getattr(base.config, "_attn_implementation", None)
+        if self.args.share_prompt and attn_implementation != register_attention():
+            # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
+            base.set_attn_implementation(register_attention())
         self._prepared[id(base)] = (
             base,
             attn_implementation,
@@ -226,7 +248,10 @@ class PackedRolloutsMixin:
         budget = self.args.max_tokens_per_batch
         starts = list(range(0, input_ids.size(0), batch_size))
         chunks = [slice(s, min(s + batch_size, input_ids.size(0))) for s in starts]
-        plans = [pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget) for c in chunks]
+        share = self.args.share_prompt
+        plans = [
+            pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, 1, share) for c in chunks
+        ]
         if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
             # a forward through DDP may communicate (buffer broadcast): every rank runs as many
             counts = torch.tensor([len(p) for p in plans], device=self.accelerator.device)
@@ -234,7 +259,7 @@ class PackedRolloutsMixin:
             plans = [
                 plan
                 if len(plan) >= n
-                else pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, n)
+                else pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, n, share)
                 for plan, c, n in zip(plans, chunks, counts.tolist(), strict=True)
             ]
         return list(zip(chunks, plans, strict=True))
@@ -278,6 +303,8 @@ class PackedRolloutsMixin:
                     chunk_entropies.append(outputs.entropy)
                 self.packing_stats["forwards"] += 1
                 self.packing_stats["packed_tokens"] += pack.input_ids.numel()
+                if pack.prefix_seq_idx is not None:
+                    self.packing_stats["shared_prompts"] += len(set(pack.prefix_seq_idx.tolist()) - {-1})
             chunk_rows = chunk.stop - chunk.start
             self.packing_stats["padded_tokens"] += chunk_rows * width
             logps.append(unpack_rollouts(chunk_logps, packs, chunk_rows, logits_to_keep))

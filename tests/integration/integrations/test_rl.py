@@ -27,7 +27,7 @@ G = 2
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # metrics that are timings or counters of wall-clock work, not results
-PACKING_FIELDS = ("max_tokens_per_batch", "packing_preflight")
+PACKING_FIELDS = ("max_tokens_per_batch", "packing_preflight", "share_prompt")
 _TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
 
 
@@ -171,8 +171,18 @@ def _per_token(trainer, batch):
         {"loss_type": "sapo", "top_entropy_quantile": 0.5},
         {"loss_type": "luspo", "importance_sampling_level": "sequence"},
         {"loss_type": "vespo", "entropy_coef": 0.01},
+        # prompt sharing: each group's prompt computed once (one forward, then under a budget)
+        {"loss_type": "dapo", "share_prompt": True},
+        {
+            "loss_type": "grpo",
+            "share_prompt": True,
+            "max_tokens_per_batch": 64,
+            "mask_truncated_completions": True,
+        },
     ],
-    ids=lambda c: c["loss_type"],
+    ids=lambda c: "+".join(
+        [c["loss_type"], *(k for k in ("share_prompt", "max_tokens_per_batch") if k in c)]
+    ),
 )
 def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, tokenizer, prompts, config):
     stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), **config)
@@ -188,6 +198,9 @@ def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, 
     assert packed.packing_stats["packed_tokens"] < packed.packing_stats["padded_tokens"]  # padding avoided
     if "max_tokens_per_batch" in config:
         assert packed.packing_stats["forwards"] > 3  # the budget split the forwards
+    if config.get("share_prompt"):  # each group's prompt stored once: fewer tokens than one copy per rollout
+        rollouts = int((torch.cat([batch_p["prompt_mask"], batch_p["completion_mask"]], 1)).sum())
+        assert packed.packing_stats["packed_tokens"] < 3 * rollouts  # 3 passes (ref, policy, policy)
 
     stock._metrics["train"].clear()
     packed._metrics["train"].clear()
@@ -201,19 +214,35 @@ def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, 
         assert torch.allclose(got, want, rtol=REL, atol=1e-7), f"metric {key}: {got} vs {want}"
 
 
-def test_negative_control_segments_that_see_each_other_are_caught(
-    tmp_path, model_dir, tokenizer, prompts, monkeypatch
+def _one_long_sequence(self):
+    """The packed row run as one sequence: no cu_seq_lens, positions running on (segments see each other)."""
+    return {"input_ids": self.input_ids, "labels": self.labels}
+
+
+def _branches_without_prefix(self):
+    """Shared-prefix row without prefix_seq_idx: every branch an ordinary segment that misses its prompt."""
+    inputs = ORIGINAL_MODEL_INPUTS(self)
+    assert inputs.pop("prefix_seq_idx") is not None
+    inputs["position_ids"] = packing_hf.cu_seqlens_to_position_ids(self.cu_seq_lens)[None]
+    return inputs
+
+
+ORIGINAL_MODEL_INPUTS = RolloutPack.model_inputs
+
+
+@pytest.mark.parametrize(
+    "share, tamper", [(False, _one_long_sequence), (True, _branches_without_prefix)], ids=["packed", "shared"]
+)
+def test_negative_control_layout_errors_are_caught(
+    tmp_path, model_dir, tokenizer, prompts, monkeypatch, share, tamper
 ):
-    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), beta=0.0)
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), beta=0.0, share_prompt=share)
     batch_s, batch_p = _micro_batches(stock, packed)
-    # the packed row run as one long sequence: no cu_seq_lens, positions running on
-    monkeypatch.setattr(
-        RolloutPack, "model_inputs", lambda self: {"input_ids": self.input_ids, "labels": self.labels}
-    )
-    logps_p, _, _ = _per_token(packed, batch_p)
     logps_s, _, _ = _per_token(stock, batch_s)
+    _close(_per_token(packed, batch_p)[0], logps_s, "policy per-token log-probs")  # exact as built
+    monkeypatch.setattr(RolloutPack, "model_inputs", tamper)
     with pytest.raises(AssertionError, match="policy"):
-        _close(logps_p, logps_s, "policy per-token log-probs")
+        _close(_per_token(packed, batch_p)[0], logps_s, "policy per-token log-probs")
 
 
 class _GradientProbe(TrainerCallback):
@@ -252,9 +281,11 @@ def _train_both(stock, packed):
             )
 
 
-@pytest.mark.parametrize("rloo", [False, True], ids=["grpo", "rloo"])
+@pytest.mark.parametrize(
+    "rloo, share", [(False, False), (True, False), (False, True)], ids=["grpo", "rloo", "grpo+share_prompt"]
+)
 def test_training_with_accumulation_and_iterations_matches_stock(
-    tmp_path, model_dir, tokenizer, prompts, rloo
+    tmp_path, model_dir, tokenizer, prompts, rloo, share
 ):
     # 2 optimizer steps of 2 micro-batches; every generation is reused for 2 iterations, so the old-policy
     # log-probs come from a no-grad packed pass and the importance ratios move away from 1
@@ -265,10 +296,12 @@ def test_training_with_accumulation_and_iterations_matches_stock(
         optim="sgd",
         learning_rate=0.5,
         max_tokens_per_batch=64,
+        share_prompt=share,
     )
     stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(4), rloo=rloo, **config)
     _train_both(stock, packed)
     assert packed.packing_stats["forwards"] > 0
+    assert (packed.packing_stats["shared_prompts"] > 0) == share
     assert not packed.model._forward_pre_hooks  # the pre-flight preparation was given back
 
 
