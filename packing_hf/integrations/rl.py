@@ -174,7 +174,8 @@ class PackedRolloutsMixin:
     Put it first in the bases of a TRL online trainer whose log-prob method has TRL 1.x's signature. After a
     call, :attr:`packing_stats` holds running counts: ``forwards``, ``packed_tokens`` (tokens the packed
     forwards computed), ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced) and
-    ``shared_prompts`` (prompt segments computed once for several rollouts).
+    ``shared_prompts`` (prompt segments computed once for several rollouts); ``rank_sync_forwards`` counts
+    the forwards added (by splitting rows) so that every data-parallel rank runs as many.
     """
 
     def _packing_init(self) -> None:
@@ -191,7 +192,13 @@ class PackedRolloutsMixin:
                 f"{self.args.router_aux_loss_coef}): TRL computes it over the padded rows of each forward, which "
                 "packed rows do not reproduce; set router_aux_loss_coef=0.0 or use the stock TRL trainer"
             )
-        self.packing_stats = {"forwards": 0, "packed_tokens": 0, "padded_tokens": 0, "shared_prompts": 0}
+        self.packing_stats = {
+            "forwards": 0,
+            "packed_tokens": 0,
+            "padded_tokens": 0,
+            "shared_prompts": 0,
+            "rank_sync_forwards": 0,
+        }
         self._prepared: dict[int, Any] = {}
 
     # ---- models prepared for packed rows -----------------------------------------------------------
@@ -256,6 +263,7 @@ class PackedRolloutsMixin:
             # a forward through DDP may communicate (buffer broadcast): every rank runs as many
             counts = torch.tensor([len(p) for p in plans], device=self.accelerator.device)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+            self.packing_stats["rank_sync_forwards"] += int(counts.sum()) - sum(len(p) for p in plans)
             plans = [
                 plan
                 if len(plan) >= n
