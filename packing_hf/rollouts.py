@@ -30,11 +30,9 @@ import numpy as np
 import torch
 
 from ._binpack import pack_best_fit_decreasing, split_bins
-from .varlen import check_int32_tokens
+from .varlen import IGNORE_INDEX, check_int32_tokens
 
 __all__ = ["RolloutPack", "pack_rollouts", "rollout_spans", "unpack_rollouts"]
-
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 import trl
 
+from .._limits import check_int
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES
@@ -92,12 +93,10 @@ class RolloutPackingArguments:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # the TRL config this is mixed into
-        budget = self.max_tokens_per_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(
-                f"max_tokens_per_batch={budget!r}: it must be a positive int (tokens per packed forward), or None "
-                "for one packed row per forward"
-            )
+        # tokens per packed forward; None: one packed row per forward TRL makes
+        self.max_tokens_per_batch = check_int(
+            self.max_tokens_per_batch, "max_tokens_per_batch", 1, optional=True
+        )
         if self.packing_preflight not in PREFLIGHT_MODES:
             raise ValueError(
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"

@@ -310,7 +310,7 @@ def test_training_with_accumulation_and_iterations_matches_stock(
     [
         ({"use_liger_kernel": True}, {}, "use_liger_kernel=True"),
         ({}, {"images": True}, "vision-language rollouts are not packed"),
-        ({"max_tokens_per_batch": 0}, {}, "must be a positive int"),
+        ({"max_tokens_per_batch": 0}, {}, "max_tokens_per_batch must be an int >= 1"),
     ],
     ids=["liger", "vision", "budget"],
 )
