@@ -27,15 +27,13 @@ False
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from ..architectures import check_architecture, prepare_model_for_packing
 from ..attention import register_attention
 
-__all__ = ["base_model", "prepared_for_packing", "preflight_packing"]
+__all__ = ["base_model", "preflight_packing"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,28 +104,3 @@ def preflight_packing(model: Any, mode: str = "switch"):
     logger.info("packing pre-flight: %s", report.summary())
     # the check above already covered an architecture the registry does not know: do not check it twice
     return prepare_model_for_packing(base, check_unknown=False)
-
-
-@contextlib.contextmanager
-def prepared_for_packing(model: Any, mode: str = "switch") -> Iterator[None]:
-    """``model`` checked and prepared by :func:`preflight_packing` for the duration, then given back as it was
-    (hooks removed, the attention implementation restored if the check switched it).
-
-    >>> from packing_hf import tiny_config
-    >>> from transformers import AutoModelForCausalLM
-    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
-    >>> with prepared_for_packing(model, mode="error"):
-    ...     guarded = bool(model._forward_pre_hooks)
-    >>> guarded, bool(model._forward_pre_hooks)
-    (True, False)
-    """
-    base = base_model(model)
-    attn_implementation = getattr(base.config, "_attn_implementation", None)
-    preparation = preflight_packing(base, mode=mode)
-    try:
-        yield
-    finally:
-        if preparation is not None:
-            preparation.revert()
-        if attn_implementation is not None and base.config._attn_implementation != attn_implementation:
-            base.set_attn_implementation(attn_implementation)  # the pre-flight switched it

@@ -211,11 +211,13 @@ class PackedRolloutsMixin:
         if self.args.share_prompt and attn_implementation != register_attention():
             # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
             base.set_attn_implementation(register_attention())
-        self._prepared[id(base)] = (
-            base,
-            attn_implementation,
-            preflight_packing(base, self.args.packing_preflight),
-        )
+        try:
+            preparation = preflight_packing(base, self.args.packing_preflight)
+        except ValueError:
+            if base.config._attn_implementation != attn_implementation:
+                base.set_attn_implementation(attn_implementation)
+            raise
+        self._prepared[id(base)] = (base, attn_implementation, preparation)
 
     def remove_packing_hooks(self) -> None:
         """Give every model prepared for packed rows back as it was (hooks removed, attention restored)."""
