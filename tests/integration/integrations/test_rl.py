@@ -282,7 +282,9 @@ def _train_both(stock, packed):
 
 
 @pytest.mark.parametrize(
-    "rloo, share", [(False, False), (True, False), (False, True)], ids=["grpo", "rloo", "grpo+share_prompt"]
+    "rloo, share",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["grpo", "rloo", "grpo+share_prompt", "rloo+share_prompt"],
 )
 def test_training_with_accumulation_and_iterations_matches_stock(
     tmp_path, model_dir, tokenizer, prompts, rloo, share
@@ -336,3 +338,17 @@ def test_rollout_over_the_budget_is_refused(tmp_path, model_dir, tokenizer, prom
     batch = packed._prepare_inputs(next(iter(packed.get_train_dataloader())))
     with pytest.raises(ValueError, match="max_tokens_per_batch=8"):
         packed.compute_loss(packed.model, batch)
+
+
+def test_router_aux_loss_is_refused(tmp_path, tokenizer, prompts):
+    from packing_hf.architectures.tiny import tiny_config
+
+    moe = AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=len(tokenizer)))
+    with pytest.raises(ValueError, match="router load-balancing loss"):
+        GRPOTrainer(
+            model=moe,
+            reward_funcs=reward_digits,
+            args=GRPOConfig(**_common(tmp_path, "moe", beta=0.0)),
+            train_dataset=prompts(2),
+            processing_class=tokenizer,
+        )
