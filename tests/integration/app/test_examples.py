@@ -69,7 +69,7 @@ def test_plain_loop_example_trains_and_changes_the_weights(data_dir, tmp_path, c
     assert any(not torch.equal(a, b) for a, b in zip(trained, initial, strict=True))
 
 
-@pytest.mark.parametrize("name", ["train_trainer", "train_sft", "train_loop"])
+@pytest.mark.parametrize("name", ["train_trainer", "train_sft", "train_loop", "train_grpo"])
 def test_examples_use_only_the_public_api(name):
     """A user's script: transformers, datasets, torch and packing_hf's top-level names, no internals."""
     import ast
