@@ -42,14 +42,11 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
-<<<<<<< HEAD
     # multimodal.py: image+text samples in one packed row
     "MultimodalCollator": "multimodal",
-=======
     # rollouts.py: online-RL rollouts in packed rows
     "pack_rollouts": "rollouts",
     "unpack_rollouts": "rollouts",
->>>>>>> main
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -131,10 +128,6 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .attention.guards import validate_packed_batch
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
-<<<<<<< HEAD
-    from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
-    from .multimodal import MultimodalCollator
-=======
     from .integrations import (
         DPOConfig,
         DPOTrainer,
@@ -147,7 +140,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         Trainer,
         TrainingArguments,
     )
->>>>>>> main
+    from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator
     from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
