@@ -170,12 +170,12 @@ def memory_child(args) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--budget", type=int, default=2048, help="packed: tokens per batch")
     parser.add_argument("--batch-size", type=int, default=8, help="padded: samples per batch")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-of", choices=["packed", "padded"], default=None, help=argparse_hidden())
     args = parser.parse_args()
     if args.quick:
