@@ -267,7 +267,7 @@ def tiny_config(config, **overrides):
 
     rope = data.get("rope_parameters")
     mrope = "mrope_section" in (getattr(type(base), "ignore_keys_at_rope_validation", None) or ())
-    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or mrope):
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or (mrope and rope)):
         # multimodal RoPE splits head_dim / 2 frequencies into (temporal, height, width) sections
         head_dim = new.get(present("head_dim") or "", _TINY_HEAD_DIM)
         half = (head_dim or _TINY_HEAD_DIM) // 2
