@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..registry import check_served_config
+from ..registry import check_served_config, support
 from ..varlen import check_int32_tokens, position_restarts
 from .backends import (
     _cached_host_values,
@@ -380,7 +380,10 @@ def _check_served(config: Any) -> None:
     if seen is not None and seen() is config:
         return
     check_served_config(config)
-    _SERVED[id(config)] = weakref.ref(config)
+    if support(str(getattr(config, "model_type", ""))).status != "mixers":
+        # a hybrid is served only while prepared (its mixers split per sample): checked on every call,
+        # so that a reverted model is refused again
+        _SERVED[id(config)] = weakref.ref(config)
 
 
 def varlen_attention_forward(
