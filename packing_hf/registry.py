@@ -172,7 +172,9 @@ _ENTRIES = [
     _entry("zamba2", "mixers", f"Mamba2 {_SSM}", tiny={"mamba_headdim": 16}, mixers=("Zamba2MambaMixer",)),
     _entry("bailing_hybrid", "mixers", f"linear-attention {_STATE}", mixers=("BailingHybridDeltaAttention",)),
     _entry("kimi_linear", "mixers", f"KDA linear-attention {_STATE}", mixers=("KimiLinearDeltaAttention",)),
-    _entry("minimax", "mixers", f"lightning (linear) attention {_STATE}", mixers=("MiniMaxLightningAttention",)),
+    _entry(
+        "minimax", "mixers", f"lightning (linear) attention {_STATE}", mixers=("MiniMaxLightningAttention",)
+    ),
     _entry(
         "lfm2",
         "mixers",
@@ -188,7 +190,12 @@ _ENTRIES = [
         mixers=("Lfm2MoeShortConv",),
     ),
     _entry("lfm3", "mixers", _CONV, mixers=("Lfm3ShortConv",)),
-    _entry("inkling_text", "mixers", _CONV + " (k/v and block short convolutions)", mixers=("InklingShortConvolution",)),
+    _entry(
+        "inkling_text",
+        "mixers",
+        _CONV + " (k/v and block short convolutions)",
+        mixers=("InklingShortConvolution",),
+    ),
     _entry(
         "inkling2_text",
         "mixers",

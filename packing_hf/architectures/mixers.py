@@ -119,9 +119,14 @@ def _repack(value: Any, layout: PackedLayout) -> Any:
 
 
 def _unpack(value: Any, layout: PackedLayout) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (
-        layout.samples,
-        layout.longest,
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() >= 2
+        and tuple(value.shape[:2])
+        == (
+            layout.samples,
+            layout.longest,
+        )
     ):
         return layout.unpad(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -170,7 +175,9 @@ class MixerRepacking:
         for module in mixers:
             params = inspect.signature(module.forward).parameters
             names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-            self.handles.append(module.register_forward_pre_hook(self._make_pre_hook(names), with_kwargs=True))
+            self.handles.append(
+                module.register_forward_pre_hook(self._make_pre_hook(names), with_kwargs=True)
+            )
             self.handles.append(module.register_forward_hook(self._post_hook))
 
     def _make_pre_hook(self, names: list[str]):
