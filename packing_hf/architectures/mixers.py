@@ -101,8 +101,10 @@ class PackedLayout:
         return flat.reshape(self.rows, self.tokens, *rest)
 
 
-def _repack(value: Any, layout: PackedLayout) -> Any:
+def _repack(value: Any, layout: PackedLayout | None) -> Any:
     """Pad every tensor of ``value`` laid out as the packed rows (tuples of them too, e.g. cos/sin)."""
+    if layout is None:
+        return value
     if layout.matches(value):
         return layout.pad(value)
     if (
@@ -188,17 +190,19 @@ class MixerRepacking:
             hidden = args[0] if args else kwargs.get(names[0]) if names else None
             if not layout.matches(hidden):
                 return None  # not this packed row (e.g. a decode step): leave the call alone
-            if not self.enabled:  # the whole row as one sequence: what the mixer does without the split
-                return args, {k: v for k, v in kwargs.items() if k not in PACKED_ONLY_ARGUMENTS}
+            # A packed row has no padding, so the mixer needs no mask (a per-sample 4-D attention mask may
+            # reach it through its decoder layer); the padded batch's padding trails every sample.
+            split = layout if self.enabled else None  # disabled: the whole row as one sequence (leaks)
             new_args = []
             for name, value in zip(names, args, strict=False):
-                new_args.append(None if name in MASK_ARGUMENTS else _repack(value, layout))
+                new_args.append(None if name in MASK_ARGUMENTS else _repack(value, split))
             new_kwargs = {}
             for name, value in kwargs.items():
                 if name in PACKED_ONLY_ARGUMENTS:
                     continue
-                new_kwargs[name] = None if name in MASK_ARGUMENTS else _repack(value, layout)
-            self._active[id(module)] = layout
+                new_kwargs[name] = None if name in MASK_ARGUMENTS else _repack(value, split)
+            if split is not None:
+                self._active[id(module)] = layout
             return tuple(new_args) + tuple(args[len(new_args) :]), new_kwargs
 
         return pre_hook

@@ -136,8 +136,10 @@ def check_architecture(config, attn_implementation: str = "sdpa", *, prepare: bo
 
     >>> check_architecture("mistral", "sdpa").leaked
     False
-    >>> "Mamba" in check_architecture("bamba", "sdpa").error
+    >>> "DSA" in check_architecture("deepseek_v32", "sdpa").error
     True
+    >>> check_architecture("bamba", "sdpa").leaked  # prepared: its Mamba2 layers run per sample
+    False
     """
     cfg = tiny_config(config)
     implementation = resolve_attn_implementation(attn_implementation)
