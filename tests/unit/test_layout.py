@@ -24,9 +24,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.varlen",
             "packing_hf.overflow",
             "packing_hf._binpack",
+            "packing_hf._binpack_kernels",
             "packing_hf._rows",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
+            "packing_hf.shared_prefix",
         ),
     ),
     (
@@ -36,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.collator",
             "packing_hf.fixed",
             "packing_hf.sampler",
+            "packing_hf._epoch_plan",
             "packing_hf.preference",
             "packing_hf.streaming",
         ),
