@@ -334,10 +334,11 @@ def mark_mixers_prepared(config: Any, prepared: bool) -> None:
     >>> mark_mixers_prepared(config, False); mixers_prepared(config)
     False
     """
+    key = id(config)
     if prepared:
-        _PREPARED_MIXERS[id(config)] = weakref.ref(config)
+        _PREPARED_MIXERS[key] = weakref.ref(config, lambda _: _PREPARED_MIXERS.pop(key, None))
     else:
-        _PREPARED_MIXERS.pop(id(config), None)
+        _PREPARED_MIXERS.pop(key, None)
 
 
 def mixers_prepared(config: Any) -> bool:

@@ -70,8 +70,11 @@ def test_architecture(model_type):
             continue
         assert result.refused is None, result.refused
         _assert_every_sample_checked(result.prepared)
-        assert max(result.prepared.logits_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
-        assert max(result.prepared.grads_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+        if entry.status == "mixers":  # judged against the model's own rounding (see sweep_architecture)
+            assert result.prepared.logits_noise and not result.prepared.leaked, result.prepared
+        else:
+            assert max(result.prepared.logits_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+            assert max(result.prepared.grads_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
         if entry.status == "mixers":
             # stock leaks (or, under the attention name alone, is refused): the mixers run over the whole row
             assert stock.leaked, f"{implementation}: registered as leaking, but check_packing saw no leak"
