@@ -288,9 +288,9 @@ UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "o
 # layer kinds (config.layer_types values) that are plain softmax attention over the sample
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
 _CHUNKED = (
-    "chunked local attention (attention_chunk_size) restricts keys by absolute chunk, which packing_hf's varlen "
-    "attention does not express (it would attend across chunks); load it with attn_implementation='sdpa' or "
-    "'eager', which keep packed samples apart for this architecture"
+    "chunked local attention (attention_chunk_size) without config.layer_types: which layers are chunked is not "
+    "known, so packing_hf's varlen attention cannot split them into chunks; load it with "
+    "attn_implementation='sdpa' or 'eager'"
 )
 
 
@@ -329,9 +329,11 @@ def mark_mixers_prepared(config: Any, prepared: bool) -> None:
 
     >>> from types import SimpleNamespace
     >>> config = SimpleNamespace(model_type="bamba")
-    >>> mark_mixers_prepared(config, True); mixers_prepared(config)
+    >>> mark_mixers_prepared(config, True)
+    >>> mixers_prepared(config)
     True
-    >>> mark_mixers_prepared(config, False); mixers_prepared(config)
+    >>> mark_mixers_prepared(config, False)
+    >>> mixers_prepared(config)
     False
     """
     key = id(config)
@@ -355,7 +357,8 @@ def check_served_config(config: Any) -> None:
     registry entries marked ``refused``, models that compute attention themselves (the name would be
     accepted and ignored), configs with non-attention layers (:func:`unsupported_layers`) unless
     :func:`packing_hf.prepare_model_for_packing` split their mixers per sample (the attention cannot reach
-    the mixers), and chunked local attention, each with the reason and what to do instead.
+    the mixers), and chunked local attention whose chunked layers are not named by ``layer_types``, each with
+    the reason and what to do instead.
 
     Raises:
         ValueError: naming the architecture and the reason.
@@ -389,7 +392,7 @@ def check_served_config(config: Any) -> None:
     if layers is not None:
         raise ValueError(head + layers + "; train it without packing (padded batches)")
     layer_types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "attention_chunk_size", None) and (
-        not layer_types or "chunked_attention" in layer_types
-    ):
+    # chunked layers named by layer_types are split into chunks counted from every sample's start by the
+    # attention itself (packing_hf.attention.interface); without layer_types it cannot tell which layers
+    if getattr(config, "attention_chunk_size", None) and not layer_types:
         raise ValueError(head + _CHUNKED)
