@@ -327,8 +327,8 @@ def mark_mixers_prepared(config: Any, prepared: bool) -> None:
     :func:`check_served_config`, so that the attention name serves a prepared hybrid and still refuses an
     unprepared one.
 
-    >>> from types import SimpleNamespace
-    >>> config = SimpleNamespace(model_type="bamba")
+    >>> from transformers import AutoConfig
+    >>> config = AutoConfig.for_model("bamba")
     >>> mark_mixers_prepared(config, True)
     >>> mixers_prepared(config)
     True
