@@ -42,7 +42,7 @@ from ._binpack_kernels import (
     _level_light_bins,
     _next_fit,
 )
-from ._limits import INT32_MAX
+from ._limits import INT32_MAX, check_int
 
 __all__ = [
     "Packing",
@@ -102,8 +102,7 @@ def as_lengths(lengths: LengthsLike, name: str = "lengths") -> np.ndarray:
 
 
 def check_budget(budget: int, name: str = "budget") -> int:
-    if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget <= 0:
-        raise ValueError(f"{name} must be a positive int (tokens per batch), got {budget!r}")
+    budget = check_int(budget, name, 1)
     if budget > INT32_MAX:
         raise ValueError(
             f"{name}={budget} is more tokens than int32 cu_seqlens can address in one batch ({INT32_MAX}); "
@@ -312,8 +311,7 @@ def pack_best_fit_random_order(
         order = order.astype(np.int64, copy=False)
     if long_above is None:
         long_above = budget // 2
-    if isinstance(long_above, bool) or not isinstance(long_above, int | np.integer) or long_above < 0:
-        raise ValueError(f"long_above must be an int >= 0 (tokens), got {long_above!r}")
+    long_above = check_int(long_above, "long_above", 0)
     if n == 0:
         return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
     is_long = lengths[order] > long_above
@@ -409,8 +407,7 @@ def split_bins(packing: Packing, lengths: LengthsLike, extra: int) -> Packing:
     ([[0, 1, 2, 3, 4]], [[0, 4], [1, 3], [2]])
     """
     lengths = as_lengths(lengths)
-    if isinstance(extra, bool) or not isinstance(extra, int | np.integer) or extra < 0:
-        raise ValueError(f"extra must be an int >= 0, got {extra!r}")
+    extra = check_int(extra, "extra", 0)
     n_bins = packing.num_bins
     if packing.items.size < n_bins + extra:
         raise ValueError(

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -50,16 +49,15 @@ from torch.utils.data import Dataset, Sampler
 
 from . import _binpack
 from ._epoch_plan import _EpochPlan, _mean_length_spread
+from ._limits import check_int
+from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
 
 __all__ = ["MIXINGS", "OVERFLOW_POLICIES", "MultipackBatchSampler", "OverflowView", "lengths_from_dataset"]
 
 logger = logging.getLogger(__name__)
 
-Overflow = Literal["error", "truncate", "split", "drop"]
 Balance = Literal["tokens", "attention"]
 Mixing = Literal["random", "sorted"]
-#: what ``overflow=`` accepts (``"skip"`` is a deprecated alias of ``"drop"``)
-OVERFLOW_POLICIES: tuple[str, ...] = ("error", "truncate", "split", "drop")
 #: what ``mixing=`` accepts
 MIXINGS: tuple[str, ...] = ("random", "sorted")
 _BALANCES = ("tokens", "attention")
@@ -138,12 +136,6 @@ def lengths_from_dataset(dataset: Any, column: str = "input_ids") -> np.ndarray:
     return lengths
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -151,8 +143,8 @@ def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[i
         num_replicas = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
         rank = torch.distributed.get_rank() if initialized else 0
-    num_replicas = _check_int(num_replicas, "num_replicas", 1)
-    rank = _check_int(rank, "rank", 0)
+    num_replicas = check_int(num_replicas, "num_replicas", 1)
+    rank = check_int(rank, "rank", 0)
     if rank >= num_replicas:
         raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
     return num_replicas, rank
@@ -191,8 +183,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             ``ceil(L / budget)`` pieces yielded as indices ``>= len(dataset)``; with either, the DataLoader
             must get ``sampler.wrap_dataset(dataset)`` (the :class:`OverflowView` that cuts them and serves
             the pieces), and iterating before ``wrap_dataset`` was called raises, since the batches would
-            exceed the budget or index past the dataset. ``"drop"`` leaves it out (``"skip"`` is a
-            deprecated alias). All of them are counted in :meth:`stats` and logged once.
+            exceed the budget or index past the dataset. ``"drop"`` leaves it out. All of them are counted in :meth:`stats` and logged once.
         balance: how steps are formed from bins when ``num_replicas > 1``: ``"tokens"`` (default) puts
             bins of similar token counts in the same step; ``"attention"`` uses the sum of squared
             sample lengths (the cost of attention), for long-context data where a bin holding one long
@@ -212,8 +203,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
 
     Attributes:
         max_tokens_per_batch, num_replicas, rank, epoch, seed, shuffle, drop_last, overflow, balance,
-        shard, mixing: as given (``epoch`` changes with :meth:`set_epoch`; ``overflow="skip"`` reads
-        ``"drop"``).
+        shard, mixing: as given (``epoch`` changes with :meth:`set_epoch`).
         lengths: ``(n,)`` int64, the token count of every sample.
         batch_size: ``None`` (batches hold a varying number of samples; what ``DataLoader`` and
             accelerate expect from a batch sampler without a fixed size).
@@ -252,25 +242,15 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
-        overflow: Overflow | Literal["skip"] = "error",
+        overflow: OverflowPolicy = "error",
         balance: Balance = "tokens",
         shard: bool = True,
         mixing: Mixing = "random",
     ) -> None:
         super().__init__()
-        self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
+        self.max_tokens_per_batch = check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
         _binpack.check_budget(self.max_tokens_per_batch, "max_tokens_per_batch")  # the int32 limit
-        if overflow == "skip":
-            warnings.warn(
-                "MultipackBatchSampler(overflow='skip') is deprecated: it is now called 'drop' (the same "
-                "behaviour, counted as overflow_dropped_samples / overflow_dropped_tokens in stats()); "
-                "pass overflow='drop'",
-                FutureWarning,
-                stacklevel=2,
-            )
-            overflow = "drop"
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        overflow = check_overflow(overflow, "MultipackBatchSampler(overflow=...)")
         if balance not in _BALANCES:
             raise ValueError(f"balance must be one of {_BALANCES}, got {balance!r}")
         if mixing not in MIXINGS:
@@ -279,10 +259,10 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
                 "every batch, 'sorted' packs the fewest batches of similar lengths"
             )
         self.num_replicas, self.rank = _distributed_defaults(num_replicas, rank)
-        self.seed = _check_int(seed, "seed", 0)
+        self.seed = check_int(seed, "seed", 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        self.overflow: Overflow = overflow
+        self.overflow: OverflowPolicy = overflow
         self.balance: Balance = balance
         self.shard = bool(shard)
         self.mixing: Mixing = mixing
@@ -407,7 +387,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         A pending resume position (from :meth:`load_state_dict`) is kept when ``epoch`` is the resumed
         epoch and discarded otherwise.
         """
-        epoch = _check_int(epoch, "epoch", 0)
+        epoch = check_int(epoch, "epoch", 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = 0
@@ -436,8 +416,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration yields exactly the batches of ``state["epoch"]`` not yet consumed.
 
-        A state saved before ``mixing`` existed comes from the ``"sorted"`` plan; one saved with
-        ``overflow="skip"`` matches ``"drop"``.
+        A state saved before ``mixing`` existed comes from the ``"sorted"`` plan.
 
         Raises:
             ValueError: a key is missing, the state was saved under a configuration that gives a
@@ -447,8 +426,6 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         if missing:
             raise ValueError(f"sampler state lacks {missing}; pass the dict returned by state_dict()")
         saved = {"mixing": "sorted", **state}
-        if saved.get("overflow") == "skip":
-            saved["overflow"] = "drop"
         mine = self.state_dict()
         differ = [
             f"{k}: saved {saved[k]!r}, now {mine[k]!r}"
@@ -460,8 +437,8 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
                 "the saved sampler state comes from a different plan (" + "; ".join(differ) + "); resume "
                 "with the same data, seed, budget, mixing and number of ranks"
             )
-        epoch = _check_int(state["epoch"], "state['epoch']", 0)
-        consumed = _check_int(state["batches_consumed"], "state['batches_consumed']", 0)
+        epoch = check_int(state["epoch"], "state['epoch']", 0)
+        consumed = check_int(state["batches_consumed"], "state['batches_consumed']", 0)
         if consumed > len(self):
             raise ValueError(f"state['batches_consumed'] = {consumed} > {len(self)} batches in an epoch")
         self.epoch = epoch

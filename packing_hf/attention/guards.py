@@ -38,14 +38,18 @@ from typing import Any
 import torch
 
 from ..shared_prefix import shared_prefix_position_ids
-from ..varlen import check_cu_seqlens, check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
+from ..varlen import (
+    IGNORE_INDEX,
+    check_cu_seqlens,
+    check_int32_tokens,
+    cu_seqlens_to_position_ids,
+    position_restarts,
+)
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
-
-IGNORE_INDEX = -100
 
 _FIX_POSITIONS = (
     "build position_ids with packing_hf.lengths_to_position_ids (or use packing_hf.PaddingFreeCollator)"
