@@ -239,8 +239,7 @@ def main() -> int:
         "packed_vs_padded = padded time / packed time (same samples, >1: packing is faster); reset_cost = "
         "packed time / packed_leak time (what the per-sample boundary resets cost over the leaking floor)"
     )
-    path = write_json("bench_hybrid", {"rows": rows}, args)
-    print(f"wrote {path}", file=sys.stderr)
+    write_json("bench_hybrid", {"rows": rows}, args)
     return 0
 
 
