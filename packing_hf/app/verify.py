@@ -21,7 +21,7 @@ from ..architectures.tiny import build_tiny_model
 from ..attention import ATTENTION_NAME
 from ..registry import iter_sweep, support
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, check_packing
-from .config import check_attn_implementation, check_model_type
+from .checks import check_attn_implementation, check_model_type
 
 __all__ = ["format_table", "result_dict", "verify_main"]
 

@@ -175,8 +175,11 @@ def test_a_typo_gets_a_short_did_you_mean(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("max_steps=-5", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5"),
-        ("max_steps=0", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got 0"),
+        (
+            "max_steps=-5",
+            "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5",
+        ),
+        ("--max_steps=0", "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs)"),
         ("model_type=lama", "unknown model_type 'lama'; did you mean 'llama'"),
         ("attn_implementation=sdap", "unknown attn_implementation 'sdap'; did you mean 'sdpa'"),
     ],
@@ -185,6 +188,15 @@ def test_bad_values_are_one_line_errors(override, message, capsys):
     assert main(["train", TINY_CONFIG, override]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    if "max_steps" in override:  # the command line's value is not blamed on the YAML file
+        assert TINY_CONFIG not in err
+
+
+def test_a_bad_value_in_the_yaml_names_the_yaml(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_type: llama\nmax_steps: -5\n")
+    assert main(["train", str(config)]) == 2
+    assert f"{config}: max_steps must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
@@ -239,7 +251,8 @@ def test_train_help_lists_the_keys_by_group(capsys):
 
 
 def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, capsys):
-    assert train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24") == 0
+    # baseline_time_share: the tiny model's baseline is timed whatever it costs against its short training
+    assert train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24", "baseline_time_share=1000") == 0
     out = capsys.readouterr().out
     phases = [
         "reading the config",
@@ -249,7 +262,7 @@ def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, ca
         "loading the model",
         "planning multipack batches",
         "eval loss before training: 2 held-out samples of embedded:eval",
-        "training: 1 steps",
+        "training: 1 step\n",
         "eval loss after training",
         "padded baseline:",
         "saving the model",
