@@ -179,7 +179,10 @@ def test_a_typo_gets_a_short_did_you_mean(tmp_path, capsys):
             "max_steps=-5",
             "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5",
         ),
-        ("--max_steps=0", "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs)"),
+        (
+            "--max_steps=0",
+            "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs)",
+        ),
         ("model_type=lama", "unknown model_type 'lama'; did you mean 'llama'"),
         ("attn_implementation=sdap", "unknown attn_implementation 'sdap'; did you mean 'sdpa'"),
     ],
@@ -252,7 +255,10 @@ def test_train_help_lists_the_keys_by_group(capsys):
 
 def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, capsys):
     # baseline_time_share: the tiny model's baseline is timed whatever it costs against its short training
-    assert train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24", "baseline_time_share=1000") == 0
+    assert (
+        train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24", "baseline_time_share=1000")
+        == 0
+    )
     out = capsys.readouterr().out
     phases = [
         "reading the config",
