@@ -299,3 +299,18 @@ def test_stats_two_budgets_one_plot_and_over_budget_flagged(tmp_path, tok, capsy
     assert status == 0 and png.is_file() and list(tmp_path.iterdir()) == [png]  # the name asked for
     assert "WARNING: " in out and "samples are longer than max_tokens_per_batch=256" in out
     assert "padded means padded per batch" in out and "padding every sample to the dataset's longest" in out
+
+
+def test_stats_takes_the_train_configs_max_length_and_flags_what_train_refuses(tmp_path, tok, capsys):
+    rows = [{"question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(30)]
+    rows.append({"question": "long " * 600, "answer": "x"})  # over tiny_cpu.yaml's max_length: 512
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    assert main(["stats", data, "--tokenizer", tok, "--config", TINY_CONFIG]) == 0
+    out = capsys.readouterr().out
+    assert "max_length=512, overflow: error: 1 sample is longer (the longest, " in out
+    assert "t.jsonl:31, has " in out and "train REFUSES this data" in out
+    assert "max_tokens_per_batch=512," in out  # the config's budget
+    assert "1 samples" not in out and "rows of 512 tokens" in out and "rows of max_length" not in out
+    assert main(["stats", data, "--tokenizer", tok, "--config", TINY_CONFIG, "--overflow", "drop"]) == 0
+    out = capsys.readouterr().out
+    assert "train drops them: the figures below leave them out" in out and ": 30 samples," in out

@@ -27,3 +27,13 @@ def test_cli_on_a_saved_model(tmp_path, capsys):
     build_tiny_model("llama", "eager").save_pretrained(tmp_path)
     assert verify_main(["--model", str(tmp_path), "--no-grads", "--json"]) == 0
     assert '"leaked": false' in capsys.readouterr().out
+
+
+def test_every_phase_announces_itself_on_stderr_and_stdout_stays_the_result(tmp_path, capsys):
+    build_tiny_model("llama", "eager").save_pretrained(tmp_path)
+    assert verify_main(["--model", str(tmp_path), "--no-grads", "--json"]) == 0
+    captured = capsys.readouterr()
+    phases = [f"loading {tmp_path}", "preparing the model for packing", "checking samples of 7, 12, 5 tokens"]
+    positions = [captured.err.find(phase) for phase in phases]
+    assert -1 not in positions and positions == sorted(positions), captured.err
+    assert captured.out.lstrip().startswith("{")  # --json: nothing but the report on stdout
