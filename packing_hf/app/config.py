@@ -180,7 +180,18 @@ class DataArguments:
         },
     )
 
+    stream_check_records: int = field(
+        default=1000,
+        metadata={
+            "help": "streaming: true: read, check and tokenize the first N records before the model loads (a "
+            "bad one stops the run with its file and line at once); later records are checked as training "
+            "reaches them. 0 = none."
+        },
+    )
+
     def __post_init__(self) -> None:
+        if self.stream_check_records < 0:
+            raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
             "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
         )

@@ -313,6 +313,13 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     prepared = eval_prepared = stream = None
     if cfg.data.streaming:
         stream = _stream(cfg, tokenizer)
+        if cfg.data.stream_check_records:
+            say(
+                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
+                "model loads (stream_check_records; the rest are checked as training reads them)"
+            )
+            checked = stream.check_first(cfg.data.stream_check_records)
+            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
         say(
             f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
             f"(no total up front), packed online into batches of at most {training.max_tokens_per_batch} "

@@ -83,7 +83,7 @@ def _labelled_logit_metrics(
     >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [0.0, 0.0]]])
     >>> entropy, hits, count = _labelled_logit_metrics(logits, torch.tensor([[-100, 1, 0]]))
     >>> round(entropy.item(), 4), hits.item(), count.item()
-    (0.8201, 1, 2)
+    (1.0585, 1, 2)
     """
     labels = labels[:, 1:]
     mask = labels != -100

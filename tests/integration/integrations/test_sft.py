@@ -158,7 +158,7 @@ def test_logged_entropy_and_accuracy_equal_trls_on_the_same_steps(
     logged = {}
     for mode in ("labelled", "trl"):
         config = _config(
-            tmp_path / mode, logit_metrics=mode, padding_free=True, max_tokens_per_batch=512, max_length=512,
+            tmp_path / mode, logit_metrics=mode, padding_free=True, max_tokens_per_batch=512, max_length=None,
             max_steps=3, learning_rate=0.0, gradient_checkpointing=False,
         )  # fmt: skip
         trainer = packing_hf.SFTTrainer(
