@@ -142,6 +142,12 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"(x{job / trained:.2f})"
         )
     phases = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["seconds"].items())
-    lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} ({phases})")
+    lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} wall ({phases})")
+    if summary.get("cpu_seconds"):
+        cpu = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["cpu_seconds"].items())
+        lines.append(
+            f"             {_fmt_seconds(summary['total_cpu_seconds'])} CPU, all threads ({cpu}): the steadier "
+            "figure on a shared machine"
+        )
     lines.append(rule)
     print_fn("\n".join(lines))

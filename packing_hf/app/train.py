@@ -253,29 +253,36 @@ def _peak_rss_gb() -> float | None:
 
 
 class _Phases:
-    """Wall seconds per phase of the job, and the peak memory by the end of each (where the time and the
-    memory went: the diagnostics after training must not raise the peak of training)."""
+    """Wall and CPU seconds per phase of the job, and the peak memory by the end of each (where the time
+    and the memory went: the diagnostics after training must not raise the peak of training). CPU seconds
+    (all threads of this process) are the steadier figure on a machine shared with other jobs."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.peak_rss_gb: dict[str, float | None] = {}
-        self._started = time.perf_counter()
-        self._phase: tuple[str, float] | None = None
+        self._started = (time.perf_counter(), time.process_time())
+        self._phase: tuple[str, float, float] | None = None
 
     def start(self, name: str) -> None:
         self.stop()
-        self._phase = (name, time.perf_counter())
+        self._phase = (name, time.perf_counter(), time.process_time())
 
     def stop(self) -> None:
         if self._phase is not None:
-            name, began = self._phase
+            name, began, began_cpu = self._phase
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - began_cpu
             self.peak_rss_gb[name] = _peak_rss_gb()
             self._phase = None
 
     @property
     def total(self) -> float:
-        return time.perf_counter() - self._started
+        return time.perf_counter() - self._started[0]
+
+    @property
+    def total_cpu(self) -> float:
+        return time.process_time() - self._started[1]
 
 
 def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
@@ -495,6 +502,8 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
     summary["peak_rss_gb"] = phases.peak_rss_gb
     summary["total_seconds"] = phases.total
+    summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
+    summary["total_cpu_seconds"] = phases.total_cpu
     print_summary(summary, print_fn)
     if cfg.job.save_model and trainer.is_world_process_zero():
         (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
