@@ -44,6 +44,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from .._limits import check_int
 from .files import file_format, read_record_file
 
 __all__ = ["TokenizedStream", "read_stream", "streaming_dataset_reader"]
@@ -102,10 +103,8 @@ class TokenizedStream:
             raise ValueError(
                 "formatting_func needs a tokenizer to turn its text into tokens; pass tokenizer="
             )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        batch_size = check_int(batch_size, "batch_size", 1)
+        num_replicas = check_int(num_replicas, "num_replicas", 1)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be an int in [0, {num_replicas - 1}], got {rank!r}")
         self.data = data

@@ -216,9 +216,9 @@ def test_overflow_policies_are_counted_and_keep_tokens():
         }[policy] == {"truncate": 13, "split": 3, "drop": 1}[policy]
 
 
-def test_skip_is_the_deprecated_name_of_drop():
-    with pytest.warns(FutureWarning, match="'drop'"):
-        assert StreamPacker(10, overflow="skip").overflow == "drop"
+def test_an_unknown_overflow_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="'skip' is not an overflow policy"):
+        StreamPacker(10, overflow="skip")
     with pytest.raises(ValueError, match="'pad' is not an overflow policy"):
         StreamPacker(10, overflow="pad")
 
