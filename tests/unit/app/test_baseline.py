@@ -38,7 +38,7 @@ def test_the_default_share_is_the_demos_or_the_bound_for_own_data():
     own = load_train_config({"model_type": "llama", "dataset": "my.jsonl"})
     explicit = load_train_config({"model_type": "llama", "baseline_time_share": 0.3})
     assert (demo.baseline_time_share, own.baseline_time_share, explicit.baseline_time_share) == (
-        0.5,
+        1.0,
         0.15,
         0.3,
     )
