@@ -93,7 +93,7 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
     lines.append("-" * 90)
     lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
     base = summary.get("baseline")
-    if summary.get("padded_efficiency") is not None:
+    if summary.get("padded_efficiency") is not None and not summary.get("stream"):
         lines.append(
             f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary.get('packing_efficiency')):>12}"
             f"{_fmt_pct(summary['padded_efficiency']):>12}  batches of {summary['padded_batch_size']} samples "
