@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import trl
 
+from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from .args import PackingArguments
 from .dataloaders import _is_hf_iterable, is_stream
@@ -189,6 +190,10 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         args = self.args
         return (
             getattr(args, "logit_metrics", "labelled") == "labelled"
+            # packing_hf's own loss (loss_normalization sample/sample_sum, loss_weights) is the mixin's
+            and not getattr(self, "_packing_loss_active", False)
+            and getattr(args, "loss_normalization", "token") == "token"
+            and LOSS_WEIGHTS_KEY not in inputs
             and not return_outputs
             and self.compute_loss_func is None
             and self.label_smoother is None
@@ -208,8 +213,9 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         value: the summed negative log-likelihood of the labelled tokens over ``num_items_in_batch``), and
         ``entropy`` / ``mean_token_accuracy`` are computed from its logits, detached, at the labelled
         positions only, where TRL's values are non-zero anyway: the logged numbers mean what TRL's mean.
-        Other losses (DFT, label smoothing, ``compute_loss_func``, MoE aux loss, sequence parallelism) go
-        to TRL's own ``compute_loss``.
+        Other losses (packing_hf's ``loss_normalization`` / ``loss_weights``, DFT, label smoothing,
+        ``compute_loss_func``, MoE aux loss, sequence parallelism) go down the usual chain: packing_hf's loss
+        mixin, then TRL's own ``compute_loss``.
         """
         if not self._plain_loss(inputs, return_outputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
