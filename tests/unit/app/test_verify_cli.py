@@ -17,8 +17,8 @@ def test_cli_exit_codes(capsys):
     assert "LEAK" in capsys.readouterr().out
     assert verify_main(["--model-type", "opt", "--attn-implementation", "eager", "--no-grads"]) == 0
     assert "exact" in capsys.readouterr().out
-    assert verify_main(["--model-type", "zamba", "--no-grads"]) == 1
-    assert "refused: zamba" in capsys.readouterr().out
+    assert verify_main(["--model-type", "deepseek_v32", "--no-grads"]) == 1  # refused by the registry
+    assert "refused: deepseek_v32" in capsys.readouterr().out
     assert verify_main(["--model-type", "bloom", "--attn-implementation", "sdpa"]) == 2
     assert verify_main(["--model-type", "llama", "--lengths", "3,x"]) == 2
 
