@@ -42,6 +42,7 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
+    "PaddingFreeRewardCollator": "preference",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -73,6 +74,8 @@ _LAZY: dict[str, str] = {
     "SFTConfig": "integrations",
     "DPOTrainer": "integrations",
     "DPOConfig": "integrations",
+    "RewardTrainer": "integrations",
+    "RewardConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -119,8 +122,17 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .attention.guards import validate_packed_batch
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
-    from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
-    from .preference import PaddingFreePreferenceCollator
+    from .integrations import (
+        DPOConfig,
+        DPOTrainer,
+        RewardConfig,
+        RewardTrainer,
+        SFTConfig,
+        SFTTrainer,
+        Trainer,
+        TrainingArguments,
+    )
+    from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader

@@ -1,7 +1,7 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
-``DPOTrainer`` / ``DPOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
+``DPOTrainer`` / ``DPOConfig``, ``RewardTrainer`` / ``RewardConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -21,13 +21,22 @@ __all__ = [
     "DPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
+    "RewardConfig",
+    "RewardTrainer",
     "SFTConfig",
     "SFTTrainer",
     "Trainer",
     "TrainingArguments",
 ]
 
-_TRL_NAMES = {"SFTTrainer": "sft", "SFTConfig": "sft", "DPOTrainer": "dpo", "DPOConfig": "dpo"}
+_TRL_NAMES = {
+    "SFTTrainer": "sft",
+    "SFTConfig": "sft",
+    "DPOTrainer": "dpo",
+    "DPOConfig": "dpo",
+    "RewardTrainer": "reward",
+    "RewardConfig": "reward",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +55,5 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .reward import RewardConfig, RewardTrainer
     from .sft import SFTConfig, SFTTrainer
