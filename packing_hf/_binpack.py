@@ -33,9 +33,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
-from ._limits import INT32_MAX
+from ._binpack_kernels import (
+    _best_fit_sorted,
+    _counting_sort_decreasing,
+    _empty_bin,
+    _group_by_bin,
+    _level_light_bins,
+    _next_fit,
+)
+from ._limits import INT32_MAX, check_int
 
 __all__ = [
     "Packing",
@@ -95,8 +102,7 @@ def as_lengths(lengths: LengthsLike, name: str = "lengths") -> np.ndarray:
 
 
 def check_budget(budget: int, name: str = "budget") -> int:
-    if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget <= 0:
-        raise ValueError(f"{name} must be a positive int (tokens per batch), got {budget!r}")
+    budget = check_int(budget, name, 1)
     if budget > INT32_MAX:
         raise ValueError(
             f"{name}={budget} is more tokens than int32 cu_seqlens can address in one batch ({INT32_MAX}); "
@@ -122,104 +128,6 @@ def _check_fits(lengths: np.ndarray, budget: int) -> None:
             f"lengths[{bad}] = {int(lengths[bad])} > budget {budget} ({n_bad} sample(s) too long); no bin can "
             "hold it: raise the budget, or truncate/split long samples first"
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# compiled kernels (numba, compiled lazily on first call and cached on disk next to this file)
-
-
-@njit(cache=True)
-def _counting_sort_decreasing(lengths, order, max_length):  # pragma: no cover - compiled
-    """Stable counting sort: positions of ``order`` re-ordered by decreasing ``lengths[order]``."""
-    counts = np.zeros(max_length + 2, np.int64)
-    for i in range(order.shape[0]):
-        counts[max_length - lengths[order[i]]] += 1
-    start = 0
-    for v in range(max_length + 2):
-        c = counts[v]
-        counts[v] = start
-        start += c
-    out = np.empty(order.shape[0], np.int64)
-    for i in range(order.shape[0]):
-        j = order[i]
-        k = max_length - lengths[j]
-        out[counts[k]] = j
-        counts[k] += 1
-    return out
-
-
-@njit(cache=True)
-def _tree_set(tree, size, leaf, value):  # pragma: no cover - compiled
-    """Set one leaf of a max segment tree and fix its ancestors (stops early when nothing changes)."""
-    i = size + leaf
-    tree[i] = value
-    i >>= 1
-    while i >= 1:
-        left = tree[2 * i]
-        right = tree[2 * i + 1]
-        best = left if left >= right else right
-        if tree[i] == best:
-            break
-        tree[i] = best
-        i >>= 1
-
-
-@njit(cache=True)
-def _best_fit_sorted(sorted_lengths, budget):  # pragma: no cover - compiled
-    """Best fit over lengths already in decreasing order: the bin of every item, and the bin count.
-
-    Open bins are bucketed by their free space ``c`` (a linked list per value of ``c``); a max segment
-    tree over ``c`` finds the smallest free space that still fits an item in O(log budget).
-    """
-    n = sorted_lengths.shape[0]
-    size = 1
-    while size < budget + 1:
-        size <<= 1
-    tree = np.zeros(2 * size, np.int64)  # leaf c holds c while some open bin has exactly c tokens free
-    head = np.full(budget + 1, -1, np.int64)  # head[c]: an open bin with c tokens free (linked list)
-    nxt = np.empty(n, np.int64)
-    bin_of = np.empty(n, np.int64)
-    n_bins = 0
-    for i in range(n):
-        length = sorted_lengths[i]
-        if tree[1] >= length:
-            node = 1
-            while node < size:  # descend to the leftmost (= smallest) free space >= length
-                node <<= 1
-                if tree[node] < length:
-                    node += 1
-            free = node - size
-            b = head[free]
-            head[free] = nxt[b]
-            if head[free] == -1:
-                _tree_set(tree, size, free, 0)
-        else:
-            b = n_bins
-            n_bins += 1
-            free = budget
-        bin_of[i] = b
-        free -= length
-        if free > 0:
-            nxt[b] = head[free]
-            if head[free] == -1:
-                _tree_set(tree, size, free, free)
-            head[free] = b
-    return bin_of, n_bins
-
-
-@njit(cache=True)
-def _next_fit(lengths, budget):  # pragma: no cover - compiled
-    n = lengths.shape[0]
-    bin_of = np.empty(n, np.int64)
-    b = -1
-    used = budget + 1
-    for i in range(n):
-        if used + lengths[i] > budget:
-            b += 1
-            used = 0
-        used += lengths[i]
-        bin_of[i] = b
-    return bin_of, b + 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,25 +168,6 @@ class Packing:
     def efficiency(self) -> float:
         """Real tokens / (bins x budget); 1.0 for an empty packing."""
         return packing_efficiency(int(self.bin_tokens.sum()), self.num_bins, self.budget)
-
-
-@njit(cache=True)
-def _group_by_bin(bin_of, item_ids, item_lengths, n_bins):  # pragma: no cover - compiled
-    """Counting sort of items by bin (stable): ``(items, offsets, bin_tokens)``."""
-    offsets = np.zeros(n_bins + 1, np.int64)
-    bin_tokens = np.zeros(n_bins, np.int64)
-    for i in range(bin_of.shape[0]):
-        offsets[bin_of[i] + 1] += 1
-        bin_tokens[bin_of[i]] += item_lengths[i]
-    for b in range(n_bins):
-        offsets[b + 1] += offsets[b]
-    cursor = offsets[:-1].copy()
-    items = np.empty(bin_of.shape[0], np.int64)
-    for i in range(bin_of.shape[0]):
-        b = bin_of[i]
-        items[cursor[b]] = item_ids[i]
-        cursor[b] += 1
-    return items, offsets, bin_tokens
 
 
 def _packing_from_bin_of(
@@ -422,8 +311,7 @@ def pack_best_fit_random_order(
         order = order.astype(np.int64, copy=False)
     if long_above is None:
         long_above = budget // 2
-    if isinstance(long_above, bool) or not isinstance(long_above, int | np.integer) or long_above < 0:
-        raise ValueError(f"long_above must be an int >= 0 (tokens), got {long_above!r}")
+    long_above = check_int(long_above, "long_above", 0)
     if n == 0:
         return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
     is_long = lengths[order] > long_above
@@ -441,40 +329,6 @@ def pack_best_fit_random_order(
     return _packing_from_bin_of(bin_of, visit, visit_lengths, int(n_bins), budget)
 
 
-@njit(cache=True)
-def _level_light_bins(bin_of, lengths, n_bins, budget, visit):  # pragma: no cover - compiled
-    """Top up bins under half the mean fill with items taken from other bins (in place on ``bin_of``).
-
-    Best fit in a random order ends with a nearly empty bin holding what fitted nowhere else: the
-    longest of the last items, so its mean length stands out. Items visited in ``visit`` (a random
-    order) move into it, at most one from each donor bin and only while the donor stays over half
-    the mean fill, until it reaches 90% of the mean fill: its content becomes a random sample too,
-    and the bin count does not change.
-    """
-    tokens = np.zeros(n_bins, np.int64)
-    for i in range(lengths.shape[0]):
-        tokens[bin_of[i]] += lengths[i]
-    mean = tokens.sum() / n_bins
-    light = tokens < 0.5 * mean
-    donated = np.zeros(n_bins, np.bool_)
-    for x in range(n_bins):
-        if not light[x]:
-            continue
-        for j in range(visit.shape[0]):
-            if tokens[x] >= 0.9 * mean:
-                break
-            i = visit[j]
-            b = bin_of[i]
-            y = lengths[i]
-            if light[b] or donated[b] or tokens[x] + y > budget or tokens[b] - y < 0.5 * mean:
-                continue
-            bin_of[i] = x
-            tokens[b] -= y
-            tokens[x] += y
-            donated[b] = True
-    return bin_of
-
-
 def _is_permutation(order: np.ndarray) -> bool:
     n = order.size
     if n == 0:
@@ -482,154 +336,6 @@ def _is_permutation(order: np.ndarray) -> bool:
     if order.min() < 0 or order.max() >= n:
         return False
     return bool((np.bincount(order, minlength=n) == 1).all())
-
-
-@njit(cache=True)
-def _empty_bin(lengths, bin_of, gap, target, budget, max_visits):  # pragma: no cover - compiled
-    """Try to move every item of bin ``target`` into the other bins: ``(success, visits)``.
-
-    Works in place on ``bin_of`` / ``gap`` (the caller passes copies and keeps them only on success).
-    The items of ``target`` form a pool; the longest pool item ``x`` is placed by the first move that
-    works, each choosing the candidate that leaves the least slack:
-
-    1. into the bin with the least free space that fits it;
-    2. 1-for-1: into a bin in place of a shorter item ``y`` (``gap + y >= x``); ``y`` joins the pool;
-    3. 2-for-1: with another pool item ``p``, in place of an item ``y < x + p``;
-    4. consolidate: grow the largest gap until ``x`` fits there, by moving items of that bin into
-       other bins' gaps or swapping them for shorter ones.
-
-    Every move lowers the pool's token count, so this terminates; ``max_visits`` bounds the work
-    (a deterministic budget, so that every rank computes the same answer).
-    """
-    n = lengths.shape[0]
-    n_bins = gap.shape[0]
-    pool = np.empty(n, np.int64)
-    n_pool = 0
-    for i in range(n):
-        if bin_of[i] == target:
-            pool[n_pool] = i
-            n_pool += 1
-            bin_of[i] = -1
-    gap[target] = -1  # never a destination
-    visits = 0
-    while n_pool > 0:
-        if visits > max_visits:
-            return False, visits
-        k = 0  # the longest item of the pool first: it is the hardest to place
-        for j in range(1, n_pool):
-            if lengths[pool[j]] > lengths[pool[k]]:
-                k = j
-        item = pool[k]
-        x = lengths[item]
-
-        # 1. direct
-        best_bin = -1
-        for b in range(n_bins):
-            if gap[b] >= x and (best_bin == -1 or gap[b] < gap[best_bin]):
-                best_bin = b
-        visits += n_bins
-        if best_bin >= 0:
-            bin_of[item] = best_bin
-            gap[best_bin] -= x
-            n_pool -= 1
-            pool[k] = pool[n_pool]
-            continue
-
-        # 2. 1-for-1
-        best_i = -1
-        best_slack = budget + 1
-        for i in range(n):
-            b = bin_of[i]
-            y = lengths[i]
-            if b < 0 or y >= x:
-                continue
-            slack = gap[b] + y - x
-            if slack >= 0 and (slack < best_slack or (slack == best_slack and y < lengths[best_i])):
-                best_slack = slack
-                best_i = i
-        visits += n
-        if best_i >= 0:
-            b = bin_of[best_i]
-            bin_of[item] = b
-            bin_of[best_i] = -1
-            gap[b] = best_slack
-            pool[k] = best_i
-            continue
-
-        # 3. 2-for-1 (the endgame: pool items too short to make room on their own)
-        best_p = -1
-        for j in range(n_pool):
-            if j == k:
-                continue
-            xp = x + lengths[pool[j]]
-            for i in range(n):
-                b = bin_of[i]
-                y = lengths[i]
-                if b < 0 or y >= xp:
-                    continue
-                slack = gap[b] + y - xp
-                if slack >= 0 and (slack < best_slack or (slack == best_slack and y < lengths[best_i])):
-                    best_slack = slack
-                    best_i = i
-                    best_p = j
-        visits += n * n_pool
-        if best_i >= 0:
-            b = bin_of[best_i]
-            bin_of[item] = b
-            bin_of[pool[best_p]] = b
-            bin_of[best_i] = -1
-            gap[b] = best_slack
-            pool[k] = best_i
-            n_pool -= 1
-            pool[best_p] = pool[n_pool]
-            continue
-
-        # 4. consolidate: each transfer moves delta > 0 tokens of slack from bin b2 into bin c,
-        # preferring the delta closest to what x still needs
-        c = 0
-        for b in range(n_bins):
-            if gap[b] > gap[c]:
-                c = b
-        while gap[c] < x:
-            need = x - gap[c]
-            best_key = 2 * budget + 2
-            best_1 = -1
-            best_2 = -1
-            best_b = -1
-            for i1 in range(n):
-                if bin_of[i1] != c:
-                    continue
-                y1 = lengths[i1]
-                for i2 in range(n):  # swap y1 for a shorter y2 of a bin with room for the difference
-                    b2 = bin_of[i2]
-                    if b2 < 0 or b2 == c:
-                        continue
-                    delta = y1 - lengths[i2]
-                    if delta <= 0 or delta > gap[b2]:
-                        continue
-                    key = delta - need if delta >= need else budget + need - delta
-                    if key < best_key:
-                        best_key, best_1, best_2, best_b = key, i1, i2, b2
-                for b2 in range(n_bins):  # or move y1 out whole
-                    if b2 == c or gap[b2] < y1:
-                        continue
-                    key = y1 - need if y1 >= need else budget + need - y1
-                    if key < best_key:
-                        best_key, best_1, best_2, best_b = key, i1, -1, b2
-                visits += n + n_bins
-            if best_1 < 0 or visits > max_visits:
-                return False, visits
-            delta = lengths[best_1] - (lengths[best_2] if best_2 >= 0 else 0)
-            bin_of[best_1] = best_b
-            if best_2 >= 0:
-                bin_of[best_2] = c
-            gap[best_b] -= delta
-            gap[c] += delta
-        bin_of[item] = c
-        gap[c] -= x
-        n_pool -= 1
-        pool[k] = pool[n_pool]
-    return True, visits
 
 
 def _repair(
@@ -701,8 +407,7 @@ def split_bins(packing: Packing, lengths: LengthsLike, extra: int) -> Packing:
     ([[0, 1, 2, 3, 4]], [[0, 4], [1, 3], [2]])
     """
     lengths = as_lengths(lengths)
-    if isinstance(extra, bool) or not isinstance(extra, int | np.integer) or extra < 0:
-        raise ValueError(f"extra must be an int >= 0, got {extra!r}")
+    extra = check_int(extra, "extra", 0)
     n_bins = packing.num_bins
     if packing.items.size < n_bins + extra:
         raise ValueError(

@@ -19,10 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._limits import INT32_MAX
-
 __all__ = [
-    "check_int_arg",
     "describe",
     "flatten_field",
     "locate",
@@ -134,21 +131,3 @@ def split_lengths(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.
     new_lengths = np.full(int(chunks.sum()), max_length, dtype=np.int64)
     new_lengths[np.cumsum(chunks) - 1] = lengths - (chunks - 1) * max_length
     return new_lengths, chunks
-
-
-def check_int_arg(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
-    """Refuse an int argument of a packer that is not an int (bools included), below ``minimum`` or past int32.
-
-    >>> check_int_arg("max_length", True, minimum=1)
-    Traceback (most recent call last):
-    ...
-    ValueError: max_length must be an int >= 1, got True
-    """
-    if value is None and optional:
-        return
-    is_int = isinstance(value, int | np.integer) and not isinstance(value, bool)
-    if is_int and abs(value) > INT32_MAX:
-        raise ValueError(f"{name}={value} is past what int32 positions and cu_seqlens address ({INT32_MAX})")
-    if not is_int or (minimum is not None and value < minimum):
-        need = "an int" if minimum is None else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {need}{' or None' if optional else ''}, got {value!r}")

@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from ._rows import check_int_arg, flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
+from ._limits import check_int
+from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
 from .overflow import check_overflow
 from .varlen import check_int32_tokens
 
@@ -179,16 +180,16 @@ class PaddingFreeCollator:
     input_columns: ClassVar[tuple[str, ...]] = ("input_ids", "labels", *_MASK_KEYS, "seq_lengths")
 
     def __post_init__(self) -> None:
-        check_int_arg("max_length", self.max_length, minimum=1, optional=True)
-        check_int_arg("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1, optional=True)
-        check_int_arg("position_ids_start", self.position_ids_start, minimum=0)
-        check_int_arg("label_pad_id", self.label_pad_id, minimum=None)
+        check_int(self.max_length, "max_length", minimum=1, optional=True, int32=True)
+        check_int(self.pad_to_multiple_of, "pad_to_multiple_of", minimum=1, optional=True, int32=True)
+        check_int(self.position_ids_start, "position_ids_start", minimum=0, int32=True)
+        check_int(self.label_pad_id, "label_pad_id", minimum=None, int32=True)
         if self.pad_token_id is None:
             raise ValueError(
                 "pad_token_id=None: the collator needs an id for padding (pad_to_multiple_of); set the "
                 "tokenizer's pad token, or use PaddingFreeCollator.for_tokenizer(tokenizer), which falls back to 0"
             )
-        check_int_arg("pad_token_id", self.pad_token_id, minimum=0)
+        check_int(self.pad_token_id, "pad_token_id", minimum=0, int32=True)
         for name in ("passthrough_keys", "drop_keys"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(k, str) for k in value):

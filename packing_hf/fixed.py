@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ._binpack import pack_next_fit, sort_decreasing
-from ._rows import check_int_arg, flatten_field, locate, offsets_in_segments, split_lengths
+from ._limits import check_int
+from ._rows import flatten_field, locate, offsets_in_segments, split_lengths
 from .overflow import check_overflow
 
 __all__ = ["concatenate_and_pack", "pack_sequences"]
@@ -36,9 +37,11 @@ Overflow = Literal["error", "truncate", "split"]
 
 def _check_args(max_length: Any, strategy: str, overflow: str, **ints: Any) -> None:
     """Validate the shared arguments; ``ints`` are further int arguments by name (all must be ints)."""
-    check_int_arg("max_length", max_length, minimum=1)
+    check_int(max_length, "max_length", minimum=1, int32=True)
     for name, value in ints.items():
-        check_int_arg(name, value, minimum=0 if name in ("pad_token_id", "position_ids_start") else None)
+        check_int(
+            value, name, minimum=0 if name in ("pad_token_id", "position_ids_start") else None, int32=True
+        )
     if strategy not in ("greedy", "ffd"):
         raise ValueError(
             f"strategy must be 'greedy' (in order) or 'ffd' (first-fit decreasing), got {strategy!r}"

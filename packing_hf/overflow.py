@@ -7,7 +7,6 @@
 
 Each component accepts the subset it can carry out (the collator cannot drop a sample it was handed; the
 dataset preparation of the app does not split), and :func:`check_overflow` names that subset in its error.
-``"skip"``, the sampler's old word for ``"drop"``, still works with a ``FutureWarning``.
 
 >>> check_overflow("truncate", "PaddingFreeCollator.overflow", ("error", "truncate", "split"))
 'truncate'
@@ -15,7 +14,6 @@ dataset preparation of the app does not split), and :func:`check_overflow` names
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -26,20 +24,13 @@ OVERFLOW_POLICIES: tuple[str, ...] = ("error", "truncate", "split", "drop")
 
 
 def check_overflow(value: str, owner: str, allowed: Sequence[str] = OVERFLOW_POLICIES) -> str:
-    """``value`` as a policy of ``allowed`` (``"skip"`` becomes ``"drop"``), or a ``ValueError`` naming ``owner``.
+    """``value`` as a policy of ``allowed``, or a ``ValueError`` naming ``owner``.
 
     >>> check_overflow("pad", "MultipackBatchSampler(overflow=...)")
     Traceback (most recent call last):
     ...
     ValueError: MultipackBatchSampler(overflow=...) = 'pad' is not an overflow policy; choose one of 'error', 'truncate', 'split', 'drop'
     """
-    if value == "skip" and "drop" in allowed:
-        warnings.warn(
-            f"{owner} = 'skip' is deprecated: the policy is called 'drop' everywhere now",
-            FutureWarning,
-            stacklevel=3,
-        )
-        return "drop"
     if value not in allowed:
         choices = ", ".join(repr(p) for p in allowed)
         known = " is not an overflow policy" if value not in OVERFLOW_POLICIES else " is not supported here"

@@ -36,7 +36,7 @@ import torch
 
 from .collator import PaddingFreeCollator
 from .shared_prefix import PREFIX_KEY
-from .varlen import INT32_MAX
+from .varlen import IGNORE_INDEX, INT32_MAX
 
 __all__ = [
     "PACKED_KEYS",
@@ -49,7 +49,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 TruncationMode = Literal["keep_start", "keep_end"]
 _TRUNCATION_MODES = ("keep_start", "keep_end")
 _PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -49,16 +48,16 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from . import _binpack
+from ._epoch_plan import _EpochPlan, _mean_length_spread
+from ._limits import check_int
+from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
 
 __all__ = ["MIXINGS", "OVERFLOW_POLICIES", "MultipackBatchSampler", "OverflowView", "lengths_from_dataset"]
 
 logger = logging.getLogger(__name__)
 
-Overflow = Literal["error", "truncate", "split", "drop"]
 Balance = Literal["tokens", "attention"]
 Mixing = Literal["random", "sorted"]
-#: what ``overflow=`` accepts (``"skip"`` is a deprecated alias of ``"drop"``)
-OVERFLOW_POLICIES: tuple[str, ...] = ("error", "truncate", "split", "drop")
 #: what ``mixing=`` accepts
 MIXINGS: tuple[str, ...] = ("random", "sorted")
 _BALANCES = ("tokens", "attention")
@@ -75,22 +74,6 @@ _PLAN_KEYS = (
     "mixing",
     "lengths_sha1",
 )
-
-# mixing="random": the batch count is the most bins among the draws of epochs 0-4 plus 0.1% (on more
-# than _SMALL items: epoch 0's bins plus 1 + 0.1%; there draws differ by a few bins in 10^5), capped at
-# 1% + 1 over the L2 lower bound. An epoch whose draw needs more is drawn again, up to _DRAWS times.
-_CALIBRATION_EPOCHS = 5
-_SMALL = 100_000
-_MAX_OVER_BOUND = 0.01
-_DRAWS = 8
-# The threshold above which items are placed first is budget // 2, unless on this data that leaves
-# batches whose mean-length spread exceeds _MIX_TOLERANCE x that of random batches (bimodal data
-# with a mode just under half the budget: the best fit then pairs those items tightly and leaves
-# all short samples to other batches); then budget // 3 and budget // 4 are tried.
-_LONG_DIVISORS = (2, 3, 4)
-_MIX_TOLERANCE = 1.15
-_CALIBRATION_ITEMS = 20_000  # the threshold is chosen on a random subset of this many lengths
-_CALIBRATION_STREAM = 0x6D6978  # keeps the calibration draw apart from every epoch's draw
 
 
 def lengths_from_dataset(dataset: Any, column: str = "input_ids") -> np.ndarray:
@@ -153,12 +136,6 @@ def lengths_from_dataset(dataset: Any, column: str = "input_ids") -> np.ndarray:
     return lengths
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -166,21 +143,14 @@ def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[i
         num_replicas = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
         rank = torch.distributed.get_rank() if initialized else 0
-    num_replicas = _check_int(num_replicas, "num_replicas", 1)
-    rank = _check_int(rank, "rank", 0)
+    num_replicas = check_int(num_replicas, "num_replicas", 1)
+    rank = check_int(rank, "rank", 0)
     if rank >= num_replicas:
         raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
     return num_replicas, rank
 
 
-def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
-    """Standard deviation across bins of a bin's mean sample length (0.0 for no bin); both ``(n_bins,)``."""
-    if bin_tokens.size == 0:
-        return 0.0
-    return float(np.std(bin_tokens / bin_sizes))
-
-
-class MultipackBatchSampler(Sampler[list[int]]):
+class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
     """Batch sampler that packs samples into batches of at most ``max_tokens_per_batch`` tokens.
 
     Every batch is a list of dataset indices whose lengths sum to at most ``max_tokens_per_batch``;
@@ -213,8 +183,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
             ``ceil(L / budget)`` pieces yielded as indices ``>= len(dataset)``; with either, the DataLoader
             must get ``sampler.wrap_dataset(dataset)`` (the :class:`OverflowView` that cuts them and serves
             the pieces), and iterating before ``wrap_dataset`` was called raises, since the batches would
-            exceed the budget or index past the dataset. ``"drop"`` leaves it out (``"skip"`` is a
-            deprecated alias). All of them are counted in :meth:`stats` and logged once.
+            exceed the budget or index past the dataset. ``"drop"`` leaves it out. All of them are counted in :meth:`stats` and logged once.
         balance: how steps are formed from bins when ``num_replicas > 1``: ``"tokens"`` (default) puts
             bins of similar token counts in the same step; ``"attention"`` uses the sum of squared
             sample lengths (the cost of attention), for long-context data where a bin holding one long
@@ -234,8 +203,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
 
     Attributes:
         max_tokens_per_batch, num_replicas, rank, epoch, seed, shuffle, drop_last, overflow, balance,
-        shard, mixing: as given (``epoch`` changes with :meth:`set_epoch`; ``overflow="skip"`` reads
-        ``"drop"``).
+        shard, mixing: as given (``epoch`` changes with :meth:`set_epoch`).
         lengths: ``(n,)`` int64, the token count of every sample.
         batch_size: ``None`` (batches hold a varying number of samples; what ``DataLoader`` and
             accelerate expect from a batch sampler without a fixed size).
@@ -274,25 +242,15 @@ class MultipackBatchSampler(Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
-        overflow: Overflow | Literal["skip"] = "error",
+        overflow: OverflowPolicy = "error",
         balance: Balance = "tokens",
         shard: bool = True,
         mixing: Mixing = "random",
     ) -> None:
         super().__init__()
-        self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
+        self.max_tokens_per_batch = check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
         _binpack.check_budget(self.max_tokens_per_batch, "max_tokens_per_batch")  # the int32 limit
-        if overflow == "skip":
-            warnings.warn(
-                "MultipackBatchSampler(overflow='skip') is deprecated: it is now called 'drop' (the same "
-                "behaviour, counted as overflow_dropped_samples / overflow_dropped_tokens in stats()); "
-                "pass overflow='drop'",
-                FutureWarning,
-                stacklevel=2,
-            )
-            overflow = "drop"
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        overflow = check_overflow(overflow, "MultipackBatchSampler(overflow=...)")
         if balance not in _BALANCES:
             raise ValueError(f"balance must be one of {_BALANCES}, got {balance!r}")
         if mixing not in MIXINGS:
@@ -301,10 +259,10 @@ class MultipackBatchSampler(Sampler[list[int]]):
                 "every batch, 'sorted' packs the fewest batches of similar lengths"
             )
         self.num_replicas, self.rank = _distributed_defaults(num_replicas, rank)
-        self.seed = _check_int(seed, "seed", 0)
+        self.seed = check_int(seed, "seed", 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        self.overflow: Overflow = overflow
+        self.overflow: OverflowPolicy = overflow
         self.balance: Balance = balance
         self.shard = bool(shard)
         self.mixing: Mixing = mixing
@@ -393,197 +351,6 @@ class MultipackBatchSampler(Sampler[list[int]]):
         self._item_lengths = np.ascontiguousarray(item_lengths, dtype=np.int64)  # (m,)
 
     # ------------------------------------------------------------------------------------------
-    # the batch count (epoch-independent)
-
-    def _bin_count(self, packed: int, fewest: int) -> int:
-        """The bins of every epoch: ``packed`` rounded up for the ranks (``drop_last=False``).
-
-        ``fewest`` is the smallest count that still works (the packing's own bins); when rounding
-        ``packed`` up would need more bins than there are samples, ``fewest`` is rounded instead.
-        """
-        budget, replicas, m = self.max_tokens_per_batch, self.num_replicas, self._item_lengths.size
-        if self.drop_last:
-            if packed < replicas:
-                raise ValueError(
-                    f"the data fills only {packed} batch(es) of {budget} tokens, fewer than the {replicas} "
-                    "ranks: with drop_last=True every batch would be dropped; use drop_last=False or fewer ranks"
-                )
-            return packed
-        for count in (packed, fewest):
-            total = -(-count // replicas) * replicas
-            if total <= m:
-                return total
-        raise ValueError(
-            f"cannot give each of the {replicas} ranks the same number of batches without repeating "
-            f"samples: the {m} sample(s) fill {fewest} batch(es) of {budget} tokens, and splitting "
-            f"batches can only reach {m}, not a multiple of {replicas}; use fewer ranks, more data, "
-            "or drop_last=True"
-        )
-
-    def _get_template(self) -> dict[str, Any]:
-        """What every epoch shares: the bin count, the lower bound, and (``"sorted"``) the bins."""
-        if self._template is not None:
-            return self._template
-        budget = self.max_tokens_per_batch
-        lengths = self._item_lengths
-        bound = _binpack.lower_bound_l2(lengths, budget)
-        if self.mixing == "sorted":
-            sorted_lengths = lengths[_binpack.sort_decreasing(lengths)]  # (m,)
-            # packing lengths that are already sorted: the packing's items are positions in sorted order
-            packing = _binpack.pack_best_fit_decreasing(sorted_lengths, budget)
-            n_bins = self._bin_count(packing.num_bins, packing.num_bins)
-            self._template = {
-                "n_bins": n_bins,
-                "lower_bound": bound,
-                "long_above": 0,
-                "sorted": _binpack.split_bins(packing, sorted_lengths, n_bins - packing.num_bins),
-                "packed_bins": packing.num_bins,
-            }
-            return self._template
-        long_above = self._choose_long_above()
-        first = self._draw(0, 0, long_above)  # epoch 0's packing
-        k0 = first.num_bins
-        if self.shuffle and lengths.size <= _SMALL:
-            most = max(self._draw(e, 0, long_above).num_bins for e in range(1, _CALIBRATION_EPOCHS))
-            slack = k0 // 1000
-        else:  # one draw (shuffle=False: the only one)
-            most, slack = k0, (1 + k0 // 1000 if self.shuffle else 0)
-        cap = max(k0, int((1 + _MAX_OVER_BOUND) * bound) + 1)
-        packed = max(k0, min(cap, max(most, k0) + slack, lengths.size))
-        self._template = {
-            "n_bins": self._bin_count(packed, k0),
-            "lower_bound": bound,
-            "long_above": long_above,
-            "first": first,
-        }
-        return self._template
-
-    def _choose_long_above(self) -> int:
-        """The threshold above which items are placed first (``mixing="random"``), see ``_LONG_DIVISORS``."""
-        budget = self.max_tokens_per_batch
-        rng = np.random.default_rng([self.seed, _CALIBRATION_STREAM])
-        lengths = self._item_lengths
-        if lengths.size > _CALIBRATION_ITEMS:
-            lengths = lengths[rng.choice(lengths.size, _CALIBRATION_ITEMS, replace=False)]
-        order = rng.permutation(lengths.size)
-        shuffled = _binpack.pack_next_fit(lengths[order], budget)  # random batches, as a reference
-        reference = _mean_length_spread(shuffled.bin_tokens, np.diff(shuffled.offsets))
-        best, best_ratio, half_bins = budget // 2, np.inf, None
-        for divisor in _LONG_DIVISORS:
-            long_above = budget // divisor
-            packing = _binpack.pack_best_fit_random_order(lengths, budget, order, long_above=long_above)
-            if half_bins is None:
-                half_bins = packing.num_bins
-            elif packing.num_bins > half_bins + 1 + half_bins // 500:
-                continue  # a better mix is not worth more than 0.2% more batches
-            spread = _mean_length_spread(packing.bin_tokens, np.diff(packing.offsets))
-            ratio = spread / reference if reference > 0 else (1.0 if spread == 0 else np.inf)
-            if ratio <= _MIX_TOLERANCE:
-                return long_above
-            if ratio < best_ratio:
-                best, best_ratio = long_above, ratio
-        return best
-
-    # ------------------------------------------------------------------------------------------
-    # the plan of an epoch
-
-    def _draw(self, epoch: int, attempt: int, long_above: int) -> _binpack.Packing:
-        """Draw ``attempt`` of ``epoch``'s random-order packing (items are positions in ``_item_lengths``)."""
-        lengths = self._item_lengths
-        if self.shuffle:
-            key = [self.seed, epoch] if attempt == 0 else [self.seed, epoch, attempt]
-            order = np.random.default_rng(key).permutation(lengths.size)
-        else:
-            order = None  # dataset order
-        return _binpack.pack_best_fit_random_order(
-            lengths, self.max_tokens_per_batch, order, long_above=long_above
-        )
-
-    def _random_bins(self, epoch: int) -> tuple[_binpack.Packing, int, int]:
-        """``(packing with exactly n_bins bins, draws beyond the first, 1 if epoch 0's bins were reused)``."""
-        template = self._get_template()
-        n_bins = template["n_bins"]
-        packing, redraws, fallback = template["first"], 0, 0
-        if epoch != 0 and self.shuffle:
-            for attempt in range(_DRAWS):
-                drawn = self._draw(epoch, attempt, template["long_above"])
-                if drawn.num_bins <= n_bins:
-                    packing, redraws = drawn, attempt
-                    break
-            else:
-                # not seen on the shared or generated distributions of the tests; keeps len() exact
-                redraws, fallback = _DRAWS - 1, 1
-                logger.warning(
-                    "MultipackBatchSampler: epoch %d's random draws all needed more than %d batches; it "
-                    "reuses epoch 0's batches (in a new order)",
-                    epoch,
-                    n_bins,
-                )
-        return packing, redraws, fallback
-
-    def _plan(self, epoch: int | None = None) -> dict[str, Any]:
-        """The plan of an epoch: ``items`` (m,), ``offsets`` (bins + 1,), ``steps`` (num_steps, num_replicas), ..."""
-        epoch = self.epoch if epoch is None else epoch
-        if self._plan_cache is not None and self._plan_cache[0] == epoch:
-            return self._plan_cache[1]
-        template = self._get_template()
-        n_bins = template["n_bins"]
-        replicas = self.num_replicas
-        lengths = self._item_lengths
-        rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
-        if self.mixing == "sorted":
-            packing = template["sorted"]
-            tie_order = rng.permutation(lengths.size) if rng is not None else None
-            sorted_items = _binpack.sort_decreasing(lengths, tie_order)  # (m,) item at every position
-            items = sorted_items[packing.items]  # (m,) items grouped by bin
-            offsets, bin_tokens = packing.offsets, packing.bin_tokens
-            packed_bins, redraws, fallback = template["packed_bins"], 0, 0
-        else:
-            packing, redraws, fallback = self._random_bins(epoch)
-            packed_bins = packing.num_bins
-            packing = _binpack.split_bins(packing, lengths, n_bins - packed_bins)
-            items, offsets, bin_tokens = packing.items, packing.offsets, packing.bin_tokens
-            if rng is not None:
-                rng = np.random.default_rng([self.seed, epoch, _DRAWS])  # apart from the draws' streams
-        squares = np.add.reduceat(lengths[items].astype(np.float64) ** 2, offsets[:-1])  # (n_bins,)
-        cost = bin_tokens.astype(np.float64) if self.balance == "tokens" else squares
-
-        bins = np.arange(n_bins)
-        n_drop = n_bins % replicas if self.drop_last else 0
-        if n_drop:
-            dropped = rng.choice(n_bins, n_drop, replace=False) if rng is not None else bins[-n_drop:]
-            bins = np.setdiff1d(bins, dropped)
-        else:
-            dropped = bins[:0]
-        # group bins of similar cost into steps; random keys break ties between equal costs
-        tie = rng.random(bins.size) if rng is not None else np.zeros(bins.size)
-        by_cost = bins[np.lexsort((tie, cost[bins]))] if replicas > 1 else bins
-        steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
-        if rng is not None:
-            steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
-            steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
-        else:
-            first_index = np.minimum.reduceat(self._keys[items], offsets[:-1])  # (n_bins,) smallest key
-            steps = steps[np.argsort(first_index[steps].min(axis=1), kind="stable")]
-        plan = {
-            "items": items,
-            "offsets": offsets,
-            "bin_tokens": bin_tokens,  # (n_bins,)
-            "bin_squares": squares,  # (n_bins,) attention cost
-            "steps": steps,
-            "dropped": dropped,
-            "packed_bins": packed_bins,  # this epoch's packing, before splitting
-            "redraws": redraws,
-            "fallback": fallback,
-        }
-        self._plan_cache = (epoch, plan)
-        return plan
-
-    def _batch(self, plan: dict[str, Any], b: int) -> list[int]:
-        start, stop = plan["offsets"][b], plan["offsets"][b + 1]
-        return self._keys[plan["items"][start:stop]].tolist()
-
-    # ------------------------------------------------------------------------------------------
     # Sampler protocol
 
     @property
@@ -620,7 +387,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
         A pending resume position (from :meth:`load_state_dict`) is kept when ``epoch`` is the resumed
         epoch and discarded otherwise.
         """
-        epoch = _check_int(epoch, "epoch", 0)
+        epoch = check_int(epoch, "epoch", 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = 0
@@ -649,8 +416,7 @@ class MultipackBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration yields exactly the batches of ``state["epoch"]`` not yet consumed.
 
-        A state saved before ``mixing`` existed comes from the ``"sorted"`` plan; one saved with
-        ``overflow="skip"`` matches ``"drop"``.
+        A state saved before ``mixing`` existed comes from the ``"sorted"`` plan.
 
         Raises:
             ValueError: a key is missing, the state was saved under a configuration that gives a
@@ -660,8 +426,6 @@ class MultipackBatchSampler(Sampler[list[int]]):
         if missing:
             raise ValueError(f"sampler state lacks {missing}; pass the dict returned by state_dict()")
         saved = {"mixing": "sorted", **state}
-        if saved.get("overflow") == "skip":
-            saved["overflow"] = "drop"
         mine = self.state_dict()
         differ = [
             f"{k}: saved {saved[k]!r}, now {mine[k]!r}"
@@ -673,8 +437,8 @@ class MultipackBatchSampler(Sampler[list[int]]):
                 "the saved sampler state comes from a different plan (" + "; ".join(differ) + "); resume "
                 "with the same data, seed, budget, mixing and number of ranks"
             )
-        epoch = _check_int(state["epoch"], "state['epoch']", 0)
-        consumed = _check_int(state["batches_consumed"], "state['batches_consumed']", 0)
+        epoch = check_int(state["epoch"], "state['epoch']", 0)
+        consumed = check_int(state["batches_consumed"], "state['batches_consumed']", 0)
         if consumed > len(self):
             raise ValueError(f"state['batches_consumed'] = {consumed} > {len(self)} batches in an epoch")
         self.epoch = epoch

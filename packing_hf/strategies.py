@@ -22,6 +22,7 @@ from ._binpack import (
     pack_best_fit_decreasing,
     pack_next_fit,
 )
+from ._limits import check_int
 
 __all__ = [
     "StrategyStats",
@@ -103,9 +104,7 @@ def _ordered(lengths: LengthsLike, order: np.ndarray | None) -> np.ndarray:
 
 
 def _check_batch_size(batch_size: int) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int (samples per step), got {batch_size!r}")
-    return int(batch_size)
+    return check_int(batch_size, "batch_size (samples per step)", 1)
 
 
 def padded_batches(

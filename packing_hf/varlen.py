@@ -30,6 +30,7 @@ import torch
 from ._limits import INT32_MAX
 
 __all__ = [
+    "IGNORE_INDEX",
     "INT32_MAX",
     "check_cu_seqlens",
     "check_int32_tokens",
@@ -44,6 +45,9 @@ __all__ = [
     "position_ids_to_cu_seqlens",
     "seq_lengths_to_cu_seqlens",
 ]
+
+# the label every Hugging Face loss ignores: what masks a sample's first token, padding and prompts
+IGNORE_INDEX = -100
 
 
 LengthsLike = Sequence[int] | np.ndarray | torch.Tensor

@@ -3,8 +3,9 @@
 - :mod:`packing_hf.registry` (core, below the attention): data: the support status of every ``model_type``
   and why (:func:`support`), re-exported here;
 - ``tiny``: tiny copies of configs that keep what decides exactness (:func:`tiny_config`);
-- ``prepare``: :func:`prepare_model_for_packing`, reversible hooks on one model instance;
-- ``sweep``: :func:`check_architecture` (cached pre-flight check) and :func:`sweep_architecture` (the table).
+- ``prepare``: :func:`prepare_model_for_packing`, reversible hooks on one model instance, and
+  :func:`check_architecture` (the cached tiny-model check behind the pre-flight and :func:`check_unregistered`);
+- ``sweep``: :func:`sweep_architecture` (the table).
 
 Everything here builds on :func:`packing_hf.check_packing` (:mod:`packing_hf.verify`) and
 :mod:`packing_hf.attention`; neither imports this package.
@@ -25,15 +26,15 @@ from ..registry import (
 )
 from .prepare import (
     PackingPreparation,
+    check_architecture,
     check_unregistered,
+    clear_architecture_cache,
     prepare_model_for_packing,
     revert_model_for_packing,
 )
 from .sweep import (
     IMPLEMENTATIONS,
     ArchitectureResult,
-    check_architecture,
-    clear_architecture_cache,
     sweep_architecture,
 )
 from .tiny import build_tiny_model, tiny_config

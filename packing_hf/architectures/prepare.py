@@ -24,15 +24,17 @@ from typing import Any
 
 import torch
 
-from ..attention import ATTENTION_NAME
+from ..attention import ATTENTION_NAME, resolve_attn_implementation
 from ..attention.guards import check_forward_call
 from ..registry import ArchitectureSupport, check_served_config, support, unsupported_layers
-from ..verify import PackingReport, check_packing
+from ..verify import DEFAULT_TOLERANCE, PackingReport, check_packing
 from .tiny import build_tiny_model, tiny_config
 
 __all__ = [
     "PackingPreparation",
+    "check_architecture",
     "check_unregistered",
+    "clear_architecture_cache",
     "prepare_model_for_packing",
     "revert_model_for_packing",
 ]
@@ -184,26 +186,84 @@ class PackingPreparation:
         )
 
 
-_UNREGISTERED_CACHE: dict[tuple[str, str], PackingReport] = {}
+# The one cache of tiny-model checks: the pre-flight (prepared), check_unregistered (stock) and the CLI share it.
+_TINY_CHECKS: dict[tuple[str, str, bool], PackingReport] = {}
+
+
+def clear_architecture_cache() -> None:
+    """Forget the reports cached by :func:`check_architecture`.
+
+    >>> clear_architecture_cache()
+    """
+    _TINY_CHECKS.clear()
+
+
+def check_architecture(config, attn_implementation: str = "sdpa", *, prepare: bool = True) -> PackingReport:
+    """Pre-flight check: does this architecture pack exactly? Runs on a tiny copy, cached.
+
+    Builds ``tiny_config(config)`` with ``attn_implementation`` (fp32, CPU), optionally prepares it with
+    :func:`packing_hf.prepare_model_for_packing` (what the trainers do to the real model), and runs
+    :func:`check_packing`. The result is cached per (tiny config, implementation, prepare): the first call
+    for an architecture costs well under a second, later ones nothing.
+
+    Args:
+        config: the ``PretrainedConfig`` of the model to train, or a ``model_type`` string.
+        attn_implementation: ``"eager"``, ``"sdpa"``, ``"packing_hf"`` / ``packing_hf.ATTENTION_NAME``, ...
+        prepare: check the model as prepared by packing_hf (``True``) or stock (``False``).
+
+    Returns:
+        A :class:`PackingReport`. When preparation refuses the architecture, ``report.error`` holds the
+        reason (and ``report.leaked`` is ``True``).
+
+    >>> check_architecture("mistral", "sdpa").leaked
+    False
+    >>> "Mamba" in check_architecture("bamba", "sdpa").error
+    True
+    """
+    cfg = tiny_config(config)
+    implementation = resolve_attn_implementation(attn_implementation)
+    key = (cfg.to_json_string(use_diff=False), implementation, prepare)
+    if key in _TINY_CHECKS:
+        return _TINY_CHECKS[key]
+    model = build_tiny_model(config, implementation)
+    handle = None
+    if prepare:
+        try:
+            handle = prepare_model_for_packing(model, check_unknown=False)
+        except ValueError as exc:
+            report = PackingReport(
+                cfg.model_type,
+                implementation,
+                None,
+                (),
+                DEFAULT_TOLERANCE,
+                (),
+                (),
+                (),
+                error=f"refused: {exc}",
+            )
+            _TINY_CHECKS[key] = report
+            return report
+    try:
+        # the noise-floor verdict: a tiny copy's own fp32 rounding can pass a fixed 1e-5 (Gemma 4 did)
+        report = check_packing(model)
+    finally:
+        if handle is not None:
+            handle.revert()
+    _TINY_CHECKS[key] = report
+    return report
 
 
 def check_unregistered(config: Any, attn_implementation: str) -> PackingReport:
     """The stock check of an architecture the registry does not know, on a tiny copy (cached).
 
-    Builds :func:`~packing_hf.architectures.tiny.tiny_config` of ``config`` with ``attn_implementation`` and
-    runs :func:`packing_hf.check_packing` on it, unprepared; the report is cached per (tiny config,
-    implementation), so a pre-flight pays for it once per process.
+    :func:`check_architecture` with ``prepare=False``: a tiny copy of ``config`` with ``attn_implementation``,
+    checked unprepared with the noise-floor verdict; cached with the other tiny-model checks.
 
     >>> check_unregistered("llama", "sdpa").leaked
     False
     """
-    cfg = tiny_config(config)
-    key = (cfg.to_json_string(use_diff=False), attn_implementation)
-    if key not in _UNREGISTERED_CACHE:
-        _UNREGISTERED_CACHE[key] = check_packing(
-            build_tiny_model(config, attn_implementation), noise_floor=False
-        )
-    return _UNREGISTERED_CACHE[key]
+    return check_architecture(config, attn_implementation, prepare=False)
 
 
 def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = True) -> PackingPreparation:

@@ -2,7 +2,8 @@
 
 :func:`sweep_architecture` is the single code path behind ``docs/architectures.md``
 (``tools/gen_arch_table.py``) and the architecture test, so the table is what the test asserts;
-:func:`check_architecture` is the cached one-architecture check the trainers' pre-flight runs. Both use
+:func:`check_architecture` (re-exported from :mod:`packing_hf.architectures.prepare`, which holds the one cache of
+tiny-model checks) is the one-architecture check the trainers' pre-flight runs. Both use
 the check (:func:`packing_hf.check_packing`) and the model fixes
 (:func:`packing_hf.prepare_model_for_packing`); nothing there points back here.
 
@@ -15,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..attention import resolve_attn_implementation
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, PackingReport, check_packing
-from .prepare import prepare_model_for_packing
-from .tiny import build_tiny_model, tiny_config
+from .prepare import check_architecture, clear_architecture_cache, prepare_model_for_packing
+from .tiny import build_tiny_model
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -87,16 +87,14 @@ def sweep_architecture(
                 ArchitectureResult(model_type, implementation, None, None, unsupported=describe_error(exc))
             )
             continue
-        stock = check_packing(model, lengths, gradients=gradients, tolerance=tolerance, noise_floor=False)
+        stock = check_packing(model, lengths, gradients=gradients, tolerance=tolerance)
         try:
             handle = prepare_model_for_packing(model, check_unknown=False)
         except ValueError as exc:
             results.append(ArchitectureResult(model_type, implementation, stock, None, refused=str(exc)))
             continue
         with handle:
-            prepared = check_packing(
-                model, lengths, gradients=gradients, tolerance=tolerance, noise_floor=False
-            )
+            prepared = check_packing(model, lengths, gradients=gradients, tolerance=tolerance)
         results.append(ArchitectureResult(model_type, implementation, stock, prepared))
     return results
 
@@ -104,69 +102,3 @@ def sweep_architecture(
 def describe_error(exc: BaseException) -> str:
     """``"TypeError: first line of the message"`` (at most 200 characters of it)."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-
-
-_ARCHITECTURE_CACHE: dict[tuple[str, str, bool], PackingReport] = {}
-
-
-def clear_architecture_cache() -> None:
-    """Forget the reports cached by :func:`check_architecture`.
-
-    >>> clear_architecture_cache()
-    """
-    _ARCHITECTURE_CACHE.clear()
-
-
-def check_architecture(config, attn_implementation: str = "sdpa", *, prepare: bool = True) -> PackingReport:
-    """Pre-flight check: does this architecture pack exactly? Runs on a tiny copy, cached.
-
-    Builds ``tiny_config(config)`` with ``attn_implementation`` (fp32, CPU), optionally prepares it with
-    :func:`packing_hf.prepare_model_for_packing` (what the trainers do to the real model), and runs
-    :func:`check_packing`. The result is cached per (tiny config, implementation, prepare): the first call
-    for an architecture costs well under a second, later ones nothing.
-
-    Args:
-        config: the ``PretrainedConfig`` of the model to train, or a ``model_type`` string.
-        attn_implementation: ``"eager"``, ``"sdpa"``, ``"packing_hf"`` / ``packing_hf.ATTENTION_NAME``, ...
-        prepare: check the model as prepared by packing_hf (``True``) or stock (``False``).
-
-    Returns:
-        A :class:`PackingReport`. When preparation refuses the architecture, ``report.error`` holds the
-        reason (and ``report.leaked`` is ``True``).
-
-    >>> check_architecture("mistral", "sdpa").leaked
-    False
-    >>> "Mamba" in check_architecture("bamba", "sdpa").error
-    True
-    """
-    cfg = tiny_config(config)
-    implementation = resolve_attn_implementation(attn_implementation)
-    key = (cfg.to_json_string(use_diff=False), implementation, prepare)
-    if key in _ARCHITECTURE_CACHE:
-        return _ARCHITECTURE_CACHE[key]
-    model = build_tiny_model(config, implementation)
-    handle = None
-    if prepare:
-        try:
-            handle = prepare_model_for_packing(model, check_unknown=False)
-        except ValueError as exc:
-            report = PackingReport(
-                cfg.model_type,
-                implementation,
-                None,
-                (),
-                DEFAULT_TOLERANCE,
-                (),
-                (),
-                (),
-                error=f"refused: {exc}",
-            )
-            _ARCHITECTURE_CACHE[key] = report
-            return report
-    try:
-        report = check_packing(model, noise_floor=False)  # tiny fp32 copies: the fixed tolerance holds
-    finally:
-        if handle is not None:
-            handle.revert()
-    _ARCHITECTURE_CACHE[key] = report
-    return report

@@ -38,14 +38,18 @@ from typing import Any
 import torch
 
 from ..shared_prefix import shared_prefix_position_ids
-from ..varlen import check_cu_seqlens, check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
-from .backends import _remember_host_values
+from ..varlen import (
+    IGNORE_INDEX,
+    check_cu_seqlens,
+    check_int32_tokens,
+    cu_seqlens_to_position_ids,
+    position_restarts,
+)
+from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
-
-IGNORE_INDEX = -100
 
 _FIX_POSITIONS = (
     "build position_ids with packing_hf.lengths_to_position_ids (or use packing_hf.PaddingFreeCollator)"
@@ -197,7 +201,7 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
         host = _check_packed_cu_seqlens(out, batch_size, total)
         # the attention layers reuse this host copy instead of reading the boundaries again, and get one
         # tensor for queries and keys (checked equal above), which is their self-attention fast path
-        _remember_host_values(out["cu_seq_lens_q"], host)
+        remember_host_values(out["cu_seq_lens_q"], host)
         if out.get("cu_seq_lens_k") is not None:
             out["cu_seq_lens_k"] = out["cu_seq_lens_q"]
         if position_ids is None:

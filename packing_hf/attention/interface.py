@@ -29,13 +29,8 @@ import torch
 
 from ..registry import check_served_config
 from ..varlen import check_int32_tokens, position_restarts
-from .backends import (
-    _cached_host_values,
-    _host_values,
-    _varlen_attention_masked,
-    check_backend_name,
-    varlen_attention,
-)
+from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
+from .host import cached_host_values, host_values
 from .prefix import PREFIX_KEY, gather_prefix_keys
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
@@ -97,7 +92,7 @@ def _uniform_layout(batch: int, tq: int, tk: int, device: torch.device) -> _Layo
 
 def _longest_segment(cu: torch.Tensor) -> int:
     """Longest segment of ``(n + 1,)`` boundaries, from their (cached) host copy; 0 for none."""
-    bounds = _host_values(cu)
+    bounds = host_values(cu)
     return max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
 
 
@@ -368,8 +363,8 @@ def _given_layout(
 def _known_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two boundary tensors are known equal without reading them (host copies made earlier, e.g. by
     :func:`packing_hf.validate_packed_batch`, which checks that ``cu_seq_lens_k`` equals ``cu_seq_lens_q``)."""
-    host_a = _cached_host_values(a)
-    return host_a is not None and host_a == _cached_host_values(b)
+    host_a = cached_host_values(a)
+    return host_a is not None and host_a == cached_host_values(b)
 
 
 def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):

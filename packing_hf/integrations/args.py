@@ -17,7 +17,9 @@ from typing import Literal
 
 import transformers
 
+from .._limits import check_int
 from ..overflow import check_overflow
+from ..sampler import MIXINGS
 
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments"]
 
@@ -84,18 +86,15 @@ class PackingArguments:
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments base this is mixed into
         budget = self.max_tokens_per_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(
-                f"max_tokens_per_batch={budget!r}: it must be a positive int (tokens per micro-batch per "
-                "device), or None to flatten per_device_train_batch_size samples per step"
-            )
+        # tokens per micro-batch per device; None flattens per_device_train_batch_size samples per step
+        self.max_tokens_per_batch = check_int(budget, "max_tokens_per_batch", 1, optional=True)
         if self.packing_preflight not in PREFLIGHT_MODES:
             raise ValueError(
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
             )
         self.packing_overflow = check_overflow(self.packing_overflow, "packing_overflow")
-        if self.multipack_mixing not in ("random", "sorted"):
-            raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be 'random' or 'sorted'")
+        if self.multipack_mixing not in MIXINGS:
+            raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
 
 
 @dataclass

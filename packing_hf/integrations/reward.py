@@ -264,7 +264,7 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences."""
         from ..sampler import lengths_from_dataset
-        from .trainer import _is_hf_dataset
+        from .dataloaders import _is_hf_dataset
 
         columns = ("chosen_ids", "rejected_ids")
         if _is_hf_dataset(dataset):

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._limits import check_int
 from ..overflow import OverflowPolicy, check_overflow
 
 __all__ = ["StreamPacker", "slice_sample", "to_plain"]
@@ -57,12 +58,6 @@ _DRAWS_PER_BLOCK = 4096  # random numbers generated at once (one numpy call inst
 STATE_FORMAT = 1
 # configuration that changes which batches come out: a state saved under one cannot be loaded under another
 _CONFIG_KEYS = ("max_tokens_per_batch", "buffer_size", "open_batches", "seed", "overflow", "column")
-
-
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _new_counts() -> dict[str, int]:
@@ -127,7 +122,7 @@ class StreamPacker:
         overflow: a sample longer than ``max_tokens_per_batch``: ``"error"`` (default, a ``ValueError``
             naming the sample), ``"truncate"`` (keep the first ``max_tokens_per_batch`` tokens of every
             field aligned with ``column``), ``"split"`` (cut into pieces of at most the budget, each its
-            own sample) or ``"drop"`` (leave it out; ``"skip"`` is a deprecated alias). All are counted
+            own sample) or ``"drop"`` (leave it out). All are counted
             in :meth:`stats`, with the names :class:`~packing_hf.MultipackBatchSampler` uses.
         column: the token-id field whose length counts against the budget.
 
@@ -145,10 +140,10 @@ class StreamPacker:
         overflow: OverflowPolicy = "error",
         column: str = "input_ids",
     ) -> None:
-        self.max_tokens_per_batch = _check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
-        self.buffer_size = _check_int(buffer_size, "buffer_size", 1)
-        self.open_batches = _check_int(open_batches, "open_batches", 1)
-        self.seed = _check_int(seed, "seed", 0)
+        self.max_tokens_per_batch = check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
+        self.buffer_size = check_int(buffer_size, "buffer_size", 1)
+        self.open_batches = check_int(open_batches, "open_batches", 1)
+        self.seed = check_int(seed, "seed", 0)
         self.overflow: OverflowPolicy = check_overflow(overflow, "StreamPacker(overflow=...)")
         if not isinstance(column, str):
             raise TypeError(f"column must be a str (the token-id field), got {type(column).__name__}")
@@ -160,8 +155,8 @@ class StreamPacker:
 
     def start(self, epoch: int = 0, rank: int = 0) -> None:
         """Forget everything held and begin a pass whose random draws are keyed by ``(seed, epoch, rank)``."""
-        self.epoch = _check_int(epoch, "epoch", 0)
-        self.rank = _check_int(rank, "rank", 0)
+        self.epoch = check_int(epoch, "epoch", 0)
+        self.rank = check_int(rank, "rank", 0)
         self._pool: list[tuple[int, Any]] = []  # (length, sample) waiting in the shuffle buffer
         self._free: list[int] = []  # free tokens of every open batch, ascending
         self._open: list[list[Any]] = []  # the open batches, in the order of _free

@@ -50,10 +50,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._limits import check_int
 from ..fixed import concatenate_and_pack
 from ..overflow import OverflowPolicy
 from .packer import StreamPacker, to_plain
@@ -71,9 +71,7 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         num_replicas = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
         rank = torch.distributed.get_rank() if initialized else 0
-    for name, value, low in (("num_replicas", num_replicas, 1), ("rank", rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    num_replicas, rank = check_int(num_replicas, "num_replicas", 1), check_int(rank, "rank", 0)
     if rank >= num_replicas:
         raise ValueError(f"rank must be in [0, {num_replicas - 1}], got rank={rank}")
     return int(num_replicas), int(rank)
@@ -134,11 +132,8 @@ class PackedStream(IterableDataset):
             source = TokenizedStream(source, column=column)
         self.source = source.shard(self.num_replicas, self.rank)
         self.column = column
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id must be an int >= 0, got {pad_token_id!r}")
-        self.pad_token_id = pad_token_id
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(f"history must be an int >= 0, got {history!r}")
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", 0)
+        history = check_int(history, "history", 0)
         self.process_group = process_group
         self.epoch = 0  # the pass the next iteration runs (or the running one)
         self._records = 0  # records of this rank's shard read in the running pass

@@ -154,10 +154,10 @@ def test_efficiency_and_packing_accessors():
         ([1.5, 2.0], 10, TypeError, "must hold integers"),
         ([[1, 2], [3, 4]], 10, ValueError, "1-D"),
         ([3, 12, 20], 10, ValueError, r"lengths\[1\] = 12 > budget 10 \(2 sample"),
-        ([3], 0, ValueError, "budget must be a positive int"),
-        ([3], -4, ValueError, "budget must be a positive int"),
-        ([3], True, ValueError, "budget must be a positive int"),
-        ([3], 2.5, ValueError, "budget must be a positive int"),
+        ([3], 0, ValueError, "budget must be an int >= 1"),
+        ([3], -4, ValueError, "budget must be an int >= 1"),
+        ([3], True, ValueError, "budget must be an int >= 1"),
+        ([3], 2.5, ValueError, "budget must be an int >= 1"),
     ],
 )
 def test_bad_input_names_the_value(lengths, budget, error, match):

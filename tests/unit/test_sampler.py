@@ -232,11 +232,8 @@ def test_overflow_truncate_drop_and_split_are_counted():
     stats = dropped.stats()
     assert (stats["overflow_dropped_samples"], stats["overflow_dropped_tokens"]) == (2, 110)
     assert (stats["dropped_samples"], stats["dropped_tokens"]) == (0, 0)  # drop_last's, a different count
-    with pytest.warns(FutureWarning, match=r"overflow='skip'\) is deprecated.*pass overflow='drop'"):
-        skipped = MultipackBatchSampler(lengths, 32, overflow="skip")
-    assert skipped.overflow == "drop" and list(skipped) == list(dropped)
-    # a checkpoint saved under the old name resumes under the new one
-    skipped.load_state_dict({**dropped.state_dict(), "overflow": "skip"})
+    with pytest.raises(ValueError, match=r"overflow=...\) = 'skip' is not an overflow policy"):
+        MultipackBatchSampler(lengths, 32, overflow="skip")
 
     split = MultipackBatchSampler(lengths, 32, overflow="split")
     with pytest.raises(ValueError, match=r"overflow='split' packed 2 over-long sample\(s\) as pieces"):
@@ -288,7 +285,7 @@ def test_overflow_view_serves_pieces_and_truncations():
         (dict(num_replicas=2, rank=2), r"rank must be in \[0, num_replicas - 1\] = \[0, 1\], got rank=2"),
         (dict(num_replicas=0, rank=0), "num_replicas must be an int >= 1"),
         (dict(rank=-1), "rank must be an int >= 0"),
-        (dict(overflow="wrap"), "overflow must be one of"),
+        (dict(overflow="wrap"), "'wrap' is not an overflow policy"),
         (dict(balance="flops"), "balance must be one of"),
         (dict(mixing="shuffled"), "mixing must be one of"),
     ],

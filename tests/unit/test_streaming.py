@@ -216,9 +216,9 @@ def test_overflow_policies_are_counted_and_keep_tokens():
         }[policy] == {"truncate": 13, "split": 3, "drop": 1}[policy]
 
 
-def test_skip_is_the_deprecated_name_of_drop():
-    with pytest.warns(FutureWarning, match="'drop'"):
-        assert StreamPacker(10, overflow="skip").overflow == "drop"
+def test_an_unknown_overflow_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="'skip' is not an overflow policy"):
+        StreamPacker(10, overflow="skip")
     with pytest.raises(ValueError, match="'pad' is not an overflow policy"):
         StreamPacker(10, overflow="pad")
 
@@ -311,7 +311,7 @@ def test_reader_tokenizes_jsonl_and_parquet_like_the_tokenizer(tmp_path, tokeniz
     stream = read_stream([jsonl, parquet], tokenizer, formatting_func=fmt, batch_size=7)
     got = [s["input_ids"] for s in stream]
     assert got == expected
-    assert stream.where().endswith("b.parquet: row 14")
+    assert stream.where().endswith("b.parquet: row 15")  # rows counted from 1, as lines
     # two ranks: disjoint, together everything; any start skips exactly that many of the shard's records
     for n in (2, 3):
         shards = [[s["input_ids"] for s in stream.shard(n, r).iterate()] for r in range(n)]

@@ -1,0 +1,237 @@
+"""The plan of an epoch of :class:`packing_hf.MultipackBatchSampler`: bins, their count, steps.
+
+``_EpochPlan`` is the part of the sampler that turns its packed items into an epoch's batches; the
+sampler class itself (:mod:`packing_hf.sampler`) holds the arguments, the ``Sampler`` protocol, resume
+and reporting. It reads the sampler's attributes (``_item_lengths``, ``_keys``, ``max_tokens_per_batch``,
+``num_replicas``, ``seed``, ``shuffle``, ``drop_last``, ``mixing``, ``balance``, ``epoch``) and caches the
+epoch-independent template and the current epoch's plan on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import _binpack
+
+logger = logging.getLogger("packing_hf.sampler")
+
+# mixing="random": the batch count is the most bins among the draws of epochs 0-4 plus 0.1% (on more
+# than _SMALL items: epoch 0's bins plus 1 + 0.1%; there draws differ by a few bins in 10^5), capped at
+# 1% + 1 over the L2 lower bound. An epoch whose draw needs more is drawn again, up to _DRAWS times.
+_CALIBRATION_EPOCHS = 5
+_SMALL = 100_000
+_MAX_OVER_BOUND = 0.01
+_DRAWS = 8
+# The threshold above which items are placed first is budget // 2, unless on this data that leaves
+# batches whose mean-length spread exceeds _MIX_TOLERANCE x that of random batches (bimodal data
+# with a mode just under half the budget: the best fit then pairs those items tightly and leaves
+# all short samples to other batches); then budget // 3 and budget // 4 are tried.
+_LONG_DIVISORS = (2, 3, 4)
+_MIX_TOLERANCE = 1.15
+_CALIBRATION_ITEMS = 20_000  # the threshold is chosen on a random subset of this many lengths
+_CALIBRATION_STREAM = 0x6D6978  # keeps the calibration draw apart from every epoch's draw
+
+
+def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
+    """Standard deviation across bins of a bin's mean sample length (0.0 for no bin); both ``(n_bins,)``."""
+    if bin_tokens.size == 0:
+        return 0.0
+    return float(np.std(bin_tokens / bin_sizes))
+
+
+class _EpochPlan:
+    """The epoch planning of :class:`packing_hf.MultipackBatchSampler` (a mixin: it has no state of its own)."""
+
+    # ------------------------------------------------------------------------------------------
+    # the batch count (epoch-independent)
+
+    def _bin_count(self, packed: int, fewest: int) -> int:
+        """The bins of every epoch: ``packed`` rounded up for the ranks (``drop_last=False``).
+
+        ``fewest`` is the smallest count that still works (the packing's own bins); when rounding
+        ``packed`` up would need more bins than there are samples, ``fewest`` is rounded instead.
+        """
+        budget, replicas, m = self.max_tokens_per_batch, self.num_replicas, self._item_lengths.size
+        if self.drop_last:
+            if packed < replicas:
+                raise ValueError(
+                    f"the data fills only {packed} batch(es) of {budget} tokens, fewer than the {replicas} "
+                    "ranks: with drop_last=True every batch would be dropped; use drop_last=False or fewer ranks"
+                )
+            return packed
+        for count in (packed, fewest):
+            total = -(-count // replicas) * replicas
+            if total <= m:
+                return total
+        raise ValueError(
+            f"cannot give each of the {replicas} ranks the same number of batches without repeating "
+            f"samples: the {m} sample(s) fill {fewest} batch(es) of {budget} tokens, and splitting "
+            f"batches can only reach {m}, not a multiple of {replicas}; use fewer ranks, more data, "
+            "or drop_last=True"
+        )
+
+    def _get_template(self) -> dict[str, Any]:
+        """What every epoch shares: the bin count, the lower bound, and (``"sorted"``) the bins."""
+        if self._template is not None:
+            return self._template
+        budget = self.max_tokens_per_batch
+        lengths = self._item_lengths
+        bound = _binpack.lower_bound_l2(lengths, budget)
+        if self.mixing == "sorted":
+            sorted_lengths = lengths[_binpack.sort_decreasing(lengths)]  # (m,)
+            # packing lengths that are already sorted: the packing's items are positions in sorted order
+            packing = _binpack.pack_best_fit_decreasing(sorted_lengths, budget)
+            n_bins = self._bin_count(packing.num_bins, packing.num_bins)
+            self._template = {
+                "n_bins": n_bins,
+                "lower_bound": bound,
+                "long_above": 0,
+                "sorted": _binpack.split_bins(packing, sorted_lengths, n_bins - packing.num_bins),
+                "packed_bins": packing.num_bins,
+            }
+            return self._template
+        long_above = self._choose_long_above()
+        first = self._draw(0, 0, long_above)  # epoch 0's packing
+        k0 = first.num_bins
+        if self.shuffle and lengths.size <= _SMALL:
+            most = max(self._draw(e, 0, long_above).num_bins for e in range(1, _CALIBRATION_EPOCHS))
+            slack = k0 // 1000
+        else:  # one draw (shuffle=False: the only one)
+            most, slack = k0, (1 + k0 // 1000 if self.shuffle else 0)
+        cap = max(k0, int((1 + _MAX_OVER_BOUND) * bound) + 1)
+        packed = max(k0, min(cap, max(most, k0) + slack, lengths.size))
+        self._template = {
+            "n_bins": self._bin_count(packed, k0),
+            "lower_bound": bound,
+            "long_above": long_above,
+            "first": first,
+        }
+        return self._template
+
+    def _choose_long_above(self) -> int:
+        """The threshold above which items are placed first (``mixing="random"``), see ``_LONG_DIVISORS``."""
+        budget = self.max_tokens_per_batch
+        rng = np.random.default_rng([self.seed, _CALIBRATION_STREAM])
+        lengths = self._item_lengths
+        if lengths.size > _CALIBRATION_ITEMS:
+            lengths = lengths[rng.choice(lengths.size, _CALIBRATION_ITEMS, replace=False)]
+        order = rng.permutation(lengths.size)
+        shuffled = _binpack.pack_next_fit(lengths[order], budget)  # random batches, as a reference
+        reference = _mean_length_spread(shuffled.bin_tokens, np.diff(shuffled.offsets))
+        best, best_ratio, half_bins = budget // 2, np.inf, None
+        for divisor in _LONG_DIVISORS:
+            long_above = budget // divisor
+            packing = _binpack.pack_best_fit_random_order(lengths, budget, order, long_above=long_above)
+            if half_bins is None:
+                half_bins = packing.num_bins
+            elif packing.num_bins > half_bins + 1 + half_bins // 500:
+                continue  # a better mix is not worth more than 0.2% more batches
+            spread = _mean_length_spread(packing.bin_tokens, np.diff(packing.offsets))
+            ratio = spread / reference if reference > 0 else (1.0 if spread == 0 else np.inf)
+            if ratio <= _MIX_TOLERANCE:
+                return long_above
+            if ratio < best_ratio:
+                best, best_ratio = long_above, ratio
+        return best
+
+    # ------------------------------------------------------------------------------------------
+    # the plan of an epoch
+
+    def _draw(self, epoch: int, attempt: int, long_above: int) -> _binpack.Packing:
+        """Draw ``attempt`` of ``epoch``'s random-order packing (items are positions in ``_item_lengths``)."""
+        lengths = self._item_lengths
+        if self.shuffle:
+            key = [self.seed, epoch] if attempt == 0 else [self.seed, epoch, attempt]
+            order = np.random.default_rng(key).permutation(lengths.size)
+        else:
+            order = None  # dataset order
+        return _binpack.pack_best_fit_random_order(
+            lengths, self.max_tokens_per_batch, order, long_above=long_above
+        )
+
+    def _random_bins(self, epoch: int) -> tuple[_binpack.Packing, int, int]:
+        """``(packing with exactly n_bins bins, draws beyond the first, 1 if epoch 0's bins were reused)``."""
+        template = self._get_template()
+        n_bins = template["n_bins"]
+        packing, redraws, fallback = template["first"], 0, 0
+        if epoch != 0 and self.shuffle:
+            for attempt in range(_DRAWS):
+                drawn = self._draw(epoch, attempt, template["long_above"])
+                if drawn.num_bins <= n_bins:
+                    packing, redraws = drawn, attempt
+                    break
+            else:
+                # not seen on the shared or generated distributions of the tests; keeps len() exact
+                redraws, fallback = _DRAWS - 1, 1
+                logger.warning(
+                    "MultipackBatchSampler: epoch %d's random draws all needed more than %d batches; it "
+                    "reuses epoch 0's batches (in a new order)",
+                    epoch,
+                    n_bins,
+                )
+        return packing, redraws, fallback
+
+    def _plan(self, epoch: int | None = None) -> dict[str, Any]:
+        """The plan of an epoch: ``items`` (m,), ``offsets`` (bins + 1,), ``steps`` (num_steps, num_replicas), ..."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan_cache is not None and self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        template = self._get_template()
+        n_bins = template["n_bins"]
+        replicas = self.num_replicas
+        lengths = self._item_lengths
+        rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
+        if self.mixing == "sorted":
+            packing = template["sorted"]
+            tie_order = rng.permutation(lengths.size) if rng is not None else None
+            sorted_items = _binpack.sort_decreasing(lengths, tie_order)  # (m,) item at every position
+            items = sorted_items[packing.items]  # (m,) items grouped by bin
+            offsets, bin_tokens = packing.offsets, packing.bin_tokens
+            packed_bins, redraws, fallback = template["packed_bins"], 0, 0
+        else:
+            packing, redraws, fallback = self._random_bins(epoch)
+            packed_bins = packing.num_bins
+            packing = _binpack.split_bins(packing, lengths, n_bins - packed_bins)
+            items, offsets, bin_tokens = packing.items, packing.offsets, packing.bin_tokens
+            if rng is not None:
+                rng = np.random.default_rng([self.seed, epoch, _DRAWS])  # apart from the draws' streams
+        squares = np.add.reduceat(lengths[items].astype(np.float64) ** 2, offsets[:-1])  # (n_bins,)
+        cost = bin_tokens.astype(np.float64) if self.balance == "tokens" else squares
+
+        bins = np.arange(n_bins)
+        n_drop = n_bins % replicas if self.drop_last else 0
+        if n_drop:
+            dropped = rng.choice(n_bins, n_drop, replace=False) if rng is not None else bins[-n_drop:]
+            bins = np.setdiff1d(bins, dropped)
+        else:
+            dropped = bins[:0]
+        # group bins of similar cost into steps; random keys break ties between equal costs
+        tie = rng.random(bins.size) if rng is not None else np.zeros(bins.size)
+        by_cost = bins[np.lexsort((tie, cost[bins]))] if replicas > 1 else bins
+        steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
+        if rng is not None:
+            steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
+            steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
+        else:
+            first_index = np.minimum.reduceat(self._keys[items], offsets[:-1])  # (n_bins,) smallest key
+            steps = steps[np.argsort(first_index[steps].min(axis=1), kind="stable")]
+        plan = {
+            "items": items,
+            "offsets": offsets,
+            "bin_tokens": bin_tokens,  # (n_bins,)
+            "bin_squares": squares,  # (n_bins,) attention cost
+            "steps": steps,
+            "dropped": dropped,
+            "packed_bins": packed_bins,  # this epoch's packing, before splitting
+            "redraws": redraws,
+            "fallback": fallback,
+        }
+        self._plan_cache = (epoch, plan)
+        return plan
+
+    def _batch(self, plan: dict[str, Any], b: int) -> list[int]:
+        start, stop = plan["offsets"][b], plan["offsets"][b + 1]
+        return self._keys[plan["items"][start:stop]].tolist()
