@@ -27,8 +27,8 @@ packing_hf's attention (:mod:`packing_hf.attention.prefix`), so the prompt is st
 per-token results land in the same padded layout, so everything above holds unchanged.
 
 ``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
-always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets, prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs
-padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context/sequence
+always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets,
+prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context/sequence
 parallelism, and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot be cut).
 
 >>> from packing_hf.integrations.dpo import DPOConfig
@@ -256,7 +256,7 @@ def _shared_prompt_is_exact(models: list[Any]) -> bool:
     return True
 
 
-def _refuse_shared_prompt_where_inexact(collator: PaddingFreePreferenceCollator, models: list[Any]) -> None:
+def _refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
     if not _shared_prompt_is_exact(models):
         types = sorted({getattr(base_model(m).config, "model_type", "?") for m in models if m is not None})
         raise ValueError(
@@ -277,7 +277,7 @@ def _check_dataset(dataset: Any, name: str, needs: tuple[str, ...] = ("chosen", 
             raise ValueError(
                 f"{where} has the columns {sorted(row)} but no {missing}: a preference trainer needs "
                 f"{' and '.join(repr(c) for c in needs)} for every prompt. A prompt-only dataset is for online "
-                "trainers (GRPO, RLOO); unpaired (prompt, completion, label) rows are for KTOTrainer"
+                "trainers (GRPO, RLOO); unpaired (prompt, completion, label) rows are for trl.KTOTrainer"
             )
 
 
@@ -418,6 +418,15 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
         _check_dataset(eval_dataset, "eval_dataset")
         _check_vocabulary(processing_class, model)
         own_collator = data_collator is None
+        if (
+            not own_collator
+            and args.shared_prompt is not None
+            and args.shared_prompt != data_collator.shared_prompt
+        ):
+            raise ValueError(
+                f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
+                f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
+            )
         if own_collator:
             shared = args.shared_prompt
             if shared is None and not isinstance(model, str):
@@ -451,7 +460,7 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
             # TRL loaded the model from its name: decide now (reference log-probs were precomputed unshared)
             self.data_collator.shared_prompt = _shared_prompt_is_exact([self.model, self.ref_model])
         if self.data_collator.shared_prompt:
-            _refuse_shared_prompt_where_inexact(self.data_collator, [self.model, self.ref_model])
+            _refuse_shared_prompt_where_inexact([self.model, self.ref_model])
         parallelism = getattr(self.accelerator, "parallelism_config", None)
         for name in ("cp_size", "sp_size"):
             if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
