@@ -43,6 +43,9 @@ _LAZY: dict[str, str] = {
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
     "PaddingFreeRewardCollator": "preference",
+    # rollouts.py: online-RL rollouts in packed rows
+    "pack_rollouts": "rollouts",
+    "unpack_rollouts": "rollouts",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -76,6 +79,10 @@ _LAZY: dict[str, str] = {
     "DPOConfig": "integrations",
     "RewardTrainer": "integrations",
     "RewardConfig": "integrations",
+    "GRPOTrainer": "integrations",
+    "GRPOConfig": "integrations",
+    "RLOOTrainer": "integrations",
+    "RLOOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -125,14 +132,19 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .integrations import (
         DPOConfig,
         DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
         RewardConfig,
         RewardTrainer,
+        RLOOConfig,
+        RLOOTrainer,
         SFTConfig,
         SFTTrainer,
         Trainer,
         TrainingArguments,
     )
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
+    from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader

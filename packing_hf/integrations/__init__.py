@@ -1,7 +1,8 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
-``DPOTrainer`` / ``DPOConfig``, ``RewardTrainer`` / ``RewardConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
+``DPOTrainer`` / ``DPOConfig``, ``RewardTrainer`` / ``RewardConfig``, ``GRPOTrainer`` / ``GRPOConfig`` and
+``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -19,10 +20,14 @@ from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "Trainer",
@@ -36,6 +41,10 @@ _TRL_NAMES = {
     "DPOConfig": "dpo",
     "RewardTrainer": "reward",
     "RewardConfig": "reward",
+    "GRPOTrainer": "rl",
+    "GRPOConfig": "rl",
+    "RLOOTrainer": "rl",
+    "RLOOConfig": "rl",
 }
 
 
@@ -56,4 +65,5 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
     from .reward import RewardConfig, RewardTrainer
+    from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer

@@ -49,6 +49,7 @@ from .files import file_format, read_record_file
 
 __all__ = ["TokenizedStream", "read_stream", "streaming_dataset_reader"]
 
+
 def _is_file_list(data: Any) -> bool:
     if isinstance(data, str | os.PathLike):
         return True
