@@ -318,6 +318,7 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
             "packing_overflow='split' would cut",
         ),
         ({}, {"data_collator": "trl"}, "does not pack preference pairs"),
+        ({"shared_prompt": False}, {"data_collator": "shared"}, "contradicts the data_collator's"),
         ({}, {"images": True}, "vision-language preference batches are not packed"),
     ],
     ids=[
@@ -326,6 +327,7 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         "compute_metrics",
         "overflow_split",
         "padded_collator",
+        "shared_prompt_contradiction",
         "vision",
     ],
 )
@@ -339,6 +341,8 @@ def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, 
     if extra.pop("big_tokenizer", False):
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.add_tokens(["<an_added_token>"])
+    if extra.get("data_collator") == "shared":
+        extra["data_collator"] = PaddingFreePreferenceCollator(shared_prompt=True)
     if extra.get("data_collator") == "trl":
         extra["data_collator"] = trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=0)
     with pytest.raises(ValueError, match=match):
