@@ -70,9 +70,15 @@ def test_architecture(model_type):
             continue
         assert result.refused is None, result.refused
         _assert_every_sample_checked(result.prepared)
-        assert max(result.prepared.logits_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
-        assert max(result.prepared.grads_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
-        if entry.status == "mask" and implementation != "packing_hf":
+        if entry.status == "mixers":  # judged against the model's own rounding (see sweep_architecture)
+            assert not result.prepared.leaked, result.prepared
+        else:
+            assert max(result.prepared.logits_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+            assert max(result.prepared.grads_max_abs_diff) <= DEFAULT_TOLERANCE, result.prepared
+        if entry.status == "mixers":
+            # stock leaks (or, under the attention name alone, is refused): the mixers run over the whole row
+            assert stock.leaked, f"{implementation}: registered as leaking, but check_packing saw no leak"
+        elif entry.status == "mask" and implementation != "packing_hf":
             assert stock.leaked, f"{implementation}: registered as leaking, but check_packing saw no leak"
             assert stock.error is None and stock.max_logits_diff > 100 * DEFAULT_TOLERANCE
         else:
@@ -157,8 +163,8 @@ def test_several_packed_rows_are_exact_with_the_mask_fix():
 
 
 def test_refused_architectures_name_the_reason():
-    model = build_tiny_model("bamba", "eager")
-    with pytest.raises(ValueError, match="bamba: hybrid Mamba2 layers need seq_idx-aware kernels"):
+    model = build_tiny_model("deepseek_v32", "eager")
+    with pytest.raises(ValueError, match="deepseek_v32: the DSA indexer picks top-k keys"):
         prepare_model_for_packing(model)
     assert not hasattr(model, "_packing_hf_preparation")
 
@@ -176,10 +182,10 @@ def test_own_attention_models_refuse_the_varlen_implementation():
 
 
 def test_unregistered_architectures_are_checked_before_being_trusted(monkeypatch):
-    from packing_hf.attention import models
+    from packing_hf import registry
 
-    monkeypatch.delitem(models.REGISTRY, "llama")
-    monkeypatch.delitem(models.REGISTRY, "opt")
+    monkeypatch.delitem(registry.REGISTRY, "llama")
+    monkeypatch.delitem(registry.REGISTRY, "opt")
     with prepare_model_for_packing(build_tiny_model("llama", "sdpa")) as handle:  # exact on a tiny copy
         assert handle.support.status == "unknown" and not handle.mask_fix
     with pytest.raises(ValueError, match="opt is not in packing_hf's architecture registry.*leaks"):
