@@ -106,6 +106,19 @@ _ENTRIES = [
     _entry("gpt_neo", "exact", "", own_attention=True),
     _entry("gptj", "exact", "", own_attention=True),
     _entry("ctrl", "exact"),
+    # causal decoders of transformers 5.23 added to the sweep (issue 18); the tiny fields fill what their
+    # default configs leave unset (or too large for a tiny copy)
+    _entry("gemma4_text", "exact"),
+    _entry("gemma4_unified_text", "exact"),
+    _entry("hrm_text", "exact", tiny={"num_layers_per_stack": 1}),  # keeps its H/L cycles over the stack
+    _entry("gemma3n_text", "exact", tiny={"num_kv_shared_layers": 0}),
+    _entry(
+        "cohere_compass_text",
+        "exact",
+        tiny={"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    _entry("dbrx", "exact", tiny={"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}}),
+    _entry("dots1", "exact", tiny={"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2}),
     # --- fixed by restricting the mask per sample -------------------------------------------------
     _entry("opt", "mask", _NO_POSITION_MASK),
     _entry("biogpt", "mask", _NO_POSITION_MASK),
@@ -148,12 +161,38 @@ _ENTRIES = [
         "minimax", "refused", "lightning (linear) attention layers carry a recurrent state across the row"
     ),
     _entry("lfm3", "refused", _CONV),
+    _entry(
+        "lfm2_moe", "refused", _CONV, tiny={"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}
+    ),
+    _entry(
+        "zaya",
+        "refused",
+        _CONV + " (the query/key convolutions of its compressed attention)",
+        tiny={"num_experts_per_tok": 1},
+    ),
     _entry("inkling_text", "refused", _CONV + " (k/v short convolutions)"),
     _entry("inkling2_text", "refused", _CONV + " (k/v short convolutions)", own_attention=True),
     _entry("qwen3_next", "refused", _DELTANET),
     _entry("qwen3_5_text", "refused", _DELTANET),
     _entry("qwen3_5_moe_text", "refused", _DELTANET),
     _entry("olmo_hybrid", "refused", _DELTANET),
+    _entry(
+        "qwen4_exp_text",
+        "refused",
+        _DELTANET,
+        tiny={
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 2,
+            "ngram_vocab_size_base": 512,
+            "ple_embed_dim": 64,
+            "hc_lowrank": 16,
+            "split_ngram_parts": 4,
+            "make_ngram_vocab_size_divisible_by": 8,
+        },
+    ),
     _entry(
         "recurrent_gemma", "refused", "RG-LRU recurrent layers and their convolution run across the whole row"
     ),
@@ -162,6 +201,7 @@ _ENTRIES = [
     _entry("deepseek_v32", "refused", _DSA),
     _entry("glm_moe_dsa", "refused", _DSA),
     _entry("axk2", "refused", _DSA),
+    _entry("dots3_note_text", "refused", _DSA, tiny={"head_dim": 16, "index_topk": 4}),
     _entry("hy_v4", "refused", _DSA, own_attention=True),
     _entry(
         "deepseek_v4",
