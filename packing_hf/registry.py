@@ -30,6 +30,7 @@ __all__ = [
     "ArchitectureSupport",
     "Status",
     "check_served_config",
+    "served_config_key",
     "iter_sweep",
     "support",
     "unsupported_layers",
@@ -295,6 +296,22 @@ def unsupported_layers(config: Any) -> str | None:
     if other:
         return f"layer types {other} carry state or mix tokens along the row, across sample boundaries"
     return None
+
+
+def served_config_key(config: Any) -> tuple:
+    """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
+    again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
+
+    >>> from types import SimpleNamespace
+    >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
+    ('llama', ('full_attention',), None)
+    """
+    layer_types = getattr(config, "layer_types", None)
+    return (
+        str(getattr(config, "model_type", "") or type(config).__name__),
+        tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
+        getattr(config, "attention_chunk_size", None),
+    )
 
 
 def check_served_config(config: Any) -> None:
