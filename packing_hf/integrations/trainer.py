@@ -634,6 +634,11 @@ class PackingTrainerMixin:
                 totals = self.accelerator.reduce(totals, reduction="sum")
         finally:
             self._packing_eval_sums = None
+        if float(totals[1]) == 0 and isinstance(dataloader.dataset, PackedStream):
+            # as a map-style eval set with no sample (the sampler refuses it), never metrics without the loss
+            raise ValueError(
+                "the dataset is empty (the evaluation stream yielded no labelled token): there is nothing to evaluate"
+            )
         prefix = kwargs.get("metric_key_prefix", args[2] if len(args) > 2 else "eval")
         key = f"{prefix}_loss"
         if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:
