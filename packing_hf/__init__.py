@@ -29,6 +29,10 @@ _LAZY: dict[str, str] = {
     "position_ids_to_cu_seqlens": "varlen",
     "seq_lengths_to_cu_seqlens": "varlen",
     "max_length_from_cu_seqlens": "varlen",
+    # shared_prefix.py: branches attending to a shared prefix segment
+    "shared_prefix_position_ids": "shared_prefix",
+    "shared_prefix_plan": "shared_prefix",
+    "check_prefix_seq_idx": "shared_prefix",
     # collator.py / fixed.py
     "PaddingFreeCollator": "collator",
     "pack_sequences": "fixed",
@@ -51,6 +55,7 @@ _LAZY: dict[str, str] = {
     "unpatch_flash_attention": "attention",
     "flash_attention_patched": "attention",
     "register_attention": "attention",
+    "shared_prefix_attention": "attention",
     "validate_packed_batch": "attention.guards",
     # verify.py: the packed-vs-alone check
     "check_packing": "verify",
@@ -107,6 +112,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         patch_flash_attention,
         register_attention,
         select_backend,
+        shared_prefix_attention,
         unpatch_flash_attention,
         varlen_attention,
     )
@@ -116,6 +122,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
     from .preference import PaddingFreePreferenceCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
+    from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .varlen import (
         cu_seqlens_to_lengths,

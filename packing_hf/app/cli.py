@@ -5,7 +5,7 @@ Sub-commands:
 - ``packing-hf train CONFIG.yaml [overrides]``: fine-tune with packing (see :mod:`packing_hf.app.train`);
   overrides are ``--key value``, ``--key=value`` or ``key=value`` for any config key.
 - ``packing-hf preview DATA [--tokenizer PATH] [-n N] [key=value ...]``: the first samples as the model
-  sees them, the trained tokens marked (see :func:`packing_hf.app.data.preview_samples`).
+  sees them, the trained tokens marked (see :func:`packing_hf.app.render.preview_samples`).
 - ``packing-hf stats DATA --max-tokens-per-batch N``: the efficiency of padded, online-minibatch,
   fixed-length and multipack batching on a real dataset, plus a PNG plot (see :mod:`packing_hf.stats`).
 - ``packing-hf verify ...``: check that packed samples stay apart on a model (see :mod:`packing_hf.verify`).
@@ -169,7 +169,9 @@ def _preview(argv: Sequence[str]) -> int:
     if args.num < 1:
         return _error("preview", ValueError(f"-n must be >= 1, got {args.num}"), 2)
     from .config import DataArguments, _build, parse_overrides
-    from .data import preview_samples, read_records, tokenize_records
+    from .data import tokenize_records
+    from .records import read_records
+    from .render import preview_samples
     from .stats import load_default_tokenizer
 
     try:

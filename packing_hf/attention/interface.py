@@ -32,6 +32,7 @@ from ..varlen import check_int32_tokens, position_restarts
 from . import host
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .host import cached_host_values, host_values
+from .prefix import PREFIX_KEY, gather_prefix_keys
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
 
@@ -196,6 +197,7 @@ def attend(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     backend: str | None = None,
+    prefix_seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a ``(B, T, H, D)`` batch with packed and/or padded rows kept apart.
 
@@ -216,6 +218,8 @@ def attend(
         max_length_k: longest key segment.
         backend: a :func:`packing_hf.varlen_attention` backend; ``None`` = the one given to
             :func:`register_attention` (``"auto"`` by default).
+        prefix_seq_idx: ``(n,)`` int32 next to ``cu_seq_lens_q``: the shared-prefix layout (branches attend
+            to their prefix segment; :mod:`packing_hf.attention.prefix`). Causal self-attention only.
 
     Returns:
         ``(B, Tq, Hq, Dv)``; padding query positions are 0.
@@ -247,6 +251,10 @@ def attend(
         q = q.index_select(0, layout.index_q)
     if layout.index_k is not None:
         k, v = k.index_select(0, layout.index_k), v.index_select(0, layout.index_k)
+    if prefix_seq_idx is not None:
+        _check_prefix_call(cu_seq_lens_q, dense, layout, causal, tq, tk)
+        k, v, cu_k, max_k = gather_prefix_keys(k, v, layout.cu_q, prefix_seq_idx)
+        layout = _Layout(layout.cu_q, cu_k, layout.max_q, max_k)
 
     kwargs = dict(causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap)
     kwargs.update(dropout_p=dropout_p, s_aux=s_aux)
@@ -271,6 +279,24 @@ def attend(
         full = out.new_zeros(batch * tq, hq, out.shape[-1])
         out = full.index_copy(0, layout.index_q, out)
     return out.reshape(batch, tq, hq, out.shape[-1])
+
+
+def _check_prefix_call(cu_seq_lens_q, dense, layout: _Layout, causal: bool, tq: int, tk: int) -> None:
+    """Refuse a shared-prefix layout where it cannot be what the collator meant."""
+    problem = None
+    if cu_seq_lens_q is None:
+        problem = "it needs cu_seq_lens_q (the segments prefix_seq_idx refers to)"
+    elif dense is not None or layout.index_q is not None:
+        problem = "an attention_mask was passed next to it"
+    elif not causal:
+        problem = "the layer is not causal (a prefix shared by branches is a causal notion)"
+    elif tq != tk or (layout.cu_k is not layout.cu_q and not torch.equal(layout.cu_k, layout.cu_q)):
+        problem = "the keys are not the row's own tokens (a cache or cross-attention)"
+    if problem is not None:
+        raise ValueError(
+            f"prefix_seq_idx (a shared-prefix packed row) cannot be used here: {problem}. Build the batch with "
+            "the collator's shared-prefix option and call the model without a mask or cache"
+        )
 
 
 def _split_mask(
@@ -465,7 +491,8 @@ def varlen_attention_forward(
         is_causal: overrides ``module.is_causal``.
         s_aux: ``(Hq,)`` attention sinks (gpt_oss).
         alibi_slopes: ``(Hq,)`` ALiBi slopes.
-        **kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` (see :func:`attend`); others ignored.
+        **kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``prefix_seq_idx`` (see
+            :func:`attend`); others ignored.
 
     Returns:
         ``((B, Tq, Hq, Dv) output, None)``: attention weights are never materialised.
@@ -511,6 +538,7 @@ def varlen_attention_forward(
         cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
         max_length_q=kwargs.get("max_length_q"),
         max_length_k=kwargs.get("max_length_k"),
+        prefix_seq_idx=kwargs.get(PREFIX_KEY),
     )
     return out, None
 

@@ -438,7 +438,7 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences, after the collator's ``max_length``."""
         from ..sampler import lengths_from_dataset
-        from .trainer import _is_hf_dataset
+        from .dataloaders import _is_hf_dataset
 
         collator = self.data_collator
         max_length = collator.max_length if collator.overflow == "truncate" else None

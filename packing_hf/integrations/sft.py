@@ -38,7 +38,8 @@ import trl
 
 from ..collator import PaddingFreeCollator
 from .args import PackingArguments
-from .trainer import PackingTrainerMixin, _is_hf_iterable, is_stream
+from .dataloaders import _is_hf_iterable, is_stream
+from .trainer import PackingTrainerMixin
 
 __all__ = ["SFTConfig", "SFTTrainer"]
 

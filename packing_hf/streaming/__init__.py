@@ -6,6 +6,8 @@ shards), where lengths are only known as samples arrive and the map-style
 
 - :class:`TokenizedStream` / :func:`read_stream` / :func:`streaming_dataset_reader` (``reader.py``): read
   records and tokenize them in batches, one disjoint shard per rank, with positions for error messages.
+- :func:`~packing_hf.streaming.files.read_record_file` (``files.py``): one reader per file format (JSON
+  Lines, JSON, Parquet), shared with the ``packing-hf`` app.
 - :class:`StreamPacker` (``packer.py``): bounded shuffle buffer + best fit over open batches.
 - :class:`PackedStream` (``stream.py``): the ``IterableDataset`` of batches for ``PaddingFreeCollator``,
   equal batch counts on every rank, exact resume (:meth:`PackedStream.state_dict`).

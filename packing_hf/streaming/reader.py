@@ -2,8 +2,9 @@
 
 What it reads (``data``):
 
-- local files: JSON Lines (``.jsonl``, ``.json`` with one object per line, ``.ndjson``) and Parquet
-  (``.parquet``), one path or a list, read in the order given;
+- local files: JSON Lines (``.jsonl``, ``.ndjson``), JSON (``.json``: JSON Lines or a list of records,
+  told by content) and Parquet (``.parquet``), one path or a list, read in the order given
+  (:mod:`packing_hf.streaming.files`, the readers the ``packing-hf`` app uses too);
 - a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``), sharded across ranks with
   ``datasets.distributed.split_dataset_by_node``;
 - anything else that can be iterated again for every pass: a ``datasets.Dataset``, a list of dicts, or a
@@ -46,11 +47,10 @@ from pathlib import Path
 from typing import Any
 
 from .._limits import check_int
+from .files import file_format, read_record_file
 
 __all__ = ["TokenizedStream", "read_stream", "streaming_dataset_reader"]
 
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_PARQUET_SUFFIXES = (".parquet", ".pq")
 # what a fingerprint reads of the data: the head of every file, the first records of a datasets stream
 _FINGERPRINT_BYTES = 1 << 16
 _FINGERPRINT_RECORDS = 16
@@ -71,18 +71,6 @@ def _record_bytes(records: Iterator[Any]) -> Iterator[bytes]:
 def _file_head(path: Path) -> Iterator[bytes]:
     with path.open("rb") as handle:
         yield handle.read(_FINGERPRINT_BYTES)
-
-
-def _file_kind(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in _JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in _PARQUET_SUFFIXES:
-        return "parquet"
-    raise ValueError(
-        f"cannot read {str(path)!r}: expected JSON Lines ({', '.join(_JSONL_SUFFIXES)}) or Parquet "
-        f"({', '.join(_PARQUET_SUFFIXES)}); convert it, or pass a datasets.IterableDataset"
-    )
 
 
 def _is_file_list(data: Any) -> bool:
@@ -157,7 +145,7 @@ class TokenizedStream:
             paths = [data] if isinstance(data, str | os.PathLike) else list(data)
             self.paths = [Path(p) for p in paths]
             for path in self.paths:
-                _file_kind(path)
+                file_format(path)
                 if not path.is_file():
                     raise ValueError(f"data file {str(path)!r} does not exist")
         self._where: Callable[[], str] = lambda: "before the first record"
@@ -282,62 +270,17 @@ class TokenizedStream:
         first = r + start * n  # global index of the first record to hand out
         base = 0  # global index of the current file's first record
         for path in self.paths:
-            if _file_kind(path) == "jsonl":
-                base = yield from self._jsonl_records(path, base, first)
-            else:
-                base = yield from self._parquet_records(path, base, first)
-
-    def _jsonl_records(self, path: Path, base: int, first: int):
-        n, r = self.num_replicas, self.rank
-        index = base
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue  # blank lines hold no record (and are not counted as one)
-                mine = index >= first and index % n == r
-                index += 1
-                if not mine:
-                    continue  # another rank's line, or one consumed before a resume: not parsed
-                self._where = lambda lineno=lineno: f"{path}:{lineno}"
+            records = read_record_file(
+                path, first=max(first - base, 0), every=n, phase=(r - base) % n, batch_size=self.batch_size
+            )
+            while True:
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(
-                        f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove the line"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise ValueError(
-                        f"{path}:{lineno}: expected a JSON object per line, got a {type(record).__name__}"
-                    )
+                    where, record = next(records)
+                except StopIteration as stop:
+                    base += stop.value  # the file's record count
+                    break
+                self._where = lambda where=where: where
                 yield record
-        return index
-
-    def _parquet_records(self, path: Path, base: int, first: int):
-        import pyarrow.parquet as pq
-
-        n, r = self.num_replicas, self.rank
-        file = pq.ParquetFile(path)
-        group_start = base
-        for group in range(file.num_row_groups):
-            rows = file.metadata.row_group(group).num_rows
-            group_stop = group_start + rows
-            if group_stop <= first:  # the whole row group is before the resume point: not read
-                group_start = group_stop
-                continue
-            row0 = group_start
-            for table in file.iter_batches(batch_size=max(self.batch_size, 1024), row_groups=[group]):
-                # the global indices of this rank's rows in [row0, row0 + len), from `first` on
-                lo = max(row0, first)
-                lo += (r - lo) % n
-                picks = range(lo - row0, table.num_rows, n)
-                if len(picks):
-                    records = table.take(list(picks)).to_pylist()
-                    for local, record in zip(picks, records, strict=True):
-                        self._where = lambda row=row0 + local - base: f"{path}: row {row}"
-                        yield record
-                row0 += table.num_rows
-            group_start = group_stop
-        return group_start
 
     # ---- samples ----------------------------------------------------------------------------------
 

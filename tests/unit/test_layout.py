@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._rows",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
+            "packing_hf.shared_prefix",
         ),
     ),
     (

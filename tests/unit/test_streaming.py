@@ -311,7 +311,7 @@ def test_reader_tokenizes_jsonl_and_parquet_like_the_tokenizer(tmp_path, tokeniz
     stream = read_stream([jsonl, parquet], tokenizer, formatting_func=fmt, batch_size=7)
     got = [s["input_ids"] for s in stream]
     assert got == expected
-    assert stream.where().endswith("b.parquet: row 14")
+    assert stream.where().endswith("b.parquet: row 15")  # rows counted from 1, as lines
     # two ranks: disjoint, together everything; any start skips exactly that many of the shard's records
     for n in (2, 3):
         shards = [[s["input_ids"] for s in stream.shard(n, r).iterate()] for r in range(n)]

@@ -15,7 +15,8 @@ import pytest
 
 from packing_hf import PaddingFreeCollator
 from packing_hf.app.cli import main
-from packing_hf.app.data import RecordStream, prepare_dataset
+from packing_hf.app.data import prepare_dataset
+from packing_hf.app.record_stream import RecordStream
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")

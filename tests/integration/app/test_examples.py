@@ -67,3 +67,18 @@ def test_plain_loop_example_trains_and_changes_the_weights(data_dir, tmp_path, c
     )
     trained, initial = parameters(result["model"]), parameters(untouched["model"])
     assert any(not torch.equal(a, b) for a, b in zip(trained, initial, strict=True))
+
+
+@pytest.mark.parametrize("name", ["train_trainer", "train_sft", "train_loop"])
+def test_examples_use_only_the_public_api(name):
+    """A user's script: transformers, datasets, torch and packing_hf's top-level names, no internals."""
+    import ast
+
+    tree = ast.parse((ROOT / "examples" / f"{name}.py").read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in modules if m.startswith("packing_hf.")}, modules
+    public = __import__("packing_hf").__all__
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "packing_hf":
+            assert {alias.name for alias in node.names} <= set(public)

@@ -1,4 +1,4 @@
-"""packing_hf.app.data: per-record formats and checks, tool calls, loss masks, the over-long sample policy."""
+"""packing_hf.app.{records,render,data}: per-record formats and checks, tool calls, loss masks, the over-long sample policy."""
 
 from __future__ import annotations
 
@@ -7,15 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from packing_hf.app.data import (
-    detect_format,
-    normalise_record,
-    prepare_dataset,
-    preview_samples,
-    read_records,
-    tokenize_records,
-    trl_records,
-)
+from packing_hf.app.data import prepare_dataset, tokenize_records
+from packing_hf.app.records import detect_format, normalise_record, read_records
+from packing_hf.app.render import preview_samples, trl_records
 
 
 def write_jsonl(path, rows) -> str:
@@ -28,7 +22,7 @@ def trained_text(tokenizer, row) -> str:
 
 
 def test_embedded_dataset_is_the_shipped_gsm8k_slice_with_its_license():
-    from packing_hf.app import data
+    from packing_hf.app import records as data
 
     train, held_out = read_records("embedded"), read_records("embedded:eval")
     assert train.total == 1000 and held_out.total == 200 and dict(train.formats) == {"question": 1000}
@@ -119,7 +113,7 @@ def test_mixed_formats_are_an_error_with_the_line_unless_allowed(tokenizer, tmp_
             ValueError,
             r"conversations\[0\].from is 'robot'",
         ),
-        ("[1, 2]", TypeError, r"x.jsonl:2: a record must be a JSON object"),
+        ("[1, 2]", ValueError, r"x.jsonl:2: expected a JSON object per line, got a list"),
     ],
 )
 def test_values_are_checked_per_record_with_file_and_line(tmp_path, row, error, match):
@@ -161,7 +155,7 @@ def test_openai_tool_calls_are_trained_and_tool_results_are_not(tokenizer):
 
 
 def test_a_template_with_tool_support_renders_the_calls_itself(tokenizer):
-    from packing_hf.app.data import chat_messages
+    from packing_hf.app.render import chat_messages
 
     record = normalise_record(
         {
@@ -304,7 +298,7 @@ def test_local_files_and_errors(tmp_path):
     wrapped.write_text(json.dumps({"train": [{"text": "a"}]}))
     assert read_records(wrapped).total == 1
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"text": "a"}', "{oops"])
-    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: malformed JSON"):
         read_records(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl")
@@ -339,3 +333,25 @@ def test_real_gsm8k_file(data_dir, tokenizer):
     assert prepared.record_format == "question" and prepared.prompt_format == "chat"
     assert len(prepared.dataset) == 64 and prepared.num_untrained == 0
     assert 50 < prepared.lengths.mean() < 600
+
+
+def test_a_json_file_is_read_by_its_content_as_streaming_reads_it(tmp_path):
+    from packing_hf.streaming import read_stream
+
+    rows = [{"text": "a"}, {"text": "b"}, {"text": "c"}]
+    lines = tmp_path / "lines.json"  # JSON Lines under a .json name
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(rows, indent=2))
+    for path in (lines, listed):
+        assert [r.text for r in read_records(path).records] == ["a", "b", "c"]
+        assert [r["text"] for r in read_stream(str(path))] == ["a", "b", "c"]
+    assert read_records(lines).records[1].where.endswith("lines.json:2")
+
+
+def test_an_empty_json_file_holds_no_records_and_is_not_told_to_rename(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no records") as caught:
+        read_records(empty)
+    assert ".jsonl" not in str(caught.value)

@@ -1,0 +1,131 @@
+"""Shared-prefix attention: branches of a packed row that attend to a common prefix segment.
+
+A batch carries the layout as ``prefix_seq_idx`` (``(n,)`` int32, one entry per segment of
+``cu_seq_lens_q``; see :mod:`packing_hf.shared_prefix`): ``-1`` for an ordinary segment, ``p`` for a
+branch of the prefix segment ``p``. The attention then gathers, for every branch, its prefix's keys and
+values in front of its own and runs one ordinary causal varlen call whose key segments are longer than
+its query segments: every backend aligns causality bottom-right (FlashAttention's rule), so branch query
+``j`` sees the whole prefix and its own keys ``0..j``, which is what the branch sees when it runs after
+its prefix alone, for every backend, sliding windows, softcaps, sinks and ALiBi included (the gathered keys
+sit at the same relative positions as in the sample alone). Gradients of the prefix's keys and values are
+the sum over its branches (the backward of the gather), equal to ``G`` separate copies of the prefix.
+
+Why a gather and not two varlen calls (branch vs prefix, branch vs itself) merged by their log-sum-exp:
+FlashAttention's and torch's varlen kernels return the log-sum-exp but do not differentiate through it,
+so the merged output's gradient would be wrong in training. The gather costs ``G`` copies of the prefix's
+keys and values per layer (not of its queries, hidden states or MLP work) and is exact forward and backward.
+
+>>> q = torch.randn(5, 2, 4)  # (T, H, D): prefix of 2, branches of 2 and 1 tokens
+>>> out = shared_prefix_attention(q, q, q, torch.tensor([0, 2, 4, 5]), torch.tensor([-1, 0, 0]))
+>>> alone = shared_prefix_attention(q[[0, 1, 4]], q[[0, 1, 4]], q[[0, 1, 4]], torch.tensor([0, 3]), torch.tensor([-1]))
+>>> torch.allclose(out[4], alone[2], atol=1e-6)  # the second branch, as if run after its prefix alone
+True
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..shared_prefix import SharedPrefixPlan, shared_prefix_plan
+from .backends import varlen_attention
+
+__all__ = ["PREFIX_KEY", "gather_prefix_keys", "shared_prefix_attention"]
+
+# The batch key naming the layout (next to cu_seq_lens_q/k, max_length_q/k, seq_idx).
+PREFIX_KEY = "prefix_seq_idx"
+
+# Every layer of a forward receives the same boundary tensors: the plan (a host read) is made once.
+_PLAN_CACHE: list[tuple[tuple, SharedPrefixPlan]] = []
+
+
+def _plan(cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor) -> SharedPrefixPlan:
+    key = (weakref.ref(cu_seqlens), cu_seqlens._version, weakref.ref(prefix_seq_idx), prefix_seq_idx._version)
+    for cached, plan in _PLAN_CACHE:
+        if cached[0]() is cu_seqlens and cached[2]() is prefix_seq_idx and cached[1::2] == key[1::2]:
+            return plan
+    plan = shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
+    _PLAN_CACHE.insert(0, (key, plan))
+    del _PLAN_CACHE[4:]
+    return plan
+
+
+def gather_prefix_keys(
+    key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Keys and values of a shared-prefix row laid out per segment: ``[prefix keys, own keys]`` for branches.
+
+    Args:
+        key: ``(T, Hkv, D)`` keys of the packed row.
+        value: ``(T, Hkv, Dv)`` values.
+        cu_seqlens: ``(n + 1,)`` int32 segment boundaries of the row.
+        prefix_seq_idx: ``(n,)`` int32 (``-1`` or the prefix segment of every segment).
+
+    Returns:
+        ``(key (Tk, Hkv, D), value (Tk, Hkv, Dv), cu_seqlens_k (n + 1,) int32, max_seqlen_k)`` on the
+        inputs' device.
+
+    >>> k = torch.arange(3.0).view(3, 1, 1)
+    >>> gathered, _, cu_k, max_k = gather_prefix_keys(k, k, torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0]))
+    >>> gathered.flatten().tolist(), cu_k.tolist(), max_k
+    ([0.0, 0.0, 1.0, 0.0, 2.0], [0, 1, 3, 5], 2)
+    """
+    plan = _plan(cu_seqlens, prefix_seq_idx)
+    if plan.cu_seqlens_k[-1] and int(plan.key_index[-1]) >= key.shape[0]:
+        raise ValueError(
+            f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but the keys hold {key.shape[0]}; the shared-"
+            "prefix layout describes one packed row of self-attention"
+        )
+    index = plan.key_index.to(key.device)
+    return (
+        key.index_select(0, index),
+        value.index_select(0, index),
+        plan.cu_seqlens_k.to(key.device),
+        plan.max_length_k,
+    )
+
+
+def shared_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    prefix_seq_idx: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+) -> torch.Tensor:
+    """Causal attention over a packed row whose branches attend to their shared prefix.
+
+    Args:
+        query: ``(T, Hq, D)``.
+        key: ``(T, Hkv, D)``.
+        value: ``(T, Hkv, Dv)``.
+        cu_seqlens: ``(n + 1,)`` int32 segment boundaries.
+        prefix_seq_idx: ``(n,)`` int32, see the module docstring.
+        max_seqlen: longest query segment (computed from ``cu_seqlens`` when ``None``).
+        backend: a :func:`packing_hf.varlen_attention` backend.
+        **kwargs: ``softmax_scale``, ``window_size``, ``softcap``, ``dropout_p``, ``alibi_slopes``, ``s_aux``
+            as in :func:`packing_hf.varlen_attention` (applied per segment, positions as in the sample alone).
+
+    Returns:
+        ``(T, Hq, Dv)``.
+    """
+    k, v, cu_k, max_k = gather_prefix_keys(key, value, cu_seqlens, prefix_seq_idx)
+    if max_seqlen is None:
+        bounds = cu_seqlens.tolist()
+        max_seqlen = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
+    return varlen_attention(
+        query,
+        k,
+        v,
+        cu_seqlens.to(torch.int32),
+        cu_k,
+        max_seqlen,
+        max_k,
+        causal=True,
+        backend=backend,
+        **kwargs,
+    )

@@ -1,0 +1,123 @@
+"""Packed evaluation of the packing trainers: multipack (or streamed) eval batches and ``eval_loss`` as the
+token mean over the whole eval set (see :mod:`packing_hf.integrations.trainer`).
+
+>>> PackingEvalMixin.__name__
+'PackingEvalMixin'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..streaming import PackedStream
+from .args import PackingArguments
+from .dataloaders import is_stream
+
+__all__ = ["PackingEvalMixin"]
+
+
+class PackingEvalMixin:
+    """Packed evaluation; part of :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
+
+    args: PackingArguments
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    def _packs_eval(self) -> bool:
+        return self.args.max_tokens_per_batch is not None and self.args.packing_eval
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """Multipack eval batches when ``max_tokens_per_batch`` is set (``packing_eval=False``: stock's).
+
+        Every eval sample is seen once, in a fixed plan, with the same number of batches on every rank."""
+        if not self._packs_eval():
+            return super().get_eval_dataloader(eval_dataset)
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if is_stream(dataset):
+            # one pass of a stream, each eval sample once; ranks that run out first yield padding batches,
+            # which add nothing to the token sums of prediction_step
+            return self._stream_dataloader(
+                self._packed_stream_of(dataset, "evaluation"), "evaluation", self.data_collator
+            )
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"packing_eval needs a map-style eval dataset with known sample lengths or a stream, got "
+                f"{type(dataset).__name__}; materialise it or set packing_eval=False"
+            )
+        from ..sampler import MultipackBatchSampler
+
+        num_replicas, rank = self._data_parallel_world()
+        sampler = MultipackBatchSampler(
+            self._multipack_lengths_of(dataset),
+            self.args.max_tokens_per_batch,
+            shuffle=False,
+            num_replicas=num_replicas,
+            rank=rank,
+            overflow=self.args.packing_overflow,
+        )
+        return self._multipack_dataloader(dataset, sampler, "evaluation", self.data_collator)
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ):
+        """Stock ``evaluate`` on the prepared model; with packed eval batches ``{prefix}_loss`` is the
+        token-mean over the whole eval set (what padded evaluation means by it), not a mean of batch means."""
+        with self._packing_model(self.model):
+            return super().evaluate(
+                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            )
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, *args: Any, **kwargs: Any):
+        if not self._packs_eval():
+            return super().evaluation_loop(dataloader, description, *args, **kwargs)
+        self._packing_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, *args, **kwargs)
+            totals = self._packing_eval_sums
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+        finally:
+            self._packing_eval_sums = None
+        if float(totals[1]) == 0 and isinstance(dataloader.dataset, PackedStream):
+            # as a map-style eval set with no sample (the sampler refuses it), never metrics without the loss
+            raise ValueError(
+                "the dataset is empty (the evaluation stream yielded no labelled token): there is nothing to evaluate"
+            )
+        prefix = kwargs.get("metric_key_prefix", args[2] if len(args) > 2 else "eval")
+        key = f"{prefix}_loss"
+        if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:
+            output.metrics[key] = float(totals[0] / totals[1])
+        return output
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        if getattr(self, "_packing_eval_sums", None) is not None:
+            # Packed evaluation weighs each batch's mean loss by the batch's own token count (prediction_step).
+            # Stock's count is gathered over ranks in evaluation too, which would make each rank's loss its
+            # share of a global mean (times the number of processes) instead of its own mean.
+            return None
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, *args: Any, **kwargs: Any
+    ):
+        sums = getattr(self, "_packing_eval_sums", None)
+        labels = inputs.get("labels")
+        # predicted tokens: what the causal loss averages over (stock's num_items_in_batch counts the same)
+        count = (labels[..., 1:] != -100).sum() if isinstance(labels, torch.Tensor) else None
+        loss, logits, out_labels = super().prediction_step(
+            model, inputs, prediction_loss_only, *args, **kwargs
+        )
+        if sums is not None and loss is not None and count is not None:
+            count = count.to(sums.device)
+            weighted = loss.detach().double().to(sums.device) * count
+            # a batch without labels (a stream's padding batch) has a NaN mean loss and weighs nothing
+            sums[0] += torch.where(count > 0, weighted, torch.zeros_like(weighted))
+            sums[1] += count
+        return loss, logits, out_labels
