@@ -239,7 +239,9 @@ def attend(
         layout = _given_layout(
             cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, batch, padding, query.device
         )
-        _check_row_boundaries(cu_seq_lens_q, _packed_position_ids(position_ids, batch, tq), tq)
+        # a shared-prefix row's branches continue their prefix's positions: only its total is checked here
+        positions = _packed_position_ids(position_ids, batch, tq) if prefix_seq_idx is None else None
+        _check_row_boundaries(cu_seq_lens_q, positions, tq)
     else:
         positions = _packed_position_ids(position_ids, batch, tq) if tq == tk else None
         layout = _layout(batch, tq, tk, query.device, padding, positions)
