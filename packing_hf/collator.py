@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ._limits import check_int
+from ._loss import LOSS_WEIGHTS_KEY, check_loss_weights
 from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
 from .overflow import check_overflow
 from .varlen import check_int32_tokens
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 _OVERFLOWS = ("error", "truncate", "split")
 # TRL's loss-mask columns: 1 = train on this token. Both present -> a token is trained only if both say so.
 _MASK_KEYS = ("completion_mask", "assistant_masks")
-_OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths"))
+_OPTIONAL_KEYS = frozenset(("labels", *_MASK_KEYS, "seq_lengths", LOSS_WEIGHTS_KEY))
 # read by the collator, or dropped by design (attention_mask would merge samples, position_ids are rebuilt)
 _KNOWN_KEYS = ("input_ids", *_OPTIONAL_KEYS, "attention_mask", "position_ids")
 _KNOWN_KEYS_SET = frozenset(_KNOWN_KEYS)
@@ -104,6 +105,9 @@ class PaddingFreeCollator:
       TRL, ``completion_mask`` is always applied when present.
     - ``seq_lengths`` (optional): the row was already packed offline (e.g. TRL's ``bfd`` packing) and
       holds several samples of these lengths; each becomes its own segment.
+    - ``loss_weights`` (optional): one float ``>= 0`` per token, the weight of that token as a target
+      (see ``docs/loss.md``); every sample of the batch has it or none. A wrong length, a negative or NaN
+      value raises a ``ValueError`` naming the sample and position.
 
     ``attention_mask`` is dropped and ``position_ids`` is recomputed from the boundaries (a tokenizer's
     ``position_ids`` would run across samples). Any other key raises a ``ValueError`` naming it, rather than
@@ -121,7 +125,8 @@ class PaddingFreeCollator:
     - ``position_ids``: ``[1, T]`` int64 (if ``return_position_ids``);
     - ``cu_seq_lens_q``, ``cu_seq_lens_k``: ``(n + 1,)`` int32 and ``max_length_q``, ``max_length_k``:
       Python ints (if ``return_flash_attn_kwargs``);
-    - ``seq_idx``: ``[1, T]`` int32, the segment index of every token (if ``return_seq_idx``).
+    - ``seq_idx``: ``[1, T]`` int32, the segment index of every token (if ``return_seq_idx``);
+    - ``loss_weights``: ``[1, T]`` float32 (if the samples carry it; 0 on padding).
 
     Args:
         max_length: longest sample accepted, in tokens (``None``: no limit). It bounds each *sample*,
@@ -177,7 +182,13 @@ class PaddingFreeCollator:
     _warned_overflow: bool = field(default=False, init=False, repr=False, compare=False)
 
     # Dataset columns this collator consumes: a Trainer must not strip them (remove_unused_columns).
-    input_columns: ClassVar[tuple[str, ...]] = ("input_ids", "labels", *_MASK_KEYS, "seq_lengths")
+    input_columns: ClassVar[tuple[str, ...]] = (
+        "input_ids",
+        "labels",
+        *_MASK_KEYS,
+        "seq_lengths",
+        LOSS_WEIGHTS_KEY,
+    )
 
     def __post_init__(self) -> None:
         check_int(self.max_length, "max_length", minimum=1, optional=True, int32=True)
@@ -282,8 +293,11 @@ class PaddingFreeCollator:
             )
 
         labels = self._labels(features, keys, ids, lengths)
+        weights = self._loss_weights(features, lengths) if LOSS_WEIGHTS_KEY in keys else None
         seg_lengths = self._segment_lengths(features, keys, lengths)
-        ids, labels, seg_lengths = self._apply_max_length(ids, labels, seg_lengths, features, lengths)
+        ids, labels, seg_lengths, weights = self._apply_max_length(
+            ids, labels, seg_lengths, features, lengths, weights
+        )
         n_tokens = ids.size
 
         n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
@@ -291,6 +305,8 @@ class PaddingFreeCollator:
             ids = np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
             labels = np.concatenate([labels, np.full(n_pad, self.label_pad_id, dtype=np.int64)])
             seg_lengths = np.append(seg_lengths, n_pad)
+            if weights is not None:
+                weights = np.concatenate([weights, np.zeros(n_pad, dtype=weights.dtype)])
 
         # Boundaries in numpy: the same formulas as varlen.lengths_to_cu_seqlens / lengths_to_position_ids /
         # lengths_to_seq_idx (the tests check they agree), because in a data loader's main process torch's
@@ -307,6 +323,8 @@ class PaddingFreeCollator:
         self.stats["padding_tokens"] += n_pad
 
         batch: dict[str, Any] = {"input_ids": ids[None], "labels": labels[None]}
+        if weights is not None:
+            batch[LOSS_WEIGHTS_KEY] = weights[None]  # [1, T] float32
         if self.return_position_ids:
             position_ids = np.repeat(starts - self.position_ids_start, seg_lengths)  # (T,) segment offsets
             np.subtract(np.arange(ids.size, dtype=np.int64), position_ids, out=position_ids)
@@ -414,13 +432,14 @@ class PaddingFreeCollator:
         seg_lengths: np.ndarray,
         features: list[Mapping[str, Any]],
         lengths: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        weights: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """Enforce ``max_length`` on every segment according to ``overflow``; count what changes."""
         if self.max_length is None:
-            return ids, labels, seg_lengths
+            return ids, labels, seg_lengths, weights
         too_long = seg_lengths > self.max_length
         if not too_long.any():
-            return ids, labels, seg_lengths
+            return ids, labels, seg_lengths, weights
         m = self.max_length
         if self.overflow == "error":
             seg = int(np.argmax(too_long))
@@ -438,6 +457,7 @@ class PaddingFreeCollator:
             keep = offsets_in_segments(seg_lengths) < m  # (T,)
             dropped = int(ids.size - keep.sum())
             ids, labels, seg_lengths = ids[keep], labels[keep], np.minimum(seg_lengths, m)
+            weights = None if weights is None else weights[keep]
             self.stats["truncated_samples"] += n_long
             self.stats["truncated_tokens"] += dropped
             action = f"truncated {n_long} sample(s) to max_length={m}, dropping {dropped} tokens"
@@ -454,4 +474,14 @@ class PaddingFreeCollator:
                 action,
                 self.overflow,
             )
-        return ids, labels, seg_lengths
+        return ids, labels, seg_lengths, weights
+
+    def _loss_weights(self, features: list[Mapping[str, Any]], lengths: np.ndarray) -> np.ndarray:
+        """Flat ``loss_weights`` ``(T,)`` float32, each sample's checked against its ``input_ids``."""
+        values = self._column(features, LOSS_WEIGHTS_KEY)
+        return np.concatenate(
+            [
+                check_loss_weights(v, int(n), f"sample {i}")
+                for i, (v, n) in enumerate(zip(values, lengths, strict=True))
+            ]
+        ).astype(np.float32)

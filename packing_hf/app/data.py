@@ -19,7 +19,7 @@ import numpy as np
 
 from ..overflow import check_overflow
 from .records import Record, RecordSet, _records_dataset, read_records
-from .render import PromptFormat, _encode_records, _resolve_prompt_format
+from .render import PromptFormat, _encode_records, _resolve_prompt_format, has_turn_weights
 
 __all__ = ["DATA_OVERFLOWS", "PreparedDataset", "prepare_dataset", "tokenize_records"]
 
@@ -53,7 +53,9 @@ def tokenize_records(
 
     Returns:
         A ``datasets.Dataset`` with ``input_ids`` (list of int), ``labels`` (list of int, ``-100``
-        where not trained) and ``where`` (the record's file and line).
+        where not trained), ``where`` (the record's file and line) and, when an assistant turn of any
+        record has a ``weight`` (OpenAI's per-message key), ``loss_weights`` (float per token: the turn's
+        weight on its tokens, 1 elsewhere; see ``docs/loss.md``).
 
     >>> from transformers import PreTrainedTokenizerFast
     >>> from tokenizers import Tokenizer, models, pre_tokenizers
@@ -73,16 +75,19 @@ def tokenize_records(
         )
     if isinstance(records, datasets.Dataset):
         dataset = records
-        formats = {Record.from_json(text).format for text in dataset["record"]}
+        parsed = [Record.from_json(text) for text in dataset["record"]]
+        formats = {record.format for record in parsed}
+        weighted = has_turn_weights(parsed)
     else:
         dataset = _records_dataset(records)
         items = records.records if isinstance(records, RecordSet) else records
         formats = {record.format for record in items}
+        weighted = has_turn_weights(items)
     resolved = _resolve_prompt_format(prompt_format, formats, tokenizer)
 
     def tokenize_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         items = [Record.from_json(text) for text in batch["record"]]
-        return _encode_records(items, tokenizer, resolved, completion_only_loss)
+        return _encode_records(items, tokenizer, resolved, completion_only_loss, weighted)
 
     from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
@@ -195,7 +200,9 @@ def prepare_dataset(
             if overflow == "truncate":
                 dataset = dataset.map(
                     lambda batch: {
-                        key: [ids[:max_length] for ids in batch[key]] for key in ("input_ids", "labels")
+                        key: [ids[:max_length] for ids in batch[key]]
+                        for key in ("input_ids", "labels", "loss_weights")
+                        if key in batch
                     },
                     batched=True,
                     desc=f"Truncating {too_long.size} samples" if desc else None,

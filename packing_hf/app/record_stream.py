@@ -18,7 +18,14 @@ from typing import Any
 from ..overflow import check_overflow
 from ..streaming.files import RECORD_FILE_SUFFIXES, file_format, read_record_file
 from .records import _EMBEDDED_DIR, _EMBEDDED_FILES, _FORMATS, Record, _first, normalise_record
-from .render import _PROMPT_FORMATS, PromptFormat, _encode_records, _resolve_prompt_format, _trl_rows
+from .render import (
+    _PROMPT_FORMATS,
+    PromptFormat,
+    _encode_records,
+    _resolve_prompt_format,
+    _trl_rows,
+    has_turn_weights,
+)
 
 __all__ = ["STREAM_OVERFLOWS", "RecordStream"]
 
@@ -194,6 +201,12 @@ class RecordStream:
 
     def _tokenize(self, block: list[dict[str, Record]]) -> dict[str, list[Any]]:
         items = [item["record"] for item in block]
+        if has_turn_weights(items):
+            where = next(r.where for r in items if has_turn_weights([r]))
+            raise ValueError(
+                f"{where}: an assistant turn has a loss weight, which streaming: true does not read (a stream "
+                "cannot know ahead whether later records carry weights); set streaming: false"
+            )
         resolved = _resolve_prompt_format(self.prompt_format, {r.format for r in items}, self.tokenizer)
         self.prompt_formats[resolved] += len(items)
         encoded = _encode_records(items, self.tokenizer, resolved, self.completion_only_loss)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -329,8 +330,23 @@ def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
             for key in ("name", "tool_call_id"):
                 if turn.get(key) is not None:
                     message[key] = _string(turn[key], where, f"{name}.{key}")
+        if turn.get("weight") is not None:
+            message["weight"] = _turn_weight(turn["weight"], role, where, f"{name}.weight")
         messages.append(message)
     return messages
+
+
+def _turn_weight(value: Any, role: str, where: str, name: str) -> float:
+    """An assistant turn's loss weight (OpenAI's per-message ``weight``): a finite number >= 0."""
+    if role != "assistant":
+        raise ValueError(
+            f"{where}: {name} is set on a {role} turn; only assistant turns are trained and weighted"
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{where}: {name} = {value!r}; a loss weight must be a finite number >= 0 (0 = not trained)"
+        )
+    return float(value)
 
 
 def _sharegpt_messages(raw: Any, where: str) -> list[dict[str, Any]]:

@@ -76,6 +76,7 @@ def chat_messages(record: Record, tokenizer) -> tuple[list[dict[str, Any]], list
     messages = []
     for message in record.messages or ():
         message = dict(message)
+        message.pop("weight", None)  # the loss weight is packing_hf's, not the template's
         calls = message.pop("tool_calls", None)
         if calls:
             if native_calls:
@@ -233,15 +234,43 @@ def _labels_from_spans(
     return np.where(trained, ids, -100).tolist()
 
 
+def has_turn_weights(records: Iterable[Record]) -> bool:
+    """Whether any record gives an assistant turn a loss ``weight`` (then every sample gets ``loss_weights``).
+
+    >>> has_turn_weights([Record("x", "text", text="hi")])
+    False
+    """
+    return any("weight" in m for record in records for m in record.messages or ())
+
+
+def _weights_from_spans(
+    record: Record, offsets: list[tuple[int, int]], spans: list[tuple[int, int]] | None
+) -> list[float]:
+    """Per-token loss weights: the ``weight`` of the assistant turn whose span holds the token, else 1."""
+    weights = np.ones(len(offsets), dtype=np.float64)
+    if spans is None:
+        return weights.tolist()
+    turn_weights = [m.get("weight", 1.0) for m in record.messages or () if m["role"] == "assistant"]
+    if record.alpaca is not None or len(turn_weights) != len(spans):  # alpaca: one span, the last turn
+        turn_weights = turn_weights[-len(spans) :]
+    starts = np.asarray([start for start, _ in offsets], dtype=np.int64).reshape(-1)
+    for (begin, end), weight in zip(spans, turn_weights, strict=True):
+        weights[(starts >= begin) & (starts < end)] = weight
+    return weights.tolist()
+
+
 def _encode_records(
-    items: Sequence[Record], tokenizer, prompt_format: str, completion_only_loss: bool
+    items: Sequence[Record], tokenizer, prompt_format: str, completion_only_loss: bool, weighted: bool = False
 ) -> dict[str, list[Any]]:
     """One tokenizer call for a batch of records: ``input_ids``, ``labels`` (-100 outside the trained
-    spans when ``completion_only_loss``) and ``where``; ``prompt_format`` is already resolved."""
+    spans when ``completion_only_loss``), ``where`` and, when ``weighted``, ``loss_weights`` (each assistant
+    turn's ``weight``, 1 elsewhere); ``prompt_format`` is already resolved."""
     texts, spans = format_records(items, tokenizer, prompt_format)
     # Chat templates already spell out their special tokens; adding BOS/EOS again would double them.
     encoded = tokenizer(
-        texts, add_special_tokens=prompt_format != "chat", return_offsets_mapping=completion_only_loss
+        texts,
+        add_special_tokens=prompt_format != "chat",
+        return_offsets_mapping=completion_only_loss or weighted,
     )
     input_ids = encoded["input_ids"]
     if completion_only_loss:
@@ -251,7 +280,13 @@ def _encode_records(
         ]
     else:
         labels = [list(ids) for ids in input_ids]
-    return {"input_ids": input_ids, "labels": labels, "where": [r.where for r in items]}
+    out = {"input_ids": input_ids, "labels": labels, "where": [r.where for r in items]}
+    if weighted:
+        out["loss_weights"] = [
+            _weights_from_spans(record, offsets, trained)
+            for record, offsets, trained in zip(items, encoded["offset_mapping"], spans, strict=True)
+        ]
+    return out
 
 
 def _trl_rows(items: Iterable[Record], tokenizer) -> Iterable[dict[str, Any]]:
@@ -293,6 +328,11 @@ def trl_records(records: RecordSet | Sequence[Record], tokenizer):
     import datasets
 
     items = records.records if isinstance(records, RecordSet) else records
+    if has_turn_weights(items):
+        where = next(r.where for r in items if has_turn_weights([r]))
+        raise ValueError(
+            f"{where}: an assistant turn has a loss weight, which TRL's rows cannot carry; use trainer: trainer"
+        )
     rows: dict[str, list[Any]] = {}
     for row in _trl_rows(items, tokenizer):
         for key, value in row.items():
@@ -331,22 +371,30 @@ def preview_samples(dataset, tokenizer, count: int, *, tokens: bool = False) -> 
     blocks = []
     for i, row in enumerate(dataset.select(range(min(count, len(dataset))))):
         ids, labels = row["input_ids"], row["labels"]
+        weights = row.get("loss_weights") or [1.0] * len(ids)
         trained = [label != -100 for label in labels]
+        # a run: consecutive tokens with the same mask and weight
+        run_key = [(t, w if t else None) for t, w in zip(trained, weights, strict=True)]
         parts, start = [], 0
         for end in range(1, len(ids) + 1):
-            if end == len(ids) or trained[end] != trained[start]:
+            if end == len(ids) or run_key[end] != run_key[start]:
                 text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
-                parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained[start] else text)
+                if trained[start]:
+                    weight = f"[weight {weights[start]:g}]" if weights[start] != 1 else ""
+                    text = f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}{weight}"
+                parts.append(text)
                 start = end
         header = (
             f"--- sample {i + 1} ({row.get('where', '?')}): {len(ids)} tokens, {sum(trained)} trained "
-            f"(between {TRAINED_OPEN} and {TRAINED_CLOSE}) ---"
+            f"(between {TRAINED_OPEN} and {TRAINED_CLOSE}"
+            + (", loss weight other than 1 in [weight w]" if "loss_weights" in row else "")
+            + ") ---"
         )
         block = [header, "".join(parts)]
         if tokens:
-            block.append(f"{'pos':>5} {'id':>7} {'label':>7}  token")
-            for position, (token, label) in enumerate(zip(ids, labels, strict=True)):
+            block.append(f"{'pos':>5} {'id':>7} {'label':>7} {'weight':>7}  token")
+            for position, (token, label, weight) in enumerate(zip(ids, labels, weights, strict=True)):
                 shown = tokenizer.convert_ids_to_tokens(token)
-                block.append(f"{position:>5} {token:>7} {label:>7}  {shown!r}")
+                block.append(f"{position:>5} {token:>7} {label:>7} {weight:>7g}  {shown!r}")
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)

@@ -18,6 +18,7 @@ from typing import Literal
 import transformers
 
 from .._limits import check_int
+from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
 
@@ -74,6 +75,17 @@ class PackingArguments:
             "the padded eval loss. False: stock padded eval batches."
         },
     )
+    loss_normalization: Literal["token", "sample", "sample_sum"] = field(
+        default="token",
+        metadata={
+            "help": "How the training loss of an optimizer step is averaged, the same whatever the packing, "
+            "gradient accumulation or number of processes. 'token' (default, stock): mean over every predicted "
+            "token of the step. 'sample': every sample's own token mean, averaged over the step's samples (each "
+            "sample counts equally). 'sample_sum': a sample's summed token loss, averaged over the step's samples. "
+            "A per-token 'loss_weights' column, when the data has one, weighs every token under all three. "
+            "See docs/loss.md."
+        },
+    )
     packing_metrics: bool = field(
         default=True,
         metadata={
@@ -93,6 +105,7 @@ class PackingArguments:
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
             )
         self.packing_overflow = check_overflow(self.packing_overflow, "packing_overflow")
+        self.loss_normalization = check_loss_normalization(self.loss_normalization)
         if self.multipack_mixing not in MIXINGS:
             raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
 

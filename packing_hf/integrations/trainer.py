@@ -33,9 +33,11 @@ What the subclass adds to the stock Trainer (each item is something stock gets w
   rank's stream position and buffer (``packing_hf_stream_rank{r}.json``), so a resumed run sees exactly
   the batches the uninterrupted run would have (see ``docs/streaming.md``).
 
-Loss normalisation needs no change: the collator masks the first label of every sample, so the count
-stock takes over ``labels[..., 1:]`` (``num_items_in_batch``, gathered across ranks) is the same number of
-predicted tokens as for the padded batch, and the per-token loss is the same.
+The default loss (``loss_normalization="token"``, no weights) needs no change: the collator masks the first
+label of every sample, so the count stock takes over ``labels[..., 1:]`` (``num_items_in_batch``, gathered
+across ranks) is the same number of predicted tokens as for the padded batch, and the per-token loss is the
+same. ``loss_normalization="sample"`` / ``"sample_sum"`` and a per-token ``loss_weights`` column are computed
+by :mod:`packing_hf.integrations.loss`, with the same invariance (``docs/loss.md``).
 
 >>> import packing_hf
 >>> packing_hf.Trainer.__mro__[1].__name__, packing_hf.TrainingArguments.__name__
@@ -51,12 +53,14 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
+from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics
 from .dataloaders import PackingDataMixin, is_packing_collator, is_stream
 from .evaluation import PackingEvalMixin
+from .loss import PackingLossMixin
 from .preflight import base_model, preflight_packing
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
 
@@ -73,13 +77,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PackingTrainerMixin(PackingEvalMixin, PackingDataMixin, PackingResumeMixin):
+class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin):
     """What ``packing_hf.Trainer`` and ``packing_hf.SFTTrainer`` add to their Hugging Face base class.
 
     Put it first in the bases (``class Trainer(PackingTrainerMixin, transformers.Trainer)``); ``args`` must be
     a :class:`~packing_hf.integrations.args.PackingArguments` subclass. See the module docstring. The data
     (:mod:`~packing_hf.integrations.dataloaders`), evaluation (:mod:`~packing_hf.integrations.evaluation`) and
-    resume (:mod:`~packing_hf.integrations.resume`) parts live in their own modules.
+    resume (:mod:`~packing_hf.integrations.resume`) and loss (:mod:`~packing_hf.integrations.loss`) parts live
+    in their own modules.
     """
 
     args: PackingArguments
@@ -105,6 +110,7 @@ class PackingTrainerMixin(PackingEvalMixin, PackingDataMixin, PackingResumeMixin
         self._packing_depth = 0  # nested train -> evaluate: prepare once, give the model back once
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
+        self._loss_setup()
         if args.max_tokens_per_batch is None:
             return
         if not is_packing_collator(self.data_collator):
@@ -152,7 +158,8 @@ class PackingTrainerMixin(PackingEvalMixin, PackingDataMixin, PackingResumeMixin
         if already_set:
             return
         consumed = getattr(self.data_collator, "input_columns", ())
-        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *consumed]))
+        # loss_weights is read by the loss whatever the collator: never stripped without a word
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *consumed, LOSS_WEIGHTS_KEY]))
 
     def train(
         self,

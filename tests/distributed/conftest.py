@@ -51,9 +51,9 @@ def launch() -> Callable[..., None]:
 
 @pytest.fixture(scope="session")
 def torchrun_command() -> Callable[[], list[str]]:
-    """``torchrun_command()``: ``python -m torch.distributed.run`` for 2 local processes on a free port."""
-    return lambda: [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    """``torchrun_command(nproc=2)``: ``python -m torch.distributed.run`` for ``nproc`` local processes on a free port."""
+    return lambda nproc=2: [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
     ]  # fmt: skip
 

@@ -217,6 +217,7 @@ def test_input_columns_name_every_consumed_key():
         "completion_mask",
         "assistant_masks",
         "seq_lengths",
+        "loss_weights",
     }
 
 

@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._binpack",
             "packing_hf._binpack_kernels",
             "packing_hf._rows",
+            # per-token loss arithmetic of the loss contract (read by the collator and the trainers)
+            "packing_hf._loss",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
             "packing_hf.shared_prefix",
