@@ -42,6 +42,9 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
+    # rollouts.py: online-RL rollouts in packed rows
+    "pack_rollouts": "rollouts",
+    "unpack_rollouts": "rollouts",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -73,6 +76,10 @@ _LAZY: dict[str, str] = {
     "SFTConfig": "integrations",
     "DPOTrainer": "integrations",
     "DPOConfig": "integrations",
+    "GRPOTrainer": "integrations",
+    "GRPOConfig": "integrations",
+    "RLOOTrainer": "integrations",
+    "RLOOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -119,8 +126,20 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .attention.guards import validate_packed_batch
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
-    from .integrations import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, Trainer, TrainingArguments
+    from .integrations import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+        SFTConfig,
+        SFTTrainer,
+        Trainer,
+        TrainingArguments,
+    )
     from .preference import PaddingFreePreferenceCollator
+    from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader

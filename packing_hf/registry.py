@@ -10,16 +10,23 @@ Every causal-LM architecture falls in one of four classes (measured by the archi
   restricts the mask each decoder layer receives to same-sample pairs. ALiBi (BLOOM, MPT, Falcon) stays
   exact: its bias is linear in the key position, so the per-sample offset is a constant per query row,
   which softmax ignores; attention sinks (gpt-oss) are a per-head logit, also independent of the row.
-- ``refused``: state-space, recurrent, convolutional or sparse-selection layers that carry information
-  along the row regardless of the mask.
+- ``mixers``: hybrid and recurrent models whose non-attention token mixers (Mamba/Mamba2 scans, gated
+  DeltaNet, KDA, lightning attention, RG-LRU blocks, short convolutions) carry a state or a convolution
+  window along the row, whatever the mask says; :mod:`packing_hf.architectures.prepare` runs each mixer
+  module (named in :attr:`ArchitectureSupport.mixers`) on the row's samples as a right-padded batch
+  (:mod:`packing_hf.architectures.mixers`), which is exact because every such mixer is causal from a zero
+  state. Their attention layers keep samples apart as in ``exact``.
+- ``refused``: layers that carry information along the row and that packing_hf cannot split per sample
+  (sparse top-k selection, pooled key blocks, models with no per-token mixer module to hook).
 - ``unknown`` (not registered): checked on a tiny copy of its config the first time it is prepared.
 
->>> support("llama").status, support("opt").status, support("bamba").status
-('exact', 'mask', 'refused')
+>>> support("llama").status, support("opt").status, support("bamba").status, support("deepseek_v32").status
+('exact', 'mask', 'mixers', 'refused')
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,11 +39,13 @@ __all__ = [
     "check_served_config",
     "served_config_key",
     "iter_sweep",
+    "mark_mixers_prepared",
+    "mixers_prepared",
     "support",
     "unsupported_layers",
 ]
 
-Status = Literal["exact", "mask", "refused", "unknown"]
+Status = Literal["exact", "mask", "mixers", "refused", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +54,18 @@ class ArchitectureSupport:
 
     Attributes:
         model_type: ``config.model_type``.
-        status: ``"exact"``, ``"mask"`` (fixed by :func:`packing_hf.prepare_model_for_packing`), ``"refused"`` or
-            ``"unknown"`` (not in the registry; checked on a tiny copy when prepared).
+        status: ``"exact"``, ``"mask"`` or ``"mixers"`` (both fixed by
+            :func:`packing_hf.prepare_model_for_packing`), ``"refused"`` or ``"unknown"`` (not in the registry;
+            checked on a tiny copy when prepared).
         reason: why stock transformers leaks, or why packing is refused.
         own_attention: the model computes attention itself instead of dispatching through
             ``AttentionInterface``, so ``attn_implementation=packing_hf.ATTENTION_NAME`` cannot apply.
         inverted_bool_mask: the model's boolean attention masks mean True = masked (MPT), instead of
             transformers' True = attend.
+        mask_fix: a ``"mixers"`` model whose attention mask also ignores ``position_ids``: its decoder layers get
+            the per-sample mask of status ``"mask"`` as well.
+        mixers: class names of the non-attention token-mixer modules that
+            :func:`packing_hf.prepare_model_for_packing` runs per sample (status ``"mixers"``).
         tiny: config fields for the tiny copy used by the sweep (on top of :func:`packing_hf.architectures.tiny.tiny_config`).
         sweep: whether the architecture sweep (table and test) covers it.
 
@@ -66,6 +80,8 @@ class ArchitectureSupport:
     inverted_bool_mask: bool = False
     tiny: dict[str, Any] = field(default_factory=dict)
     sweep: bool = True
+    mixers: tuple[str, ...] = ()
+    mask_fix: bool = False
 
 
 def _entry(model_type: str, status: Status, reason: str = "", **kwargs: Any) -> ArchitectureSupport:
@@ -74,9 +90,16 @@ def _entry(model_type: str, status: Status, reason: str = "", **kwargs: Any) -> 
 
 _NO_POSITION_MASK = "builds its causal mask without position_ids, so packed samples attend to earlier samples"
 _ALIBI = "; ALiBi stays exact once the mask is per sample (its bias shifts by a per-row constant)"
-_SSM = "need seq_idx-aware kernels (causal-conv1d, mamba-ssm) to keep packed samples apart"
+_SSM = (
+    "layers carry their scan state and convolution window across the row (transformers' torch path takes no "
+    "seq_idx)"
+)
+_STATE = "layers carry a recurrent state across the whole row"
 _CONV = "short causal convolutions mix the last tokens of one sample into the next; they take no seq_idx"
-_DELTANET = "gated DeltaNet layers need cu_seqlens-aware fla kernels (transformers raises)"
+_DELTANET = (
+    "gated DeltaNet layers carry their state and convolution across the row (transformers' torch path raises "
+    "on cu_seqlens without fla)"
+)
 _DSA = (
     "the DSA indexer picks top-k keys over ReLU scores, whose ties are broken by absolute key index, so the "
     "selected keys depend on where a sample sits in the row"
@@ -95,7 +118,7 @@ _ENTRIES = [
             "diffllama doge ernie4_5 ernie4_5_moe exaone4 exaone_moe flex_olmo flint gemma gemma2 gemma3_text "
             "glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2 gpt_bigcode gpt_neox granite granite_swa granitemoe "
             "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
-            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama llama4_text longcat_flash mellum "
+            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna llama llama4_text longcat_flash mellum "
             "mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral "
             "modernbert-decoder nanochat nemotron olmo olmo2 olmo3 olmoe persimmon phi phi3 phimoe qwen2 "
             "qwen2_moe qwen3 qwen3_moe seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma youtu axk1"
@@ -135,48 +158,75 @@ _ENTRIES = [
         "applies a fixed causal triangle and ignores position_ids in its mask",
         own_attention=True,
     ),
-    # --- refused ----------------------------------------------------------------------------------
-    _entry("bamba", "refused", f"hybrid Mamba2 layers {_SSM}"),
-    _entry("jamba", "refused", f"hybrid Mamba layers {_SSM}"),
-    _entry("falcon_h1", "refused", f"hybrid Mamba2 layers {_SSM}", tiny={"mamba_d_ssm": 128}),
-    _entry("falcon_mamba", "refused", f"Mamba layers {_SSM}", own_attention=True),
-    _entry("mamba", "refused", f"Mamba layers {_SSM}", own_attention=True),
+    # --- fixed by running every non-attention token mixer per sample (right-padded) ----------------
+    _entry("bamba", "mixers", f"Mamba2 {_SSM}", tiny={"attn_layer_indices": [1]}, mixers=("BambaMixer",)),
     _entry(
-        "mamba2",
-        "refused",
-        f"Mamba2 layers {_SSM}",
+        "jamba",
+        "mixers",
+        f"Mamba {_SSM}",
+        tiny={"attn_layer_period": 2, "attn_layer_offset": 1},
+        mixers=("JambaMambaMixer",),
+    ),
+    _entry("falcon_h1", "mixers", f"Mamba2 {_SSM}", tiny={"mamba_d_ssm": 128}, mixers=("FalconH1Mixer",)),
+    _entry("falcon_mamba", "mixers", f"Mamba {_SSM}", mixers=("FalconMambaMixer",)),
+    _entry("mamba", "mixers", f"Mamba {_SSM}", mixers=("MambaMixer",)),
+    _entry(
+        "mamba2", "mixers", f"Mamba2 {_SSM}", tiny={"num_heads": 4, "head_dim": 32}, mixers=("Mamba2Mixer",)
+    ),
+    _entry(
+        "granitemoehybrid",
+        "mixers",
+        f"Mamba2 {_SSM}; its attention mask is built without position_ids",
+        mask_fix=True,
+        tiny={"layer_types": ["mamba", "attention"]},
+        mixers=("GraniteMoeHybridMambaLayer",),
+    ),
+    _entry("nemotron_h", "mixers", f"Mamba2 {_SSM}", mixers=("NemotronHMamba2Mixer",)),
+    _entry("zamba", "mixers", f"Mamba {_SSM}", mixers=("ZambaMambaMixer",)),
+    _entry("zamba2", "mixers", f"Mamba2 {_SSM}", tiny={"mamba_headdim": 16}, mixers=("Zamba2MambaMixer",)),
+    _entry("bailing_hybrid", "mixers", f"linear-attention {_STATE}", mixers=("BailingHybridDeltaAttention",)),
+    _entry("kimi_linear", "mixers", f"KDA linear-attention {_STATE}", mixers=("KimiLinearDeltaAttention",)),
+    _entry(
+        "minimax", "mixers", f"lightning (linear) attention {_STATE}", mixers=("MiniMaxLightningAttention",)
+    ),
+    _entry(
+        "lfm2",
+        "mixers",
+        _CONV,
+        tiny={"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+        mixers=("Lfm2ShortConv",),
+    ),
+    _entry(
+        "lfm2_moe",
+        "mixers",
+        _CONV,
+        tiny={"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+        mixers=("Lfm2MoeShortConv",),
+    ),
+    _entry("lfm3", "mixers", _CONV, mixers=("Lfm3ShortConv",)),
+    _entry(
+        "inkling_text",
+        "mixers",
+        _CONV + " (k/v and block short convolutions)",
+        mixers=("InklingShortConvolution",),
+    ),
+    _entry(
+        "inkling2_text",
+        "mixers",
+        _CONV + " (k/v short convolutions)",
         own_attention=True,
-        tiny={"num_heads": 4, "head_dim": 32},
+        mixers=("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
     ),
-    _entry("granitemoehybrid", "refused", f"hybrid Mamba2 layers {_SSM}"),
-    _entry("nemotron_h", "refused", f"hybrid Mamba2 layers {_SSM}"),
-    _entry("zamba", "refused", f"hybrid Mamba layers {_SSM}"),
-    _entry("zamba2", "refused", f"hybrid Mamba2 layers {_SSM}"),
-    _entry(
-        "bailing_hybrid", "refused", "linear-attention layers carry a recurrent state across the whole row"
-    ),
-    _entry(
-        "kimi_linear", "refused", "KDA linear-attention layers carry a recurrent state across the whole row"
-    ),
-    _entry(
-        "minimax", "refused", "lightning (linear) attention layers carry a recurrent state across the row"
-    ),
-    _entry("lfm3", "refused", _CONV),
-    _entry(
-        "lfm2_moe", "refused", _CONV, tiny={"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}
-    ),
+    _entry("qwen3_next", "mixers", _DELTANET, mixers=("Qwen3NextGatedDeltaNet",)),
+    _entry("qwen3_5_text", "mixers", _DELTANET, mixers=("Qwen3_5GatedDeltaNet",)),
+    _entry("qwen3_5_moe_text", "mixers", _DELTANET, mixers=("Qwen3_5MoeGatedDeltaNet",)),
+    _entry("olmo_hybrid", "mixers", _DELTANET, mixers=("OlmoHybridGatedDeltaNet",)),
     _entry(
         "zaya",
         "refused",
         _CONV + " (the query/key convolutions of its compressed attention)",
         tiny={"num_experts_per_tok": 1},
     ),
-    _entry("inkling_text", "refused", _CONV + " (k/v short convolutions)"),
-    _entry("inkling2_text", "refused", _CONV + " (k/v short convolutions)", own_attention=True),
-    _entry("qwen3_next", "refused", _DELTANET),
-    _entry("qwen3_5_text", "refused", _DELTANET),
-    _entry("qwen3_5_moe_text", "refused", _DELTANET),
-    _entry("olmo_hybrid", "refused", _DELTANET),
     _entry(
         "qwen4_exp_text",
         "refused",
@@ -195,8 +245,13 @@ _ENTRIES = [
         },
     ),
     _entry(
-        "recurrent_gemma", "refused", "RG-LRU recurrent layers and their convolution run across the whole row"
+        "recurrent_gemma",
+        "mixers",
+        "the convolution of its RG-LRU recurrent blocks runs across the whole row",
+        tiny={"num_hidden_layers": 3},  # recurrent, recurrent, attention
+        mixers=("RecurrentGemmaRecurrentBlock",),
     ),
+    # --- refused ----------------------------------------------------------------------------------
     _entry("rwkv", "refused", "RWKV time-mixing is a recurrence over the whole row", own_attention=True),
     _entry("xlstm", "refused", "xLSTM blocks are a recurrence over the whole row", own_attention=True),
     _entry("deepseek_v32", "refused", _DSA),
@@ -271,9 +326,9 @@ UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "o
 # layer kinds (config.layer_types values) that are plain softmax attention over the sample
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
 _CHUNKED = (
-    "chunked local attention (attention_chunk_size) restricts keys by absolute chunk, which packing_hf's varlen "
-    "attention does not express (it would attend across chunks); load it with attn_implementation='sdpa' or "
-    "'eager', which keep packed samples apart for this architecture"
+    "chunked local attention (attention_chunk_size) without config.layer_types: which layers are chunked is not "
+    "known, so packing_hf's varlen attention cannot split them into chunks; load it with "
+    "attn_implementation='sdpa' or 'eager'"
 )
 
 
@@ -298,19 +353,54 @@ def unsupported_layers(config: Any) -> str | None:
     return None
 
 
+# id(config) -> weakref of the configs of models whose mixers prepare_model_for_packing split per sample (a
+# config is not hashable; nothing is written on the config itself, so a saved model stays stock)
+_PREPARED_MIXERS: dict[int, weakref.ref] = {}
+
+
+def mark_mixers_prepared(config: Any, prepared: bool) -> None:
+    """Record that the model of ``config`` has (``True``) or no longer has its mixers split per sample.
+
+    Written by :func:`packing_hf.prepare_model_for_packing` and its ``revert()``; read by
+    :func:`check_served_config`, so that the attention name serves a prepared hybrid and still refuses an
+    unprepared one.
+
+    >>> from transformers import AutoConfig
+    >>> config = AutoConfig.for_model("bamba")
+    >>> mark_mixers_prepared(config, True)
+    >>> mixers_prepared(config)
+    True
+    >>> mark_mixers_prepared(config, False)
+    >>> mixers_prepared(config)
+    False
+    """
+    key = id(config)
+    if prepared:
+        _PREPARED_MIXERS[key] = weakref.ref(config, lambda _: _PREPARED_MIXERS.pop(key, None))
+    else:
+        _PREPARED_MIXERS.pop(key, None)
+
+
+def mixers_prepared(config: Any) -> bool:
+    """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
+    seen = _PREPARED_MIXERS.get(id(config))
+    return seen is not None and seen() is config
+
+
 def served_config_key(config: Any) -> tuple:
     """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
     again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
 
     >>> from types import SimpleNamespace
     >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
-    ('llama', ('full_attention',), None)
+    ('llama', ('full_attention',), None, False)
     """
     layer_types = getattr(config, "layer_types", None)
     return (
         str(getattr(config, "model_type", "") or type(config).__name__),
         tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
         getattr(config, "attention_chunk_size", None),
+        mixers_prepared(config),
     )
 
 
@@ -320,8 +410,10 @@ def check_served_config(config: Any) -> None:
     Run by the attention itself, once per model config, on the first call: it is the only place that sees
     every model loaded with ``attn_implementation=packing_hf.ATTENTION_NAME``, prepared or not. Refuses
     registry entries marked ``refused``, models that compute attention themselves (the name would be
-    accepted and ignored), configs with non-attention layers (:func:`unsupported_layers`) and chunked local
-    attention, each with the reason and what to do instead.
+    accepted and ignored), configs with non-attention layers (:func:`unsupported_layers`) unless
+    :func:`packing_hf.prepare_model_for_packing` split their mixers per sample (the attention cannot reach
+    the mixers), and chunked local attention whose chunked layers are not named by ``layer_types``, each with
+    the reason and what to do instead.
 
     Raises:
         ValueError: naming the architecture and the reason.
@@ -331,24 +423,31 @@ def check_served_config(config: Any) -> None:
     >>> check_served_config(AutoConfig.for_model("bamba"))
     Traceback (most recent call last):
     ...
-    ValueError: bamba cannot be packed exactly with attn_implementation='packing_hf_varlen': hybrid Mamba2 layers need seq_idx-aware kernels (causal-conv1d, mamba-ssm) to keep packed samples apart; train it without packing (padded batches)
+    ValueError: bamba cannot be packed exactly with attn_implementation='packing_hf_varlen' alone: Mamba2 layers carry their scan state and convolution window across the row (transformers' torch path takes no seq_idx), which the attention cannot reach; call packing_hf.prepare_model_for_packing(model) (packing_hf.Trainer does), which runs those layers per sample
     """
     model_type = str(getattr(config, "model_type", "") or type(config).__name__)
     entry = support(model_type)
     head = f"{model_type} cannot be packed exactly with attn_implementation='packing_hf_varlen': "
     if entry.status == "refused":
         raise ValueError(head + entry.reason + "; train it without packing (padded batches)")
+    prepared = entry.status == "mixers" and mixers_prepared(config)
+    if entry.status == "mixers" and not prepared:
+        raise ValueError(
+            head[:-2] + " alone: " + entry.reason + ", which the attention cannot reach; call "
+            "packing_hf.prepare_model_for_packing(model) (packing_hf.Trainer does), which runs those layers "
+            "per sample"
+        )
     if entry.own_attention:
         raise ValueError(
             head + "it computes attention itself instead of calling the registered attention, so the name "
             "would be accepted and ignored; load it with attn_implementation='eager' and call "
             "packing_hf.prepare_model_for_packing(model) (or use packing_hf.Trainer, which does)"
         )
-    layers = unsupported_layers(config)
+    layers = None if prepared else unsupported_layers(config)
     if layers is not None:
         raise ValueError(head + layers + "; train it without packing (padded batches)")
     layer_types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "attention_chunk_size", None) and (
-        not layer_types or "chunked_attention" in layer_types
-    ):
+    # chunked layers named by layer_types are split into chunks counted from every sample's start by the
+    # attention itself (packing_hf.attention.interface); without layer_types it cannot tell which layers
+    if getattr(config, "attention_chunk_size", None) and not layer_types:
         raise ValueError(head + _CHUNKED)

@@ -26,8 +26,15 @@ import torch
 
 from ..attention import ATTENTION_NAME, resolve_attn_implementation
 from ..attention.guards import check_forward_call
-from ..registry import ArchitectureSupport, check_served_config, support, unsupported_layers
+from ..registry import (
+    ArchitectureSupport,
+    check_served_config,
+    mark_mixers_prepared,
+    support,
+    unsupported_layers,
+)
 from ..verify import DEFAULT_TOLERANCE, PackingReport, check_packing
+from .mixers import MixerRepacking, PackedLayout, find_mixers
 from .tiny import build_tiny_model, tiny_config
 
 __all__ = [
@@ -101,9 +108,18 @@ class PackingPreparation:
         support: its registry entry.
         mask_fix: whether per-sample mask hooks are installed on the decoder layers.
         layers: how many decoder layers got a mask hook.
+        mixers: how many token-mixer modules (SSM, DeltaNet, convolution, ...) run per sample on packed rows.
+        split_mixers: run those mixers per sample (default ``True``); ``False`` lets them run over the
+            whole packed row, which leaks: for negative controls and for measuring what the split costs.
     """
 
-    def __init__(self, model: torch.nn.Module, entry: ArchitectureSupport, mask_fix: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        entry: ArchitectureSupport,
+        mask_fix: bool,
+        mixers: list[torch.nn.Module] | None = None,
+    ) -> None:
         self._model = weakref.ref(model)
         self.model_type = entry.model_type
         self.support = entry
@@ -112,6 +128,10 @@ class PackingPreparation:
         self._same: torch.Tensor | None = None  # (B, 1, T, T) bool of the forward in flight
         self.layers = 0
         self._impl = str(getattr(model.config, "_attn_implementation", None))
+        self._repacking = MixerRepacking(mixers) if mixers else None
+        self.mixers = len(mixers or ())
+        if self._repacking is not None:
+            mark_mixers_prepared(model.config, True)
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         if mask_fix:
             layers = _decoder_layers(model)
@@ -135,7 +155,20 @@ class PackingPreparation:
         if self.mask_fix and starts is not None:
             sample = torch.cumsum(starts.long(), dim=-1)  # (B, T) sample index of every token
             self._same = (sample[:, :, None] == sample[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+        if self._repacking is not None:
+            # kept after the forward, like the mask, for the layers re-run by activation checkpointing
+            self._repacking.layout = PackedLayout.from_starts(starts) if starts is not None else None
         return args, checked
+
+    @property
+    def split_mixers(self) -> bool:
+        return self._repacking is not None and self._repacking.enabled
+
+    @split_mixers.setter
+    def split_mixers(self, value: bool) -> None:
+        if self._repacking is None:
+            raise ValueError(f"{self.model_type}: no token mixer is split per sample in this model")
+        self._repacking.enabled = bool(value)
 
     def _make_layer_hook(self, index: int):
         inverted = self.support.inverted_bool_mask
@@ -170,6 +203,10 @@ class PackingPreparation:
         self._handles.clear()
         self._same = None
         model = self._model()
+        if self._repacking is not None:
+            self._repacking.remove()
+            if model is not None:
+                mark_mixers_prepared(model.config, False)
         if model is not None and getattr(model, "_packing_hf_preparation", None) is self:
             del model._packing_hf_preparation
 
@@ -182,7 +219,8 @@ class PackingPreparation:
     def __repr__(self) -> str:
         state = "active" if self.active else "reverted"
         return (
-            f"PackingPreparation({self.model_type}, mask_fix={self.mask_fix}, layers={self.layers}, {state})"
+            f"PackingPreparation({self.model_type}, mask_fix={self.mask_fix}, layers={self.layers}, "
+            f"mixers={self.mixers}, {state})"
         )
 
 
@@ -217,8 +255,10 @@ def check_architecture(config, attn_implementation: str = "sdpa", *, prepare: bo
 
     >>> check_architecture("mistral", "sdpa").leaked
     False
-    >>> "Mamba" in check_architecture("bamba", "sdpa").error
+    >>> "DSA" in check_architecture("deepseek_v32", "sdpa").error
     True
+    >>> check_architecture("bamba", "sdpa").leaked  # prepared: its Mamba2 layers run per sample
+    False
     """
     cfg = tiny_config(config)
     implementation = resolve_attn_implementation(attn_implementation)
@@ -278,6 +318,10 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
     - for architectures whose mask ignores ``position_ids`` (registry status ``"mask"``) and that run
       eager/sdpa attention: pre-hooks on the decoder layers restricting their attention mask to same-sample
       pairs.
+    - for hybrid and recurrent architectures (registry status ``"mixers"``: Mamba/Mamba2, gated DeltaNet,
+      KDA, lightning attention, RG-LRU, short convolutions): hooks on every token-mixer module named by the
+      registry that run it on the samples of a packed row as a right-padded batch
+      (:mod:`packing_hf.architectures.mixers`), so no state or convolution window crosses a boundary.
 
     Calling it twice returns the same handle. Keep the model prepared until the backward pass is done:
     activation checkpointing re-runs the layers (and their mask hooks) during backward.
@@ -316,11 +360,22 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
 
     if entry.status == "refused":
         raise ValueError(f"{model_type}: {entry.reason}; train it without packing (or with padding)")
+    mixers = find_mixers(model, entry.mixers) if entry.mixers else []
     layers = unsupported_layers(config)
-    if layers is not None:
-        raise ValueError(f"{model_type}: {layers}; train it without packing (or with padding)")
+    if layers is not None and not mixers:
+        names = f" (looked for {', '.join(entry.mixers)})" if entry.mixers else ""
+        raise ValueError(
+            f"{model_type}: {layers}, and no token-mixer module to run per sample was found{names}; train it "
+            "without packing (or with padding)"
+        )
     if varlen:  # the rules the attention itself applies (own attention, chunked attention, ...)
-        check_served_config(config)
+        if mixers:
+            mark_mixers_prepared(config, True)
+        try:
+            check_served_config(config)
+        finally:
+            if mixers:
+                mark_mixers_prepared(config, False)
     if entry.status == "unknown" and check_unknown:
         report = check_unregistered(config, impl)
         if report.leaked:
@@ -329,13 +384,15 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
                 f"config leaks: {report.summary()}. Train it without packing, or pass check_unknown=False if you "
                 "verified it yourself with packing_hf.check_packing(model)"
             )
-    mask_fix = entry.status == "mask" and not varlen
-    handle = PackingPreparation(model, entry, mask_fix)
+    mask_fix = (entry.status == "mask" or entry.mask_fix) and not varlen
+    handle = PackingPreparation(model, entry, mask_fix, mixers)
     model._packing_hf_preparation = handle
     if mask_fix:
         logger.info(
             "%s: %s; restricting the mask per sample in %d layers", model_type, entry.reason, handle.layers
         )
+    if mixers:
+        logger.info("%s: %s; running %d token mixers per sample", model_type, entry.reason, len(mixers))
     return handle
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..registry import check_served_config, served_config_key
-from ..varlen import check_int32_tokens, position_restarts
+from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
 from . import host
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .host import cached_host_values, host_values
@@ -459,6 +459,7 @@ def _check_served(config: Any) -> None:
     if seen is not None and seen[0]() is config and seen[1] == key:
         return
     check_served_config(config)
+    # the key holds whether a hybrid's mixers are prepared: a reverted hybrid is checked (and refused) again
     _SERVED[id(config)] = (weakref.ref(config), key)
 
 
@@ -521,6 +522,15 @@ def varlen_attention_forward(
             stacklevel=2,
         )
         _WARNED_ATTENTIONS = True
+    position_ids = kwargs.get("position_ids")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    chunk = attention_chunk(module)
+    if chunk is not None:
+        position_ids = chunk_position_ids(
+            chunk, query.shape[2], key.shape[2], position_ids, cu_q, query.device
+        )
+        cu_q = cu_k = max_q = max_k = None  # the chunks, finer than the samples, come from the positions
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     out = attend(
@@ -535,14 +545,68 @@ def varlen_attention_forward(
         dropout_p=dropout,
         s_aux=s_aux.to(query.dtype) if s_aux is not None else None,
         alibi_slopes=alibi_slopes,
-        position_ids=kwargs.get("position_ids"),
-        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-        cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-        max_length_q=kwargs.get("max_length_q"),
-        max_length_k=kwargs.get("max_length_k"),
+        position_ids=position_ids,
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=max_q,
+        max_length_k=max_k,
         prefix_seq_idx=kwargs.get(PREFIX_KEY),
     )
     return out, None
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked local-attention layer (Llama 4), ``None`` for any other layer.
+
+    A layer is chunked when its config has ``attention_chunk_size`` and names the layer
+    ``"chunked_attention"`` in ``layer_types`` (read at ``module.layer_idx``), as transformers decides.
+
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"])
+    >>> layer = torch.nn.Module(); layer.config, layer.layer_idx = config, 0
+    >>> attention_chunk(layer)
+    4
+    """
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not chunk or not isinstance(layer_types, list | tuple) or not isinstance(index, int):
+        return None
+    return int(chunk) if layer_types[index] == "chunked_attention" else None
+
+
+def chunk_position_ids(
+    chunk: int,
+    q_length: int,
+    kv_length: int,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``(B|1, T)`` positions restarting at every chunk of ``chunk`` tokens counted from each sample's start.
+
+    Chunked attention lets a token attend only within its chunk of its sample (transformers' chunked mask
+    on packed rows does the same), so every chunk is a segment of its own: restarting the positions at
+    each chunk start turns the varlen attention's per-sample segments into per-chunk ones. Positions come
+    from ``position_ids``, else from ``cu_seq_lens_q``, else ``0 .. T - 1`` (one sample).
+
+    Raises:
+        ValueError: with a cache (more keys than queries): chunked decoding is not served by this attention.
+
+    >>> chunk_position_ids(3, 7, 7, torch.tensor([[0, 1, 2, 3, 4, 0, 1]]), None, "cpu").tolist()
+    [[0, 1, 2, 0, 1, 0, 1]]
+    """
+    if q_length != kv_length:
+        raise ValueError(
+            f"chunked attention (attention_chunk_size={chunk}) over a cache ({q_length} queries, {kv_length} "
+            "keys) is not served by packing_hf's varlen attention; generate with attn_implementation='sdpa'"
+        )
+    if position_ids is None and cu_seq_lens_q is not None:
+        position_ids = cu_seqlens_to_position_ids(cu_seq_lens_q).reshape(1, -1).to(device)
+    if position_ids is None:
+        position_ids = torch.arange(q_length, device=device).unsqueeze(0)
+    return position_ids % chunk
 
 
 def varlen_attention_mask(

@@ -1,7 +1,7 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
-``DPOTrainer`` / ``DPOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
+``DPOTrainer`` / ``DPOConfig``, ``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -19,15 +19,28 @@ from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
+    "RLOOConfig",
+    "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "Trainer",
     "TrainingArguments",
 ]
 
-_TRL_NAMES = {"SFTTrainer": "sft", "SFTConfig": "sft", "DPOTrainer": "dpo", "DPOConfig": "dpo"}
+_TRL_NAMES = {
+    "SFTTrainer": "sft",
+    "SFTConfig": "sft",
+    "DPOTrainer": "dpo",
+    "DPOConfig": "dpo",
+    "GRPOTrainer": "rl",
+    "GRPOConfig": "rl",
+    "RLOOTrainer": "rl",
+    "RLOOConfig": "rl",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +59,5 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer

@@ -69,7 +69,7 @@ def test_plain_loop_example_trains_and_changes_the_weights(data_dir, tmp_path, c
     assert any(not torch.equal(a, b) for a, b in zip(trained, initial, strict=True))
 
 
-@pytest.mark.parametrize("name", ["train_trainer", "train_sft", "train_loop"])
+@pytest.mark.parametrize("name", ["train_trainer", "train_sft", "train_loop", "train_grpo"])
 def test_examples_use_only_the_public_api(name):
     """A user's script: transformers, datasets, torch and packing_hf's top-level names, no internals."""
     import ast
@@ -82,3 +82,32 @@ def test_examples_use_only_the_public_api(name):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "packing_hf":
             assert {alias.name for alias in node.names} <= set(public)
+
+
+def test_grpo_example_trains_on_shared_prompts(data_dir, tmp_path):
+    module = load_example("train_grpo")
+    result = module.main(
+        [
+            "--tiny",
+            "--tokenizer",
+            str(data_dir / "smollm2_tokenizer"),
+            "--data",
+            str(data_dir / "gsm8k_train.jsonl"),
+            "--num-samples",
+            "8",
+            "--num-generations",
+            "2",
+            "--max-completion-length",
+            "6",
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "grpo"),
+        ]
+    )
+    assert result["global_step"] == 1 and len(result["logs"]) == 1
+    trainer = result["trainer"]
+    assert type(trainer).__module__.startswith("packing_hf")
+    stats = trainer.packing_stats
+    assert stats["shared_prompts"] > 0 and stats["packed_tokens"] < stats["padded_tokens"]
+    assert (tmp_path / "grpo" / "model.safetensors").is_file()

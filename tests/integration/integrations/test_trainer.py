@@ -233,17 +233,30 @@ def test_preflight_refuses_or_switches_a_leaking_attention(gsm8k_tokenized, tiny
     assert switched.packing_preparation is None
 
 
-def test_preflight_refuses_hybrid_mamba_and_prepares_opt(tmp_path):
+def test_preflight_refuses_dsa_trains_a_hybrid_and_prepares_opt(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from packing_hf import tiny_config
 
     data = [{"input_ids": list(range(1, n))} for n in (9, 14, 6, 11)]
-    bamba = AutoModelForCausalLM.from_config(tiny_config("bamba"))
+    dsa = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32"))
     for mode in ("switch", "error"):
         args = _args(tmp_path, max_tokens_per_batch=64, max_steps=1, packing_preflight=mode)
         with pytest.raises(ValueError, match="without packing"):
-            packing_hf.Trainer(model=bamba, args=args, train_dataset=data).train()
+            packing_hf.Trainer(model=dsa, args=args, train_dataset=data).train()
+
+    # hybrid Mamba2: the pre-flight judges the prepared tiny copy (exact), prepares the model (its Mamba
+    # mixers run per sample) and trains one step; the model is given back stock
+    bamba = AutoModelForCausalLM.from_config(tiny_config("bamba"), attn_implementation="sdpa")
+    args = _args(tmp_path, max_tokens_per_batch=64, max_steps=1, packing_preflight="error")
+    trainer = packing_hf.Trainer(model=bamba, args=args, train_dataset=data)
+    split = []
+    bamba.register_forward_pre_hook(
+        lambda module, args: split.append(trainer.packing_preparation.split_mixers)
+    )
+    result = trainer.train()
+    assert split == [True] and math.isfinite(result.training_loss)
+    assert packing_hf.check_packing(bamba, lengths=(5, 9), gradients=False).leaked  # given back: stock again
 
     # stock OPT ignores position_ids in its mask; the pre-flight prepares it (per-sample masks) and trains
     opt = AutoModelForCausalLM.from_config(tiny_config("opt"), attn_implementation="sdpa")

@@ -19,11 +19,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(
     ("model_type", "overrides", "cause"),
     [
-        ("bamba", {}, "hybrid Mamba2 layers"),
+        ("bamba", {}, "alone: Mamba2 layers carry their scan state"),
         ("bloom", {}, "computes attention itself"),
         ("mpt", {}, "computes attention itself"),
-        ("llama4_text", {}, "chunked local attention"),
-        ("lfm2", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "layer types ['conv']"),
+        ("deepseek_v32", {}, "the DSA indexer"),
+        (
+            "lfm2",
+            {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
+            "short causal convolutions",
+        ),
     ],
 )
 def test_the_attention_refuses_what_it_cannot_keep_exact(model_type, overrides, cause):
@@ -38,24 +42,45 @@ def test_plain_attention_models_pass():
     assert unsupported_layers(AutoConfig.for_model("gemma3_text")) is None
 
 
-def test_an_lfm2_with_convolutions_leaks_and_is_refused_on_every_path():
-    """LFM2's registry entry is exact for an all-attention config; real checkpoints interleave convolutions."""
+def test_chunked_attention_without_layer_types_is_refused():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model_type="llama4_text", attention_chunk_size=8, layer_types=None)
+    with pytest.raises(ValueError, match="llama4_text cannot be packed exactly.*without config.layer_types"):
+        check_served_config(config)
+
+
+def test_an_lfm2_with_convolutions_leaks_stock_and_is_exact_prepared():
+    """LFM2 interleaves short convolutions with attention: stock leaks, prepared runs them per sample."""
     config = tiny_config("lfm2", layer_types=["conv", "full_attention"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    assert check_packing(model, gradients=False).leaked  # the reason for the rule
-    with pytest.raises(ValueError, match=r"lfm2: layer types \['conv'\]"):
-        prepare_model_for_packing(model)
+    assert check_packing(model, gradients=False, noise_floor=False).leaked  # the reason for the rule
+    with prepare_model_for_packing(model) as handle:
+        assert handle.mixers == 1
+        assert not check_packing(model, noise_floor=False).leaked
     model.set_attn_implementation(packing_hf.register_attention())
     batch = build_packed_batch([torch.arange(3, 10), torch.arange(20, 25)])
-    with pytest.raises(ValueError, match="lfm2 cannot be packed exactly"):
+    with pytest.raises(ValueError, match="lfm2 cannot be packed exactly.*alone"):  # not prepared
         model(**batch, use_cache=False)
 
 
-def test_the_attention_name_path_refuses_llama4_chunked_attention_at_the_first_forward():
-    model = AutoModelForCausalLM.from_config(
-        tiny_config("llama4_text"), attn_implementation=packing_hf.register_attention()
-    )
-    batch = build_packed_batch([torch.arange(3, 10), torch.arange(20, 25)])
-    with pytest.raises(ValueError, match="llama4_text cannot be packed exactly.*sdpa"):
-        model(**batch, use_cache=False)
+def test_the_attention_name_splits_llama4_chunked_layers_into_chunks_per_sample(monkeypatch):
+    """Chunks are counted from every sample's start: packed == alone, and one long sequence == sdpa."""
+    from packing_hf.attention import interface
+
+    torch.manual_seed(0)
+    config = tiny_config("llama4_text")  # chunks of 4 tokens, one chunked and one full layer
+    assert config.attention_chunk_size < 12 and "chunked_attention" in config.layer_types
+    varlen = AutoModelForCausalLM.from_config(
+        config, attn_implementation=packing_hf.register_attention()
+    ).eval()
+    sdpa = AutoModelForCausalLM.from_config(tiny_config("llama4_text"), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(varlen.state_dict())
+    assert not check_packing(varlen, noise_floor=False).leaked
+    ids = torch.arange(3, 30).unsqueeze(0)
+    with torch.no_grad():
+        reference = sdpa(input_ids=ids, use_cache=False).logits
+        assert (varlen(input_ids=ids, use_cache=False).logits - reference).abs().max() < 1e-5
+        monkeypatch.setattr(interface, "attention_chunk", lambda module: None)  # negative control
+        assert (varlen(input_ids=ids, use_cache=False).logits - reference).abs().max() > 1e-3

@@ -14,8 +14,9 @@ def test_check_architecture_is_cached_and_refuses_with_the_reason():
     clear_architecture_cache()
     first = check_architecture("qwen2", "eager")
     assert check_architecture("qwen2", "eager") is first and not first.leaked
-    refused = check_architecture("jamba", "eager")
-    assert refused.leaked and "jamba: hybrid Mamba layers" in refused.error
+    refused = check_architecture("deepseek_v32", "eager")
+    assert refused.leaked and "deepseek_v32: the DSA indexer" in refused.error
+    assert not check_architecture("jamba", "eager").leaked  # prepared: its Mamba layers run per sample
     assert check_architecture("opt", "eager", prepare=False).leaked
     assert not check_architecture("opt", "eager").leaked
 

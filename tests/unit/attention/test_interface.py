@@ -67,12 +67,11 @@ def test_the_negative_control_a_contradicting_row_leaks_when_unchecked(monkeypat
 
 
 def test_a_config_changed_after_the_first_forward_is_checked_again():
-    """Chunked attention set after a first forward would run as full attention: refused at the next forward."""
+    """Chunked attention whose layers layer_types no longer names, set after a first forward, is refused at
+    the next forward (the check was keyed on the config object alone, so the change slipped through)."""
     model, batch = _model("llama4_text"), _row()
-    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
-    model.config.no_rope_layers = [1] * model.config.num_hidden_layers
     with torch.no_grad():
-        model(**batch, use_cache=False)  # all full attention: accepted
-        model.config.layer_types = ["chunked_attention"] + model.config.layer_types[1:]
+        model(**batch, use_cache=False)  # chunked layers named by layer_types: served
+        model.config.layer_types = None
         with pytest.raises(ValueError, match="llama4_text cannot be packed exactly.*chunked local attention"):
             model(**batch, use_cache=False)

@@ -1,0 +1,405 @@
+"""``packing_hf.GRPOTrainer`` / ``RLOOTrainer``: TRL's online RL scoring packed rollouts, exactly.
+
+TRL's GRPO and RLOO score every micro-batch of rollouts as a ``(B, P + C)`` tensor: prompts left-padded to
+the longest prompt, completions right-padded to the longest completion. Every forward that computes
+per-token log-probs (the policy with gradient, the old policy and the reference model without) goes
+through one method, ``_get_per_token_logps_and_entropies``. :class:`PackedRolloutsMixin` replaces it: the
+rollouts' real tokens become segments of packed rows (:func:`~packing_hf.rollouts.pack_rollouts`:
+restarting positions, ``cu_seq_lens``), the model runs with TRL's fused LM head on those rows, and the
+per-token log-probs and entropies are scattered back into the ``(B, C)`` layout
+(:func:`~packing_hf.rollouts.unpack_rollouts`), zeros where the padded forward writes zeros. TRL's
+generation, rewards, advantages, every ``loss_type``, the KL term, importance sampling, entropy masks and
+metrics then run unchanged on the same numbers.
+
+- ``max_tokens_per_batch``: most tokens in one packed forward. The rollouts TRL would run in one forward
+  (a micro-batch for the training pass; ``per_device_train_batch_size`` rows for the no-grad passes) are
+  bin-packed into rows of at most that many tokens, one forward each; a rollout is never split. ``None``
+  (default): one packed row per TRL forward. Data-parallel ranks run the same number of forwards.
+- ``share_prompt=True``: the rollouts of one forward that share their prompt tokens (a group) store and
+  compute the prompt once: a prefix segment, then one branch per completion attending to the prefix and
+  itself (:mod:`packing_hf.shared_prefix`, packing_hf's attention). ``G (P + R)`` tokens become
+  ``P + G (R + 1)``; the prompt's gradient is the sum over the group, as with ``G`` copies. TRL shuffles a
+  generation batch before cutting it into micro-batches, so the training pass shares only what a
+  micro-batch holds of a group (all of it with ``steps_per_generation=1``); the no-grad passes score the
+  generation batch in order.
+- Refused with a ``ValueError`` (they cannot be exact on a packed row, or are not verified): vision-language
+  inputs, MoE router auxiliary losses (``output_router_logits`` with ``router_aux_loss_coef != 0``: a
+  load-balancing loss over padded rows is not a sum over packed ones), ``use_liger_kernel``, prompt-learning
+  PEFT, context/sequence parallelism.
+
+>>> from packing_hf.integrations.rl import GRPOConfig
+>>> config = GRPOConfig("out", max_tokens_per_batch=4096, report_to="none", use_cpu=True)
+>>> config.max_tokens_per_batch, config.loss_type
+(4096, 'dapo')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import trl
+
+from .._limits import check_int
+from ..attention import register_attention
+from ..rollouts import pack_rollouts, unpack_rollouts
+from .args import PREFLIGHT_MODES
+from .preflight import base_model, preflight_packing
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "PackedRolloutsMixin",
+    "RLOOConfig",
+    "RLOOTrainer",
+    "RolloutPackingArguments",
+]
+
+
+@dataclass
+class RolloutPackingArguments:
+    """Packing fields of the online RL configs (a dataclass mixin, first in the bases)."""
+
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens (prompt + completion, summed over rollouts) in one packed forward. The rollouts "
+            "TRL scores in one forward are bin-packed into rows of at most this many tokens, one forward each; a "
+            "rollout is never split. None (default): one packed row per TRL forward."
+        },
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the prompt of rollouts that share it (a GRPO/RLOO group in one forward) once: the "
+            "prompt becomes a prefix segment and every completion a branch attending to it and to itself "
+            "(positions continue from the prompt). Exact; the gradient through the prompt is the sum over its "
+            "branches. Needs packing_hf's attention (the model is switched to it for the duration). Groups are "
+            "never split across packed rows."
+        },
+    )
+    packing_preflight: Literal["switch", "error", "off"] = field(
+        default="switch",
+        metadata={
+            "help": "Before the first packed forward of a model, check that packed samples cannot see each "
+            "other: 'switch' (default) switches to packing_hf's varlen attention if they can, 'error' refuses, "
+            "'off' skips the check. The model is given back as it was when train/evaluate returns."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the TRL config this is mixed into
+        # tokens per packed forward; None: one packed row per forward TRL makes
+        self.max_tokens_per_batch = check_int(
+            self.max_tokens_per_batch, "max_tokens_per_batch", 1, optional=True
+        )
+        if self.packing_preflight not in PREFLIGHT_MODES:
+            raise ValueError(
+                f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
+            )
+
+
+@dataclass
+class GRPOConfig(RolloutPackingArguments, trl.GRPOConfig):
+    """``trl.GRPOConfig`` plus :class:`RolloutPackingArguments` (``max_tokens_per_batch``, ``packing_preflight``).
+
+    >>> GRPOConfig(output_dir="out", report_to="none", use_cpu=True).max_tokens_per_batch is None
+    True
+    """
+
+
+@dataclass
+class RLOOConfig(RolloutPackingArguments, trl.RLOOConfig):
+    """``trl.RLOOConfig`` plus :class:`RolloutPackingArguments` (``max_tokens_per_batch``, ``packing_preflight``).
+
+    >>> RLOOConfig(output_dir="out", max_tokens_per_batch=512, report_to="none", use_cpu=True).max_tokens_per_batch
+    512
+    """
+
+
+_VISION_KEYS = ("image", "images")
+
+
+def _as_config(args: Any, model: Any, config_cls: type, suffix: str) -> Any:
+    """``args`` as ``config_cls`` (a plain ``TrainingArguments`` / TRL config is converted; ``None``: defaults)."""
+    if isinstance(args, config_cls):
+        return args
+    if args is None:
+        name = (
+            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        )
+        return config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict hides it
+    names = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    return config_cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _check_options(args: Any, model: Any, train_dataset: Any, peft_config: Any) -> None:
+    """Refuse, before TRL does any work, what packed rollouts cannot reproduce exactly."""
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True: Liger's kernels replace the model's layers and are not verified on packed "
+            "rollouts (and are deprecated in TRL); unset it, or use the stock TRL trainer"
+        )
+    try:
+        row = next(iter(train_dataset)) if train_dataset is not None else None
+    except (StopIteration, TypeError):
+        row = None
+    if isinstance(row, Mapping) and any(key in row for key in _VISION_KEYS):
+        raise ValueError(
+            "the training dataset has 'image'/'images' columns: vision-language rollouts are not packed (image "
+            "features are tied to padded rows); use the stock TRL trainer for vision data"
+        )
+    configs = (
+        [peft_config, *(getattr(model, "peft_config", {}) or {}).values()]
+        if not isinstance(model, str)
+        else [peft_config]
+    )
+    if any(getattr(c, "is_prompt_learning", False) for c in configs if c is not None):
+        raise ValueError(
+            "prompt-learning PEFT (prefix / prompt tuning) prepends virtual tokens to every sequence, which a "
+            "packed row cannot hold per segment; use LoRA-style adapters or the stock TRL trainer"
+        )
+
+
+class PackedRolloutsMixin:
+    """The packed ``_get_per_token_logps_and_entropies`` of :class:`GRPOTrainer` / :class:`RLOOTrainer`.
+
+    Put it first in the bases of a TRL online trainer whose log-prob method has TRL 1.x's signature. After a
+    call, :attr:`packing_stats` holds running counts: ``forwards``, ``packed_tokens`` (tokens the packed
+    forwards computed), ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced) and
+    ``shared_prompts`` (prompt segments computed once for several rollouts); ``rank_sync_forwards`` counts
+    the forwards added (by splitting rows) so that every data-parallel rank runs as many.
+    """
+
+    def _packing_init(self) -> None:
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        for name in ("cp_size", "sp_size"):
+            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
+                raise ValueError(
+                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
+                    "packed rollouts do not support; unset it or use the stock TRL trainer"
+                )
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "the model returns a router load-balancing loss (output_router_logits=True, router_aux_loss_coef="
+                f"{self.args.router_aux_loss_coef}): TRL computes it over the padded rows of each forward, which "
+                "packed rows do not reproduce; set router_aux_loss_coef=0.0 or use the stock TRL trainer"
+            )
+        self.packing_stats = {
+            "forwards": 0,
+            "packed_tokens": 0,
+            "padded_tokens": 0,
+            "shared_prompts": 0,
+            "rank_sync_forwards": 0,
+        }
+        self._prepared: dict[int, Any] = {}
+
+    # ---- models prepared for packed rows -----------------------------------------------------------
+
+    def _prepare_for_packing(self, model: Any) -> None:
+        """Run the pre-flight check on ``model`` before its first packed forward (once, until released)."""
+        base = base_model(self.accelerator.unwrap_model(model))
+        if id(base) in self._prepared:
+            return
+        attn_implementation = getattr(base.config, "_attn_implementation", None)
+        if self.args.share_prompt and attn_implementation != register_attention():
+            # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
+            base.set_attn_implementation(register_attention())
+        try:
+            preparation = preflight_packing(base, self.args.packing_preflight)
+        except ValueError:
+            if base.config._attn_implementation != attn_implementation:
+                base.set_attn_implementation(attn_implementation)
+            raise
+        self._prepared[id(base)] = (base, attn_implementation, preparation)
+
+    def remove_packing_hooks(self) -> None:
+        """Give every model prepared for packed rows back as it was (hooks removed, attention restored)."""
+        for base, attn_implementation, preparation in self._prepared.values():
+            if preparation is not None:
+                preparation.revert()
+            if attn_implementation is not None and base.config._attn_implementation != attn_implementation:
+                base.set_attn_implementation(attn_implementation)
+        self._prepared.clear()
+
+    @contextlib.contextmanager
+    def _packing_session(self) -> Iterator[None]:
+        outermost = not getattr(self, "_in_packing_session", False)
+        self._in_packing_session = True
+        try:
+            yield
+        finally:
+            if outermost:
+                self._in_packing_session = False
+                self.remove_packing_hooks()
+
+    def train(self, *args: Any, **kwargs: Any):
+        with self._packing_session():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with self._packing_session():
+            return super().evaluate(*args, **kwargs)
+
+    # ---- the packed forward ------------------------------------------------------------------------
+
+    def _plan_packs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int
+    ):
+        """Packed rows for every chunk of ``batch_size`` rows; ranks agree on the number of rows per chunk."""
+        budget = self.args.max_tokens_per_batch
+        starts = list(range(0, input_ids.size(0), batch_size))
+        chunks = [slice(s, min(s + batch_size, input_ids.size(0))) for s in starts]
+        share = self.args.share_prompt
+        plans = [
+            pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, 1, share) for c in chunks
+        ]
+        if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
+            # a forward through DDP may communicate (buffer broadcast): every rank runs as many
+            counts = torch.tensor([len(p) for p in plans], device=self.accelerator.device)
+            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+            self.packing_stats["rank_sync_forwards"] += int(counts.sum()) - sum(len(p) for p in plans)
+            plans = [
+                plan
+                if len(plan) >= n
+                else pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, n, share)
+                for plan, c, n in zip(plans, chunks, counts.tolist(), strict=True)
+            ]
+        return list(zip(chunks, plans, strict=True))
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Per-token log-probs ``(B, C)`` (and entropies) of the completions, from packed forwards.
+
+        Same contract as TRL's method: ``input_ids`` / ``attention_mask`` ``(B, P + C)``, ``logits_to_keep = C``;
+        ``batch_size`` rows at most share a forward (then ``max_tokens_per_batch`` tokens at most).
+        """
+        given = sorted(key for key, value in multimodal.items() if value is not None)
+        if given:
+            raise ValueError(
+                f"vision-language inputs ({given}) cannot be packed: image features are tied to padded rows; use "
+                "the stock TRL trainer for vision data"
+            )
+        if compute_aux_loss:
+            raise ValueError(
+                "the router load-balancing loss cannot be computed on packed rows (see _packing_init)"
+            )
+        self._prepare_for_packing(model)
+        rows, width = input_ids.shape
+        logps, entropies = [], []
+        for chunk, packs in self._plan_packs(input_ids, attention_mask, logits_to_keep, batch_size or rows):
+            chunk_logps, chunk_entropies = [], []
+            for pack in packs:
+                with self.accelerator.autocast():
+                    outputs = model(**pack.model_inputs(), fused_lm_head=True)
+                chunk_logps.append(outputs.log_probs)
+                if compute_entropy:
+                    chunk_entropies.append(outputs.entropy)
+                self.packing_stats["forwards"] += 1
+                self.packing_stats["packed_tokens"] += pack.input_ids.numel()
+                if pack.prefix_seq_idx is not None:
+                    self.packing_stats["shared_prompts"] += len(set(pack.prefix_seq_idx.tolist()) - {-1})
+            chunk_rows = chunk.stop - chunk.start
+            self.packing_stats["padded_tokens"] += chunk_rows * width
+            logps.append(unpack_rollouts(chunk_logps, packs, chunk_rows, logits_to_keep))
+            if compute_entropy:
+                entropies.append(unpack_rollouts(chunk_entropies, packs, chunk_rows, logits_to_keep))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+class GRPOTrainer(PackedRolloutsMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` scoring packed rollouts: same log-probs, losses, gradients and metrics, no padding.
+
+    Same arguments as ``trl.GRPOTrainer``; ``args`` is converted to :class:`GRPOConfig` if it is a plain
+    ``TrainingArguments`` / ``trl.GRPOConfig``. Generation, rewards and the loss are TRL's; only the log-prob
+    forwards run on packed rows (see the module docstring).
+
+    >>> import datasets
+    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
+    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="]})
+    >>> args = GRPOConfig("/tmp/packing_hf_grpo_doctest", num_generations=2, per_device_train_batch_size=2,
+    ...     max_completion_length=4, max_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+    ...     disable_tqdm=True, bf16=False, max_tokens_per_batch=64)
+    >>> trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+    ...     args=args, train_dataset=data, processing_class=tokenizer)
+    >>> result = trainer.train()  # doctest: +ELLIPSIS
+    {...'train_loss'...}
+    >>> result.global_step, trainer.packing_stats["forwards"] > 0
+    (1, True)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = _as_config(args, model, GRPOConfig, "GRPO")
+        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._packing_init()
+
+
+class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
+    """``trl.RLOOTrainer`` scoring packed rollouts: same log-probs, losses, gradients and metrics, no padding.
+
+    Same arguments as ``trl.RLOOTrainer``; ``args`` is converted to :class:`RLOOConfig` if it is a plain
+    ``TrainingArguments`` / ``trl.RLOOConfig``.
+
+    >>> RLOOTrainer.__mro__[1].__name__, RLOOTrainer.__mro__[2].__module__
+    ('PackedRolloutsMixin', 'trl.trainer.rloo_trainer')
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = _as_config(args, model, RLOOConfig, "RLOO")
+        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._packing_init()

@@ -1,0 +1,354 @@
+"""packing_hf.GRPOTrainer / RLOOTrainer against stock TRL on padded rollouts: same log-probs, losses, gradients.
+
+Both trainers load one tiny llama (fp32) from the same folder (so TRL builds the reference model from it
+too): sdpa for stock, packing_hf's varlen attention for the packed one. Generation is replaced on both by
+the same deterministic completions (lengths 1 to 14, some without EOS), the reward is a deterministic
+function of the completion ids, and the prompts are real GSM8K questions tokenized with the SmolLM2
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+trl = pytest.importorskip("trl")
+
+import packing_hf  # noqa: E402
+from packing_hf.integrations.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from packing_hf.rollouts import RolloutPack  # noqa: E402
+
+REL = 1e-5
+G = 2
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# metrics that are timings or counters of wall-clock work, not results
+PACKING_FIELDS = ("max_tokens_per_batch", "packing_preflight", "share_prompt")
+_TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_llama):
+    """A tiny llama saved once; both trainers (and TRL's reference model) load it."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(gsm8k_rows):
+    """``prompts(n)``: a fresh Dataset of ``n`` short GSM8K questions (prompt lengths vary, ~15 to 40 tokens)."""
+    rows = [r["question"].split(". ")[0] for r in gsm8k_rows(40)]
+    rows = [q for q in rows if 40 < len(q) < 160]
+    return lambda n: datasets.Dataset.from_dict({"prompt": [f"Q: {q}\nA:" for q in rows[:n]]})
+
+
+def _completion(prompt_ids, index: int, eos: int) -> list[int]:
+    """A deterministic completion for the ``index``-th rollout of a call: 1 to 14 tokens, most ending in EOS."""
+    rng = random.Random(sum(prompt_ids) * 31 + len(prompt_ids) * 7 + index)
+    ids = [rng.randrange(100, 5000) for _ in range(rng.randint(1, 14))]
+    if rng.random() < 0.75:
+        ids[-1] = eos
+    return ids
+
+
+def _inject_generations(trainer) -> None:
+    """Replace TRL's generation on ``trainer`` by :func:`_completion` (same on stock and packed trainers)."""
+    eos = trainer.processing_class.eos_token_id
+    rloo = isinstance(trainer, trl.RLOOTrainer)  # RLOO returns the ids alone, GRPO (ids, sampling log-probs)
+
+    def generate(prompt_ids, *args, **kwargs):
+        completions = [_completion(p, i, eos) for i, p in enumerate(prompt_ids)]
+        return completions if rloo else (completions, None)
+
+    trainer._generate_single_turn = generate
+
+
+def reward_digits(completion_ids, **kwargs):
+    """A deterministic reward: spread over the group, so advantages are not all zero."""
+    return [float(sum(ids) % 7) - 3.0 + 0.1 * len(ids) for ids in completion_ids]
+
+
+def _common(tmp_path, name: str, **overrides) -> dict:
+    defaults = dict(
+        output_dir=str(tmp_path / name),
+        num_generations=G,
+        per_device_train_batch_size=4,
+        max_completion_length=16,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_steps=1,
+        seed=0,
+        bf16=False,  # TRL defaults to bf16 autocast, even on CPU; exactness is measured in fp32
+        beta=0.04,
+        logging_steps=1,
+    )
+    return {**defaults, **overrides}
+
+
+def _build(tmp_path, model_dir, tokenizer, data, rloo: bool = False, **config):
+    """(stock trainer, packed trainer) on the same weights, prompts and generations."""
+    trainers = []
+    kinds = (
+        [(trl.RLOOTrainer, trl.RLOOConfig), (RLOOTrainer, RLOOConfig)]
+        if rloo
+        else [(trl.GRPOTrainer, trl.GRPOConfig), (GRPOTrainer, GRPOConfig)]
+    )
+    for (trainer_cls, config_cls), attn in zip(kinds, ("sdpa", packing_hf.register_attention()), strict=True):
+        name = "stock" if trainer_cls.__module__.startswith("trl") else "packed"
+        options = {k: v for k, v in config.items() if name == "packed" or k not in PACKING_FIELDS}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=reward_digits,
+            args=config_cls(**_common(tmp_path, name, **options)),
+            train_dataset=data(),
+            processing_class=tokenizer,
+        )
+        _inject_generations(trainer)
+        trainers.append(trainer)
+    stock, packed = trainers
+    if stock.ref_model is not None:  # a reference unlike the policy, so the KL term is not ~0
+        torch.manual_seed(1)
+        other = {k: v + 0.02 * torch.randn_like(v) for k, v in stock.ref_model.state_dict().items()}
+        for trainer in trainers:
+            trainer.ref_model.load_state_dict(other)
+    return stock, packed
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = float(want.abs().max()) or 1.0
+    err = float((got - want).abs().max())
+    assert err <= REL * scale, f"{what}: max error {err} > {REL} x {scale}"
+
+
+def _micro_batches(stock, packed):
+    """The first micro-batch of both trainers (generation, rewards, old/ref log-probs: TRL's _prepare_inputs)."""
+    out = []
+    for trainer in (stock, packed):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss reads it
+        torch.manual_seed(0)  # TRL shuffles the generation batch with the global generator
+        generation_batch = next(iter(trainer.get_train_dataloader()))
+        out.append((generation_batch, trainer._prepare_inputs(generation_batch)))
+    (rows_s, batch_s), (rows_p, batch_p) = out
+    assert [r["prompt"] for r in rows_s] == [r["prompt"] for r in rows_p]
+    assert torch.equal(batch_s["completion_ids"], batch_p["completion_ids"])
+    return batch_s, batch_p
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    return loss.detach(), grads
+
+
+def _per_token(trainer, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, batch["completion_ids"].size(1), compute_entropy=True
+        )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "dapo", "max_tokens_per_batch": 48},  # several packed forwards per micro-batch
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "bnpo", "mask_truncated_completions": True},
+        {"loss_type": "cispo"},
+        {"loss_type": "sapo", "top_entropy_quantile": 0.5},
+        {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+        {"loss_type": "vespo", "entropy_coef": 0.01},
+        # prompt sharing: each group's prompt computed once (one forward, then under a budget)
+        {"loss_type": "dapo", "share_prompt": True},
+        {
+            "loss_type": "grpo",
+            "share_prompt": True,
+            "max_tokens_per_batch": 64,
+            "mask_truncated_completions": True,
+        },
+    ],
+    ids=lambda c: "+".join(
+        [c["loss_type"], *(k for k in ("share_prompt", "max_tokens_per_batch") if k in c)]
+    ),
+)
+def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, tokenizer, prompts, config):
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), **config)
+    batch_s, batch_p = _micro_batches(stock, packed)
+    _close(batch_p["ref_per_token_logps"], batch_s["ref_per_token_logps"], "reference log-probs")
+    _close(batch_p["advantages"], batch_s["advantages"], "advantages")
+
+    logps_p, entropy_p, _ = _per_token(packed, batch_p)
+    logps_s, entropy_s, _ = _per_token(stock, batch_s)
+    _close(logps_p, logps_s, "policy per-token log-probs")
+    mask = batch_s["completion_mask"].bool()
+    _close(entropy_p[mask], entropy_s[mask], "entropies")
+    assert packed.packing_stats["packed_tokens"] < packed.packing_stats["padded_tokens"]  # padding avoided
+    if "max_tokens_per_batch" in config:
+        assert packed.packing_stats["forwards"] > 3  # the budget split the forwards
+    if config.get("share_prompt"):  # each group's prompt stored once: fewer tokens than one copy per rollout
+        rollouts = int((torch.cat([batch_p["prompt_mask"], batch_p["completion_mask"]], 1)).sum())
+        assert packed.packing_stats["packed_tokens"] < 3 * rollouts  # 3 passes (ref, policy, policy)
+
+    stock._metrics["train"].clear()
+    packed._metrics["train"].clear()
+    loss_p, grads_p = _loss_and_grads(packed, batch_p)
+    loss_s, grads_s = _loss_and_grads(stock, batch_s)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    assert set(packed._metrics["train"]) == set(stock._metrics["train"])
+    for key, values in stock._metrics["train"].items():
+        got, want = torch.tensor(packed._metrics["train"][key]), torch.tensor(values)
+        assert torch.allclose(got, want, rtol=REL, atol=1e-7), f"metric {key}: {got} vs {want}"
+
+
+def _one_long_sequence(self):
+    """The packed row run as one sequence: no cu_seq_lens, positions running on (segments see each other)."""
+    return {"input_ids": self.input_ids, "labels": self.labels}
+
+
+def _branches_without_prefix(self):
+    """Shared-prefix row without prefix_seq_idx: every branch an ordinary segment that misses its prompt."""
+    inputs = ORIGINAL_MODEL_INPUTS(self)
+    assert inputs.pop("prefix_seq_idx") is not None
+    inputs["position_ids"] = packing_hf.cu_seqlens_to_position_ids(self.cu_seq_lens)[None]
+    return inputs
+
+
+ORIGINAL_MODEL_INPUTS = RolloutPack.model_inputs
+
+
+@pytest.mark.parametrize(
+    "share, tamper", [(False, _one_long_sequence), (True, _branches_without_prefix)], ids=["packed", "shared"]
+)
+def test_negative_control_layout_errors_are_caught(
+    tmp_path, model_dir, tokenizer, prompts, monkeypatch, share, tamper
+):
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), beta=0.0, share_prompt=share)
+    batch_s, batch_p = _micro_batches(stock, packed)
+    logps_s, _, _ = _per_token(stock, batch_s)
+    _close(_per_token(packed, batch_p)[0], logps_s, "policy per-token log-probs")  # exact as built
+    monkeypatch.setattr(RolloutPack, "model_inputs", tamper)
+    with pytest.raises(AssertionError, match="policy"):
+        _close(_per_token(packed, batch_p)[0], logps_s, "policy per-token log-probs")
+
+
+class _GradientProbe(TrainerCallback):
+    """Keeps the accumulated gradient seen right before every optimizer step."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(
+            torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None])
+        )
+
+
+def _train_both(stock, packed):
+    probes = []
+    for trainer in (stock, packed):
+        probes.append(_GradientProbe())
+        trainer.add_callback(probes[-1])
+        torch.manual_seed(0)  # TRL shuffles every generation batch with the global generator
+        trainer.train()
+    grads_s, grads_p = (probe.grads for probe in probes)
+    assert len(grads_s) == len(grads_p) == stock.state.global_step
+    for step, (g_p, g_s) in enumerate(zip(grads_p, grads_s, strict=True)):
+        _close(g_p, g_s, f"accumulated gradient of step {step}")
+    params = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (stock, packed)]
+    _close(params[1], params[0], "parameters after training")
+    logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, packed)]
+    assert len(logs[0]) == len(logs[1]) == stock.state.global_step
+    for step_s, step_p in zip(*logs, strict=True):
+        for key, value in step_s.items():
+            if key in _TIMING or not isinstance(value, float):
+                continue
+            assert step_p[key] == pytest.approx(value, rel=REL, abs=1e-7), (
+                f"logged {key}: {step_p[key]} vs {value}"
+            )
+
+
+@pytest.mark.parametrize(
+    "rloo, share",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["grpo", "rloo", "grpo+share_prompt", "rloo+share_prompt"],
+)
+def test_training_with_accumulation_and_iterations_matches_stock(
+    tmp_path, model_dir, tokenizer, prompts, rloo, share
+):
+    # 2 optimizer steps of 2 micro-batches; every generation is reused for 2 iterations, so the old-policy
+    # log-probs come from a no-grad packed pass and the importance ratios move away from 1
+    config = dict(
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        max_tokens_per_batch=64,
+        share_prompt=share,
+    )
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(4), rloo=rloo, **config)
+    _train_both(stock, packed)
+    assert packed.packing_stats["forwards"] > 0
+    assert (packed.packing_stats["shared_prompts"] > 0) == share
+    assert not packed.model._forward_pre_hooks  # the pre-flight preparation was given back
+
+
+@pytest.mark.parametrize(
+    "config, extra, match",
+    [
+        ({"use_liger_kernel": True}, {}, "use_liger_kernel=True"),
+        ({}, {"images": True}, "vision-language rollouts are not packed"),
+        ({"max_tokens_per_batch": 0}, {}, "max_tokens_per_batch must be an int >= 1"),
+    ],
+    ids=["liger", "vision", "budget"],
+)
+def test_inexact_options_are_refused(tmp_path, model_dir, tokenizer, prompts, config, extra, match):
+    data = prompts(2)
+    if extra.pop("images", False):
+        data = data.add_column("images", [[]] * len(data))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward_digits,
+            args=GRPOConfig(**_common(tmp_path, "refused", **config)),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+
+
+def test_rollout_over_the_budget_is_refused(tmp_path, model_dir, tokenizer, prompts):
+    _, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), beta=0.0, max_tokens_per_batch=8)
+    packed.model.train()
+    packed.current_gradient_accumulation_steps = 1
+    batch = packed._prepare_inputs(next(iter(packed.get_train_dataloader())))
+    with pytest.raises(ValueError, match="max_tokens_per_batch=8"):
+        packed.compute_loss(packed.model, batch)
+
+
+def test_router_aux_loss_is_refused(tmp_path, tokenizer, prompts):
+    from packing_hf.architectures.tiny import tiny_config
+
+    moe = AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=len(tokenizer)))
+    with pytest.raises(ValueError, match="router load-balancing loss"):
+        GRPOTrainer(
+            model=moe,
+            reward_funcs=reward_digits,
+            args=GRPOConfig(**_common(tmp_path, "moe", beta=0.0)),
+            train_dataset=prompts(2),
+            processing_class=tokenizer,
+        )
