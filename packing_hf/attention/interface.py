@@ -370,15 +370,10 @@ _CHECKED_ROWS: list[tuple] = []
 
 
 def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, total: int) -> None:
-    """Refuse ``cu_seq_lens_q`` that disagree with the row they describe: not ending at its ``total`` tokens
-    (tokens in no sample, or past the row), or putting boundaries where ``position_ids`` do not restart (or
-    none where they do), which would let samples attend to each other.
-
-    Runs where reading the boundaries is free (a CPU tensor in eager mode), once per forward: the host copy
-    of ``cu`` is the one every layer shares, and the comparison with ``position_ids`` costs one ``bool`` read.
-    Elsewhere (an accelerator, ``torch.compile``) the layers read nothing; there the forward pre-hook of
-    :func:`packing_hf.prepare_model_for_packing` checks the same batch once, outside the layers.
-    """
+    """Refuse ``cu_seq_lens_q`` that disagree with their row: not ending at its ``total`` tokens, or with
+    boundaries where ``position_ids`` do not restart (or none where they do). Once per forward where reads
+    are free (CPU, eager: the shared host copy of ``cu`` and one ``bool``); elsewhere the layers read nothing
+    and :func:`packing_hf.prepare_model_for_packing`'s pre-hook checks the batch once, outside them."""
     if not isinstance(cu, torch.Tensor) or not host.reads_are_free(cu):
         return
     key = (*_ref_key(cu), *_ref_key(position_ids), total)
