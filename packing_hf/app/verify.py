@@ -21,7 +21,7 @@ from ..architectures.tiny import build_tiny_model
 from ..attention import ATTENTION_NAME
 from ..registry import iter_sweep, support
 from ..verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, check_packing
-from .config import check_attn_implementation, check_model_type
+from .checks import check_attn_implementation, check_model_type
 
 __all__ = ["format_table", "result_dict", "verify_main"]
 
@@ -72,7 +72,9 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(f"--tolerance must be > 0, got {args.tolerance}")
     if args.all:
         results = []
-        for entry in iter_sweep():
+        entries = list(iter_sweep())
+        for number, entry in enumerate(entries, start=1):
+            _status(f"checking {entry.model_type} ({number}/{len(entries)})")
             results.extend(sweep_architecture(entry.model_type, lengths=lengths, gradients=not args.no_grads))
         if args.json:
             print(json.dumps([result_dict(r) for r in results], indent=1))
@@ -92,6 +94,7 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
             "save_pretrained, or --model-type for a tiny model of an architecture"
         )
     if args.model_type is not None:
+        _status(f"building a tiny {args.model_type} model ({implementation})")
         try:
             model = build_tiny_model(args.model_type, implementation)
         except (ValueError, KeyError) as exc:
@@ -103,6 +106,7 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     else:
         from transformers import AutoModelForCausalLM
 
+        _status(f"loading {args.model} ({implementation}, fp32)")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 args.model, attn_implementation=implementation, dtype=torch.float32
@@ -111,11 +115,16 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
             return _usage_error(f"cannot load --model {args.model}: {str(error).splitlines()[0]}")
     handle = None
     if not args.stock:
+        _status("preparing the model for packing (per-model fixes, or a refusal with its reason)")
         try:
             handle = prepare_model_for_packing(model)
         except ValueError as exc:
             print(f"refused: {exc}")
             return 1
+    _status(
+        f"checking samples of {', '.join(map(str, lengths))} tokens packed in one row against each alone"
+        + (" (logits and gradients)" if not args.no_grads else " (logits)")
+    )
     try:
         report = check_packing(model, lengths, gradients=not args.no_grads, tolerance=args.tolerance)
     finally:
@@ -123,6 +132,11 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
             handle.revert()
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
     return 1 if report.leaked else 0
+
+
+def _status(message: str) -> None:
+    """A status line on stderr (stdout keeps the result, e.g. ``--json``), before every phase that takes time."""
+    print(f"[packing-hf] {message}", file=sys.stderr, flush=True)
 
 
 def _usage_error(message: str) -> int:

@@ -28,13 +28,10 @@ import weakref
 
 import torch
 
-from ..shared_prefix import SharedPrefixPlan, shared_prefix_plan
+from ..shared_prefix import PREFIX_KEY, SharedPrefixPlan, shared_prefix_plan
 from .backends import varlen_attention
 
 __all__ = ["PREFIX_KEY", "gather_prefix_keys", "shared_prefix_attention"]
-
-# The batch key naming the layout (next to cu_seq_lens_q/k, max_length_q/k, seq_idx).
-PREFIX_KEY = "prefix_seq_idx"
 
 # Every layer of a forward receives the same boundary tensors: the plan (a host read) is made once.
 _PLAN_CACHE: list[tuple[tuple, SharedPrefixPlan]] = []

@@ -1,7 +1,8 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
-``DPOTrainer`` / ``DPOConfig``, ``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
+``DPOTrainer`` / ``DPOConfig``, ``RewardTrainer`` / ``RewardConfig``, ``GRPOTrainer`` / ``GRPOConfig`` and
+``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -23,6 +24,8 @@ __all__ = [
     "GRPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
+    "RewardConfig",
+    "RewardTrainer",
     "RLOOConfig",
     "RLOOTrainer",
     "SFTConfig",
@@ -36,6 +39,8 @@ _TRL_NAMES = {
     "SFTConfig": "sft",
     "DPOTrainer": "dpo",
     "DPOConfig": "dpo",
+    "RewardTrainer": "reward",
+    "RewardConfig": "reward",
     "GRPOTrainer": "rl",
     "GRPOConfig": "rl",
     "RLOOTrainer": "rl",
@@ -59,5 +64,6 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .reward import RewardConfig, RewardTrainer
     from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer

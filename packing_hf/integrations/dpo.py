@@ -21,9 +21,14 @@ off for DPO. This subclass runs the policy and the reference model on packed row
   pairs per micro-batch) every micro-batch weighs the same whatever its pair count, as stock weighs its
   micro-batches.
 
-Refused with a ``ValueError`` (they cannot be exact on a packed row): ``padding_free=True`` (TRL's own,
-disabled mode), vision datasets, prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs
-padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context/sequence
+Shared prompt (``shared_prompt``, on by default where exact): every pair becomes ``[prompt[:-1] |
+prompt[-1] + chosen | prompt[-1] + rejected]``, the two answers attending to the prompt segment through
+packing_hf's attention (:mod:`packing_hf.attention.prefix`), so the prompt is stored and computed once;
+per-token results land in the same padded layout, so everything above holds unchanged.
+
+``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
+always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets,
+prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context/sequence
 parallelism, and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot be cut).
 
 >>> from packing_hf.integrations.dpo import DPOConfig
@@ -38,22 +43,25 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import trl
 
+from ..architectures import check_architecture
+from ..attention import ATTENTION_NAME, register_attention
 from ..preference import (
     PaddingFreePreferenceCollator,
     pack_padded_labels,
     preference_pair_lengths,
     unpack_shifted,
 )
+from ..shared_prefix import PREFIX_KEY
 from .args import PackingArguments
 from .callbacks import STATS_KEY, PackingStatsCollator
-from .preflight import preflight_packing
+from .preflight import base_model, preflight_packing
 from .trainer import PackingTrainerMixin
 
 __all__ = ["DPOConfig", "DPOTrainer", "PackedPreferenceForward", "PreferenceStatsCollator"]
@@ -69,9 +77,25 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     counted in its ``stats``); ``max_tokens_per_batch`` is the multipack budget counted over both sequences
     of every pair.
 
+    ``shared_prompt`` holds every pair's prompt once in the packed row, the chosen and rejected answers
+    attending to it as branches (:class:`~packing_hf.preference.PaddingFreePreferenceCollator`). ``None``
+    (default) turns it on when packing_hf's varlen attention keeps the policy and the reference model exact
+    (checked once per architecture); the models then run that attention during training, evaluation and
+    reference precomputation and are given back as they were. ``padding_free=True`` is accepted and means
+    what packing_hf always does here: packed rows, exact.
+
     >>> DPOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
     """
+
+    shared_prompt: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Hold every pair's prompt once, chosen and rejected attending to it as branches (needs "
+            "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
+            "attention is exact for the models; True: always (refused where it cannot be exact); False: off."
+        },
+    )
 
 
 class PackedPreferenceForward:
@@ -151,6 +175,17 @@ class PackedPreferenceForward:
                 "'packed_input_ids' (TRL's DPOTrainer derives labels from input_ids and completion_mask)"
             )
         kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+        if kwargs.get(PREFIX_KEY) is not None:
+            implementation = getattr(
+                getattr(base_model(module), "config", None), "_attn_implementation", None
+            )
+            if implementation != ATTENTION_NAME:
+                raise ValueError(
+                    f"a shared-prompt preference batch (prefix_seq_idx) reached a model running attn_implementation="
+                    f"{implementation!r}, which ignores the layout (chosen and rejected would see each other). Run "
+                    "it inside trainer.train()/evaluate() (which switch the attention), load the model with "
+                    "attn_implementation=packing_hf.register_attention(), or set shared_prompt=False"
+                )
         kwargs["input_ids"] = packed_ids
         kwargs["labels"] = pack_padded_labels(labels, index)
         self._layout = (index, padded_ids.shape[0], padded_ids.shape[1])
@@ -209,6 +244,58 @@ def _as_dpo_config(args: Any, model: Any) -> DPOConfig:
     return DPOConfig(**{k: v for k, v in values.items() if k in names})
 
 
+def _shared_prompt_is_exact(models: list[Any]) -> bool:
+    """Whether packing_hf's varlen attention keeps every given model exact (cached per architecture)."""
+    name = register_attention()
+    for model in models:
+        if model is None or isinstance(model, str):
+            continue
+        config = getattr(base_model(model), "config", None)
+        if config is None or check_architecture(config, name).leaked:
+            return False
+    return True
+
+
+def _refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
+    if not _shared_prompt_is_exact(models):
+        types = sorted({getattr(base_model(m).config, "model_type", "?") for m in models if m is not None})
+        raise ValueError(
+            f"shared_prompt=True: packing_hf's varlen attention does not keep {types} exact, and only it reads "
+            "the shared-prompt layout; set shared_prompt=False (packed pairs without sharing stay exact)"
+        )
+
+
+def _check_dataset(dataset: Any, name: str, needs: tuple[str, ...] = ("chosen", "rejected")) -> None:
+    """A dataset lacking the columns of a preference pair, named before TRL fails on it with a KeyError."""
+    for key, part in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
+        row = _first_row(part)
+        if not isinstance(row, Mapping):
+            continue
+        missing = [c for c in needs if c not in row and f"{c}_ids" not in row]
+        if missing:
+            where = name if key is None else f"{name}[{key!r}]"
+            raise ValueError(
+                f"{where} has the columns {sorted(row)} but no {missing}: a preference trainer needs "
+                f"{' and '.join(repr(c) for c in needs)} for every prompt. A prompt-only dataset is for online "
+                "trainers (GRPO, RLOO); unpaired (prompt, completion, label) rows are for trl.KTOTrainer"
+            )
+
+
+def _check_vocabulary(processing_class: Any, model: Any) -> None:
+    """A tokenizer with more tokens than the model has embeddings, named before an IndexError in the forward."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is None or isinstance(model, str) or not hasattr(tokenizer, "__len__"):
+        return
+    embeddings = getattr(base_model(model), "get_input_embeddings", lambda: None)()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's input embeddings only {rows} rows: token "
+            f"ids >= {rows} cannot be looked up. Call model.resize_token_embeddings(len(tokenizer)) or use the "
+            "model's own tokenizer"
+        )
+
+
 def _first_row(dataset: Any) -> Any:
     try:
         return next(iter(dataset))
@@ -227,12 +314,6 @@ def _is_prompt_learning(model: Any, peft_config: Any) -> bool:
 
 def _check_options(args: DPOConfig, model: Any, data_collator: Any, train_dataset: Any, kwargs: dict) -> None:
     """Refuse, before TRL does any work, every option a packed preference batch cannot reproduce exactly."""
-    if args.padding_free:
-        raise ValueError(
-            "padding_free=True is TRL's own padding-free DPO mode, which TRL 1.x has disabled (it falls back to "
-            "padding); packing_hf.DPOTrainer always packs through PaddingFreePreferenceCollator. Set "
-            "padding_free=False (or use trl.DPOTrainer for padded batches)"
-        )
     if data_collator is not None and not isinstance(data_collator, PaddingFreePreferenceCollator):
         raise ValueError(
             f"data_collator={type(data_collator).__name__} does not pack preference pairs; leave it unset (a "
@@ -333,27 +414,53 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
     ) -> None:
         args = _as_dpo_config(args, model)
         _check_options(args, model, data_collator, train_dataset, kwargs)
-        if data_collator is None:
+        _check_dataset(train_dataset, "train_dataset")
+        _check_dataset(eval_dataset, "eval_dataset")
+        _check_vocabulary(processing_class, model)
+        own_collator = data_collator is None
+        if (
+            not own_collator
+            and args.shared_prompt is not None
+            and args.shared_prompt != data_collator.shared_prompt
+        ):
+            raise ValueError(
+                f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
+                f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
+            )
+        if own_collator:
+            shared = args.shared_prompt
+            if shared is None and not isinstance(model, str):
+                shared = _shared_prompt_is_exact([model, ref_model])
             data_collator = PaddingFreePreferenceCollator(
                 max_length=args.max_length,
                 overflow="truncate" if args.max_length is not None else "error",
                 truncation_mode=args.truncation_mode,
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 pad_token_id=_pad_token_id(processing_class),
+                shared_prompt=bool(shared),
             )
         # Set before TRL's __init__, which may already run packed forwards (precompute_ref_log_probs).
         self._packed_forwards: dict[int, PackedPreferenceForward] = {}
         self._reference_prepared = False
-        super().__init__(
-            model,
-            ref_model=ref_model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
+        padding_free, args.padding_free = args.padding_free, False  # TRL would only warn and pad
+        try:
+            super().__init__(
+                model,
+                ref_model=ref_model,
+                args=args,
+                data_collator=data_collator,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                **kwargs,
+            )
+        finally:
+            args.padding_free = padding_free
+        if own_collator and args.shared_prompt is None and isinstance(model, str):
+            # TRL loaded the model from its name: decide now (reference log-probs were precomputed unshared)
+            self.data_collator.shared_prompt = _shared_prompt_is_exact([self.model, self.ref_model])
+        if self.data_collator.shared_prompt:
+            _refuse_shared_prompt_where_inexact([self.model, self.ref_model])
         parallelism = getattr(self.accelerator, "parallelism_config", None)
         for name in ("cp_size", "sp_size"):
             if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
@@ -388,7 +495,7 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
             return
         self._reference_prepared = True
         try:
-            with _prepared_once(ref, self.args.packing_preflight):
+            with _prepared_once(ref, self.args.packing_preflight), self._shared_attention(ref):
                 yield
         finally:
             self._reference_prepared = False
@@ -400,10 +507,32 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
         with self._packing_model(self.accelerator.unwrap_model(model)):
             return super()._precompute_ref_logps(dataset, name, batch_size)
 
+    @contextlib.contextmanager
     def _packing_model(self, model: Any):
         if not hasattr(self, "_multipack_sampler"):  # before _packing_setup (precompute in TRL's __init__)
-            return _prepared_once(model, self.args.packing_preflight)
-        return super()._packing_model(model)
+            prepared = _prepared_once(model, self.args.packing_preflight)
+        else:
+            prepared = super()._packing_model(model)
+        with prepared, self._shared_attention(model):
+            yield
+
+    @contextlib.contextmanager
+    def _shared_attention(self, model: Any):
+        """``model`` on packing_hf's attention for the duration when the collator shares prompts (the only
+        attention reading ``prefix_seq_idx``), then on its own again."""
+        base = base_model(model) if model is not None else None
+        config = getattr(base, "config", None)
+        current = getattr(config, "_attn_implementation", None)
+        collator = getattr(self, "data_collator", None)
+        if not getattr(collator, "shared_prompt", False) or current is None or current == ATTENTION_NAME:
+            yield
+            return
+        base.set_attn_implementation(register_attention())
+        try:
+            yield
+        finally:
+            if config._attn_implementation == ATTENTION_NAME:
+                base.set_attn_implementation(current)
 
     def train(self, *args: Any, **kwargs: Any):
         self._install_packed_forward(self.model)
@@ -455,7 +584,12 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
             parts = [
                 np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
             ]
-        return preference_pair_lengths(*parts, max_length=max_length)
+        return preference_pair_lengths(
+            *parts,
+            max_length=max_length,
+            shared_prompt=collator.shared_prompt,
+            truncation_mode=collator.truncation_mode,
+        )
 
     def _wrap_train_collator(self, collator: Any) -> Any:
         if self.args.packing_metrics and isinstance(collator, PaddingFreePreferenceCollator):

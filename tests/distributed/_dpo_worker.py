@@ -54,7 +54,7 @@ def main(out_dir: str) -> None:
 
     import packing_hf
     from packing_hf.integrations.dpo import DPOConfig, DPOTrainer
-    from packing_hf.preference import PaddingFreePreferenceCollator
+    from packing_hf.preference import PaddingFreePreferenceCollator, preference_pair_lengths
 
     data_dir = os.environ["PACKING_HF_DATA"]
     state = PartialState(cpu=True)
@@ -144,8 +144,9 @@ def main(out_dir: str) -> None:
         )
         trainer.train()
         grads[name] = probe.grads
+        shared = getattr(trainer.data_collator, "shared_prompt", False)  # packed: on by default
 
-    collator = Recording(max_length=MAX_LENGTH, overflow="truncate")
+    collator = Recording(max_length=MAX_LENGTH, overflow="truncate", shared_prompt=True)
     multipack = DPOTrainer(
         model=make_model(packing_hf.register_attention()),
         args=arguments(
@@ -162,9 +163,16 @@ def main(out_dir: str) -> None:
     collator.batches.clear()  # the precompute batches
     multipack.train()
     rows = multipack.train_dataset
-    pair_tokens = {
-        tuple(r["prompt_ids"] + r["chosen_ids"]): min(len(r["prompt_ids"]) + len(r["chosen_ids"]), MAX_LENGTH)
-        + min(len(r["prompt_ids"]) + len(r["rejected_ids"]), MAX_LENGTH)
+    pair_tokens = {  # both sequences truncated to max_length, the shared prompt counted once
+        tuple(r["prompt_ids"] + r["chosen_ids"]): int(
+            preference_pair_lengths(
+                [len(r["prompt_ids"])],
+                [len(r["chosen_ids"])],
+                [len(r["rejected_ids"])],
+                max_length=MAX_LENGTH,
+                shared_prompt=True,
+            )[0]
+        )
         for r in rows
     }
 
@@ -178,6 +186,8 @@ def main(out_dir: str) -> None:
             "batches": collator.batches,
             "pair_tokens": pair_tokens,
             "global_step": multipack.state.global_step,
+            "shared": shared,
+            "shared_prompt_tokens": collator.stats["shared_prompt_tokens"],
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )

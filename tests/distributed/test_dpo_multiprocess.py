@@ -1,6 +1,6 @@
 """Packed DPO on 2 processes (gloo on CPU, torchrun): the DDP gradient equals stock padded DPO's.
 
-Each rank trains one step with stock ``trl.DPOTrainer`` and one with ``packing_hf.DPOTrainer`` on the same
+Each rank trains one step (the packed one sharing every pair's prompt) with stock ``trl.DPOTrainer`` and one with ``packing_hf.DPOTrainer`` on the same
 weights and data (reference log-probs precomputed and gathered across the ranks); the DDP-averaged
 gradients must agree to 1e-5 relative and be the same on both ranks. A multipack epoch over pairs must give
 both ranks the same number of steps, disjoint pairs that together cover the dataset once, and batches
@@ -34,6 +34,7 @@ def test_two_process_packed_dpo_matches_stock(tmp_path, data_dir, launch, torchr
 
     for rec in records:
         assert rec["world_size"] == 2
+        assert rec["shared"] and rec["shared_prompt_tokens"] > 0  # the prompt held once per pair
         # reference log-probs precomputed by packed forwards on both ranks, gathered, as stock's
         want = rec["ref_logps"]["stock"]
         assert float((rec["ref_logps"]["packed"] - want).abs().max()) <= REL * float(want.abs().max())

@@ -196,3 +196,65 @@ def test_pack_padded_labels_refuses_an_index_from_another_batch():
         pack_padded_labels(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 9]))
     with pytest.raises(ValueError, match=r"expected per-token values of shape \(1, 2, ...\)"):
         unpack_shifted(torch.zeros(1, 5), torch.tensor([4, 1, 2]), 2, 2)
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("max_length", [None, 9])
+def test_shared_prompt_row_holds_every_sequence_and_target_once(truncation_mode, max_length):
+    from packing_hf.shared_prefix import shared_prefix_position_ids
+
+    rng = np.random.default_rng(0)
+    pairs = [
+        {
+            "prompt_ids": rng.integers(1, 50, rng.integers(1, 8)).tolist(),
+            "chosen_ids": rng.integers(1, 50, rng.integers(0, 6)).tolist(),
+            "rejected_ids": rng.integers(1, 50, rng.integers(1, 6)).tolist(),
+        }
+        for _ in range(12)
+    ]
+    options = dict(max_length=max_length, overflow="truncate", truncation_mode=truncation_mode)
+    plain = PaddingFreePreferenceCollator(**options)(pairs)
+    collator = PaddingFreePreferenceCollator(shared_prompt=True, pad_to_multiple_of=8, **options)
+    shared = collator(pairs)
+    for key in ("input_ids", "attention_mask", "completion_mask"):  # TRL's padded layout is unchanged
+        assert torch.equal(shared[key], plain[key])
+    cu, idx = shared["cu_seq_lens_q"], shared["prefix_seq_idx"]
+    assert shared["position_ids"][0].tolist() == shared_prefix_position_ids(cu, idx).tolist()
+    assert (idx >= 0).sum() > 0  # some pairs share their prompt
+    real = collator.stats["tokens"]
+    lengths = preference_pair_lengths(
+        *([len(p[k]) for p in pairs] for k in ("prompt_ids", "chosen_ids", "rejected_ids")),
+        max_length=max_length,
+        shared_prompt=True,
+        truncation_mode=truncation_mode,
+    )
+    assert real == lengths.sum() == plain["packed_input_ids"].numel() - collator.stats["shared_prompt_tokens"]
+
+    def targets(batch):
+        """(padded flat index of every prediction target, packed token predicting it, its id)"""
+        index, ids = batch["packed_index"], batch["packed_input_ids"][0]
+        sentinel = batch["input_ids"].numel()
+        found = {}
+        for t in range(1, index.numel()):
+            if index[t] < sentinel:
+                found[int(index[t])] = int(ids[t])
+        return found
+
+    flat, completion = shared["input_ids"].flatten(), shared["completion_mask"].flatten()
+    got, want = targets(shared), targets(plain)
+    # every completion token is predicted once, from inside its own branch (prompt tokens are never targets;
+    # the rejected sequence's shared prompt is not predicted a second time)
+    assert {k: v for k, v in got.items() if completion[k]} == {k: v for k, v in want.items() if completion[k]}
+    assert set(got) <= set(want) and all(flat[k] == v for k, v in got.items())
+
+
+def test_reference_logps_of_the_wrong_shape_are_named():
+    pair = {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]}
+    ok = PaddingFreePreferenceCollator()([{**pair, "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}] * 2)
+    assert ok["ref_chosen_logps"].shape == (2,)
+    with pytest.raises(
+        ValueError, match="sample 0: 'ref_chosen_logps' is \\[-1.0\\]; it must be one number per pair"
+    ):
+        PaddingFreePreferenceCollator()(
+            [{**pair, "ref_chosen_logps": [-1.0], "ref_rejected_logps": -2.0}] * 2
+        )

@@ -32,6 +32,7 @@ def test_train_tiny_cpu_config_with_overrides(tmp_path, data_dir, capsys):
             "--per_device_train_batch_size",
             "2",
             "baseline_batches=1",
+            "baseline_time_share=1000",  # timed whatever it costs against the tiny model's training
             "eval_dataset=null",
             f"--output_dir={out}",
             "--disable_tqdm",
@@ -177,6 +178,7 @@ def test_train_without_multipack(overrides, batching, tmp_path, data_dir, capsys
         "num_samples=32",
         "per_device_train_batch_size=4",
         "max_steps=2",
+        "baseline_time_share=1000",
         f"output_dir={out}",
         "disable_tqdm=true",
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -175,8 +176,14 @@ def test_a_typo_gets_a_short_did_you_mean(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("max_steps=-5", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5"),
-        ("max_steps=0", "max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got 0"),
+        (
+            "max_steps=-5",
+            "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got -5",
+        ),
+        (
+            "--max_steps=0",
+            "the command line: max_steps must be >= 1 (or -1 to train num_train_epochs epochs)",
+        ),
         ("model_type=lama", "unknown model_type 'lama'; did you mean 'llama'"),
         ("attn_implementation=sdap", "unknown attn_implementation 'sdap'; did you mean 'sdpa'"),
     ],
@@ -185,6 +192,15 @@ def test_bad_values_are_one_line_errors(override, message, capsys):
     assert main(["train", TINY_CONFIG, override]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    if "max_steps" in override:  # the command line's value is not blamed on the YAML file
+        assert TINY_CONFIG not in err
+
+
+def test_a_bad_value_in_the_yaml_names_the_yaml(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_type: llama\nmax_steps: -5\n")
+    assert main(["train", str(config)]) == 2
+    assert f"{config}: max_steps must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
@@ -239,7 +255,11 @@ def test_train_help_lists_the_keys_by_group(capsys):
 
 
 def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, capsys):
-    assert train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24") == 0
+    # baseline_time_share: the tiny model's baseline is timed whatever it costs against its short training
+    assert (
+        train(tok, tmp_path, "attn_implementation=packing_hf", "num_samples=24", "baseline_time_share=1000")
+        == 0
+    )
     out = capsys.readouterr().out
     phases = [
         "reading the config",
@@ -249,7 +269,7 @@ def test_a_run_announces_its_phases_and_saves_the_users_config(tmp_path, tok, ca
         "loading the model",
         "planning multipack batches",
         "eval loss before training: 2 held-out samples of embedded:eval",
-        "training: 1 steps",
+        "training: 1 step\n",
         "eval loss after training",
         "padded baseline:",
         "saving the model",
@@ -280,3 +300,19 @@ def test_stats_two_budgets_one_plot_and_over_budget_flagged(tmp_path, tok, capsy
     assert status == 0 and png.is_file() and list(tmp_path.iterdir()) == [png]  # the name asked for
     assert "WARNING: " in out and "samples are longer than max_tokens_per_batch=256" in out
     assert "padded means padded per batch" in out and "padding every sample to the dataset's longest" in out
+
+
+def test_stats_takes_the_train_configs_max_length_and_flags_what_train_refuses(tmp_path, tok, capsys):
+    rows = [{"question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(30)]
+    rows.append({"question": "long " * 600, "answer": "x"})  # over tiny_cpu.yaml's max_length: 512
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    assert main(["stats", data, "--tokenizer", tok, "--config", TINY_CONFIG]) == 0
+    out = capsys.readouterr().out
+    assert "max_length=512, overflow: error: 1 sample is longer (the longest, " in out
+    assert "t.jsonl:31, has " in out and "train REFUSES this data" in out
+    assert "max_tokens_per_batch=512," in out  # the config's budget
+    assert not re.search(r"(?<![\d,])1 samples", out) and "rows of 512 tokens" in out
+    assert "rows of max_length" not in out
+    assert main(["stats", data, "--tokenizer", tok, "--config", TINY_CONFIG, "--overflow", "drop"]) == 0
+    out = capsys.readouterr().out
+    assert "train drops them: the figures below leave them out" in out and ": 30 samples," in out

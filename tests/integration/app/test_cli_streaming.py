@@ -84,7 +84,12 @@ def test_streaming_trains_max_steps_in_batches_within_the_budget(
     assert "reading and checking the records" not in out  # nothing is read up front
     assert f"max_tokens_per_batch={BUDGET}: 3 steps in" in out
     assert f"{data} (streamed): " in out and "the first 6 of the source in every pass (num_samples)" in out
-    assert "stream: pass " in out and "overflow of the budget: none" in out
+    # the summary agrees with the step logs: the steps' own batches and fill, then what the loader read ahead
+    assert "stream: 3 steps trained on 3 batches, fill " in out and "(mean of the step logs)" in out
+    assert "read ahead by the loader: " in out and "overflow of the budget: none" in out
+    assert (
+        "checking the first 1,000 records of" in out and "6 records read, checked and tokenized: fine" in out
+    )
     # 3 steps of 6 short samples: the stream runs through more than one pass, and every row fits the budget
     assert len(batch_widths) >= 3 and max(batch_widths) <= BUDGET
 
@@ -174,8 +179,21 @@ def test_a_bad_record_in_the_middle_of_the_stream_stops_with_its_line(
     rows.insert(12, bad)
     data = write_jsonl(tmp_path / "t.jsonl", rows)
     assert train(tok, tmp_path, data, *overrides) == 1
-    err = capsys.readouterr().err
-    assert f"packing-hf train: error: {data}{message}" in err
+    captured = capsys.readouterr()
+    assert f"packing-hf train: error: {data}{message}" in captured.err
+    assert "loading the model" not in captured.out  # caught by the check of the first records
+
+
+def test_a_bad_record_past_the_checked_start_stops_training_with_its_line(tmp_path, tok, gsm8k_rows, capsys):
+    rows = gsm8k_rows(20)
+    rows.insert(12, {"question": "2+2?", "answer": 4})
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    assert train(tok, tmp_path, data, "stream_check_records=5") == 1
+    captured = capsys.readouterr()
+    assert (
+        "5 records read, checked and tokenized: fine" in captured.out and "loading the model" in captured.out
+    )
+    assert f"packing-hf train: error: {data}:13: answer must be a string, got int 4" in captured.err
 
 
 def test_trainer_sft_streams_the_records_to_trl(tmp_path, tok, gsm8k_rows, batch_widths, capsys):

@@ -36,6 +36,7 @@ def test_demo_pipeline_with_a_tiny_model(tmp_path, data_dir):
             "max_length=1024",
             "max_tokens_per_batch=1024",
             "baseline_batches=1",
+            "baseline_time_share=1000",  # timed whatever it costs against the tiny model's training
             "max_steps=3",
             "learning_rate=1e-3",
             "warmup_steps=0",
@@ -102,6 +103,7 @@ def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path)
             "overflow=drop",
             "max_tokens_per_batch=256",
             "baseline_batches=1",
+            "baseline_time_share=1000",
             "eval_num_samples=2",
             "max_steps=1",
             "warmup_steps=0",

@@ -2,11 +2,13 @@
 
 Pairs are built from real GSM8K rows (reference answer vs. a truncated one), tokenized by TRL with the
 SmolLM2 tokenizer; the models are one tiny llama (fp32) loaded twice with the same weights: sdpa for the
-stock padded run, packing_hf's varlen attention for the packed run.
+stock padded run, packing_hf's varlen attention for the packed run. The packed trainers share every
+pair's prompt (``shared_prompt``, on by default where exact) unless a test says otherwise.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -19,7 +21,7 @@ trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
 from packing_hf.integrations.dpo import DPOConfig, DPOTrainer, PackedPreferenceForward  # noqa: E402
-from packing_hf.preference import PaddingFreePreferenceCollator  # noqa: E402
+from packing_hf.preference import PaddingFreePreferenceCollator, preference_pair_lengths  # noqa: E402
 
 REL = 1e-5
 
@@ -82,8 +84,10 @@ def _common(tmp_path, name: str, **overrides) -> dict:
     return {**defaults, **overrides}
 
 
-def _build(tmp_path, tokenizer, twins, data, ref: bool = True, **config):
-    """(stock trainer, packed trainer) on copies of the same data and weights."""
+def _build(tmp_path, tokenizer, twins, data, ref: bool = True, packed_only: dict | None = None, **config):
+    """(stock trainer, packed trainer) on copies of the same data and weights; ``packed_only`` holds packing_hf
+    options (``shared_prompt``) given to the packed trainer alone."""
+    packed_options = {k: v for k, v in (packed_only or {}).items() if k == "shared_prompt"}
     policy_stock, policy_packed = twins()
     ref_stock, ref_packed = twins(seed=1) if ref else (None, None)  # a reference unlike the policy
     stock = trl.DPOTrainer(
@@ -96,7 +100,7 @@ def _build(tmp_path, tokenizer, twins, data, ref: bool = True, **config):
     packed = DPOTrainer(
         model=policy_packed,
         ref_model=ref_packed,
-        args=DPOConfig(**_common(tmp_path, "packed", **config)),
+        args=DPOConfig(**_common(tmp_path, "packed", **config), **packed_options),
         train_dataset=data(),
         processing_class=tokenizer,
     )
@@ -136,13 +140,27 @@ def _loss_and_grads(trainer, batch):
         {"loss_type": ["ipo"], "use_weighting": True},
         # several losses at once (sft averages per-token log-probs) and LD-DPO length weighting
         {"loss_type": ["hinge", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5},
+        # the same without the shared prompt: every sequence its own segment
+        {"loss_type": ["sigmoid"], "shared_prompt": False},
     ],
-    ids=["sigmoid", "ipo+wpo", "hinge+sft+ld_alpha"],
+    ids=["sigmoid", "ipo+wpo", "hinge+sft+ld_alpha", "sigmoid-unshared"],
 )
 def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, pairs, config):
-    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(4), **config)
+    shared = config.get("shared_prompt", True)
+    stock_config = {k: v for k, v in config.items() if k != "shared_prompt"}
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(4), **stock_config, packed_only=config)
     padded_batch, packed_batch = _batches(stock, packed, range(4))
     assert packed_batch["packed_input_ids"].numel() < padded_batch["input_ids"].numel()  # padding avoided
+    assert packed.data_collator.shared_prompt is shared
+    assert ("prefix_seq_idx" in packed_batch) is shared
+    if shared:  # every pair holds its prompt once: [prompt[:-1] | chosen branch | rejected branch]
+        assert packed_batch["prefix_seq_idx"].tolist() == [-1, 0, 0, -1, 3, 3, -1, 6, 6, -1, 9, 9]
+        # negative control: the same row without the layout (branches miss their prompt) fails the same check
+        broken = {k: v for k, v in packed_batch.items() if k != "prefix_seq_idx"}
+        got = packed.compute_ref_log_probs(packed.model, broken)[0]
+        want = stock.compute_ref_log_probs(stock.model, padded_batch)[0]
+        with pytest.raises(AssertionError):
+            _close(got, want, "chosen logps without the shared-prompt layout")
 
     # per-sequence chosen/rejected log-probs of the policy and of the reference model
     for name in ("model", "ref_model"):
@@ -237,7 +255,7 @@ class RecordingPreferenceCollator(PaddingFreePreferenceCollator):
 
 
 def test_multipack_keeps_pairs_whole_within_the_budget(tmp_path, tokenizer, twins, pairs):
-    collator = RecordingPreferenceCollator(max_length=MAX_LENGTH, overflow="truncate")
+    collator = RecordingPreferenceCollator(max_length=MAX_LENGTH, overflow="truncate", shared_prompt=True)
     _, model = twins()
     budget = 400
     trainer = DPOTrainer(
@@ -254,13 +272,20 @@ def test_multipack_keeps_pairs_whole_within_the_budget(tmp_path, tokenizer, twin
     collator.batches.clear()  # drop the precompute batches
     trainer.train()
     data = trainer.train_dataset
-    tokens = {  # what a pair occupies in a packed row: both sequences, each truncated to max_length
-        tuple(row["prompt_ids"] + row["chosen_ids"]): min(
-            len(row["prompt_ids"]) + len(row["chosen_ids"]), MAX_LENGTH
+    # what a pair occupies in a packed row: both sequences, each truncated to max_length, the prompt once
+    tokens = {
+        tuple(row["prompt_ids"] + row["chosen_ids"]): int(
+            preference_pair_lengths(
+                [len(row["prompt_ids"])],
+                [len(row["chosen_ids"])],
+                [len(row["rejected_ids"])],
+                max_length=MAX_LENGTH,
+                shared_prompt=True,
+            )[0]
         )
-        + min(len(row["prompt_ids"]) + len(row["rejected_ids"]), MAX_LENGTH)
         for row in data
     }
+    assert collator.stats["shared_prompt_tokens"] > 0
     seen = [key for batch in collator.batches for key in batch]
     assert sorted(seen) == sorted(tokens)  # every pair exactly once, both of its sequences in one batch
     for batch in collator.batches:
@@ -284,7 +309,8 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
 @pytest.mark.parametrize(
     "config, extra, match",
     [
-        ({"padding_free": True}, {}, "padding_free=True is TRL's own"),
+        ({}, {"prompt_only": True}, "no \\['chosen', 'rejected'\\]: a preference trainer needs"),
+        ({}, {"big_tokenizer": True}, "the tokenizer has \\d+ tokens but the model's input embeddings only"),
         ({}, {"compute_metrics": lambda p: {}}, "compute_metrics needs the padded logits"),
         (
             {"max_tokens_per_batch": 512, "packing_overflow": "split"},
@@ -292,15 +318,31 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
             "packing_overflow='split' would cut",
         ),
         ({}, {"data_collator": "trl"}, "does not pack preference pairs"),
+        ({"shared_prompt": False}, {"data_collator": "shared"}, "contradicts the data_collator's"),
         ({}, {"images": True}, "vision-language preference batches are not packed"),
     ],
-    ids=["padding_free", "compute_metrics", "overflow_split", "padded_collator", "vision"],
+    ids=[
+        "prompt_only",
+        "tokenizer_too_big",
+        "compute_metrics",
+        "overflow_split",
+        "padded_collator",
+        "shared_prompt_contradiction",
+        "vision",
+    ],
 )
 def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):
     _, model = twins()
     data = pairs(2)
     if extra.pop("images", False):
         data = data.add_column("images", [[]] * len(data))
+    if extra.pop("prompt_only", False):
+        data = data.remove_columns(["chosen", "rejected"])
+    if extra.pop("big_tokenizer", False):
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.add_tokens(["<an_added_token>"])
+    if extra.get("data_collator") == "shared":
+        extra["data_collator"] = PaddingFreePreferenceCollator(shared_prompt=True)
     if extra.get("data_collator") == "trl":
         extra["data_collator"] = trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=0)
     with pytest.raises(ValueError, match=match):
@@ -333,3 +375,25 @@ def test_hooks_touch_only_packed_calls_and_are_removable(tmp_path, tokenizer, tw
     assert any(isinstance(h, PackedPreferenceForward) for h in trainer._packed_forwards.values())
     trainer.remove_packing_hooks()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_padding_free_means_packed_and_shared_prompt_switches_an_sdpa_model(
+    tmp_path, tokenizer, twins, pairs
+):
+    """``padding_free=True`` is accepted; on an sdpa model the shared prompt runs packing_hf's attention while
+    training (the model is given back on sdpa) and a direct call outside training is refused by name."""
+    model, _ = twins()  # sdpa
+    trainer = DPOTrainer(
+        model=model,
+        args=DPOConfig(**_common(tmp_path, "sdpa"), padding_free=True, precompute_ref_log_probs=True),
+        train_dataset=pairs(4),
+        processing_class=tokenizer,
+    )
+    assert trainer.args.padding_free and trainer.data_collator.shared_prompt
+    assert model.config._attn_implementation == "sdpa"
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(2)]))
+    with pytest.raises(ValueError, match="ignores the layout"):
+        trainer.compute_loss(model, batch)
+    trainer.train()
+    assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert model.config._attn_implementation == "sdpa"

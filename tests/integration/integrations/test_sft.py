@@ -141,3 +141,34 @@ def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp
         assert all("labels" in f for f in batch)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[-1]["loss"] < logs[0]["loss"]
+
+
+def test_logged_entropy_and_accuracy_equal_trls_on_the_same_steps(
+    gsm8k_rows, tokenizer, tiny_llama, tmp_path
+):
+    """The default (``logit_metrics="labelled"``: the model's own loss, metrics at the labelled tokens only)
+    logs the loss, entropy and token accuracy TRL's fused LM head logs on the same steps (lr 0: same weights)."""
+    rows = gsm8k_rows(8)
+    data = datasets.Dataset.from_dict(
+        {
+            "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
+            "completion": [f" {r['answer']}" for r in rows],
+        }
+    )
+    logged = {}
+    for mode in ("labelled", "trl"):
+        config = _config(
+            tmp_path / mode, logit_metrics=mode, padding_free=True, max_tokens_per_batch=512, max_length=None,
+            max_steps=3, learning_rate=0.0, gradient_checkpointing=False,
+        )  # fmt: skip
+        trainer = packing_hf.SFTTrainer(
+            model=tiny_llama(), args=config, train_dataset=data, processing_class=tokenizer
+        )
+        trainer.train()
+        logged[mode] = [e for e in trainer.state.log_history if "entropy" in e]
+    assert len(logged["labelled"]) == len(logged["trl"]) == 3
+    for ours, theirs in zip(logged["labelled"], logged["trl"], strict=True):
+        for key in ("loss", "entropy", "mean_token_accuracy", "num_tokens"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    with pytest.raises(ValueError, match="logit_metrics must be 'labelled' or 'trl'"):
+        _config(tmp_path, logit_metrics="fast")

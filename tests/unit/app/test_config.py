@@ -186,3 +186,18 @@ def test_eval_dataset_auto_follows_the_dataset():
         load_train_config({"dataset": "mine.jsonl", "eval_dataset": "held.jsonl"}).data.eval_dataset
         == "held.jsonl"
     )
+
+
+def test_own_data_on_the_command_line_gets_its_own_output_dir():
+    from pathlib import Path
+
+    from packing_hf.app.config import load_train_config
+
+    demo = str(Path(__file__).resolve().parents[3] / "configs" / "smollm2_demo.yaml")
+    as_is = load_train_config(demo)
+    assert as_is.training.output_dir == "outputs/smollm2-demo" and not as_is.notes
+    own = load_train_config(demo, ["dataset=data/My Chats.v2.jsonl"])
+    assert own.training.output_dir == "outputs/My-Chats.v2"
+    assert "outputs/smollm2-demo is kept" in own.notes[0]
+    chosen = load_train_config(demo, ["dataset=my.jsonl", "output_dir=runs/x"])
+    assert chosen.training.output_dir == "runs/x" and not chosen.notes

@@ -1,0 +1,153 @@
+"""The ``packing-hf train`` report: the summary table printed at the end of the job, and its phrases.
+
+>>> _plural(1, "step"), _plural(3, "batch", "batches")
+('1 step', '3 batches')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["print_summary"]
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    """``1 step``, ``2 steps``.
+
+    >>> _plural(1, "step"), _plural(3, "batch", "batches")
+    ('1 step', '3 batches')
+    """
+    return f"{count:,} {word if count == 1 else plural or word + 's'}"
+
+
+def _describe_stream(stats: dict[str, Any]) -> str:
+    """One line on a streamed run: what the training steps used (their own fill, as the step logs show it),
+    then what the reader and packer had done by the end, ahead of training (``PackedStream.stats()``)."""
+    overflow = [
+        f"{stats[key]:,} {name}"
+        for key, name in (
+            ("truncated_samples", "truncated"),
+            ("split_samples", "split"),
+            ("overflow_dropped_samples", "dropped"),
+        )
+        if stats.get(key)
+    ]
+    fill = stats.get("fill_trained")
+    return (
+        f"stream: {_plural(stats['steps'], 'step')} trained on {_plural(stats['batches_trained'], 'batch', 'batches')}"
+        + (f", fill {100 * fill:.1f}% (mean of the step logs)" if fill is not None else "")
+        + f"; read ahead by the loader: {_plural(stats['records_read'], 'record')}, "
+        f"{_plural(stats['samples'], 'sample')} packed into {_plural(stats['batches'], 'batch', 'batches')} "
+        f"in pass {int(stats['epoch']) + 1} of the data; overflow of the budget: "
+        + (", ".join(overflow) if overflow else "none")
+    )
+
+
+def _spread(base: dict[str, Any]) -> str:
+    """The spread of the speed ratio: over the pairs of batches (fastest of the rounds) and over the rounds.
+
+    >>> _spread({"pair_speedups": [1.2, 1.5, 1.3], "round_speedups": [1.31, 1.35], "repeats": 2})
+    'per batch 1.20x to 1.50x (3 batches); per round 1.31x, 1.35x'
+    """
+    parts = []
+    pairs = base.get("pair_speedups") or []
+    if pairs:
+        parts.append(
+            f"per batch {min(pairs):.2f}x to {max(pairs):.2f}x ({_plural(len(pairs), 'batch', 'batches')})"
+        )
+    rounds = base.get("round_speedups") or []
+    if rounds:
+        parts.append("per round " + ", ".join(f"{r:.2f}x" for r in rounds))
+    return "; ".join(parts)
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _fmt_seconds(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+
+
+def print_summary(summary: dict[str, Any], print_fn) -> None:
+    rule = "=" * 90
+    lines = ["", rule, "packing-hf train: summary", rule]
+    lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
+    lines.append(f"attention    {summary.get('attn_implementation')}")
+    if summary.get("stream"):
+        lines.append(f"data         {summary['records']}")
+        lines.append(f"             {_describe_stream(summary['stream'])}")
+    if "num_samples" in summary:
+        lines.append(
+            f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
+            f"tokens ({summary['prompt_format']} format)"
+        )
+    budget = summary.get("max_tokens_per_batch")
+    losses = summary.get("losses") or []
+    batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
+    lines.append(
+        f"training     {batching}: {_plural(summary['global_step'], 'step')} in {summary['train_runtime']:.1f} s"
+        + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
+    )
+    lines.append("-" * 90)
+    lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
+    base = summary.get("baseline")
+    if summary.get("padded_efficiency") is not None and not summary.get("stream"):
+        lines.append(
+            f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary.get('packing_efficiency')):>12}"
+            f"{_fmt_pct(summary['padded_efficiency']):>12}  batches of {summary['padded_batch_size']} samples "
+            "in random order, each padded to its longest"
+        )
+        lines.append(
+            f"{'':34}{'':>12}{_fmt_pct(summary['padded_to_longest_efficiency']):>12}  every sample padded "
+            "to the dataset's longest"
+        )
+    elif summary.get("stream") and summary.get("packing_efficiency") is not None:
+        lines.append(
+            f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary['packing_efficiency']):>12}"
+            f"{_fmt_pct(summary.get('padded_efficiency')):>12}  the trained steps' samples, each step's padded "
+            "to its longest (step logs)"
+        )
+    elif summary.get("packing_efficiency") is not None:
+        lines.append(f"{'fill (real / provisioned tokens)':34}{_fmt_pct(summary['packing_efficiency']):>12}")
+    if summary.get("logged_packing_efficiency") is not None:
+        lines.append(
+            f"{'':34}(the step logs' packing_efficiency is each step's own fill; their padded_batch_efficiency "
+            "pads that step's samples)"
+        )
+    if base:
+        lines.append(
+            f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
+            f"  the same {base['real_tokens']:,} real tokens in {_plural(base['padded_batches'], 'batch', 'batches')} "
+            f"({base['padded_tokens']:,} with padding)"
+        )
+        lines.append(f"{'  packed / padded speed':34}{base['speedup']:>11.2f}x{'':12}  {_spread(base)}")
+    elif summary.get("baseline_note"):
+        lines.append(f"{'tokens/s (forward+backward)':34}{'':>24}  {summary['baseline_note']}")
+    if summary.get("eval_loss_before") is not None:
+        lines.append(
+            f"{'eval loss (held out)':34}{summary['eval_loss_before']:>12.4f} before -> "
+            f"{summary['eval_loss_after']:.4f} after training, on {summary['eval_samples']} samples of "
+            f"{summary['eval_dataset']} ({summary['eval_tokens']:,} trained tokens)"
+        )
+    lines.append("-" * 90)
+    if summary.get("output_dir"):
+        lines.append(f"saved        {summary['output_dir']}")
+    peaks = summary.get("peak_rss_gb") or {}
+    if peaks.get("train"):
+        job, trained = max(v for v in peaks.values() if v is not None), peaks["train"]
+        lines.append(
+            f"memory       peak RSS {job:.2f} GB for the job, {trained:.2f} GB by the end of training "
+            f"(x{job / trained:.2f})"
+        )
+    phases = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["seconds"].items())
+    lines.append(f"total        {_fmt_seconds(summary['total_seconds'])} wall ({phases})")
+    if summary.get("cpu_seconds"):
+        cpu = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["cpu_seconds"].items())
+        lines.append(
+            f"             {_fmt_seconds(summary['total_cpu_seconds'])} CPU, all threads ({cpu}): the steadier "
+            "figure on a shared machine"
+        )
+    lines.append(rule)
+    print_fn("\n".join(lines))
