@@ -16,7 +16,7 @@ trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
 from packing_hf.integrations.kto import KTOConfig, KTOTrainer  # noqa: E402
-from packing_hf.unpaired import PaddingFreeUnpairedCollator  # noqa: E402
+from packing_hf.unpaired import ROW_KEYS, PaddingFreeUnpairedCollator  # noqa: E402
 
 REL = 1e-5
 MAX_LENGTH = 160
@@ -108,13 +108,25 @@ def _loss_and_grads(trainer, batch):
     return loss.detach(), grads, metrics
 
 
+def _kl_logps(trainer, batch):
+    """The policy's per-example log-probs of the mismatched (KL) completions, ``(B,)``."""
+    if isinstance(trainer, KTOTrainer):
+        trainer._install_packed_forward(trainer.model)
+        trainer._kl_rows = {k[3:]: v for k, v in batch.items() if k.startswith("KL_") and k[3:] in ROW_KEYS}
+    try:
+        return trainer._compute_kl_logps(trainer.model, batch)
+    finally:
+        trainer._kl_rows = None
+
+
 def _one_step(stock, packed, collator=None):
     rows = [stock.train_dataset[i] for i in range(4)]
     for i, row in enumerate(rows):  # the same tokenization and KL completions
         assert all(packed.train_dataset[i][k] == v for k, v in row.items() if k.endswith("_ids"))
     padded = stock._prepare_inputs(stock.data_collator(rows))
     batch = packed._prepare_inputs((collator or packed.data_collator)(rows))
-    return _loss_and_grads(packed, batch), _loss_and_grads(stock, padded), padded, batch
+    kl = (_kl_logps(packed, batch), _kl_logps(stock, padded)) if "KL_input_ids" in padded else None
+    return _loss_and_grads(packed, batch), _loss_and_grads(stock, padded), padded, batch, kl
 
 
 @pytest.mark.parametrize(
@@ -124,7 +136,10 @@ def _one_step(stock, packed, collator=None):
 )
 def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, examples, config):
     stock, packed = _build(tmp_path, tokenizer, twins, lambda: examples(8), **config)
-    (loss_p, grads_p, metrics_p), (loss_s, grads_s, metrics_s), padded, batch = _one_step(stock, packed)
+    (loss_p, grads_p, metrics_p), (loss_s, grads_s, metrics_s), padded, batch, kl = _one_step(stock, packed)
+    if kl is not None:
+        assert kl[1].shape == (4,)
+        _close(*kl, "KL log-probs")
     for key in ("input_ids", "attention_mask", "completion_mask", "KL_input_ids", "label", "ref_logps"):
         if key in padded:
             assert torch.equal(batch[key], padded[key]), key  # TRL's padded layout, exactly
@@ -154,9 +169,11 @@ class _OneSequence(PaddingFreeUnpairedCollator):
 def test_negative_control_rows_without_boundaries_are_caught(tmp_path, tokenizer, twins, examples):
     stock, packed = _build(tmp_path, tokenizer, twins, lambda: examples(8))
     control = _OneSequence(max_length=MAX_LENGTH, overflow="truncate", pad_token_id=tokenizer.pad_token_id)
-    (loss_p, grads_p, metrics_p), (loss_s, grads_s, metrics_s), _, _ = _one_step(stock, packed, control)
+    (loss_p, grads_p, metrics_p), (loss_s, grads_s, metrics_s), _, _, kl = _one_step(stock, packed, control)
     with pytest.raises(AssertionError):
-        _close(metrics_p["kl"], metrics_s["kl"], "KL estimate")
+        _close(*kl, "KL log-probs")
+    with pytest.raises(AssertionError):
+        _close(metrics_p["logps/chosen"], metrics_s["logps/chosen"], "completion log-probs")
     with pytest.raises(AssertionError):
         _close(loss_p, loss_s, "loss")
     with pytest.raises(AssertionError):
@@ -197,9 +214,9 @@ def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins
 
 
 def test_multipack_budget_trains(tmp_path, tokenizer, twins, examples):
-    _, model = twins()
+    (_, model), (_, ref) = twins(), twins(seed=1)
     args = KTOConfig(**_common(tmp_path, "multipack", max_tokens_per_batch=500, train_sampling_strategy="sequential"))
-    trainer = KTOTrainer(model=model, args=args, train_dataset=examples(8), processing_class=tokenizer)
+    trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=examples(8), processing_class=tokenizer)
     lengths = trainer._multipack_lengths_of(trainer.train_dataset)
     assert lengths.shape == (8,) and (lengths <= 2 * MAX_LENGTH).all()
     batch = next(iter(trainer.get_train_dataloader()))
