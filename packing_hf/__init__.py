@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
     "PaddingFreeRewardCollator": "preference",
+    # unpaired.py: KTO examples and their KL completions as packed rows
+    "PaddingFreeUnpairedCollator": "unpaired",
     # rollouts.py: online-RL rollouts in packed rows
     "pack_rollouts": "rollouts",
     "unpack_rollouts": "rollouts",
@@ -79,6 +81,8 @@ _LAZY: dict[str, str] = {
     "DPOConfig": "integrations",
     "RewardTrainer": "integrations",
     "RewardConfig": "integrations",
+    "KTOTrainer": "integrations",
+    "KTOConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
@@ -134,6 +138,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         DPOTrainer,
         GRPOConfig,
         GRPOTrainer,
+        KTOConfig,
+        KTOTrainer,
         RewardConfig,
         RewardTrainer,
         RLOOConfig,
@@ -148,6 +154,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
+    from .unpaired import PaddingFreeUnpairedCollator
     from .varlen import (
         cu_seqlens_to_lengths,
         cu_seqlens_to_position_ids,

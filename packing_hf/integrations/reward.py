@@ -20,7 +20,6 @@ scores must be read before pooling), and prompt-learning PEFT (virtual tokens pe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +31,8 @@ from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .args import PackingArguments
 from .dpo import (
     PreferenceStatsCollator,
-    _check_dataset,
     _as_config,
+    _check_dataset,
     _check_vocabulary,
     _is_prompt_learning,
     _pad_token_id,

@@ -146,7 +146,9 @@ def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, exam
     assert batch["packed_input_ids"].numel() < padded["input_ids"].numel()
     _close(loss_p, loss_s, "loss")
     _close(grads_p, grads_s, "gradients")
-    assert metrics_p.keys() == metrics_s.keys() and {"kl", "logps/chosen", "logits/rejected"} <= metrics_s.keys()
+    assert (
+        metrics_p.keys() == metrics_s.keys() and {"kl", "logps/chosen", "logits/rejected"} <= metrics_s.keys()
+    )
     for key, want in metrics_s.items():
         _close(metrics_p[key], want, f"metric {key}")
 
@@ -185,7 +187,9 @@ class _GradientProbe(TrainerCallback):
         self.grads = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None]))
+        self.grads.append(
+            torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None])
+        )
 
 
 def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, examples):
@@ -215,8 +219,12 @@ def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins
 
 def test_multipack_budget_trains(tmp_path, tokenizer, twins, examples):
     (_, model), (_, ref) = twins(), twins(seed=1)
-    args = KTOConfig(**_common(tmp_path, "multipack", max_tokens_per_batch=500, train_sampling_strategy="sequential"))
-    trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=examples(8), processing_class=tokenizer)
+    args = KTOConfig(
+        **_common(tmp_path, "multipack", max_tokens_per_batch=500, train_sampling_strategy="sequential")
+    )
+    trainer = KTOTrainer(
+        model=model, ref_model=ref, args=args, train_dataset=examples(8), processing_class=tokenizer
+    )
     lengths = trainer._multipack_lengths_of(trainer.train_dataset)
     assert lengths.shape == (8,) and (lengths <= 2 * MAX_LENGTH).all()
     batch = next(iter(trainer.get_train_dataloader()))
@@ -248,7 +256,13 @@ def test_refusals_of_vision_data_and_padded_collators(tmp_path, tokenizer, twins
         KTOTrainer(model=model, args=args, train_dataset=images, processing_class=tokenizer)
     padded = trl.trainer.kto_trainer.DataCollatorForUnpairedPreference(pad_token_id=0)
     with pytest.raises(ValueError, match="does not pack"):
-        KTOTrainer(model=model, args=args, data_collator=padded, train_dataset=examples(4), processing_class=tokenizer)
+        KTOTrainer(
+            model=model,
+            args=args,
+            data_collator=padded,
+            train_dataset=examples(4),
+            processing_class=tokenizer,
+        )
     with pytest.raises(ValueError, match="compute_metrics"):
         KTOTrainer(
             model=model, args=args, train_dataset=examples(4), processing_class=tokenizer,
