@@ -127,7 +127,7 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "completion": ["2", "6"],
     ...     "label": [True, False]})
     >>> args = KTOConfig("/tmp/packing_hf_kto_doctest", per_device_train_batch_size=2, max_steps=1,
-    ...     report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    ...     precompute_ref_log_probs=True, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
     >>> trainer = KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     >>> type(trainer.data_collator).__name__
     'PaddingFreeUnpairedCollator'
