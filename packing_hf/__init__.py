@@ -45,6 +45,8 @@ _LAZY: dict[str, str] = {
     "PaddingFreeRewardCollator": "preference",
     # unpaired.py: KTO examples and their KL completions as packed rows
     "PaddingFreeUnpairedCollator": "unpaired",
+    # multimodal.py: image+text samples in one packed row
+    "MultimodalCollator": "multimodal",
     # rollouts.py: online-RL rollouts in packed rows
     "pack_rollouts": "rollouts",
     "unpack_rollouts": "rollouts",
@@ -149,6 +151,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         Trainer,
         TrainingArguments,
     )
+    from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
     from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset

@@ -32,16 +32,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "IMAGE_BLOCK_MASK",
     "REGISTRY",
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
     "Status",
     "check_served_config",
+    "served_config_key",
     "iter_sweep",
     "mark_mixers_prepared",
     "mixers_prepared",
+    "multimodal_refusal",
     "support",
     "unsupported_layers",
+    "wrapper_text_config",
 ]
 
 Status = Literal["exact", "mask", "mixers", "refused", "unknown"]
@@ -129,6 +133,19 @@ _ENTRIES = [
     _entry("gpt_neo", "exact", "", own_attention=True),
     _entry("gptj", "exact", "", own_attention=True),
     _entry("ctrl", "exact"),
+    # causal decoders of transformers 5.23 added to the sweep (issue 18); the tiny fields fill what their
+    # default configs leave unset (or too large for a tiny copy)
+    _entry("gemma4_text", "exact"),
+    _entry("gemma4_unified_text", "exact"),
+    _entry("hrm_text", "exact", tiny={"num_layers_per_stack": 1}),  # keeps its H/L cycles over the stack
+    _entry("gemma3n_text", "exact", tiny={"num_kv_shared_layers": 0}),
+    _entry(
+        "cohere_compass_text",
+        "exact",
+        tiny={"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    _entry("dbrx", "exact", tiny={"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}}),
+    _entry("dots1", "exact", tiny={"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2}),
     # --- fixed by restricting the mask per sample -------------------------------------------------
     _entry("opt", "mask", _NO_POSITION_MASK),
     _entry("biogpt", "mask", _NO_POSITION_MASK),
@@ -208,6 +225,29 @@ _ENTRIES = [
     _entry("qwen3_5_moe_text", "mixers", _DELTANET, mixers=("Qwen3_5MoeGatedDeltaNet",)),
     _entry("olmo_hybrid", "mixers", _DELTANET, mixers=("OlmoHybridGatedDeltaNet",)),
     _entry(
+        "zaya",
+        "refused",
+        _CONV + " (the query/key convolutions of its compressed attention)",
+        tiny={"num_experts_per_tok": 1},
+    ),
+    _entry(
+        "qwen4_exp_text",
+        "refused",
+        _DELTANET,
+        tiny={
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 2,
+            "ngram_vocab_size_base": 512,
+            "ple_embed_dim": 64,
+            "hc_lowrank": 16,
+            "split_ngram_parts": 4,
+            "make_ngram_vocab_size_divisible_by": 8,
+        },
+    ),
+    _entry(
         "recurrent_gemma",
         "mixers",
         "the convolution of its RG-LRU recurrent blocks runs across the whole row",
@@ -220,6 +260,7 @@ _ENTRIES = [
     _entry("deepseek_v32", "refused", _DSA),
     _entry("glm_moe_dsa", "refused", _DSA),
     _entry("axk2", "refused", _DSA),
+    _entry("dots3_note_text", "refused", _DSA, tiny={"head_dim": 16, "index_topk": 4}),
     _entry("hy_v4", "refused", _DSA, own_attention=True),
     _entry(
         "deepseek_v4",
@@ -249,14 +290,62 @@ _ENTRIES = [
     *[
         _entry(m, "refused", _MULTIMODAL, sweep=False)
         for m in (
-            "dots3_note emu3 fuyu gemma3 gemma3n gemma4 gemma4_unified gemma4_unified_assistant gemma4_assistant git "
-            "got_ocr2 llama4 mllama moshi moss_transcribe_diarize musicgen musicgen_melody phi4_multimodal qwen3_5 "
-            "qwen3_5_moe qwen4_exp blt"
+            "dots3_note emu3 fuyu gemma3n gemma4_unified gemma4_unified_assistant gemma4_assistant git "
+            "moshi moss_transcribe_diarize musicgen musicgen_melody phi4_multimodal qwen4_exp blt"
         ).split()
     ],
 ]
 
 REGISTRY: dict[str, ArchitectureSupport] = {e.model_type: e for e in _ENTRIES}
+
+# --- vision-language wrappers (``*ForConditionalGeneration`` with a ``text_config``) ---------------------
+# The wrapper's language model is a text decoder whose own entry decides (text-only and image+text data
+# alike); these are the wrapper-specific parts that cannot be kept per sample, by wrapper model_type and by
+# kind of data ("text": packed text-only rows, "image": packed rows holding images).
+_CROSS_ATTENTION = (
+    "image+text rows: its cross-attention layers attend from every text token to the images of the whole "
+    "batch row (cross_attention_mask is per row, not per packed sample)"
+)
+_UNVERIFIED_BLOCKS = (
+    "image+text rows: its image tokens attend bidirectionally within their image (token_type_ids), a mask "
+    "packing_hf has not verified per sample for this model"
+)
+_MULTIMODAL_REFUSED: dict[tuple[str, str], str] = {
+    ("mllama", "image"): _CROSS_ATTENTION,
+    **{(m, "image"): _UNVERIFIED_BLOCKS for m in ("gemma4", "paligemma", "molmo2", "deepseek_ocr2")},
+}
+# wrappers whose image tokens attend bidirectionally within their image block (token_type_ids == 1):
+# prepare_model_for_packing hands their layers per-sample block masks on packed image rows
+IMAGE_BLOCK_MASK = frozenset({"gemma3"})
+
+
+def wrapper_text_config(config: Any) -> Any | None:
+    """The text decoder's config of a multimodal wrapper (``config.text_config``), or ``None`` for a text model.
+
+    A wrapper is a config holding a ``text_config`` of its own model type next to a vision (or audio) tower:
+    its language model is a text decoder whose registry entry decides whether packed rows stay exact.
+
+    >>> from transformers import AutoConfig
+    >>> wrapper_text_config(AutoConfig.for_model("llava")).model_type
+    'llama'
+    >>> wrapper_text_config(AutoConfig.for_model("llama")) is None
+    True
+    """
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or not hasattr(text, "model_type"):
+        return None
+    if getattr(text, "model_type", None) == getattr(config, "model_type", None):
+        return None
+    return text
+
+
+def multimodal_refusal(model_type: str, data: Literal["text", "image"]) -> str | None:
+    """Why the wrapper ``model_type`` cannot pack ``data`` rows exactly (``None``: its text decoder decides).
+
+    >>> multimodal_refusal("mllama", "text") is None, multimodal_refusal("mllama", "image") is not None
+    (True, True)
+    """
+    return _MULTIMODAL_REFUSED.get((model_type, data))
 
 
 def support(model_type: str) -> ArchitectureSupport:
@@ -347,6 +436,23 @@ def mixers_prepared(config: Any) -> bool:
     """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
     seen = _PREPARED_MIXERS.get(id(config))
     return seen is not None and seen() is config
+
+
+def served_config_key(config: Any) -> tuple:
+    """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
+    again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
+
+    >>> from types import SimpleNamespace
+    >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
+    ('llama', ('full_attention',), None, False)
+    """
+    layer_types = getattr(config, "layer_types", None)
+    return (
+        str(getattr(config, "model_type", "") or type(config).__name__),
+        tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
+        getattr(config, "attention_chunk_size", None),
+        mixers_prepared(config),
+    )
 
 
 def check_served_config(config: Any) -> None:

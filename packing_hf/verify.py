@@ -208,13 +208,18 @@ def build_packed_batch(samples: Sequence[torch.Tensor]) -> dict[str, torch.Tenso
 
 def _random_samples(config, lengths: Sequence[int], seed: int) -> list[torch.Tensor]:
     """Token ids drawn from the vocabulary, avoiding every special token id of the config."""
-    vocab = getattr(config, "vocab_size", None)
+    # a multimodal wrapper keeps the vocabulary in its text config, and its image/video token ids in its own
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 8:
         raise ValueError(f"config.vocab_size = {vocab!r}: pass input_ids explicitly to check this model")
     special = set()
-    for key, value in config.to_dict().items():
-        if key.endswith(("_token_id", "_token_index")):
-            special.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    for cfg in {id(config): config, id(text_config): text_config}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_index")):
+                special.update(
+                    v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)
+                )
     allowed = torch.tensor([t for t in range(min(vocab, 4096)) if t not in special])
     generator = torch.Generator().manual_seed(seed)
     return [allowed[torch.randint(len(allowed), (int(n),), generator=generator)] for n in lengths]

@@ -26,12 +26,17 @@ import torch
 
 from ..attention import ATTENTION_NAME, resolve_attn_implementation
 from ..attention.guards import check_forward_call
+from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
 from ..registry import (
+    IMAGE_BLOCK_MASK,
+    REGISTRY,
     ArchitectureSupport,
     check_served_config,
     mark_mixers_prepared,
+    multimodal_refusal,
     support,
     unsupported_layers,
+    wrapper_text_config,
 )
 from ..verify import DEFAULT_TOLERANCE, PackingReport, check_packing
 from .mixers import MixerRepacking, PackedLayout, find_mixers
@@ -100,6 +105,41 @@ def _restrict_mask(
     return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
 
 
+# --------------------------------------------------------------------------------------------------
+# vision-language wrappers: the language model decides; multimodal RoPE positions are kept per sample
+
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+
+
+def _language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder inside a vision-language wrapper (``model.model.language_model``), else ``model``."""
+    inner = getattr(model, "model", None)
+    for owner in (inner, model):
+        language = getattr(owner, "language_model", None)
+        if isinstance(language, torch.nn.Module):
+            return language
+    return model
+
+
+def _rope_index(model: torch.nn.Module) -> Any:
+    """The wrapper's multimodal RoPE function (Qwen-VL family: ``model.model.get_rope_index``), if any."""
+    for owner in (getattr(model, "model", None), model):
+        function = getattr(owner, "get_rope_index", None)
+        if callable(function):
+            return function
+    return None
+
+
+def _served_configs(config: Any) -> list[Any]:
+    """The configs the attention layers see: the model's, and a multimodal wrapper's text config."""
+    text = wrapper_text_config(config)
+    return [config] if text is None else [config, text]
+
+
+def _media_present(kwargs: dict) -> bool:
+    return any(kwargs.get(k) is not None for k in _MEDIA_KEYS)
+
+
 class PackingPreparation:
     """Handle returned by :func:`prepare_model_for_packing`: ``revert()`` undoes everything it did.
 
@@ -128,13 +168,21 @@ class PackingPreparation:
         self._same: torch.Tensor | None = None  # (B, 1, T, T) bool of the forward in flight
         self.layers = 0
         self._impl = str(getattr(model.config, "_attn_implementation", None))
+        # multimodal RoPE wrapper (Qwen-VL family): packed rows get (4, B, T) positions, computed per sample
+        self._rope_index = _rope_index(model) if wrapper_text_config(model.config) is not None else None
+        wrapper_type = str(getattr(model.config, "model_type", ""))
+        self._image_refusal = multimodal_refusal(wrapper_type, "image")
+        if self._image_refusal is not None:
+            self._image_refusal = f"{wrapper_type}: {self._image_refusal}; pack its text-only data, or pad"
+        self._image_blocks = wrapper_type in IMAGE_BLOCK_MASK
         self._repacking = MixerRepacking(mixers) if mixers else None
         self.mixers = len(mixers or ())
         if self._repacking is not None:
-            mark_mixers_prepared(model.config, True)
+            for config in _served_configs(model.config):
+                mark_mixers_prepared(config, True)
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         if mask_fix:
-            layers = _decoder_layers(model)
+            layers = _decoder_layers(_language_model(model))
             if not layers:
                 raise ValueError(
                     f"{entry.model_type}: no decoder layer taking an attention_mask was found to apply the "
@@ -149,6 +197,12 @@ class PackingPreparation:
     # -- hooks --------------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, checked, starts = check_forward_call(module, args, kwargs)
+        if starts is not None and self._image_refusal is not None and _media_present(checked):
+            raise ValueError(self._image_refusal)
+        if self._rope_index is not None and starts is not None:
+            checked = self._multimodal_positions(module, args, checked, starts)
+        if self._image_blocks and starts is not None and checked.get("token_type_ids") is not None:
+            checked = self._image_block_mask(module, checked, starts)
         # Kept after the forward returns: activation checkpointing re-runs the layers during backward, and
         # their hooks must restrict the mask the same way again. The next forward replaces it.
         self._same = None
@@ -159,6 +213,78 @@ class PackingPreparation:
             # kept after the forward, like the mask, for the layers re-run by activation checkpointing
             self._repacking.layout = PackedLayout.from_starts(starts) if starts is not None else None
         return args, checked
+
+    def _multimodal_positions(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict, starts: torch.Tensor
+    ) -> dict:
+        """Packed ``(B, T)`` positions of a multimodal-RoPE model as ``(4, B, T)``: text row, then mRoPE rows.
+
+        Without images the three mRoPE rows equal the text positions (what the model computes for a lone text
+        sample); with images they are computed per sample by the model's own ``get_rope_index``
+        (:func:`packing_hf.multimodal.mrope_position_ids`). Transformers reads the first row to keep the
+        samples apart; with 3-row positions it cannot, so those are refused.
+        """
+        position_ids = kwargs.get("position_ids")
+        if not isinstance(position_ids, torch.Tensor):
+            return kwargs
+        if position_ids.dim() == 3:
+            if position_ids.shape[0] == 4:
+                return kwargs
+            raise ValueError(
+                f"{self.model_type}: a packed row came with position_ids of shape {tuple(position_ids.shape)}; "
+                "transformers keeps packed samples apart only with (4, B, T) positions whose first row is the "
+                "text position restarting per sample. Pass (1, T) restarting positions (computed per sample "
+                "here) or build the batch with packing_hf.MultimodalCollator"
+            )
+        kwargs = dict(kwargs)
+        if not _media_present(kwargs):
+            kwargs["position_ids"] = position_ids[None].expand(4, -1, -1)
+            return kwargs
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape[0] != 1:
+            raise ValueError(
+                f"{self.model_type}: packed rows holding images need input_ids of shape (1, T) (one padding-free "
+                "row) to compute each sample's multimodal positions"
+            )
+        config = module.config
+        types = kwargs.get("mm_token_type_ids")
+        if types is None:
+            types = mm_token_types(
+                input_ids, getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+            )
+        cu = torch.nonzero(starts[0]).reshape(-1).tolist() + [int(input_ids.shape[-1])]
+        kwargs["position_ids"] = mrope_position_ids(
+            self._rope_index,
+            input_ids,
+            cu,
+            types,
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs.get("video_grid_thw"),
+            second_per_grid_ts=kwargs.get("second_per_grid_ts"),
+        )
+        return kwargs
+
+    def _image_block_mask(self, module: torch.nn.Module, kwargs: dict, starts: torch.Tensor) -> dict:
+        """Per-sample block masks for a packed row whose image tokens attend within their image (Gemma 3)."""
+        token_type_ids = kwargs["token_type_ids"]
+        if not bool((token_type_ids == 1).any()):
+            return kwargs
+        if self._impl == ATTENTION_NAME:
+            raise ValueError(
+                f"{self.model_type}: packed image+text rows need its bidirectional image-block mask, which "
+                "packing_hf's varlen attention (causal within each sample) does not express; load the model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
+        if starts.shape[0] != 1:
+            raise ValueError(f"{self.model_type}: packed image+text rows must be one padding-free row (1, T)")
+        text = module.config.get_text_config()
+        cu = torch.nonzero(starts[0]).reshape(-1).tolist() + [int(starts.shape[-1])]
+        dtype = None if self._impl != "eager" else next(module.parameters()).dtype
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = image_block_masks(
+            cu, token_type_ids, sliding_window=getattr(text, "sliding_window", None), dtype=dtype
+        )
+        return kwargs
 
     @property
     def split_mixers(self) -> bool:
@@ -206,7 +332,8 @@ class PackingPreparation:
         if self._repacking is not None:
             self._repacking.remove()
             if model is not None:
-                mark_mixers_prepared(model.config, False)
+                for config in _served_configs(model.config):
+                    mark_mixers_prepared(config, False)
         if model is not None and getattr(model, "_packing_hf_preparation", None) is self:
             del model._packing_hf_preparation
 
@@ -354,29 +481,41 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
         return existing
     config = model.config
     model_type = str(getattr(config, "model_type", type(model).__name__))
-    entry = support(model_type)
     impl = str(getattr(config, "_attn_implementation", None))
     varlen = impl == ATTENTION_NAME
+    # a vision-language wrapper: its language model is a text decoder whose own entry decides
+    text_config = wrapper_text_config(config) if model_type not in REGISTRY else None
+    rules_config = config if text_config is None else text_config
+    entry = support(str(getattr(rules_config, "model_type", model_type)))
+    name = model_type if text_config is None else f"{model_type} (language model {entry.model_type})"
 
     if entry.status == "refused":
-        raise ValueError(f"{model_type}: {entry.reason}; train it without packing (or with padding)")
+        raise ValueError(f"{name}: {entry.reason}; train it without packing (or with padding)")
     mixers = find_mixers(model, entry.mixers) if entry.mixers else []
-    layers = unsupported_layers(config)
+    layers = unsupported_layers(rules_config)
     if layers is not None and not mixers:
         names = f" (looked for {', '.join(entry.mixers)})" if entry.mixers else ""
         raise ValueError(
-            f"{model_type}: {layers}, and no token-mixer module to run per sample was found{names}; train it "
+            f"{name}: {layers}, and no token-mixer module to run per sample was found{names}; train it "
             "without packing (or with padding)"
         )
     if varlen:  # the rules the attention itself applies (own attention, chunked attention, ...)
         if mixers:
-            mark_mixers_prepared(config, True)
+            mark_mixers_prepared(rules_config, True)
         try:
-            check_served_config(config)
+            check_served_config(rules_config)
         finally:
             if mixers:
-                mark_mixers_prepared(config, False)
-    if entry.status == "unknown" and check_unknown:
+                mark_mixers_prepared(rules_config, False)
+    if entry.status == "unknown" and check_unknown and text_config is not None:
+        report = check_architecture(config, impl, prepare=True)
+        if report.leaked:
+            raise ValueError(
+                f"{name}: its language model is not in packing_hf's architecture registry and a check of a tiny "
+                f"copy of the wrapper, prepared, leaks: {report.summary()}. Train it without packing, or pass "
+                "check_unknown=False if you verified it yourself with packing_hf.check_packing(model)"
+            )
+    elif entry.status == "unknown" and check_unknown:
         report = check_unregistered(config, impl)
         if report.leaked:
             raise ValueError(

@@ -54,6 +54,9 @@ _TINY_FIELDS: dict[str, int] = {
     "moe_shared_expert_intermediate_size": 32,
     "expert_ffn_hidden_size": 32,
     "vocab_size": _TINY_VOCAB,
+    # per-layer input embeddings (gemma3n, gemma4): a vocabulary-sized table per layer
+    "vocab_size_per_layer_input": _TINY_VOCAB,
+    "hidden_size_per_layer_input": 16,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -133,6 +136,33 @@ def _representative_layers(layer_types: Sequence[str], keep: int) -> list[int]:
     return sorted(chosen)
 
 
+# vision tower fields -> tiny value (the tower only has to run: it never decides whether packing is exact)
+_TINY_VISION: dict[str, int] = {
+    "hidden_size": 32,
+    "embed_dim": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "attention_heads": 2,
+    "depth": 2,
+    "num_hidden_layers": 2,
+    "projection_dim": 32,
+}
+
+
+def _tiny_vision(vision: dict, text_hidden: int) -> dict:
+    """A tiny vision tower config (as a dict): width, depth and heads shrunk, its output sized for the text model."""
+    out = {**vision, **{k: v for k, v in _TINY_VISION.items() if isinstance(vision.get(k), int)}}
+    if "out_hidden_size" in vision:
+        out["out_hidden_size"] = text_hidden
+    elif "embed_dim" in vision and "hidden_size" in vision:  # Qwen2-VL: embed_dim inside, hidden_size out
+        out["hidden_size"] = text_hidden
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if isinstance(vision.get(key), list):
+            out[key] = [1] if key == "fullatt_block_indexes" else [0]
+    return out
+
+
 def tiny_config(config, **overrides):
     """A tiny copy of a causal-LM config that keeps the architecture's features.
 
@@ -206,17 +236,23 @@ def tiny_config(config, **overrides):
                 new[key] = [value[i] for i in chosen]
             elif key == "per_layer_config" and isinstance(value, dict):
                 # {"05": {...}} keyed by layer index: keep the chosen layers' entries under their new index
+                # per-layer head counts follow the tiny ones (a validator may require kv heads == heads)
+                sizes = {**_TINY_FIELDS, **{f: new[f] for f in ("num_key_value_heads",) if f in new}}
                 new[key] = {
-                    f"{chosen.index(int(k)):02d}": {f: _TINY_FIELDS.get(f, v) for f, v in per.items()}
+                    f"{chosen.index(int(k)):02d}": {f: sizes.get(f, v) for f, v in per.items()}
                     for k, per in value.items()
                     if int(k) in chosen
                 }
 
     vocab_key = present("vocab_size")
     vocab = new.get(vocab_key, data.get(vocab_key)) if vocab_key else None
+    wrapper = vocab is None and isinstance(data.get("text_config"), dict)
+    if wrapper:
+        vocab = _TINY_VOCAB  # a multimodal wrapper: its image/video token ids index the tiny text vocabulary
     if isinstance(vocab, int):
-        # special token ids outside the tiny vocabulary would index past the embedding table
-        spare = vocab - 1
+        # special token ids outside the tiny vocabulary would index past the embedding table (a wrapper's
+        # start below the text config's own, so that an image token never doubles as end-of-sequence)
+        spare = vocab - 1 - (16 if wrapper else 0)
         for key, value in data.items():
             if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= vocab:
                 new[key] = spare
@@ -228,10 +264,24 @@ def tiny_config(config, **overrides):
     for key, value in data.items():
         if key == "text_config" and isinstance(value, dict) and getattr(base, key, None) is not None:
             new[key] = tiny_config(getattr(base, key)).to_dict()
+        elif key == "vision_config" and isinstance(value, dict):
+            text = new.get("text_config") or data.get("text_config") or {}
+            new[key] = _tiny_vision(value, text.get("hidden_size", _TINY_HIDDEN))
         elif key in ("attn_config", "ffn_config") and isinstance(value, dict):
             new[key] = {**value, **{k: v for k, v in _TINY_FIELDS.items() if isinstance(value.get(k), int)}}
 
-    new.update(support(str(getattr(base, "model_type", ""))).tiny)
+    rope = data.get("rope_parameters")
+    mrope = "mrope_section" in (getattr(type(base), "ignore_keys_at_rope_validation", None) or ())
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or (mrope and rope)):
+        # multimodal RoPE splits head_dim / 2 frequencies into (temporal, height, width) sections
+        head_dim = new.get(present("head_dim") or "", _TINY_HEAD_DIM)
+        half = (head_dim or _TINY_HEAD_DIM) // 2
+        section = [half // 4, half // 4]
+        new["rope_parameters"] = {**rope, "mrope_section": [half - sum(section), *section]}
+    for key, value in support(str(getattr(base, "model_type", ""))).tiny.items():
+        # a dict (a sub-config such as dbrx's attn_config) adds to the fields the config already has
+        current = new.get(key, data.get(key))
+        new[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
     new.update(overrides)
     return type(base)(**{**data, **new})
 
@@ -242,15 +292,21 @@ def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
     >>> build_tiny_model("qwen2").config.hidden_size
     64
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     cfg = tiny_config(config)
+    # a vision-language wrapper that is no causal LM of the auto mappings (Qwen2-VL, LLaVA, ...)
+    auto = AutoModelForCausalLM
+    if (
+        getattr(cfg, "text_config", None) is not None
+        and cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        auto = AutoModelForImageTextToText
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(
-            cfg, attn_implementation=resolve_attn_implementation(attn_implementation)
-        )
+        model = auto.from_config(cfg, attn_implementation=resolve_attn_implementation(attn_implementation))
     finally:
         torch.random.set_rng_state(generator_state)  # do not disturb the caller's random stream
     return model.float().eval()

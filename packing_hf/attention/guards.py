@@ -60,6 +60,13 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask.reshape(-1))[0, 0])
 
 
+def _text_positions(position_ids: Any) -> Any:
+    """The ``(B, T)`` text positions: multimodal RoPE ``(4, B, T)`` positions carry them in their first row."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        return position_ids[0]
+    return position_ids
+
+
 def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """``(B, T)`` bool marking the first token of every sample, or ``None`` if the batch is not packed.
 
@@ -82,7 +89,7 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
         starts = torch.zeros(1, total, dtype=torch.bool, device=cu.device)
         starts[0, cu[:-1].long()] = True
         return starts
-    position_ids = batch.get("position_ids")
+    position_ids = _text_positions(batch.get("position_ids"))
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
     mask = batch.get("attention_mask")
@@ -109,6 +116,13 @@ def _restarts_among(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Te
     previous[:, 1:] = last_valid[:, :-1]  # (B, T) the valid column before each token, -1 if none
     prev_pos = position_ids.gather(-1, previous.clamp(min=0))
     return valid & ((previous < 0) | (position_ids != prev_pos + 1))
+
+
+def _config_caches(config: Any) -> bool:
+    """Whether the model would build a cache by default: its config, or a multimodal wrapper's text config
+    (``Trainer`` sets ``model.config.use_cache = False`` on the wrapper only)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "use_cache", True)) or bool(getattr(text, "use_cache", True))
 
 
 def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -196,7 +210,7 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
     batch_size, total = shape
     check_int32_tokens(batch_size * total, f"a packed batch of {batch_size} rows")
 
-    position_ids = out.get("position_ids")
+    position_ids = _text_positions(out.get("position_ids"))
     if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
         host = _check_packed_cu_seqlens(out, batch_size, total)
         # the attention layers reuse this host copy instead of reading the boundaries again, and get one
@@ -254,7 +268,7 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
             "past_key_values was passed with a packed row: a cache turns off packed-sequence masking and "
             "would mix samples; packed rows are for training, call the model without a cache"
         )
-    if out.get("use_cache") or (out.get("use_cache") is None and getattr(config, "use_cache", True)):
+    if out.get("use_cache") or (out.get("use_cache") is None and _config_caches(config)):
         out["use_cache"] = False  # a cache disables packed-sequence detection in transformers' mask creation
 
     labels = out.get("labels")

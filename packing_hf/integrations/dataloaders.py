@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import seed_worker
 
 from ..collator import PaddingFreeCollator
+from ..multimodal import MultimodalCollator
 from ..streaming import PackedStream, TokenizedStream
 from .args import PackingArguments
 from .callbacks import PackingStatsCollator
@@ -31,7 +32,7 @@ __all__ = ["PackingDataMixin", "is_packing_collator", "is_stream"]
 def is_packing_collator(collator: Any) -> bool:
     """Whether ``collator`` flattens a batch into one packed row (so packed samples share attention calls).
 
-    True for :class:`~packing_hf.PaddingFreeCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
+    True for :class:`~packing_hf.PaddingFreeCollator`, :class:`~packing_hf.MultimodalCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
     ``DataCollatorForLanguageModeling(padding_free=True)``, also when wrapped by stock's
     ``RemoveColumnsCollator`` or by :class:`~packing_hf.integrations.callbacks.PackingStatsCollator`.
 
@@ -41,7 +42,9 @@ def is_packing_collator(collator: Any) -> bool:
     """
     while hasattr(collator, "data_collator") or isinstance(collator, PackingStatsCollator):
         collator = collator.collator if isinstance(collator, PackingStatsCollator) else collator.data_collator
-    if isinstance(collator, PaddingFreeCollator | transformers.DataCollatorWithFlattening):
+    if isinstance(
+        collator, PaddingFreeCollator | MultimodalCollator | transformers.DataCollatorWithFlattening
+    ):
         return True
     # TRL's collator, recognised without importing TRL
     return type(collator).__name__ == "DataCollatorForLanguageModeling" and bool(

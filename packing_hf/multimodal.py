@@ -1,0 +1,306 @@
+"""Image+text samples packed in one row: their images, image metadata and per-sample multimodal positions.
+
+A vision-language sample is its token ids (image placeholders already expanded by the processor, so its
+length is the true sequence length), the pixels of its images and per-image metadata. Packed in one row,
+every piece must stay with its sample:
+
+- per-image tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...) are concatenated in sample
+  order along their first dimension: the model consumes them in the order the image tokens appear, which
+  is the order of the samples in the row;
+- per-token tensors (``token_type_ids``, ``mm_token_type_ids``) are concatenated along the row ``(1, T)``;
+  a sample without them (text only) gets zeros (text);
+- multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V): the three (temporal, height, width)
+  position rows are computed *per sample* by the model's own ``get_rope_index`` and restart at every
+  sample, with a fourth, first row of plain restarting text positions that transformers reads to keep the
+  samples apart (``position_ids`` of shape ``(4, 1, T)``).
+
+:func:`mrope_position_ids` is the pure function; :class:`MultimodalCollator` the collator over it.
+``packing_hf.prepare_model_for_packing`` runs the same function inside the model when a packed row
+arrives with plain ``(1, T)`` positions, so either place computes them.
+
+>>> collator = MultimodalCollator()
+>>> batch = collator([{"input_ids": [1, 2], "token_type_ids": [0, 1]}, {"input_ids": [3, 4, 5]}])
+>>> batch["token_type_ids"].tolist(), batch["position_ids"].tolist()
+([[0, 1, 0, 0, 0]], [[0, 1, 0, 1, 2]])
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .collator import PaddingFreeCollator
+from .varlen import cu_seqlens_to_position_ids
+
+__all__ = [
+    "IMAGE_KEYS",
+    "TOKEN_KEYS",
+    "MultimodalCollator",
+    "image_block_masks",
+    "mm_token_types",
+    "mrope_position_ids",
+]
+
+# one entry per image (or video) of a sample, concatenated along dim 0 in sample order
+IMAGE_KEYS: tuple[str, ...] = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "pixel_attention_mask",
+    "image_position_ids",
+)
+# one entry per token of a sample, concatenated along the row
+TOKEN_KEYS: tuple[str, ...] = ("token_type_ids", "mm_token_type_ids")
+
+
+def mm_token_types(
+    input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None = None
+) -> torch.Tensor:
+    """``mm_token_type_ids`` from the placeholder ids: 0 text, 1 image, 2 video; same shape as ``input_ids``.
+
+    >>> mm_token_types(torch.tensor([[5, 9, 9, 5]]), image_token_id=9).tolist()
+    [[0, 1, 1, 0]]
+    """
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    if image_token_id is not None:
+        types[input_ids == image_token_id] = 1
+    if video_token_id is not None:
+        types[input_ids == video_token_id] = 2
+    return types
+
+
+def mrope_position_ids(
+    rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    input_ids: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    mm_token_type_ids: torch.Tensor,
+    **grids: torch.Tensor | None,
+) -> torch.Tensor:
+    """The ``(4, 1, T)`` multimodal positions of a packed row, each sample's computed alone.
+
+    Row 0 is the text position restarting at every sample (what transformers' mask creation reads to keep
+    samples apart); rows 1-3 are the (temporal, height, width) positions that ``rope_index`` gives the sample
+    run on its own. All samples go through one ``rope_index`` call as a right-padded batch with an
+    ``attention_mask``, which consumes the image grids in sample order.
+
+    Args:
+        rope_index: the model's ``get_rope_index`` (e.g. ``model.model.get_rope_index``): takes
+            ``input_ids``, ``mm_token_type_ids``, ``attention_mask`` and the grid keywords, returns
+            ``(positions (3, B, L), deltas)``.
+        input_ids: ``(1, T)`` int64, image/video placeholders expanded.
+        cu_seqlens: ``n + 1`` sample offsets into the row (host ints or a tensor).
+        mm_token_type_ids: ``(1, T)`` int: 0 text, 1 image, 2 video (:func:`mm_token_types` builds it).
+        **grids: ``image_grid_thw`` ``(n_images, 3)``, ``video_grid_thw``, ``second_per_grid_ts``: the
+            whole row's, in sample order; keywords ``rope_index`` does not take are left out.
+
+    Returns:
+        ``(4, 1, T)`` int64.
+
+    >>> def rope_index(input_ids, mm_token_type_ids, attention_mask=None, **_):  # a text-only stand-in
+    ...     pos = attention_mask.long().cumsum(-1) - 1
+    ...     return (pos + 10).expand(3, -1, -1), None
+    >>> mrope_position_ids(rope_index, torch.tensor([[7, 8, 9]]), [0, 2, 3], torch.zeros(1, 3)).tolist()
+    [[[0, 1, 0]], [[10, 11, 10]], [[10, 11, 10]], [[10, 11, 10]]]
+    """
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    total = int(input_ids.shape[-1])
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not cu or cu[0] != 0 or cu[-1] != total:
+        raise ValueError(
+            f"mrope_position_ids needs one packed row (1, T) and offsets from 0 to T; got input_ids of shape "
+            f"{tuple(input_ids.shape)} and cu_seqlens {cu[:3]}...{cu[-1:]}"
+        )
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=False)]
+    longest = max(lengths)
+    device = input_ids.device
+    # (n, L) right-padded copies of the samples: column j of row i is token cu[i] + j of the packed row
+    columns = torch.arange(longest, device=device)
+    starts = torch.tensor(cu[:-1], device=device)
+    valid = columns[None, :] < torch.tensor(lengths, device=device)[:, None]  # (n, L)
+    index = (starts[:, None] + columns[None, :]).clamp(max=total - 1)  # (n, L)
+    ids = torch.where(valid, input_ids[0][index], 0)
+    types = torch.where(valid, mm_token_type_ids.reshape(1, -1)[0].to(device)[index], 0)
+    params = inspect.signature(rope_index).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in grids.items() if v is not None and (k in params or takes_any)}
+    positions, _ = rope_index(
+        input_ids=ids, mm_token_type_ids=types, attention_mask=valid.long(), **extra
+    )  # (3, n, L)
+    out = torch.empty(4, 1, total, dtype=torch.long, device=device)
+    out[0, 0] = cu_seqlens_to_position_ids(cu).to(device)
+    out[1:, 0] = positions[:, valid].to(device=device, dtype=torch.long)
+    return out
+
+
+def image_block_masks(
+    cu_seqlens: Sequence[int],
+    token_type_ids: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-sample attention masks of a packed row whose image tokens attend bidirectionally within their image.
+
+    Gemma 3 lets the tokens of one image see each other both ways (a block), text stays causal. Each block is
+    taken within its sample (a block never continues across a sample boundary), and every pair across
+    samples is masked. Built here because transformers' sliding-window mask looks the blocks up by the
+    per-sample positions of a packed row, which points them at other tokens.
+
+    Args:
+        cu_seqlens: ``n + 1`` sample offsets into the row.
+        token_type_ids: ``(1, T)``: 1 for image tokens, 0 for text.
+        sliding_window: the window of the sliding layers (``None``: no ``"sliding_attention"`` entry).
+        dtype: ``None`` for boolean masks (True = attend, for sdpa); a float dtype for additive masks (eager).
+
+    Returns:
+        ``{"full_attention": (1, 1, T, T), "sliding_attention": (1, 1, T, T)}``.
+
+    >>> masks = image_block_masks([0, 3, 5], torch.tensor([[0, 1, 1, 1, 0]]))
+    >>> masks["full_attention"][0, 0].int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    """
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    total = cu[-1]
+    device = token_type_ids.device
+    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=False)], device=device)
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)  # (T,)
+    first = torch.zeros(total, dtype=torch.bool, device=device)
+    first[torch.tensor(cu[:-1], device=device)] = True
+    image = token_type_ids.reshape(-1)[:total] == 1
+    previous_image = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), image[:-1]])
+    block = torch.cumsum(image & (first | ~previous_image), 0)  # a new block at every image run start
+    block = torch.where(image, block, -1)  # (T,)
+    index = torch.arange(total, device=device)
+    same = sample[:, None] == sample[None, :]
+    keep = same & (
+        (index[:, None] >= index[None, :]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0))
+    )
+    masks = {"full_attention": keep}
+    if sliding_window is not None:
+        masks["sliding_attention"] = keep & (index[None, :] > index[:, None] - sliding_window)
+    out = {}
+    for name, mask in masks.items():
+        mask = mask[None, None]  # (1, 1, T, T)
+        if dtype is not None:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+        out[name] = mask
+    return out
+
+
+def _flat_tokens(value: Any) -> Any:
+    """A per-token value as 1-D: processors often keep a batch dimension of one."""
+    array = value if isinstance(value, torch.Tensor) else np.asarray(value)
+    return array.reshape(-1) if array.ndim == 2 and array.shape[0] == 1 else array
+
+
+class MultimodalCollator:
+    """Collate image+text samples into one packed row ``[1, T]``, every image and position kept per sample.
+
+    Thin over :class:`packing_hf.PaddingFreeCollator` (token ids, labels, boundaries) and
+    :func:`mrope_position_ids` (multimodal RoPE). Each sample is a dict with ``input_ids`` (placeholders
+    already expanded by the processor), optionally ``labels`` / TRL loss masks, and any of
+    :data:`IMAGE_KEYS` (per image, concatenated along dim 0) and :data:`TOKEN_KEYS` (per token,
+    concatenated into ``(1, T)``; zeros for a sample that lacks them). Sample values may carry a leading
+    batch dimension of one (what a processor returns for one sample).
+
+    Args:
+        rope_index: the model's ``get_rope_index`` (Qwen-VL family): when given, ``position_ids`` are the
+            ``(4, 1, T)`` multimodal positions computed per sample; otherwise ``(1, T)`` restarting positions
+            (a prepared model computes the multimodal ones itself, per sample).
+        image_token_id, video_token_id: placeholder ids, to build ``mm_token_type_ids`` for ``rope_index``
+            when the samples do not carry them.
+        max_length: longest sample accepted; a longer one raises (truncating would cut an image block).
+        **kwargs: passed to :class:`packing_hf.PaddingFreeCollator` (``label_pad_id``, ``drop_keys``,
+            ``return_seq_idx``, more ``passthrough_keys``); ``overflow`` other than ``"error"`` and
+            ``pad_to_multiple_of`` are refused: they would cut image blocks or pad the per-token keys.
+
+    Returns (``__call__``): the padding-free batch (``input_ids``, ``labels``, ``position_ids``,
+    ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present.
+
+    >>> collator = MultimodalCollator()
+    >>> batch = collator([{"input_ids": [5, 9, 9], "pixel_values": torch.ones(2, 4)},
+    ...                   {"input_ids": [6, 9], "pixel_values": torch.zeros(1, 4)}])
+    >>> batch["pixel_values"].shape, batch["cu_seq_lens_q"].tolist()
+    (torch.Size([3, 4]), [0, 3, 5])
+    """
+
+    def __init__(
+        self,
+        rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        *,
+        image_token_id: int | None = None,
+        video_token_id: int | None = None,
+        max_length: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("overflow", "error") != "error" or kwargs.get("pad_to_multiple_of"):
+            raise ValueError(
+                "MultimodalCollator keeps every sample whole: overflow must be 'error' (truncating or splitting "
+                "would cut an image block away from its pixels) and pad_to_multiple_of is not supported"
+            )
+        if kwargs.get("return_tensors", "pt") != "pt":
+            raise ValueError("MultimodalCollator returns torch tensors only (return_tensors='pt')")
+        extra = tuple(kwargs.pop("passthrough_keys", ()))
+        self.rope_index = rope_index
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.passthrough_keys = tuple(dict.fromkeys((*IMAGE_KEYS, *extra)))
+        self._base = PaddingFreeCollator(
+            max_length=max_length, passthrough_keys=self.passthrough_keys + TOKEN_KEYS, **kwargs
+        )
+
+    @property
+    def input_columns(self) -> tuple[str, ...]:
+        """Dataset columns this collator consumes: a ``Trainer`` must not strip them (``remove_unused_columns``).
+
+        >>> "pixel_values" in MultimodalCollator().input_columns
+        True
+        """
+        return (*self._base.input_columns, *self.passthrough_keys, *TOKEN_KEYS)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The token and sample counts of the underlying :class:`~packing_hf.PaddingFreeCollator`."""
+        return self._base.stats
+
+    def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, Any]:
+        features = [self._normalize(f) for f in features]
+        token_keys = [k for k in TOKEN_KEYS if any(k in f for f in features)]
+        for key in token_keys:  # a text-only sample next to image samples: every token is text (0)
+            features = [
+                f if key in f else {**f, key: np.zeros(len(f["input_ids"]), dtype=np.int64)} for f in features
+            ]
+        batch = self._base(features)
+        for key in token_keys:
+            batch[key] = batch[key].reshape(1, -1)
+        if self.rope_index is not None:
+            types = batch.get("mm_token_type_ids")
+            if types is None:
+                types = mm_token_types(batch["input_ids"], self.image_token_id, self.video_token_id)
+            batch["position_ids"] = mrope_position_ids(
+                self.rope_index,
+                batch["input_ids"],
+                batch["cu_seq_lens_q"],
+                types,
+                image_grid_thw=batch.get("image_grid_thw"),
+                video_grid_thw=batch.get("video_grid_thw"),
+                second_per_grid_ts=batch.get("second_per_grid_ts"),
+            )
+        return batch
+
+    @staticmethod
+    def _normalize(feature: Mapping[str, Any]) -> dict[str, Any]:
+        """Drop a processor's leading batch dimension of one from per-token fields."""
+        out = dict(feature)
+        for key in ("input_ids", "labels", "attention_mask", *TOKEN_KEYS):
+            if key in out:
+                out[key] = _flat_tokens(out[key])
+        return out

@@ -1,0 +1,392 @@
+"""Vision-language models packed exactly: text-only rows through the wrappers, and image+text rows.
+
+Tiny fp32 CPU copies of the real transformers classes (``*ForConditionalGeneration``), random weights and
+synthetic images of different sizes (random ``pixel_values`` of the right shape). A packed row must give every
+sample the logits and parameter gradients it gets alone; each test has a negative control that the same
+comparison catches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packing_hf.architectures import build_tiny_model, prepare_model_for_packing, tiny_config
+from packing_hf.multimodal import MultimodalCollator, image_block_masks, mm_token_types, mrope_position_ids
+from packing_hf.verify import DEFAULT_TOLERANCE, check_packing
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# --------------------------------------------------------------------------------------------------
+# text-only data through the multimodal classes
+
+WRAPPERS = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "gemma3",
+    "llava",
+    "mllama",
+    "llama4",
+]
+
+
+@pytest.mark.parametrize("model_type", WRAPPERS)
+@pytest.mark.parametrize("implementation", ["sdpa", "packing_hf"])
+def test_text_only_rows_through_a_vlm_wrapper_are_exact_when_prepared(model_type, implementation):
+    model = build_tiny_model(model_type, implementation)
+    assert "ForConditionalGeneration" in type(model).__name__
+    with prepare_model_for_packing(model):
+        report = check_packing(model, noise_floor=True)
+    assert report.error is None and len(report.grads_max_abs_diff) == 3, report
+    assert not report.leaked, report
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "glm4v"])
+def test_mrope_wrappers_leak_stock_and_the_text_position_row_fixes_them(model_type):
+    # negative control: their language model expands (1, T) positions to 3 mRoPE rows and builds the mask
+    # without them, so stock packed samples see each other; prepared, the (4, B, T) positions keep them apart
+    model = build_tiny_model(model_type, "sdpa")
+    stock = check_packing(model, noise_floor=False, gradients=False)
+    assert stock.leaked and stock.max_logits_diff > 100 * DEFAULT_TOLERANCE, stock
+    with prepare_model_for_packing(model):
+        assert not check_packing(model, noise_floor=False, gradients=False).leaked
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_a_hybrid_language_model_is_prepared_as_its_text_model(model_type):
+    # the wrapper inherits its text model's fix (gated DeltaNet mixers split per sample): stock leaks or
+    # raises, prepared is exact
+    model = build_tiny_model(model_type, "sdpa")
+    assert check_packing(model, noise_floor=False, gradients=False).leaked
+    with prepare_model_for_packing(model) as handle:
+        assert handle.mixers > 0
+        report = check_packing(model, noise_floor=True)
+    assert report.error is None and not report.leaked, report
+
+
+def test_three_row_positions_on_a_packed_row_are_refused():
+    model = build_tiny_model("qwen2_vl", "sdpa")
+    positions = torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5)
+    with prepare_model_for_packing(model), pytest.raises(ValueError, match=r"\(4, B, T\) positions"):
+        model(
+            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
+            position_ids=positions,
+            cu_seq_lens_q=torch.tensor([0, 3, 5]),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# image+text samples packed in one row
+
+
+def _random_ids(n: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, 400, (n,), generator=generator).tolist()  # tiny special ids sit at 495..511
+
+
+def _qwen_sample(config, texts: tuple[int, ...], grids: list[tuple[int, int, int]], generator) -> dict:
+    """A Qwen-VL sample: text, then per image its placeholder block (t*h*w / merge^2 tokens) and text."""
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    ids, pixels = _random_ids(texts[0], generator), []
+    for i, (t, h, w) in enumerate(grids):
+        ids += [config.image_token_id] * (t * h * w // merge**2) + _random_ids(texts[i + 1], generator)
+        pixels.append(torch.randn(t * h * w, patch, generator=generator))
+    sample = {"input_ids": ids}
+    if grids:
+        sample["pixel_values"] = torch.cat(pixels)
+        sample["image_grid_thw"] = torch.tensor(grids)
+    return sample
+
+
+def _fixed_size_sample(config, tokens_per_image: int, texts: tuple[int, ...], images: int, generator) -> dict:
+    """A Gemma 3 / LLaVA sample: fixed-size images, ``tokens_per_image`` placeholders each."""
+    vision = config.vision_config
+    token = getattr(config, "image_token_id", None) or config.image_token_index
+    ids, types = _random_ids(texts[0], generator), [0] * texts[0]
+    for i in range(images):
+        ids += [token] * tokens_per_image + _random_ids(texts[i + 1], generator)
+        types += [1] * tokens_per_image + [0] * texts[i + 1]
+    sample = {"input_ids": ids, "token_type_ids": types}
+    if images:
+        size = vision.image_size
+        sample["pixel_values"] = torch.randn(images, vision.num_channels, size, size, generator=generator)
+    return sample
+
+
+def _alone_kwargs(model, sample: dict) -> dict:
+    ids = torch.tensor([sample["input_ids"]])
+    kwargs = {"input_ids": ids, "use_cache": False}
+    for key in ("pixel_values", "image_grid_thw"):
+        if key in sample:
+            kwargs[key] = sample[key]
+    if "token_type_ids" in sample:
+        kwargs["token_type_ids"] = torch.tensor([sample["token_type_ids"]])
+    if "image_grid_thw" in sample:
+        kwargs["mm_token_type_ids"] = mm_token_types(ids, model.config.image_token_id)
+    return kwargs
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+
+
+def _packed_vs_alone(model, samples: list[dict], batch: dict) -> tuple[float, float]:
+    """Largest logits difference, and gradient difference relative to the largest gradient, packed vs alone.
+
+    Gradients are compared relative to the sample's largest gradient entry: random tiny Gemma 3 weights give
+    gradients of 1e7 (its embedding scale), where fp32 rounding alone is ~1e1 in absolute terms.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = {k: v for k, v in batch.items() if k != "labels"}
+    cu = batch["cu_seq_lens_q"].tolist()
+    packed = model(**batch).logits[0]  # (T, V)
+    worst_logits = worst_grads = 0.0
+    for i, sample in enumerate(samples):
+        ids = torch.tensor(sample["input_ids"])
+        alone = model(**_alone_kwargs(model, sample)).logits[0]
+        piece = packed[cu[i] : cu[i + 1]]
+        worst_logits = max(worst_logits, float((piece - alone).detach().abs().max()))
+        grads_packed = torch.autograd.grad(_loss(piece, ids), params, retain_graph=True, allow_unused=True)
+        grads_alone = torch.autograd.grad(_loss(alone, ids), params, allow_unused=True)
+        diff = scale = 0.0
+        for a, b in zip(grads_packed, grads_alone, strict=True):
+            if a is not None or b is not None:
+                a = torch.zeros_like(b) if a is None else a
+                b = torch.zeros_like(a) if b is None else b
+                diff = max(diff, float((a - b).abs().max()))
+                scale = max(scale, float(b.abs().max()))
+        worst_grads = max(worst_grads, diff / max(scale, 1.0))
+    return worst_logits, worst_grads
+
+
+QWEN_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module")
+def qwen_models():
+    return {m: build_tiny_model(m, "sdpa").train() for m in QWEN_VL}
+
+
+def _qwen_samples(model) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    config = model.config
+    return [
+        _qwen_sample(config, (5, 3), [(1, 4, 4)], generator),
+        _qwen_sample(config, (3, 2, 4), [(1, 2, 6), (1, 4, 2)], generator),  # two images of other sizes
+        _qwen_sample(config, (7,), [], generator),  # text only, between image samples
+        _qwen_sample(config, (2, 3), [(1, 6, 4)], generator),
+    ]
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+@pytest.mark.parametrize("positions", ["collator", "model"])
+def test_qwen_vl_image_rows_equal_every_sample_alone(qwen_models, model_type, positions):
+    """mRoPE positions per sample: from the collator (the model's get_rope_index), or inside the prepared model."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    rope_index = model.model.get_rope_index if positions == "collator" else None
+    batch = MultimodalCollator(rope_index, image_token_id=model.config.image_token_id)(samples)
+    assert batch["position_ids"].shape == (
+        (4, 1, batch["input_ids"].shape[1]) if rope_index else batch["input_ids"].shape
+    )
+    assert batch["pixel_values"].shape[0] == sum(len(s.get("pixel_values", ())) for s in samples)
+    with prepare_model_for_packing(model):
+        logits, grads = _packed_vs_alone(model, samples, batch)
+    assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_qwen_vl_negative_controls_are_caught(qwen_models, model_type):
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    collator = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)
+    batch = collator(samples)
+    total = batch["input_ids"].shape[1]
+    # 1. the text row does not restart: transformers sees one sample, every sample attends to the previous ones
+    merged = dict(batch, position_ids=batch["position_ids"].clone())
+    merged["position_ids"][0, 0] = torch.arange(total)
+    merged.pop("cu_seq_lens_q"), merged.pop("cu_seq_lens_k")
+    # 2. image tokens placed by text positions (the model's positions for text, not each image's grid)
+    flat = dict(batch, position_ids=batch["position_ids"][:1].expand(4, 1, total))
+    for wrong in (merged, flat):
+        logits, _ = _packed_vs_alone(
+            model.eval(), samples, {**wrong, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
+        )
+        assert logits > 100 * DEFAULT_TOLERANCE, logits
+
+
+def test_mrope_positions_restart_per_sample_and_match_the_model_alone(qwen_models):
+    model = qwen_models["qwen2_5_vl"]
+    samples = _qwen_samples(model)
+    batch = MultimodalCollator()(samples)
+    ids = batch["input_ids"]
+    positions = mrope_position_ids(
+        model.model.get_rope_index,
+        ids,
+        batch["cu_seq_lens_q"],
+        mm_token_types(ids, model.config.image_token_id),
+        image_grid_thw=batch["image_grid_thw"],
+    )
+    cu = batch["cu_seq_lens_q"].tolist()
+    for i, sample in enumerate(samples):
+        kwargs = _alone_kwargs(model, sample)
+        if "image_grid_thw" in kwargs:
+            alone, _ = model.model.get_rope_index(
+                kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs["image_grid_thw"]
+            )
+        else:
+            alone = torch.arange(len(sample["input_ids"])).expand(3, 1, -1)
+        assert torch.equal(positions[1:, :, cu[i] : cu[i + 1]], alone)
+        assert positions[0, 0, cu[i]] == 0
+
+
+def _gemma3():
+    config = tiny_config("gemma3", mm_tokens_per_image=4)
+    config.vision_config.image_size, config.vision_config.patch_size = 32, 8  # 4 x 4 patches pooled to 2 x 2
+    torch.manual_seed(0)
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float(), 4
+
+
+def _llava():
+    config = tiny_config("llava")
+    config.vision_config.image_size, config.vision_config.patch_size = 28, 14  # 2 x 2 patches, CLS dropped
+    torch.manual_seed(0)
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float(), 4
+
+
+@pytest.mark.parametrize("build", [_gemma3, _llava], ids=["gemma3", "llava"])
+def test_fixed_size_image_rows_equal_every_sample_alone(build):
+    model, per_image = build()
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    samples = [
+        _fixed_size_sample(model.config, per_image, (3, 2), 1, generator),
+        _fixed_size_sample(model.config, per_image, (2, 3, 1), 2, generator),
+        _fixed_size_sample(model.config, per_image, (6,), 0, generator),
+        _fixed_size_sample(model.config, per_image, (1, 4), 1, generator),
+    ]
+    if model.config.model_type == "llava":
+        for s in samples:
+            s.pop("token_type_ids")
+    batch = MultimodalCollator()(samples)
+    with prepare_model_for_packing(model):
+        logits, grads = _packed_vs_alone(model, samples, batch)
+    assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
+    # negative control: no restarting positions (one long sample) is caught by the same comparison
+    merged = {k: v for k, v in batch.items() if not k.startswith(("cu_seq", "max_length"))}
+    merged["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
+    logits, _ = _packed_vs_alone(
+        model, samples, {**merged, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
+    )
+    assert logits > 100 * DEFAULT_TOLERANCE
+    if model.config.model_type == "gemma3":
+        # the block mask turned off: transformers' own sliding mask on a packed row looks the image blocks up by
+        # per-sample positions, so image tokens of later samples attend to the wrong tokens
+        stock, _ = _packed_vs_alone(model, samples, {**batch, "use_cache": False})
+        assert stock > 100 * DEFAULT_TOLERANCE, stock
+        # and the blocks do act: without token_type_ids a sample's image tokens get other logits
+        alone = _alone_kwargs(model, samples[0])
+        causal = {k: v for k, v in alone.items() if k != "token_type_ids"}
+        assert float((model(**alone).logits - model(**causal).logits).abs().max()) > 100 * DEFAULT_TOLERANCE
+
+
+def test_image_blocks_never_continue_across_a_sample_boundary():
+    masks = image_block_masks([0, 2, 4], torch.tensor([[0, 1, 1, 0]]))  # image at the end, then at the start
+    assert not masks["full_attention"][0, 0, 1, 2] and not masks["full_attention"][0, 0, 2, 1]
+
+
+def test_mllama_image_rows_are_refused_by_name():
+    model = build_tiny_model("mllama", "sdpa")
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8]]),
+        "position_ids": torch.tensor([[0, 1, 0, 1]]),
+        "pixel_values": torch.zeros(1, 1, 1, 3, 8, 8),
+    }
+    with (
+        prepare_model_for_packing(model),
+        pytest.raises(ValueError, match="mllama: image\\+text rows: its cross-attention"),
+    ):
+        model(**batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry points: packing_hf.Trainer (pre-flight, multipack) on text-only data through a VLM wrapper
+
+
+def test_trainer_packs_text_only_data_through_a_qwen_vl_wrapper(gsm8k_tokenized, tmp_path):
+    import datasets
+
+    import packing_hf
+
+    model = build_tiny_model("qwen2_vl", "sdpa").train()
+    rows = [{"input_ids": [t % 400 for t in r["input_ids"]]} for r in gsm8k_tokenized[:12]]
+    seen = []
+    model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(getattr(kwargs["position_ids"], "shape", None)),
+        with_kwargs=True,
+    )
+    args = packing_hf.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_tokens_per_batch=512, max_steps=2, packing_preflight="error", learning_rate=1e-3,
+    )  # fmt: skip
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and len(batch["cu_seq_lens_q"]) > 2  # several samples in one row
+    # step 0 is exact: the packed loss is the token-weighted mean of every sample's loss alone
+    cu = batch["cu_seq_lens_q"].tolist()
+    model.eval()
+    with prepare_model_for_packing(model), torch.no_grad():
+        packed = model(**batch).loss
+        total = count = 0.0
+        for a, b in zip(cu[:-1], cu[1:], strict=False):
+            labels = batch["labels"][:, a:b]
+            n = int((labels[:, 1:] != -100).sum())
+            total += (
+                float(model(input_ids=batch["input_ids"][:, a:b], labels=labels, use_cache=False).loss) * n
+            )
+            count += n
+    assert float(packed) == pytest.approx(total / count, rel=1e-5)
+    seen.clear()
+    model.train()
+    trainer.train()
+    assert seen and all(shape is not None and shape[0] == 4 for shape in seen), (
+        seen
+    )  # the text row reached the language model
+
+
+def test_trainer_packs_image_rows_with_the_multimodal_collator(qwen_models, tmp_path):
+    import datasets
+
+    import packing_hf
+
+    model = build_tiny_model("qwen2_vl", "sdpa").train()
+    generator = torch.Generator().manual_seed(1)
+    rows = [_qwen_sample(model.config, (4 + i, 3), [(1, 2 * (1 + i % 3), 4)], generator) for i in range(8)]
+    dataset = datasets.Dataset.from_list(
+        [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in rows]
+    )
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            (kwargs["position_ids"].shape, kwargs["pixel_values"].shape)
+        ),
+        with_kwargs=True,
+    )
+    args = packing_hf.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_tokens_per_batch=96, max_steps=2, learning_rate=1e-3,
+    )  # fmt: skip
+    collator = MultimodalCollator(image_token_id=model.config.image_token_id)
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer.train()
+    assert len(seen) == 2
+    for positions, pixels in seen:  # mRoPE rows computed per sample inside the prepared model
+        assert positions[0] == 4 and pixels[0] > 0
