@@ -268,3 +268,12 @@ def test_refusals_of_vision_data_and_padded_collators(tmp_path, tokenizer, twins
             model=model, args=args, train_dataset=examples(4), processing_class=tokenizer,
             compute_metrics=lambda p: {},
         )  # fmt: skip
+
+
+def test_evaluation_matches_stock(tmp_path, tokenizer, twins, examples):
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: examples(4), per_device_eval_batch_size=4)
+    results = [t.evaluate(examples(4)) for t in (stock, packed)]
+    assert {"eval_loss", "eval_kl", "eval_logps/chosen"} <= results[0].keys()
+    for key, want in results[0].items():
+        if key not in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"):
+            _close(torch.tensor(results[1][key]), torch.tensor(want), f"evaluation {key}")
