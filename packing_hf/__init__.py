@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
     "PaddingFreeRewardCollator": "preference",
+    # unpaired.py: KTO examples and their KL completions as packed rows
+    "PaddingFreeUnpairedCollator": "unpaired",
     # multimodal.py: image+text samples in one packed row
     "MultimodalCollator": "multimodal",
     # rollouts.py: online-RL rollouts in packed rows
@@ -81,6 +83,8 @@ _LAZY: dict[str, str] = {
     "DPOConfig": "integrations",
     "RewardTrainer": "integrations",
     "RewardConfig": "integrations",
+    "KTOTrainer": "integrations",
+    "KTOConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
@@ -136,6 +140,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         DPOTrainer,
         GRPOConfig,
         GRPOTrainer,
+        KTOConfig,
+        KTOTrainer,
         RewardConfig,
         RewardTrainer,
         RLOOConfig,
@@ -151,6 +157,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
+    from .unpaired import PaddingFreeUnpairedCollator
     from .varlen import (
         cu_seqlens_to_lengths,
         cu_seqlens_to_position_ids,

@@ -1,8 +1,9 @@
 """Trainer / SFTTrainer integration: drop-in subclasses that train on packed batches exactly.
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
-``DPOTrainer`` / ``DPOConfig``, ``RewardTrainer`` / ``RewardConfig``, ``GRPOTrainer`` / ``GRPOConfig`` and
-``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
+``DPOTrainer`` / ``DPOConfig``, ``KTOTrainer`` / ``KTOConfig``, ``RewardTrainer`` / ``RewardConfig``,
+``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so
+``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -22,6 +23,8 @@ __all__ = [
     "DPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
     "RewardConfig",
@@ -39,6 +42,8 @@ _TRL_NAMES = {
     "SFTConfig": "sft",
     "DPOTrainer": "dpo",
     "DPOConfig": "dpo",
+    "KTOTrainer": "kto",
+    "KTOConfig": "kto",
     "RewardTrainer": "reward",
     "RewardConfig": "reward",
     "GRPOTrainer": "rl",
@@ -64,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .kto import KTOConfig, KTOTrainer
     from .reward import RewardConfig, RewardTrainer
     from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer

@@ -64,7 +64,13 @@ from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model, preflight_packing
 from .trainer import PackingTrainerMixin
 
-__all__ = ["DPOConfig", "DPOTrainer", "PackedPreferenceForward", "PreferenceStatsCollator"]
+__all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "PackedForwardsMixin",
+    "PackedPreferenceForward",
+    "PreferenceStatsCollator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -229,19 +235,20 @@ class PreferenceStatsCollator(PackingStatsCollator):
         return batch
 
 
-def _as_dpo_config(args: Any, model: Any) -> DPOConfig:
-    """``args`` as a packing_hf ``DPOConfig`` (a plain ``TrainingArguments`` / ``trl.DPOConfig`` is converted)."""
-    if isinstance(args, DPOConfig):
+def _as_config(args: Any, model: Any, config_class: type, suffix: str) -> Any:
+    """``args`` as ``config_class`` (a packing_hf config; a plain ``TrainingArguments`` or TRL config is
+    converted, ``None`` becomes TRL's default ``<model name>-<suffix>`` output folder)."""
+    if isinstance(args, config_class):
         return args
     if args is None:
         name = (
             model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
         )
-        return DPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-DPO")
+        return config_class(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
     values = args.to_dict()
     values["hub_token"] = args.hub_token  # to_dict hides it
-    names = {f.name for f in dataclasses.fields(DPOConfig) if f.init}
-    return DPOConfig(**{k: v for k, v in values.items() if k in names})
+    names = {f.name for f in dataclasses.fields(config_class) if f.init}
+    return config_class(**{k: v for k, v in values.items() if k in names})
 
 
 def _shared_prompt_is_exact(models: list[Any]) -> bool:
@@ -371,7 +378,80 @@ def _pad_token_id(processing_class: Any) -> int:
     return 0  # only the embedding lookup of pad_to_multiple_of padding reads it: any valid id is exact
 
 
-class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
+class PackedForwardsMixin:
+    """The packed-forward plumbing of packing_hf's preference trainers (DPO, KTO): put it first in the bases.
+
+    :class:`PackedPreferenceForward` hooks go on the policy and the reference model the first time each is
+    called (they only act on packed batches), and the reference model is checked and prepared like the policy
+    while training or evaluating, then given back as it was. The subclass sets ``_packed_forwards = {}`` and
+    ``_reference_prepared = False`` before TRL's ``__init__``.
+    """
+
+    # ---- packed forwards -------------------------------------------------------------------------
+
+    def _install_packed_forward(self, model: Any) -> None:
+        """The packed-forward hooks on ``model`` (once): they stay, and only act on packed preference batches."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if id(unwrapped) not in self._packed_forwards:
+            self._packed_forwards[id(unwrapped)] = PackedPreferenceForward(unwrapped)
+
+    def remove_packing_hooks(self) -> None:
+        """Remove the packed-forward hooks from the policy and the reference model."""
+        for hooks in self._packed_forwards.values():
+            hooks.remove()
+        self._packed_forwards.clear()
+
+    @contextlib.contextmanager
+    def _shared_attention(self, model: Any):
+        """Attention switched for the duration where the layout needs it (see ``DPOTrainer``); none here."""
+        yield
+
+    @contextlib.contextmanager
+    def _packed_reference(self):
+        """The reference model prepared like the policy (pre-flight check, guards) for the duration, then given
+        back as it was; the policy is handled by the mixin's own ``_packing_model``. Nested calls (evaluation
+        during training) prepare once."""
+        ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+        if ref is None or self._reference_prepared:
+            yield
+            return
+        self._reference_prepared = True
+        try:
+            with _prepared_once(ref, self.args.packing_preflight), self._shared_attention(ref):
+                yield
+        finally:
+            self._reference_prepared = False
+
+    def train(self, *args: Any, **kwargs: Any):
+        self._install_packed_forward(self.model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        with self._packed_reference():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        self._install_packed_forward(self.model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        with self._packed_reference():
+            return super().evaluate(*args, **kwargs)
+
+    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]):
+        self._install_packed_forward(model)
+        return super().compute_ref_log_probs(model, inputs)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
+    ):
+        self._install_packed_forward(model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+
+class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` on packed preference batches: same log-probs, losses and gradients, no padding.
 
     Same arguments as ``trl.DPOTrainer``; ``args`` is converted to :class:`DPOConfig` if it is a plain
@@ -412,7 +492,7 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_dpo_config(args, model)
+        args = _as_config(args, model, DPOConfig, "DPO")
         _check_options(args, model, data_collator, train_dataset, kwargs)
         _check_dataset(train_dataset, "train_dataset")
         _check_dataset(eval_dataset, "eval_dataset")
@@ -470,36 +550,6 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
                 )
         self._packing_setup()
 
-    # ---- packed forwards -------------------------------------------------------------------------
-
-    def _install_packed_forward(self, model: Any) -> None:
-        """The packed-forward hooks on ``model`` (once): they stay, and only act on packed preference batches."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        if id(unwrapped) not in self._packed_forwards:
-            self._packed_forwards[id(unwrapped)] = PackedPreferenceForward(unwrapped)
-
-    def remove_packing_hooks(self) -> None:
-        """Remove the packed-forward hooks from the policy and the reference model."""
-        for hooks in self._packed_forwards.values():
-            hooks.remove()
-        self._packed_forwards.clear()
-
-    @contextlib.contextmanager
-    def _packed_reference(self):
-        """The reference model prepared like the policy (pre-flight check, guards) for the duration, then given
-        back as it was; the policy is handled by the mixin's own ``_packing_model``. Nested calls (evaluation
-        during training) prepare once."""
-        ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        if ref is None or self._reference_prepared:
-            yield
-            return
-        self._reference_prepared = True
-        try:
-            with _prepared_once(ref, self.args.packing_preflight), self._shared_attention(ref):
-                yield
-        finally:
-            self._reference_prepared = False
-
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         # runs inside TRL's __init__ (and evaluate): check and prepare the model that computes them
         model = self.ref_model if self.ref_model is not None else self.model
@@ -533,34 +583,6 @@ class DPOTrainer(PackingTrainerMixin, trl.DPOTrainer):
         finally:
             if config._attn_implementation == ATTENTION_NAME:
                 base.set_attn_implementation(current)
-
-    def train(self, *args: Any, **kwargs: Any):
-        self._install_packed_forward(self.model)
-        if self.ref_model is not None:
-            self._install_packed_forward(self.ref_model)
-        with self._packed_reference():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any):
-        self._install_packed_forward(self.model)
-        if self.ref_model is not None:
-            self._install_packed_forward(self.ref_model)
-        with self._packed_reference():
-            return super().evaluate(*args, **kwargs)
-
-    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]):
-        self._install_packed_forward(model)
-        return super().compute_ref_log_probs(model, inputs)
-
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
-    ):
-        self._install_packed_forward(model)
-        if self.ref_model is not None:
-            self._install_packed_forward(self.ref_model)
-        return super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
 
     # ---- multipack over pairs --------------------------------------------------------------------
 

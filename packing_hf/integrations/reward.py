@@ -20,7 +20,6 @@ scores must be read before pooling), and prompt-learning PEFT (virtual tokens pe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .args import PackingArguments
 from .dpo import (
     PreferenceStatsCollator,
+    _as_config,
     _check_dataset,
     _check_vocabulary,
     _is_prompt_learning,
@@ -157,20 +157,6 @@ class PackedRewardForward:
         return output
 
 
-def _as_reward_config(args: Any, model: Any) -> RewardConfig:
-    if isinstance(args, RewardConfig):
-        return args
-    if args is None:
-        name = (
-            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-        )
-        return RewardConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-Reward")
-    values = args.to_dict()
-    values["hub_token"] = args.hub_token  # to_dict hides it
-    names = {f.name for f in dataclasses.fields(RewardConfig) if f.init}
-    return RewardConfig(**{k: v for k, v in values.items() if k in names})
-
-
 class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
     """``trl.RewardTrainer`` on packed pair batches: the same scores, loss, gradients and metrics, no padding.
 
@@ -205,7 +191,7 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_reward_config(args, model)
+        args = _as_config(args, model, RewardConfig, "Reward")
         if data_collator is not None and not isinstance(data_collator, PaddingFreeRewardCollator):
             raise ValueError(
                 f"data_collator={type(data_collator).__name__} does not pack reward pairs; leave it unset (a "

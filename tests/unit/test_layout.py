@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.sampler",
             "packing_hf._epoch_plan",
             "packing_hf.preference",
+            "packing_hf.unpaired",
             "packing_hf.multimodal",
             "packing_hf.rollouts",
             "packing_hf.streaming",

@@ -1,0 +1,223 @@
+"""``packing_hf.KTOTrainer`` / ``packing_hf.KTOConfig``: TRL's KTO on packed rows, exactly.
+
+``trl.KTOTrainer`` scores every example (``prompt + completion``) and, for the KL term, the same prompt with
+a mismatched completion taken from a neighbouring example, each in a forward over a right-padded
+``(B, L)`` batch: the policy and the reference model run both. This subclass gives each of the two
+forwards a packed row instead (:class:`~packing_hf.unpaired.PaddingFreeUnpairedCollator`: ``B`` segments with
+``cu_seq_lens`` and restarting positions) and leaves TRL's loss code untouched: the
+:class:`~packing_hf.integrations.dpo.PackedPreferenceForward` hooks move TRL's labels onto the packed row and
+scatter the per-token ``log_probs`` / ``entropy`` / ``mean_logits`` of TRL's fused LM head back into the
+padded layout, so the per-sample completion log-probs, the KL log-probs, the KL estimate, every
+``loss_type`` (``"kto"``, ``"apo_zero_unpaired"``), the weights and the metrics are those of stock TRL up
+to floating-point reassociation inside the matmuls.
+
+- ``max_tokens_per_batch``: micro-batches from :class:`~packing_hf.MultipackBatchSampler`, an example
+  weighing ``len(prompt + completion) + len(prompt + KL completion)`` tokens. TRL draws every example's KL
+  completion from its neighbours in the dataset order (batches of ``per_device_train_batch_size``) when
+  it prepares the dataset, so each sequence's log-prob is stock's, but the KL estimate (a mean over the
+  micro-batch) then averages over the examples multipack groups, not over stock's fixed batches. Leave
+  ``max_tokens_per_batch`` unset for stock's batches exactly (each still packed into rows).
+- ``precompute_ref_log_probs``: TRL computes the reference log-probs before training with its own padded
+  forward (``compute_ref_log_probs``), unchanged here.
+
+Refused with a ``ValueError``: vision datasets, prompt-learning PEFT (virtual tokens), ``compute_metrics``
+(it needs padded logits), a collator that does not pack, ``pad_to_multiple_of``,
+``use_liger_kernel`` and context/sequence parallelism. Packing metrics (``packing_metrics``) are not
+logged for KTO batches.
+
+>>> from packing_hf.integrations.kto import KTOConfig
+>>> config = KTOConfig("out", max_tokens_per_batch=2048, report_to="none", use_cpu=True)
+>>> config.max_tokens_per_batch, config.loss_type
+(2048, 'kto')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trl
+
+from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
+from .args import PackingArguments
+from .dpo import (
+    PackedForwardsMixin,
+    _as_config,
+    _check_vocabulary,
+    _first_row,
+    _is_prompt_learning,
+    _pad_token_id,
+)
+from .trainer import PackingTrainerMixin
+
+__all__ = ["KTOConfig", "KTOTrainer"]
+
+
+@dataclass
+class KTOConfig(PackingArguments, trl.KTOConfig):
+    """``trl.KTOConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`.
+
+    ``max_length`` keeps TRL's meaning (the first ``max_length`` tokens of every sequence);
+    ``max_tokens_per_batch`` is the multipack budget counted over an example's sequence and its KL twin.
+
+    >>> KTOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
+    'switch'
+    """
+
+
+def _check_options(args: KTOConfig, data_collator: Any, train_dataset: Any, model: Any, kwargs: dict) -> None:
+    """Refuse, before TRL does any work, every option a packed KTO batch cannot reproduce exactly."""
+    if data_collator is not None and not isinstance(data_collator, PaddingFreeUnpairedCollator):
+        raise ValueError(
+            f"data_collator={type(data_collator).__name__} does not pack KTO examples; leave it unset (a "
+            "PaddingFreeUnpairedCollator is built from the config) or pass a PaddingFreeUnpairedCollator"
+        )
+    if kwargs.get("compute_metrics") is not None:
+        raise ValueError(
+            "compute_metrics needs the padded logits of every position (deprecated in TRL); a packed batch only "
+            "yields per-token log-probs of real tokens. Unset compute_metrics (TRL's KTO metrics are logged "
+            "anyway) or use trl.KTOTrainer"
+        )
+    if args.pad_to_multiple_of:
+        raise ValueError(
+            f"pad_to_multiple_of={args.pad_to_multiple_of} pads TRL's padded batches; packed rows need none. "
+            "Unset it, or use trl.KTOTrainer"
+        )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True swaps in Liger's layer kernels, which are not checked against packed rows "
+            "(positions restart per segment); unset it, or use trl.KTOTrainer"
+        )
+    if args.max_tokens_per_batch is not None and args.packing_overflow in ("truncate", "split"):
+        raise ValueError(
+            f"packing_overflow={args.packing_overflow!r} would cut an example, whose sequences must be scored "
+            "whole; use 'error' (default) or 'drop', raise max_tokens_per_batch, or lower max_length"
+        )
+    row = _first_row(train_dataset)
+    if isinstance(row, Mapping) and ("image" in row or "images" in row):
+        raise ValueError(
+            "the training dataset has 'image'/'images' columns: vision-language KTO batches are not packed "
+            "(image features are tied to padded rows); use trl.KTOTrainer for vision data"
+        )
+    if _is_prompt_learning(model, kwargs.get("peft_config")):
+        raise ValueError(
+            "prompt-learning PEFT (prefix / prompt tuning) prepends virtual tokens to every sequence, which a "
+            "packed row cannot hold per segment; use LoRA-style adapters or trl.KTOTrainer"
+        )
+
+
+class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
+    """``trl.KTOTrainer`` on packed rows: same per-sample and KL log-probs, losses, gradients and metrics.
+
+    Same arguments as ``trl.KTOTrainer``; ``args`` is converted to :class:`KTOConfig` if it is a plain
+    ``TrainingArguments`` / ``trl.KTOConfig``. Unless given, the collator is a
+    :class:`~packing_hf.unpaired.PaddingFreeUnpairedCollator` with the config's ``max_length``. Load the
+    models with an attention that keeps packed segments apart (sdpa/eager for llama-like models, or
+    ``attn_implementation=packing_hf.register_attention()``); the pre-flight check (``packing_preflight``)
+    verifies it for the policy and the reference model while they train or evaluate.
+
+    >>> import datasets
+    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
+    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "completion": ["2", "6"],
+    ...     "label": [True, False]})
+    >>> args = KTOConfig("/tmp/packing_hf_kto_doctest", per_device_train_batch_size=2, max_steps=1,
+    ...     precompute_ref_log_probs=True, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    >>> trainer = KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    >>> type(trainer.data_collator).__name__
+    'PaddingFreeUnpairedCollator'
+    >>> trainer.train().global_step  # the Trainer prints its final metrics  # doctest: +ELLIPSIS
+    {...'train_loss'...}
+    1
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        ref_model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = _as_config(args, model, KTOConfig, "KTO")
+        _check_options(args, data_collator, train_dataset, model, kwargs)
+        _check_vocabulary(processing_class, model)
+        if data_collator is None:
+            data_collator = PaddingFreeUnpairedCollator(
+                max_length=args.max_length,
+                overflow="truncate" if args.max_length is not None else "error",
+                pad_token_id=_pad_token_id(processing_class),
+            )
+        # Set before TRL's __init__, which may already run forwards (precompute_ref_log_probs).
+        self._packed_forwards = {}
+        self._reference_prepared = False
+        self._kl_rows: dict[str, Any] | None = None
+        super().__init__(
+            model,
+            ref_model=ref_model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        for name in ("cp_size", "sp_size"):
+            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
+                raise ValueError(
+                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
+                    "a packed row does not support; unset it or use trl.KTOTrainer"
+                )
+        self._packing_setup()
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
+    ):
+        # TRL hands every batch key to the main forward: the KL row waits aside for _compute_kl_logps
+        inputs = dict(inputs)
+        self._kl_rows = {k: inputs.pop(KL_PREFIX + k) for k in ROW_KEYS if KL_PREFIX + k in inputs}
+        try:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        finally:
+            self._kl_rows = None
+
+    def _compute_kl_logps(self, model: Any, batch: dict[str, Any]):
+        if self._kl_rows:  # the KL forward runs on the KL row (TRL swaps in the padded KL_ layout itself)
+            batch = {**{k: v for k, v in batch.items() if k not in ROW_KEYS}, **self._kl_rows}
+        return super()._compute_kl_logps(model, batch)
+
+    def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
+        """Tokens of every example in the packed rows: its sequence and its KL twin, after ``max_length``."""
+        from ..sampler import lengths_from_dataset
+        from .dataloaders import _is_hf_dataset
+
+        columns = ["prompt_ids", "completion_ids"] + (["KL_completion_ids"] if self.calculate_KL else [])
+        if _is_hf_dataset(dataset):
+            missing = [c for c in columns if c not in dataset.column_names]
+            if missing:
+                raise ValueError(
+                    f"max_tokens_per_batch needs example lengths, but the training dataset lacks {missing} "
+                    f"(columns: {dataset.column_names}); let KTOTrainer tokenize it"
+                )
+            parts = [lengths_from_dataset(dataset, c) for c in columns]
+        else:
+            parts = [
+                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
+            ]
+        limit = self.data_collator.max_length
+        lengths = [np.minimum(parts[0] + p, limit) if limit else parts[0] + p for p in parts[1:]]
+        return np.sum(lengths, axis=0).astype(np.int64)
+
+    def _wrap_train_collator(self, collator: Any) -> Any:
+        return collator  # the packing statistics count pairs; KTO batches are not measured
