@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated model types (default: the whole sweep)")
     parser.add_argument("--json", default="", help="also write every report as JSON to this path")
     parser.add_argument(
-        "--multimodal-only", action="store_true", help="regenerate only the multimodal table (skip the text sweep)"
+        "--multimodal-only",
+        action="store_true",
+        help="regenerate only the multimodal table (skip the text sweep)",
     )
     args = parser.parse_args(argv)
 
@@ -192,7 +194,7 @@ def _readme_multimodal(section: str) -> str:
     table = section[section.index("| wrapper") :].rstrip()
     return (
         "<details><summary>Multimodal checkpoints (generated; legend in "
-        "<a href=\"docs/architectures.md\">docs/architectures.md</a>)</summary>\n\n" + table + "\n\n</details>"
+        '<a href="docs/architectures.md">docs/architectures.md</a>)</summary>\n\n' + table + "\n\n</details>"
     )
 
 
@@ -225,7 +227,11 @@ def _wrapper_types() -> list[tuple[str, str]]:
         except Exception:  # noqa: BLE001 - transformers' own default config fails validation (gemma4_assistant)
             continue
         text = wrapper_text_config(config)
-        if text is None or getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        if (
+            text is None
+            or getattr(config, "is_encoder_decoder", False)
+            or getattr(text, "is_encoder_decoder", False)
+        ):
             continue  # a text model, or an encoder-decoder (no causal decoder to pack)
         wrappers.append((model_type, str(text.model_type)))
     return wrappers

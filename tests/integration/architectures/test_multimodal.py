@@ -74,7 +74,9 @@ def test_a_bidirectional_language_model_is_refused_even_for_text_only_rows():
     model = build_tiny_model("paligemma", "sdpa")
     assert model.config.text_config.use_bidirectional_attention
     assert check_packing(model, noise_floor=False, gradients=False).leaked
-    with pytest.raises(ValueError, match="paligemma \\(language model gemma\\): its attention is bidirectional"):
+    with pytest.raises(
+        ValueError, match="paligemma \\(language model gemma\\): its attention is bidirectional"
+    ):
         prepare_model_for_packing(model)
 
 

@@ -41,9 +41,14 @@ def test_every_phase_announces_itself_on_stderr_and_stdout_stays_the_result(tmp_
 
 def test_cli_on_a_multimodal_wrapper(capsys):
     # Qwen2-VL's wrapper class: stock sdpa leaks (mRoPE positions, mask built without them); prepared, exact
-    assert verify_main(["--model-type", "qwen2_vl", "--attn-implementation", "sdpa", "--stock", "--no-grads"]) == 1
+    assert (
+        verify_main(["--model-type", "qwen2_vl", "--attn-implementation", "sdpa", "--stock", "--no-grads"])
+        == 1
+    )
     assert "LEAK" in capsys.readouterr().out
     assert verify_main(["--model-type", "qwen2_vl", "--attn-implementation", "sdpa"]) == 0
     assert "exact" in capsys.readouterr().out
     assert verify_main(["--model-type", "paligemma", "--no-grads"]) == 1  # bidirectional language model
-    assert "refused: paligemma (language model gemma): its attention is bidirectional" in capsys.readouterr().out
+    assert (
+        "refused: paligemma (language model gemma): its attention is bidirectional" in capsys.readouterr().out
+    )
