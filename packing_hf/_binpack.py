@@ -36,6 +36,7 @@ import numpy as np
 
 from ._binpack_kernels import (
     _best_fit_sorted,
+    _best_fit_sparse,
     _counting_sort_decreasing,
     _empty_bin,
     _group_by_bin,
@@ -118,6 +119,25 @@ def _tree_budget(lengths: np.ndarray, budget: int) -> int:
     plan is the same while memory stays bounded by the data, not by the budget (2**26 tokens of budget would
     otherwise allocate gigabytes for three samples)."""
     return int(min(budget, max(int(lengths.sum()), 1)))
+
+
+# The best-fit tree, the counting sort and the L2 histogram are tables indexed by token counts. Up to this
+# size (or a few slots per item) they are the fast path; past it the same results come from sorted arrays,
+# so memory follows the number of samples, never the lengths or the budget ([2**31 - 1, 2**31 - 1, 5] would
+# otherwise ask for tens of GiB).
+_TABLE_LIMIT = 1 << 20
+
+
+def _table_fits(size: int, n_items: int) -> bool:
+    return size <= max(_TABLE_LIMIT, 4 * n_items)
+
+
+def _best_fit(sorted_lengths: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
+    """Best fit over the items in the given order: ``(bin of every item, bin count)``, in memory O(n)."""
+    capacity = _tree_budget(sorted_lengths, budget)
+    if _table_fits(capacity, sorted_lengths.size):
+        return _best_fit_sorted(sorted_lengths, capacity)
+    return _best_fit_sparse(sorted_lengths, capacity)
 
 
 def _check_fits(lengths: np.ndarray, budget: int) -> None:
@@ -203,7 +223,10 @@ def sort_decreasing(lengths: LengthsLike, order: np.ndarray | None = None) -> np
             raise ValueError(f"order must have shape {lengths.shape} like lengths, got {order.shape}")
     if lengths.size == 0:
         return order.copy()
-    return _counting_sort_decreasing(lengths, order, int(lengths.max()))
+    longest = int(lengths.max())
+    if not _table_fits(longest, lengths.size):  # the same stable order without a table of every length
+        return order[np.argsort(-lengths[order], kind="stable")]
+    return _counting_sort_decreasing(lengths, order, longest)
 
 
 def pack_best_fit_decreasing(
@@ -242,7 +265,7 @@ def pack_best_fit_decreasing(
         return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
     sorted_ids = sort_decreasing(lengths, order)
     sorted_lengths = lengths[sorted_ids]
-    bin_of, n_bins = _best_fit_sorted(sorted_lengths, _tree_budget(sorted_lengths, budget))
+    bin_of, n_bins = _best_fit(sorted_lengths, budget)
     if repair:
         bin_of, n_bins = _repair(sorted_lengths, bin_of, int(n_bins), budget)
     return _packing_from_bin_of(bin_of, sorted_ids, sorted_lengths, int(n_bins), budget)
@@ -318,7 +341,7 @@ def pack_best_fit_random_order(
     visit = np.concatenate([order[is_long], order[~is_long]])  # (n,) stable: long ones first
     visit_lengths = lengths[visit]
     # best fit in any order (the kernel's name is historical)
-    bin_of, n_bins = _best_fit_sorted(visit_lengths, _tree_budget(visit_lengths, budget))
+    bin_of, n_bins = _best_fit(visit_lengths, budget)
     if repair:
         bin_of, n_bins = _repair(visit_lengths, bin_of, int(n_bins), budget)
     if level:
@@ -500,6 +523,8 @@ def lower_bound_l2(lengths: LengthsLike, budget: int) -> int:
         return 0
     if int(lengths.sum()) <= budget:  # everything fits in one bin (and the tables below stay small)
         return 1
+    if not _table_fits(budget, lengths.size):
+        return _lower_bound_l2_sorted(lengths, budget)
     count = np.bincount(lengths, minlength=budget + 2).astype(np.int64)  # (budget + 2,) by length
     tokens = count * np.arange(budget + 2, dtype=np.int64)
     # count_ge[x] / tokens_ge[x]: number / tokens of items with length >= x, for x in [0, budget + 1]
@@ -512,6 +537,36 @@ def lower_bound_l2(lengths: LengthsLike, budget: int) -> int:
     n2 = count_ge[half + 1] - n1
     s2 = tokens_ge[half + 1] - tokens_ge[big]
     s3 = tokens_ge[a] - tokens_ge[half + 1]
+    rest = s3 - (n2 * budget - s2)
+    extra = np.where(rest > 0, -(-rest // budget), 0)
+    return int((n1 + n2 + extra).max())
+
+
+def _lower_bound_l2_sorted(lengths: np.ndarray, budget: int) -> int:
+    """:func:`lower_bound_l2` from the sorted lengths, O(n log n) time and O(n) memory, for large budgets.
+
+    ``L(a)`` only changes where ``a`` passes a length (``a = l + 1`` drops ``l`` from J3) or where
+    ``budget - a + 1`` does (``a = budget - l + 1`` moves ``l`` into J1), so its maximum over
+    ``[0, budget / 2]`` is reached at 0 or at one of those points.
+    """
+    ordered = np.sort(lengths)  # (n,)
+    tokens = np.concatenate([[0], np.cumsum(ordered)])  # (n + 1,) tokens of the shortest i items
+    n, total = ordered.size, int(tokens[-1])
+
+    def count_ge(x: np.ndarray) -> np.ndarray:
+        return n - np.searchsorted(ordered, x, side="left")
+
+    def tokens_ge(x: np.ndarray) -> np.ndarray:
+        return total - tokens[np.searchsorted(ordered, x, side="left")]
+
+    half = budget // 2
+    a = np.unique(np.concatenate([[0], ordered + 1, budget - ordered + 1]))
+    a = a[(a >= 0) & (a <= half)]  # (k,) the points where L(a) may change
+    big = budget - a + 1
+    n1 = count_ge(big)
+    n2 = count_ge(np.array([half + 1]))[0] - n1
+    s2 = tokens_ge(np.array([half + 1]))[0] - tokens_ge(big)
+    s3 = tokens_ge(a) - tokens_ge(np.array([half + 1]))[0]
     rest = s3 - (n2 * budget - s2)
     extra = np.where(rest > 0, -(-rest // budget), 0)
     return int((n1 + n2 + extra).max())

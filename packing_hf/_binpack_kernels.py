@@ -304,3 +304,45 @@ def _empty_bin(lengths, bin_of, gap, target, budget, max_visits):  # pragma: no 
         n_pool -= 1
         pool[k] = pool[n_pool]
     return True, visits
+
+
+@njit(cache=True)
+def _best_fit_sparse(sorted_lengths, budget):  # pragma: no cover - compiled
+    """:func:`_best_fit_sorted` in memory set by the number of items, not by ``budget``: the same bins.
+
+    The open bins' free spaces are kept as one sorted array (O(log bins) search, O(open bins) insertion),
+    for budgets too large for a table indexed by free space. Among bins with the same free space the one
+    filled last is taken first, as the tree's per-value stacks do, so both kernels give identical bins.
+    """
+    n = sorted_lengths.shape[0]
+    frees = np.empty(n, np.int64)  # free space of every open bin, ascending; equal values by insertion order
+    bins = np.empty(n, np.int64)
+    m = 0
+    bin_of = np.empty(n, np.int64)
+    n_bins = 0
+    for i in range(n):
+        length = sorted_lengths[i]
+        at = np.searchsorted(frees[:m], length)  # the smallest free space >= length
+        if at < m:
+            free = frees[at]
+            j = np.searchsorted(frees[:m], free, side="right") - 1  # the last bin left with that space
+            b = bins[j]
+            for k in range(j, m - 1):
+                frees[k] = frees[k + 1]
+                bins[k] = bins[k + 1]
+            m -= 1
+        else:
+            b = n_bins
+            n_bins += 1
+            free = budget
+        bin_of[i] = b
+        free -= length
+        if free > 0:
+            k = np.searchsorted(frees[:m], free, side="right")
+            for j in range(m, k, -1):
+                frees[j] = frees[j - 1]
+                bins[j] = bins[j - 1]
+            frees[k] = free
+            bins[k] = b
+            m += 1
+    return bin_of, n_bins

@@ -41,6 +41,7 @@ __all__ = [
     "Status",
     "bidirectional_attention",
     "check_served_config",
+    "served_config_key",
     "iter_sweep",
     "mark_mixers_prepared",
     "mixers_prepared",
@@ -135,6 +136,19 @@ _ENTRIES = [
     _entry("gpt_neo", "exact", "", own_attention=True),
     _entry("gptj", "exact", "", own_attention=True),
     _entry("ctrl", "exact"),
+    # causal decoders of transformers 5.23 added to the sweep (issue 18); the tiny fields fill what their
+    # default configs leave unset (or too large for a tiny copy)
+    _entry("gemma4_text", "exact"),
+    _entry("gemma4_unified_text", "exact"),
+    _entry("hrm_text", "exact", tiny={"num_layers_per_stack": 1}),  # keeps its H/L cycles over the stack
+    _entry("gemma3n_text", "exact", tiny={"num_kv_shared_layers": 0}),
+    _entry(
+        "cohere_compass_text",
+        "exact",
+        tiny={"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    _entry("dbrx", "exact", tiny={"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}}),
+    _entry("dots1", "exact", tiny={"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2}),
     # --- fixed by restricting the mask per sample -------------------------------------------------
     _entry("opt", "mask", _NO_POSITION_MASK),
     _entry("biogpt", "mask", _NO_POSITION_MASK),
@@ -214,6 +228,29 @@ _ENTRIES = [
     _entry("qwen3_5_moe_text", "mixers", _DELTANET, mixers=("Qwen3_5MoeGatedDeltaNet",)),
     _entry("olmo_hybrid", "mixers", _DELTANET, mixers=("OlmoHybridGatedDeltaNet",)),
     _entry(
+        "zaya",
+        "refused",
+        _CONV + " (the query/key convolutions of its compressed attention)",
+        tiny={"num_experts_per_tok": 1},
+    ),
+    _entry(
+        "qwen4_exp_text",
+        "refused",
+        _DELTANET,
+        tiny={
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 2,
+            "ngram_vocab_size_base": 512,
+            "ple_embed_dim": 64,
+            "hc_lowrank": 16,
+            "split_ngram_parts": 4,
+            "make_ngram_vocab_size_divisible_by": 8,
+        },
+    ),
+    _entry(
         "recurrent_gemma",
         "mixers",
         "the convolution of its RG-LRU recurrent blocks runs across the whole row",
@@ -226,6 +263,7 @@ _ENTRIES = [
     _entry("deepseek_v32", "refused", _DSA),
     _entry("glm_moe_dsa", "refused", _DSA),
     _entry("axk2", "refused", _DSA),
+    _entry("dots3_note_text", "refused", _DSA, tiny={"head_dim": 16, "index_topk": 4}),
     _entry("hy_v4", "refused", _DSA, own_attention=True),
     _entry(
         "deepseek_v4",
@@ -425,6 +463,23 @@ def mixers_prepared(config: Any) -> bool:
     """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
     seen = _PREPARED_MIXERS.get(id(config))
     return seen is not None and seen() is config
+
+
+def served_config_key(config: Any) -> tuple:
+    """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
+    again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
+
+    >>> from types import SimpleNamespace
+    >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
+    ('llama', ('full_attention',), None, False)
+    """
+    layer_types = getattr(config, "layer_types", None)
+    return (
+        str(getattr(config, "model_type", "") or type(config).__name__),
+        tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
+        getattr(config, "attention_chunk_size", None),
+        mixers_prepared(config),
+    )
 
 
 def check_served_config(config: Any) -> None:

@@ -70,7 +70,8 @@ Every architecture is built tiny from its default config (`packing_hf.tiny_confi
 layer of each layer type, sliding windows and attention chunks of 4 tokens, 4 experts), in fp32 on CPU.
 One packed row of samples {lengths} (restarting `position_ids`, `cu_seq_lens_q/k`, no attention mask, no
 cache: what `PaddingFreeCollator` emits) is compared with every sample run alone: logits and, per sample,
-the gradient of every parameter; tolerance {tolerance:g} max abs difference.
+the gradient of every parameter; a difference counts as a leak past max({tolerance:g}, {margin:g} x the tiny
+model's own fp32 rounding noise, each sample alone in fp32 vs fp64): the noise-floor verdict of `check_packing`.
 
 A cell reads *stock → with packing_hf* (`packing_hf.prepare_model_for_packing(model)`): **exact** = no
 leak; *leaks (d)* = stock transformers lets samples see each other (max abs difference d), which
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from packing_hf.app.verify import format_table, result_dict
     from packing_hf.architectures import IMPLEMENTATIONS, iter_sweep, sweep_architecture
-    from packing_hf.verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE
+    from packing_hf.verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, NOISE_MARGIN
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)  # tiny models: more threads only add overhead (and fight other processes)
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=seconds,
             lengths=list(DEFAULT_LENGTHS),
             tolerance=DEFAULT_TOLERANCE,
+            margin=NOISE_MARGIN,
             summary=summary,
         )
         + table

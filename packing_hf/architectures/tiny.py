@@ -54,6 +54,9 @@ _TINY_FIELDS: dict[str, int] = {
     "moe_shared_expert_intermediate_size": 32,
     "expert_ffn_hidden_size": 32,
     "vocab_size": _TINY_VOCAB,
+    # per-layer input embeddings (gemma3n, gemma4): a vocabulary-sized table per layer
+    "vocab_size_per_layer_input": _TINY_VOCAB,
+    "hidden_size_per_layer_input": 16,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -233,8 +236,10 @@ def tiny_config(config, **overrides):
                 new[key] = [value[i] for i in chosen]
             elif key == "per_layer_config" and isinstance(value, dict):
                 # {"05": {...}} keyed by layer index: keep the chosen layers' entries under their new index
+                # per-layer head counts follow the tiny ones (a validator may require kv heads == heads)
+                sizes = {**_TINY_FIELDS, **{f: new[f] for f in ("num_key_value_heads",) if f in new}}
                 new[key] = {
-                    f"{chosen.index(int(k)):02d}": {f: _TINY_FIELDS.get(f, v) for f, v in per.items()}
+                    f"{chosen.index(int(k)):02d}": {f: sizes.get(f, v) for f, v in per.items()}
                     for k, per in value.items()
                     if int(k) in chosen
                 }
@@ -273,7 +278,10 @@ def tiny_config(config, **overrides):
         half = (head_dim or _TINY_HEAD_DIM) // 2
         section = [half // 4, half // 4]
         new["rope_parameters"] = {**rope, "mrope_section": [half - sum(section), *section]}
-    new.update(support(str(getattr(base, "model_type", ""))).tiny)
+    for key, value in support(str(getattr(base, "model_type", ""))).tiny.items():
+        # a dict (a sub-config such as dbrx's attn_config) adds to the fields the config already has
+        current = new.get(key, data.get(key))
+        new[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
     new.update(overrides)
     return type(base)(**{**data, **new})
 

@@ -57,7 +57,8 @@ from dataclasses import dataclass
 import torch
 
 from ..varlen import check_cu_seqlens, check_int32_tokens
-from .host import cached_host_values, host_cache_entry, host_values, reads_are_free
+from . import host
+from .host import cached_host_values, host_cache_entry, host_values
 from .kernels import (
     _cuda_capability,
     _flash_package_features,
@@ -280,7 +281,7 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
         )
     # value checks only when they cost no device sync and no graph break: a CPU tensor in eager mode is read
     # once (then cached for every layer), elsewhere only a host copy already made is used.
-    values = host_values(cu) if reads_are_free(cu) else cached_host_values(cu)
+    values = host_values(cu) if host.reads_are_free(cu) else cached_host_values(cu)
     entry = host_cache_entry(cu) if values is not None else None
     # flash_attn_varlen_func's contract: empty segments allowed, trailing tokens may lie outside every one.
     if values is not None and (entry is None or total not in entry[3]):

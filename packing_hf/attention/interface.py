@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from ..registry import check_served_config, support
+from ..registry import check_served_config, served_config_key
 from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
+from . import host
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .host import cached_host_values, host_values
 from .prefix import PREFIX_KEY, gather_prefix_keys
@@ -238,6 +239,9 @@ def attend(
         layout = _given_layout(
             cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, batch, padding, query.device
         )
+        # a shared-prefix row's branches continue their prefix's positions: only its total is checked here
+        positions = _packed_position_ids(position_ids, batch, tq) if prefix_seq_idx is None else None
+        _check_row_boundaries(cu_seq_lens_q, positions, tq)
     else:
         positions = _packed_position_ids(position_ids, batch, tq) if tq == tk else None
         layout = _layout(batch, tq, tk, query.device, padding, positions)
@@ -360,6 +364,52 @@ def _given_layout(
     return _Layout(cu_q, cu_q if same else cu_k.to(device), max_q, max_k)
 
 
+# (cu_seq_lens_q, position_ids) pairs already checked against each other: every layer of a forward gets the
+# same tensor objects, so the check (and its one host read) runs once per forward
+_CHECKED_ROWS: list[tuple] = []
+
+
+def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, total: int) -> None:
+    """Refuse ``cu_seq_lens_q`` that disagree with their row: not ending at its ``total`` tokens, or with
+    boundaries where ``position_ids`` do not restart (or none where they do). Once per forward where reads
+    are free (CPU, eager: the shared host copy of ``cu`` and one ``bool``); elsewhere the layers read nothing
+    and :func:`packing_hf.prepare_model_for_packing`'s pre-hook checks the batch once, outside them."""
+    if not isinstance(cu, torch.Tensor) or not host.reads_are_free(cu):
+        return
+    key = (*_ref_key(cu), *_ref_key(position_ids), total)
+    if any(_same_key(checked, key) for checked in _CHECKED_ROWS):
+        return
+    bounds = host_values(cu)
+    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds[:-1], bounds[1:], strict=False)):
+        return  # malformed: the backends' check of cu_seqlens names it
+    if bounds[-1] != total:
+        raise ValueError(
+            f"cu_seq_lens_q ends at token {bounds[-1]} but the packed row has {total} tokens: "
+            f"{'the last ' + str(total - bounds[-1]) + ' tokens would be in no sample' if bounds[-1] < total else 'it points past the row'}. "
+            "Build the boundaries from the samples of this row (packing_hf.PaddingFreeCollator, or "
+            "packing_hf.lengths_to_cu_seqlens)"
+        )
+    if position_ids is not None and position_ids.shape[0] == 1:
+        restarts = position_restarts(position_ids.reshape(-1))  # (T,) bool
+        starts = torch.zeros_like(restarts)
+        starts[[a for a, b in zip(bounds[:-1], bounds[1:], strict=False) if b > a]] = True
+        wrong = starts != restarts
+        if bool(wrong.any()):
+            at = int(torch.nonzero(wrong)[0, 0])
+            where = (
+                "puts a sample boundary at token {at} where position_ids continue"
+                if bool(starts[at])
+                else "has no boundary at token {at}, where position_ids restart"
+            ).format(at=at)
+            raise ValueError(
+                f"cu_seq_lens_q {where}: the boundaries contradict the row's position_ids, so samples would "
+                "attend to each other (or be cut). Pass the cu_seq_lens_q and position_ids of the same samples "
+                "(packing_hf.PaddingFreeCollator builds both)"
+            )
+    _CHECKED_ROWS.insert(0, key)
+    del _CHECKED_ROWS[4:]
+
+
 def _known_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two boundary tensors are known equal without reading them (host copies made earlier, e.g. by
     :func:`packing_hf.validate_packed_batch`, which checks that ``cu_seq_lens_k`` equals ``cu_seq_lens_q``)."""
@@ -389,22 +439,23 @@ def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
 
 _WARNED_ATTENTIONS = False
 
-# id(config) -> weakref of configs already checked (one check per model; a config is not hashable)
-_SERVED: dict[int, weakref.ref] = {}
+# id(config) -> (weakref of the config, the fields check_served_config read): one check per model config and
+# state of those fields, so a config changed after the first forward (e.g. layer_types) is checked again
+_SERVED: dict[int, tuple[weakref.ref, tuple]] = {}
 
 
 def _check_served(config: Any) -> None:
-    """Refuse, once per model config, a model this attention cannot keep exact (see ``check_served_config``)."""
+    """Refuse a model this attention cannot keep exact (see ``check_served_config``): once per config, and
+    again whenever a field the check reads has changed."""
     if config is None:
         return
+    key = served_config_key(config)
     seen = _SERVED.get(id(config))
-    if seen is not None and seen() is config:
+    if seen is not None and seen[0]() is config and seen[1] == key:
         return
     check_served_config(config)
-    if support(str(getattr(config, "model_type", ""))).status != "mixers":
-        # a hybrid is served only while prepared (its mixers split per sample): checked on every call,
-        # so that a reverted model is refused again
-        _SERVED[id(config)] = weakref.ref(config)
+    # the key holds whether a hybrid's mixers are prepared: a reverted hybrid is checked (and refused) again
+    _SERVED[id(config)] = (weakref.ref(config), key)
 
 
 def varlen_attention_forward(

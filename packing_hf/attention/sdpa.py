@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .host import host_values, reads_are_free
+from . import host
+from .host import host_values
 
 # --------------------------------------------------------------------------------------------------
 # masks shared by the reference and per-segment SDPA paths
@@ -226,7 +227,7 @@ def _attend_block(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def _run_sdpa(call: _Call) -> torch.Tensor:
     """SDPA over the segments: a loop of one call per segment where the boundaries are free to read (CPU,
     eager), else the padded batch of :func:`_run_sdpa_padded` (compiled graphs, accelerators: no host read)."""
-    if call.segment_mask is None and not reads_are_free(call.cu_q):
+    if call.segment_mask is None and not host.reads_are_free(call.cu_q):
         return _run_sdpa_padded(call)
     return _run_sdpa_loop(call)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..streaming import PackedStream
 from .args import PackingArguments
 from .dataloaders import is_stream
 
@@ -84,6 +85,11 @@ class PackingEvalMixin:
                 totals = self.accelerator.reduce(totals, reduction="sum")
         finally:
             self._packing_eval_sums = None
+        if float(totals[1]) == 0 and isinstance(dataloader.dataset, PackedStream):
+            # as a map-style eval set with no sample (the sampler refuses it), never metrics without the loss
+            raise ValueError(
+                "the dataset is empty (the evaluation stream yielded no labelled token): there is nothing to evaluate"
+            )
         prefix = kwargs.get("metric_key_prefix", args[2] if len(args) > 2 else "eval")
         key = f"{prefix}_loss"
         if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:

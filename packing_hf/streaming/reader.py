@@ -38,6 +38,8 @@ read, sequences are indexed), which is how :class:`~packing_hf.streaming.PackedS
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import islice
@@ -48,6 +50,27 @@ from .._limits import check_int
 from .files import file_format, read_record_file
 
 __all__ = ["TokenizedStream", "read_stream", "streaming_dataset_reader"]
+
+# what a fingerprint reads of the data: the head of every file, the first records of a datasets stream
+_FINGERPRINT_BYTES = 1 << 16
+_FINGERPRINT_RECORDS = 16
+
+
+def _digest(chunks: Iterator[bytes]) -> str:
+    sha = hashlib.sha1()
+    for chunk in chunks:
+        sha.update(chunk)
+    return sha.hexdigest()[:16]
+
+
+def _record_bytes(records: Iterator[Any]) -> Iterator[bytes]:
+    for record in records:
+        yield json.dumps(record, sort_keys=True, default=repr).encode() + b"\n"
+
+
+def _file_head(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        yield handle.read(_FINGERPRINT_BYTES)
 
 
 def _is_file_list(data: Any) -> bool:
@@ -126,6 +149,7 @@ class TokenizedStream:
                 if not path.is_file():
                     raise ValueError(f"data file {str(path)!r} does not exist")
         self._where: Callable[[], str] = lambda: "before the first record"
+        self._fingerprint: str | None = None
 
     @staticmethod
     def _classify(data: Any) -> str:
@@ -154,7 +178,7 @@ class TokenizedStream:
 
     def shard(self, num_replicas: int, rank: int) -> TokenizedStream:
         """The same stream restricted to shard ``rank`` of ``num_replicas`` (of the whole data, not of this shard)."""
-        return TokenizedStream(
+        other = TokenizedStream(
             self.data,
             self.tokenizer,
             text_column=self.text_column,
@@ -166,18 +190,42 @@ class TokenizedStream:
             num_replicas=num_replicas,
             rank=rank,
         )
+        other._fingerprint = self._fingerprint  # the same data (a datasets stream may be mid-epoch by now)
+        return other
 
     def fingerprint(self) -> str:
-        """What the data is, to refuse resuming a stream over other data: file names and sizes, or a summary."""
+        """What the data is, to refuse resuming a stream over other data.
+
+        Files: name, size and a hash of the first 64 KiB of each (so a copy elsewhere still matches);
+        a ``datasets`` stream: its dataset name, config, split, shard count and a hash of its first records; a
+        list: a hash of every record; a ``datasets.Dataset``: its content fingerprint; a function: its name.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = self._data_fingerprint()
+        return self._fingerprint
+
+    def _data_fingerprint(self) -> str:
+        data = self.data
         if self._kind == "files":
-            return ";".join(f"{p.name}:{p.stat().st_size}" for p in self.paths)
+            return ";".join(f"{p.name}:{p.stat().st_size}:{_digest(_file_head(p))}" for p in self.paths)
         if self._kind == "hf_iterable":
-            info = getattr(self.data, "info", None)
-            name = getattr(info, "dataset_name", None) or getattr(info, "config_name", None)
-            return f"datasets.IterableDataset({name}, shards={getattr(self.data, 'num_shards', '?')})"
+            info = getattr(data, "info", None)
+            names = [
+                getattr(info, "dataset_name", None),
+                getattr(info, "config_name", None),
+                getattr(data, "split", None),
+            ]
+            head = _digest(_record_bytes(islice(iter(data), _FINGERPRINT_RECORDS)))
+            return (
+                f"datasets.IterableDataset({', '.join(str(n) for n in names if n)}, "
+                f"shards={getattr(data, 'num_shards', '?')}, head={head})"
+            )
         if self._kind == "sequence":
-            return f"{type(self.data).__name__}(len={len(self.data)})"
-        return f"callable {getattr(self.data, '__qualname__', type(self.data).__name__)}"
+            content = getattr(data, "_fingerprint", None)  # a datasets.Dataset hashes its own content
+            if not isinstance(content, str):
+                content = _digest(_record_bytes(iter(data)))
+            return f"{type(data).__name__}(len={len(data)}, content={content})"
+        return f"callable {getattr(data, '__qualname__', type(data).__name__)}"
 
     def where(self) -> str:
         """The position of the last record handed out (``file.jsonl:12``, ``file.parquet: row 7``, ...)."""
@@ -206,6 +254,7 @@ class TokenizedStream:
     def _hf_records(self, start: int, epoch: int) -> Iterator[Any]:
         from datasets.distributed import split_dataset_by_node
 
+        self.fingerprint()  # before set_epoch changes what the stream's first records are
         data = self.data
         if self.num_replicas > 1:
             data = split_dataset_by_node(data, rank=self.rank, world_size=self.num_replicas)

@@ -567,3 +567,50 @@ def test_shuffle_false_fills_bins_in_dataset_order():
     expected = _binpack.pack_best_fit_random_order(lengths, 2048)  # the identity order
     assert sorted(map(sorted, sampler)) == sorted(map(sorted, expected.bins()))
     assert epoch_batches([sampler], 3)[0] == epoch_batches([sampler], 0)[0]
+
+
+_MEMORY_PROBE = """
+import resource, sys
+import numpy as np
+from packing_hf import MultipackBatchSampler, _binpack
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+MultipackBatchSampler([1, 2, 3], 4)  # import and compile everything before the limit
+if hasattr(_binpack, "_best_fit_sparse"):  # compile it too
+    _binpack._best_fit_sparse(np.array([2, 1], np.int64), 4)
+limit = vm_bytes() + (512 << 20)  # 512 MiB beyond what the process already maps
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+budget = 2**31 - 1
+for mixing in ("random", "sorted"):
+    sampler = MultipackBatchSampler([budget, budget, 5], budget, mixing=mixing, shuffle=False)
+    print(mixing, sorted(sorted(b) for b in sampler), sampler.lower_bound())
+"""
+
+
+def test_the_plan_takes_memory_set_by_the_samples_not_their_lengths():
+    """Two samples of 2**31 - 1 tokens: tables indexed by token counts would ask for ~16-64 GiB (a
+    MemoryError under this address-space limit); the plan must fit in 512 MiB beyond the imports."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["random [[0], [1], [2]] 3", "sorted [[0], [1], [2]] 3"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_sparse_best_fit_and_bound_equal_the_table_ones(seed):
+    """The O(n)-memory kernels used for huge budgets give the very same bins and bound as the tables."""
+    from packing_hf import _binpack
+    from packing_hf._binpack_kernels import _best_fit_sorted, _best_fit_sparse
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        budget = int(rng.integers(1, 300))
+        lengths = rng.integers(1, budget + 1, int(rng.integers(1, 400))).astype(np.int64)
+        table, sparse = _best_fit_sorted(lengths, budget), _best_fit_sparse(lengths, budget)
+        assert table[1] == sparse[1] and (table[0] == sparse[0]).all()
+        assert _binpack.lower_bound_l2(lengths, budget) == _binpack._lower_bound_l2_sorted(lengths, budget)

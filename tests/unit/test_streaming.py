@@ -333,3 +333,32 @@ def test_reader_shards_a_datasets_iterable_dataset():
     assert sorted(seen[0] + seen[1]) == list(range(30))
     resumed = [s["idx"] for s in TokenizedStream(data).shard(2, 1).iterate(start=4)]
     assert resumed == [s["idx"] for s in TokenizedStream(data).shard(2, 1).iterate()][4:]
+
+
+def _jsonl(path, texts):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"input_ids": t}) + "\n" for t in texts))
+    return path
+
+
+def test_resuming_on_other_data_is_refused_for_every_kind_of_source(tmp_path):
+    """Same sizes and lengths, other tokens: the fingerprint tells them apart (it named only file sizes, list
+    lengths and ``datasets.IterableDataset(json, shards=1)`` before)."""
+    import datasets
+
+    one = _jsonl(tmp_path / "a" / "train.jsonl", [[1, 2, 3], [4, 5]])
+    other = _jsonl(tmp_path / "b" / "train.jsonl", [[7, 2, 3], [4, 5]])
+    assert one.stat().st_size == other.stat().st_size
+
+    def streamed(path):
+        return datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
+
+    for make_a, make_b in [
+        (lambda: str(one), lambda: str(other)),  # files: same name and size
+        (lambda: streamed(one), lambda: streamed(other)),  # datasets streams of JSON files
+        (lambda: samples([3, 2]), lambda: samples([3, 2], start_id=9)),  # lists of the same length
+    ]:
+        state = PackedStream(make_a(), 8).state_dict()
+        PackedStream(make_a(), 8).load_state_dict(state)  # the same data resumes
+        with pytest.raises(ValueError, match="source: saved"):
+            PackedStream(make_b(), 8).load_state_dict(state)

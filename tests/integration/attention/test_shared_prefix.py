@@ -124,12 +124,20 @@ def _siblings_see_each_other(model, segments, prefix_idx, cu, weights):
 
 
 def _no_prefix(model, segments, prefix_idx, cu, weights):
-    """Negative control: the same row and positions without prefix_seq_idx (branches miss their prefix)."""
+    """Negative control: the same row and positions without prefix_seq_idx (branches miss their prefix).
+
+    The attention refuses such a row (its positions contradict cu_seq_lens_q, see the test below); its
+    boundary check is switched off here to show what the row would compute."""
+    from unittest import mock
+
+    from packing_hf.attention import interface
+
     positions = shared_prefix_position_ids(cu, prefix_idx)[None]
     model.zero_grad()
-    logits = model(
-        input_ids=torch.cat(segments)[None], position_ids=positions, cu_seq_lens_q=cu, use_cache=False
-    ).logits[0]
+    with mock.patch.object(interface, "_check_row_boundaries", lambda *args: None):
+        logits = model(
+            input_ids=torch.cat(segments)[None], position_ids=positions, cu_seq_lens_q=cu, use_cache=False
+        ).logits[0]
     (logits * weights).sum().backward()
     return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -139,6 +147,14 @@ def test_negative_controls_are_caught(tamper):
     model = _model("llama")
     errors = _compare(model, *_row(model.config.vocab_size), tamper=tamper)
     assert errors["logits"] > 1e-3 and errors["grads"] > 1e-3, errors
+
+
+def test_a_prefix_row_without_prefix_seq_idx_is_refused_by_the_attention():
+    model = _model("llama")
+    segments, prefix_idx, cu, _ = _row(model.config.vocab_size)
+    positions = shared_prefix_position_ids(cu, prefix_idx)[None]
+    with pytest.raises(ValueError, match="contradict the row's position_ids"), torch.no_grad():
+        model(input_ids=torch.cat(segments)[None], position_ids=positions, cu_seq_lens_q=cu, use_cache=False)
 
 
 def test_guards_accept_the_layout_and_refuse_an_attention_that_ignores_it():

@@ -265,3 +265,14 @@ def test_sft_trainer_on_a_streaming_dataset(gsm8k_rows, tokenizer, tiny_llama, t
             model=tiny_llama(), args=config, train_dataset=read_stream([{"input_ids": [1, 2]}]),
             processing_class=tokenizer,
         )  # fmt: skip
+
+
+def test_an_empty_streaming_eval_set_is_refused_like_a_map_style_one(samples, tiny_llama, tmp_path):
+    """An empty eval stream used to return metrics without eval_loss, silently."""
+    trainer = _trainer(
+        tiny_llama, packing_hf.PaddingFreeCollator(), Rows(samples), tmp_path, packing_preflight="switch"
+    )
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        trainer.evaluate(eval_dataset=datasets.Dataset.from_list(samples).select([]))
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        trainer.evaluate(eval_dataset=Rows([]))

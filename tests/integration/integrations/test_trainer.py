@@ -182,7 +182,7 @@ def test_multipack_max_steps_spans_epochs(gsm8k_tokenized, tiny_llama, tmp_path)
 
 
 def test_bad_packing_arguments(gsm8k_tokenized, tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match="max_tokens_per_batch=0"):
+    with pytest.raises(ValueError, match="max_tokens_per_batch must be an int >= 1 or None, got 0"):
         _args(tmp_path, max_tokens_per_batch=0)
     with pytest.raises(ValueError, match="packing_preflight='maybe'"):
         _args(tmp_path, packing_preflight="maybe")

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 
-from packing_hf.attention import backends, register_attention, sdpa, varlen_attention
+from packing_hf.attention import host, register_attention, varlen_attention
 from packing_hf.collator import PaddingFreeCollator
 
 ATOL = 1e-5
@@ -209,8 +209,7 @@ def test_no_host_read_inside_the_layers_where_reads_cost(model_type, monkeypatch
     """Where a read of the boundaries would cost (an accelerator's device sync), forward and backward read
     nothing inside the decoder layers; outside them transformers' own packed-sequence detection reads one
     bool per forward (``find_packed_sequence_indices``; it skips that read under torch.compile)."""
-    monkeypatch.setattr(backends, "reads_are_free", lambda tensor: False)
-    monkeypatch.setattr(sdpa, "reads_are_free", lambda tensor: False)
+    monkeypatch.setattr(host, "reads_are_free", lambda tensor: False)
     reads = _count_reads(model_type, layers=2)
     assert reads.in_layers == []
     assert reads.outside == ["__bool__"]
