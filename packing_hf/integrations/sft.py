@@ -16,6 +16,10 @@ as in :class:`packing_hf.Trainer`. Streams of already tokenized samples (``Packe
 ``TokenizedStream``, a torch ``IterableDataset``) go to :class:`packing_hf.Trainer` instead: TRL only takes
 ``datasets`` objects.
 
+A vision dataset (TRL's ``messages`` + ``images``, with a processor) and ``max_tokens_per_batch``: TRL's own
+vision-language collation runs on every sample alone and :class:`VisionSFTCollator` packs the results
+(pixels, image grids, ``mm_token_type_ids`` kept per sample); the sampler plans by the processed lengths.
+
 What reaches the collator is what TRL prepared: ``input_ids`` and ``labels`` with completion-only /
 assistant-only masks already folded in (-100), plus ``seq_lengths`` for rows TRL packed itself
 (``packing=True``, bfd), which :class:`~packing_hf.PaddingFreeCollator` turns into one segment per
