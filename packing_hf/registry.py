@@ -33,10 +33,13 @@ from typing import Any, Literal
 
 __all__ = [
     "IMAGE_BLOCK_MASK",
+    "IMAGE_ROWS_UNVERIFIED",
+    "IMAGE_ROWS_VERIFIED",
     "REGISTRY",
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
     "Status",
+    "bidirectional_attention",
     "check_served_config",
     "served_config_key",
     "iter_sweep",
@@ -310,10 +313,16 @@ _UNVERIFIED_BLOCKS = (
     "image+text rows: its image tokens attend bidirectionally within their image (token_type_ids), a mask "
     "packing_hf has not verified per sample for this model"
 )
+# wrappers whose image+text rows are refused because packing_hf has not verified their image masks per sample
+IMAGE_ROWS_UNVERIFIED = frozenset({"gemma4", "paligemma", "molmo2", "deepseek_ocr2"})
 _MULTIMODAL_REFUSED: dict[tuple[str, str], str] = {
     ("mllama", "image"): _CROSS_ATTENTION,
-    **{(m, "image"): _UNVERIFIED_BLOCKS for m in ("gemma4", "paligemma", "molmo2", "deepseek_ocr2")},
+    **{(m, "image"): _UNVERIFIED_BLOCKS for m in IMAGE_ROWS_UNVERIFIED},
 }
+# wrappers whose packed image+text rows tests/integration/architectures/test_multimodal.py proves exact (every
+# sample's logits and gradients alone, synthetic images of different sizes, negative controls); that test module
+# parametrizes over this set and fails if a member has no test
+IMAGE_ROWS_VERIFIED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava"})
 # wrappers whose image tokens attend bidirectionally within their image block (token_type_ids == 1):
 # prepare_model_for_packing hands their layers per-sample block masks on packed image rows
 IMAGE_BLOCK_MASK = frozenset({"gemma3"})
@@ -401,6 +410,24 @@ def unsupported_layers(config: Any) -> str | None:
     other = sorted({str(t) for t in layer_types} - _ATTENTION_LAYERS - {"chunked_attention"})
     if other:
         return f"layer types {other} carry state or mix tokens along the row, across sample boundaries"
+    return None
+
+
+def bidirectional_attention(config: Any) -> str | None:
+    """Why a config's attention is not causal (``use_bidirectional_attention``), else ``None``.
+
+    Such a decoder (PaliGemma's Gemma, embedding variants) lets every token see the whole row, the next
+    samples of a packed row included, and no position or mask fix changes that.
+
+    >>> from types import SimpleNamespace
+    >>> bidirectional_attention(SimpleNamespace(use_bidirectional_attention=True)) is not None
+    True
+    """
+    if getattr(config, "use_bidirectional_attention", None) is True:
+        return (
+            "its attention is bidirectional (use_bidirectional_attention=True): every token attends to the "
+            "whole row, the other packed samples included"
+        )
     return None
 
 

@@ -31,6 +31,7 @@ from ..registry import (
     IMAGE_BLOCK_MASK,
     REGISTRY,
     ArchitectureSupport,
+    bidirectional_attention,
     check_served_config,
     mark_mixers_prepared,
     multimodal_refusal,
@@ -491,6 +492,9 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
 
     if entry.status == "refused":
         raise ValueError(f"{name}: {entry.reason}; train it without packing (or with padding)")
+    bidirectional = bidirectional_attention(rules_config)
+    if bidirectional is not None:
+        raise ValueError(f"{name}: {bidirectional}; train it without packing (or with padding)")
     mixers = find_mixers(model, entry.mixers) if entry.mixers else []
     layers = unsupported_layers(rules_config)
     if layers is not None and not mixers:

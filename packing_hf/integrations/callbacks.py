@@ -83,7 +83,10 @@ class PackingStatsCollator:
         own = getattr(self.collator, "stats", None)
         before = dict(own) if isinstance(own, dict) else None
         batch = self.collator(features)
-        lengths = [n for feature in features for n in _segment_lengths(feature)]
+        if all("input_ids" in f or "seq_lengths" in f for f in features):
+            lengths = [n for feature in features for n in _segment_lengths(feature)]
+        else:  # raw samples tokenized by the collator itself (VisionSFTCollator): the row's own boundaries
+            lengths = torch.diff(batch["cu_seq_lens_q"].reshape(-1)).tolist()
         emitted = int(batch["input_ids"].numel()) if isinstance(batch["input_ids"], torch.Tensor) else 0
         after = getattr(self.collator, "stats", None)
         if before is not None and isinstance(after, dict) and {"tokens", "samples"} <= after.keys():

@@ -16,6 +16,10 @@ as in :class:`packing_hf.Trainer`. Streams of already tokenized samples (``Packe
 ``TokenizedStream``, a torch ``IterableDataset``) go to :class:`packing_hf.Trainer` instead: TRL only takes
 ``datasets`` objects.
 
+A vision dataset (TRL's ``messages`` + ``images``, with a processor) and ``max_tokens_per_batch``: TRL's own
+vision-language collation runs on every sample alone and :class:`VisionSFTCollator` packs the results
+(pixels, image grids, ``mm_token_type_ids`` kept per sample); the sampler plans by the processed lengths.
+
 What reaches the collator is what TRL prepared: ``input_ids`` and ``labels`` with completion-only /
 assistant-only masks already folded in (-100), plus ``seq_lengths`` for rows TRL packed itself
 (``packing=True``, bfd), which :class:`~packing_hf.PaddingFreeCollator` turns into one segment per
@@ -39,11 +43,12 @@ import trl
 
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
+from ..multimodal import MultimodalCollator
 from .args import PackingArguments
 from .dataloaders import _is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
-__all__ = ["SFTConfig", "SFTTrainer"]
+__all__ = ["SFTConfig", "SFTTrainer", "VisionSFTCollator"]
 
 
 @dataclass
@@ -99,6 +104,44 @@ def _labelled_logit_metrics(
         entropy += -(log_p.exp() * log_p).sum()
         hits += (block.argmax(-1) == targets[start : start + chunk]).sum()
     return entropy, hits, mask.sum()
+
+
+class VisionSFTCollator(MultimodalCollator):
+    """TRL's vision-language SFT collation, one sample at a time, packed into one row by
+    :class:`~packing_hf.MultimodalCollator`.
+
+    TRL processes ``messages`` + ``images`` (or ``prompt`` / ``completion``, ``text``) samples at batch time:
+    its ``DataCollatorForVisionLanguageModeling`` applies the chat template, expands the image placeholders,
+    computes the pixels and the labels (assistant-only masks included) for a right-padded batch. Here it gets
+    every sample alone (a batch of one: nothing padded, the same ids, labels and pixels the sample has in
+    TRL's padded batch), and the samples are then packed with their images and image metadata.
+
+    Args:
+        processor_collator: TRL's ``DataCollatorForVisionLanguageModeling`` (what ``trl.SFTTrainer`` builds
+            for a vision dataset).
+        **kwargs: passed to :class:`~packing_hf.MultimodalCollator`.
+
+    >>> class Stand_in:  # a processor collator: one sample in, a batch of one out
+    ...     def __call__(self, examples):
+    ...         ids = torch.tensor([examples[0]["ids"]])
+    ...         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    >>> batch = VisionSFTCollator(Stand_in())([{"ids": [5, 6]}, {"ids": [7]}])
+    >>> batch["input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
+    ([[5, 6, 7]], [0, 2, 3])
+    """
+
+    def __init__(self, processor_collator: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.processor_collator = processor_collator
+
+    def process(self, example: Any) -> dict[str, Any]:
+        """One sample as TRL's collator makes it: ``input_ids`` / ``labels`` ``(1, L)``, pixels and metadata."""
+        out = dict(self.processor_collator([dict(example)]))  # a copy: TRL's collator rewrites the example
+        out.pop("attention_mask", None)  # a batch of one: all ones
+        return out
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        return super().__call__([self.process(f) for f in features])
 
 
 def _as_packing_config(args: Any, model: Any) -> SFTConfig:
@@ -177,12 +220,25 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
             **kwargs,
         )
         if install_after:
-            if data_collator is None:
+            if data_collator is None and getattr(self, "_is_vision_dataset", False):
+                # TRL's own vision-language collation (chat template, images, labels), sample by sample, packed
+                data_collator = VisionSFTCollator(self.data_collator)
+            elif data_collator is None:
                 data_collator = PaddingFreeCollator.for_tokenizer(
                     self._tokenizer, pad_to_multiple_of=args.pad_to_multiple_of
                 )
             self.data_collator = data_collator
         self._packing_setup()
+
+    def _multipack_lengths_of(self, dataset: Any) -> Any:
+        """Sample lengths for the multipack sampler; a vision dataset's are its processed lengths (image
+        placeholders expanded), from TRL's collation of every sample once."""
+        collator = self.data_collator
+        if not isinstance(collator, VisionSFTCollator):
+            return super()._multipack_lengths_of(dataset)
+        import numpy as np
+
+        return np.array([collator.process(dataset[i])["input_ids"].shape[-1] for i in range(len(dataset))])
 
     def _plain_loss(self, inputs: dict[str, Any], return_outputs: bool) -> bool:
         """Whether the step's loss is the model's own (TRL's default SFT loss: mean negative log-likelihood of

@@ -13,6 +13,7 @@ import torch
 
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing, tiny_config
 from packing_hf.multimodal import MultimodalCollator, image_block_masks, mm_token_types, mrope_position_ids
+from packing_hf.registry import IMAGE_ROWS_VERIFIED
 from packing_hf.verify import DEFAULT_TOLERANCE, check_packing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,6 +66,18 @@ def test_a_hybrid_language_model_is_prepared_as_its_text_model(model_type):
         assert handle.mixers > 0
         report = check_packing(model, noise_floor=True)
     assert report.error is None and not report.leaked, report
+
+
+def test_a_bidirectional_language_model_is_refused_even_for_text_only_rows():
+    # PaliGemma's Gemma attends bidirectionally (use_bidirectional_attention): stock, a packed sample sees the
+    # next ones (the leak the refusal prevents); prepare refuses instead of passing it through
+    model = build_tiny_model("paligemma", "sdpa")
+    assert model.config.text_config.use_bidirectional_attention
+    assert check_packing(model, noise_floor=False, gradients=False).leaked
+    with pytest.raises(
+        ValueError, match="paligemma \\(language model gemma\\): its attention is bidirectional"
+    ):
+        prepare_model_for_packing(model)
 
 
 def test_three_row_positions_on_a_packed_row_are_refused():
@@ -163,7 +176,8 @@ def _packed_vs_alone(model, samples: list[dict], batch: dict) -> tuple[float, fl
     return worst_logits, worst_grads
 
 
-QWEN_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+# the Qwen-VL families of the registry's IMAGE_ROWS_VERIFIED (the docs' table claims image+text exact for them)
+QWEN_VL = sorted(m for m in IMAGE_ROWS_VERIFIED if m.startswith("qwen"))
 
 
 @pytest.fixture(scope="module")
@@ -262,9 +276,17 @@ def _llava():
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float(), 4
 
 
-@pytest.mark.parametrize("build", [_gemma3, _llava], ids=["gemma3", "llava"])
-def test_fixed_size_image_rows_equal_every_sample_alone(build):
-    model, per_image = build()
+FIXED_SIZE = {"gemma3": _gemma3, "llava": _llava}
+
+
+def test_every_family_the_registry_calls_image_exact_is_tested_here():
+    # docs/architectures.md reads IMAGE_ROWS_VERIFIED: each member must be one of this module's parametrizations
+    assert set(QWEN_VL) | set(FIXED_SIZE) == IMAGE_ROWS_VERIFIED
+
+
+@pytest.mark.parametrize("model_type", sorted(m for m in IMAGE_ROWS_VERIFIED if m in FIXED_SIZE))
+def test_fixed_size_image_rows_equal_every_sample_alone(model_type):
+    model, per_image = FIXED_SIZE[model_type]()
     model.eval()
     generator = torch.Generator().manual_seed(0)
     samples = [

@@ -37,3 +37,18 @@ def test_every_phase_announces_itself_on_stderr_and_stdout_stays_the_result(tmp_
     positions = [captured.err.find(phase) for phase in phases]
     assert -1 not in positions and positions == sorted(positions), captured.err
     assert captured.out.lstrip().startswith("{")  # --json: nothing but the report on stdout
+
+
+def test_cli_on_a_multimodal_wrapper(capsys):
+    # Qwen2-VL's wrapper class: stock sdpa leaks (mRoPE positions, mask built without them); prepared, exact
+    assert (
+        verify_main(["--model-type", "qwen2_vl", "--attn-implementation", "sdpa", "--stock", "--no-grads"])
+        == 1
+    )
+    assert "LEAK" in capsys.readouterr().out
+    assert verify_main(["--model-type", "qwen2_vl", "--attn-implementation", "sdpa"]) == 0
+    assert "exact" in capsys.readouterr().out
+    assert verify_main(["--model-type", "paligemma", "--no-grads"]) == 1  # bidirectional language model
+    assert (
+        "refused: paligemma (language model gemma): its attention is bidirectional" in capsys.readouterr().out
+    )
