@@ -8,6 +8,8 @@ refuse or switch), and that ``prepare_model_for_packing`` either fixes it or ref
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from packing_hf.architectures import (
 )
 from packing_hf.verify import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, build_packed_batch, check_packing
 
+ROOT = Path(__file__).resolve().parents[3]
 SWEEP = [entry.model_type for entry in iter_sweep()]
 
 
@@ -214,12 +217,20 @@ def test_the_mask_fix_survives_activation_checkpointing():
 def test_the_sweep_covers_every_causal_decoder_of_transformers():
     """Every model type transformers maps to a causal LM is registered; those outside the sweep are refused
     (encoders, decoders of encoder-decoder models, multimodal wrappers), so the table lists every causal decoder."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from packing_hf.architectures import REGISTRY
+    from packing_hf.registry import wrapper_text_config
 
-    missing = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(REGISTRY))
+    unregistered = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(REGISTRY))
+    # a multimodal wrapper is judged by its language model's entry and listed in the multimodal table
+    wrappers = [m for m in unregistered if wrapper_text_config(AutoConfig.for_model(m)) is not None]
+    missing = sorted(set(unregistered) - set(wrappers))
     assert not missing, f"causal-LM model types missing from the registry (and the sweep): {missing}"
+    table = (ROOT / "docs" / "architectures.md").read_text()
+    unlisted = [m for m in wrappers if f"\n| {m} |" not in table]
+    assert not unlisted, f"multimodal wrappers missing from the multimodal table of docs/architectures.md: {unlisted}"
     unswept = sorted(m for m, e in REGISTRY.items() if not e.sweep and e.status != "refused")
     assert not unswept, unswept
 
