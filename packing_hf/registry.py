@@ -351,10 +351,22 @@ def wrapper_text_config(config: Any) -> Any | None:
 def multimodal_refusal(model_type: str, data: Literal["text", "image"]) -> str | None:
     """Why the wrapper ``model_type`` cannot pack ``data`` rows exactly (``None``: its text decoder decides).
 
+    Image+text rows are served only for the wrappers in ``IMAGE_ROWS_VERIFIED``: any other wrapper's image
+    handling (its vision tower, image-token positions and masks) has no proof per sample, so its image rows are
+    refused rather than trusted.
+
     >>> multimodal_refusal("mllama", "text") is None, multimodal_refusal("mllama", "image") is not None
     (True, True)
+    >>> multimodal_refusal("qwen2_vl", "image") is None, multimodal_refusal("llava_next", "image") is not None
+    (True, True)
     """
-    return _MULTIMODAL_REFUSED.get((model_type, data))
+    known = _MULTIMODAL_REFUSED.get((model_type, data))
+    if known is not None or data != "image" or model_type in IMAGE_ROWS_VERIFIED:
+        return known
+    return (
+        "image+text rows: packing_hf has not verified this wrapper's image handling per sample (proven exact: "
+        f"{', '.join(sorted(IMAGE_ROWS_VERIFIED))})"
+    )
 
 
 def support(model_type: str) -> ArchitectureSupport:

@@ -301,11 +301,11 @@ def _image_cell(model_type: str, text_verdict: str) -> str:
     if model_type in IMAGE_ROWS_UNVERIFIED:
         return "not verified (refused)"
     refusal = multimodal_refusal(model_type, "image")
-    if refusal is not None:
+    if refusal is not None and model_type not in IMAGE_ROWS_VERIFIED and "not verified" not in refusal:
         return f"refused: {refusal}"
     if model_type in IMAGE_ROWS_VERIFIED and text_verdict.startswith(("exact", "fixed")):
         return f"exact (tested: {TESTED_IMAGE_ROWS})"
-    return "not verified"
+    return "not verified (refused)"
 
 
 def _multimodal_section(only: set[str]) -> str:

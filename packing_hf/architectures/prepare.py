@@ -172,7 +172,8 @@ class PackingPreparation:
         # multimodal RoPE wrapper (Qwen-VL family): packed rows get (4, B, T) positions, computed per sample
         self._rope_index = _rope_index(model) if wrapper_text_config(model.config) is not None else None
         wrapper_type = str(getattr(model.config, "model_type", ""))
-        self._image_refusal = multimodal_refusal(wrapper_type, "image")
+        wrapper = wrapper_text_config(model.config) is not None
+        self._image_refusal = multimodal_refusal(wrapper_type, "image") if wrapper else None
         if self._image_refusal is not None:
             self._image_refusal = f"{wrapper_type}: {self._image_refusal}; pack its text-only data, or pad"
         self._image_blocks = wrapper_type in IMAGE_BLOCK_MASK

@@ -339,6 +339,21 @@ def test_mllama_image_rows_are_refused_by_name():
         model(**batch)
 
 
+@pytest.mark.parametrize("model_type", ["glm4v", "qwen3_vl_moe"])
+def test_image_rows_of_an_unverified_wrapper_are_refused_and_text_rows_served(model_type):
+    """A wrapper whose image handling has no per-sample proof packs text-only rows (exact, tested above) but
+    refuses packed rows holding images instead of trusting them; unpacked image batches pass untouched."""
+    from packing_hf.registry import IMAGE_ROWS_VERIFIED
+
+    assert model_type not in IMAGE_ROWS_VERIFIED
+    model = build_tiny_model(model_type, "sdpa")
+    packed = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "position_ids": torch.tensor([[0, 1, 0, 1]])}
+    with prepare_model_for_packing(model):
+        model(**packed)  # text-only rows: served
+        with pytest.raises(ValueError, match=f"{model_type}: image\\+text rows: packing_hf has not verified"):
+            model(**packed, pixel_values=torch.zeros(4, 8))
+
+
 # --------------------------------------------------------------------------------------------------
 # the entry points: packing_hf.Trainer (pre-flight, multipack) on text-only data through a VLM wrapper
 
