@@ -25,8 +25,6 @@ Run: ``python benchmarks/bench_hybrid.py`` (``--quick``: fewer steps and repeats
 from __future__ import annotations
 
 import json
-import os
-import resource
 import subprocess
 import sys
 
@@ -147,12 +145,23 @@ def memory_case(model_type: str, contender: str, groups: list[list[list[int]]], 
 
     model = build(model_type, vocab_size)
     handle = prepare_model_for_packing(model)
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    for group in groups:
-        packed, padded = batches(group)
+    steps = [batches(group) for group in groups]
+    # ru_maxrss is the process's lifetime peak, which reading and tokenizing the data may set: reset the
+    # high-water mark (Linux: "5" > clear_refs) so VmHWM holds the peak of the steps alone
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    for packed, padded in steps:
         step_fn(model, handle, contender, packed, padded)()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return _status_bytes("VmHWM") - before
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def main() -> int:
