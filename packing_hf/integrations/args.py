@@ -12,8 +12,9 @@ command line or YAML like every other field.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import transformers
 
@@ -22,7 +23,7 @@ from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
 
-__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments"]
+__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
 
 PREFLIGHT_MODES = ("switch", "error", "off")
 
@@ -117,3 +118,24 @@ class TrainingArguments(PackingArguments, transformers.TrainingArguments):
     >>> TrainingArguments(output_dir="out", report_to="none").max_tokens_per_batch is None
     True
     """
+
+
+def as_config(args: Any, model: Any, config_class: type, suffix: str) -> Any:
+    """``args`` as ``config_class`` (a packing_hf config; a plain ``TrainingArguments`` or TRL config is
+    converted, ``None`` becomes TRL's default ``<model name>-<suffix>`` output folder); shared by the TRL
+    trainers' subclasses.
+
+    >>> as_config(None, "org/tiny-llama", TrainingArguments, "DPO").output_dir
+    'tiny-llama-DPO'
+    """
+    if isinstance(args, config_class):
+        return args
+    if args is None:
+        name = (
+            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        )
+        return config_class(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict hides it
+    names = {f.name for f in dataclasses.fields(config_class) if f.init}
+    return config_class(**{k: v for k, v in values.items() if k in names})

@@ -40,7 +40,6 @@ parallelism, and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from ..preference import (
     unpack_shifted,
 )
 from ..shared_prefix import PREFIX_KEY
-from .args import PackingArguments
+from .args import PackingArguments, as_config
 from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model, preflight_packing
 from .trainer import PackingTrainerMixin
@@ -233,22 +232,6 @@ class PreferenceStatsCollator(PackingStatsCollator):
             "padded_tokens": after["padded_layout_tokens"] - before["padded_layout_tokens"],
         }
         return batch
-
-
-def _as_config(args: Any, model: Any, config_class: type, suffix: str) -> Any:
-    """``args`` as ``config_class`` (a packing_hf config; a plain ``TrainingArguments`` or TRL config is
-    converted, ``None`` becomes TRL's default ``<model name>-<suffix>`` output folder)."""
-    if isinstance(args, config_class):
-        return args
-    if args is None:
-        name = (
-            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-        )
-        return config_class(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
-    values = args.to_dict()
-    values["hub_token"] = args.hub_token  # to_dict hides it
-    names = {f.name for f in dataclasses.fields(config_class) if f.init}
-    return config_class(**{k: v for k, v in values.items() if k in names})
 
 
 def _shared_prompt_is_exact(models: list[Any]) -> bool:
@@ -492,7 +475,7 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_config(args, model, DPOConfig, "DPO")
+        args = as_config(args, model, DPOConfig, "DPO")
         _check_options(args, model, data_collator, train_dataset, kwargs)
         _check_dataset(train_dataset, "train_dataset")
         _check_dataset(eval_dataset, "eval_dataset")

@@ -41,10 +41,9 @@ import numpy as np
 import trl
 
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
-from .args import PackingArguments
+from .args import PackingArguments, as_config
 from .dpo import (
     PackedForwardsMixin,
-    _as_config,
     _check_vocabulary,
     _first_row,
     _is_prompt_learning,
@@ -147,7 +146,7 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_config(args, model, KTOConfig, "KTO")
+        args = as_config(args, model, KTOConfig, "KTO")
         _check_options(args, data_collator, train_dataset, model, kwargs)
         _check_vocabulary(processing_class, model)
         if data_collator is None:

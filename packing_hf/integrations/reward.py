@@ -28,10 +28,9 @@ import torch
 import trl
 
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
-from .args import PackingArguments
+from .args import PackingArguments, as_config
 from .dpo import (
     PreferenceStatsCollator,
-    _as_config,
     _check_dataset,
     _check_vocabulary,
     _is_prompt_learning,
@@ -191,7 +190,7 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_config(args, model, RewardConfig, "Reward")
+        args = as_config(args, model, RewardConfig, "Reward")
         if data_collator is not None and not isinstance(data_collator, PaddingFreeRewardCollator):
             raise ValueError(
                 f"data_collator={type(data_collator).__name__} does not pack reward pairs; leave it unset (a "

@@ -36,7 +36,6 @@ metrics then run unchanged on the same numbers.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,7 +46,7 @@ import trl
 from .._limits import check_int
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
-from .args import PREFLIGHT_MODES
+from .args import PREFLIGHT_MODES, as_config
 from .preflight import base_model, preflight_packing
 
 __all__ = [
@@ -122,21 +121,6 @@ class RLOOConfig(RolloutPackingArguments, trl.RLOOConfig):
 
 
 _VISION_KEYS = ("image", "images")
-
-
-def _as_config(args: Any, model: Any, config_cls: type, suffix: str) -> Any:
-    """``args`` as ``config_cls`` (a plain ``TrainingArguments`` / TRL config is converted; ``None``: defaults)."""
-    if isinstance(args, config_cls):
-        return args
-    if args is None:
-        name = (
-            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-        )
-        return config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
-    values = args.to_dict()
-    values["hub_token"] = args.hub_token  # to_dict hides it
-    names = {f.name for f in dataclasses.fields(config_cls) if f.init}
-    return config_cls(**{k: v for k, v in values.items() if k in names})
 
 
 def _check_options(args: Any, model: Any, train_dataset: Any, peft_config: Any) -> None:
@@ -357,7 +341,7 @@ class GRPOTrainer(PackedRolloutsMixin, trl.GRPOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_config(args, model, GRPOConfig, "GRPO")
+        args = as_config(args, model, GRPOConfig, "GRPO")
         _check_options(args, model, train_dataset, kwargs.get("peft_config"))
         super().__init__(
             model,
@@ -391,7 +375,7 @@ class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        args = _as_config(args, model, RLOOConfig, "RLOO")
+        args = as_config(args, model, RLOOConfig, "RLOO")
         _check_options(args, model, train_dataset, kwargs.get("peft_config"))
         super().__init__(
             model,
