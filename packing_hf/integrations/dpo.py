@@ -320,21 +320,37 @@ def _check_options(args: DPOConfig, model: Any, data_collator: Any, train_datase
             f"pad_token={args.pad_token!r} is deprecated in TRL and only applied with TRL's own collator; set "
             "tokenizer.pad_token and pass the tokenizer as processing_class instead"
         )
+    check_whole_sequence_options(
+        args,
+        model,
+        train_dataset,
+        kwargs,
+        unit="a preference pair, whose two sequences",
+        what="preference",
+        stock="trl.DPOTrainer",
+    )
+
+
+def check_whole_sequence_options(
+    args: Any, model: Any, train_dataset: Any, kwargs: dict, *, unit: str, what: str, stock: str
+) -> None:
+    """The refusals every trainer scoring whole sequences shares (DPO, KTO): an overflow policy that would cut
+    ``unit``, vision data (image features are tied to padded rows), prompt-learning PEFT (virtual tokens)."""
     if args.max_tokens_per_batch is not None and args.packing_overflow in ("truncate", "split"):
         raise ValueError(
-            f"packing_overflow={args.packing_overflow!r} would cut a preference pair, whose two sequences must "
-            "be scored whole; use 'error' (default) or 'drop', raise max_tokens_per_batch, or lower max_length"
+            f"packing_overflow={args.packing_overflow!r} would cut {unit} must be scored whole; use 'error' "
+            "(default) or 'drop', raise max_tokens_per_batch, or lower max_length"
         )
     row = _first_row(train_dataset)
     if isinstance(row, Mapping) and ("image" in row or "images" in row):
         raise ValueError(
-            "the training dataset has 'image'/'images' columns: vision-language preference batches are not "
-            "packed (image features are tied to padded rows); use trl.DPOTrainer for vision data"
+            f"the training dataset has 'image'/'images' columns: vision-language {what} batches are not packed "
+            f"(image features are tied to padded rows); use {stock} for vision data"
         )
     if _is_prompt_learning(model, kwargs.get("peft_config")):
         raise ValueError(
             "prompt-learning PEFT (prefix / prompt tuning) prepends virtual tokens to every sequence, which a "
-            "packed row cannot hold per segment; use LoRA-style adapters or trl.DPOTrainer"
+            f"packed row cannot hold per segment; use LoRA-style adapters or {stock}"
         )
 
 

@@ -33,7 +33,6 @@ logged for KTO batches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +44,8 @@ from .args import PackingArguments, as_config
 from .dpo import (
     PackedForwardsMixin,
     _check_vocabulary,
-    _first_row,
-    _is_prompt_learning,
     _pad_token_id,
+    check_whole_sequence_options,
 )
 from .trainer import PackingTrainerMixin
 
@@ -89,22 +87,15 @@ def _check_options(args: KTOConfig, data_collator: Any, train_dataset: Any, mode
             "use_liger_kernel=True swaps in Liger's layer kernels, which are not checked against packed rows "
             "(positions restart per segment); unset it, or use trl.KTOTrainer"
         )
-    if args.max_tokens_per_batch is not None and args.packing_overflow in ("truncate", "split"):
-        raise ValueError(
-            f"packing_overflow={args.packing_overflow!r} would cut an example, whose sequences must be scored "
-            "whole; use 'error' (default) or 'drop', raise max_tokens_per_batch, or lower max_length"
-        )
-    row = _first_row(train_dataset)
-    if isinstance(row, Mapping) and ("image" in row or "images" in row):
-        raise ValueError(
-            "the training dataset has 'image'/'images' columns: vision-language KTO batches are not packed "
-            "(image features are tied to padded rows); use trl.KTOTrainer for vision data"
-        )
-    if _is_prompt_learning(model, kwargs.get("peft_config")):
-        raise ValueError(
-            "prompt-learning PEFT (prefix / prompt tuning) prepends virtual tokens to every sequence, which a "
-            "packed row cannot hold per segment; use LoRA-style adapters or trl.KTOTrainer"
-        )
+    check_whole_sequence_options(
+        args,
+        model,
+        train_dataset,
+        kwargs,
+        unit="an example, whose sequences",
+        what="KTO",
+        stock="trl.KTOTrainer",
+    )
 
 
 class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
