@@ -1,24 +1,37 @@
-"""Padded (stock trl.DPOTrainer) vs packed vs packed + shared prompt (packing_hf.DPOTrainer) DPO, CPU.
+"""Stock padded TRL vs packing_hf's packed DPO, reward-model and KTO training, CPU.
+
+Three trainers, each with its own stock padded baseline measured in the same run:
+
+- ``dpo``: stock ``trl.DPOTrainer`` (``padded``) vs ``packing_hf.DPOTrainer`` on one ``[1, T]`` row
+  (``packed``, ``shared_prompt=False``) vs the same holding every pair's prompt once (``shared``);
+  reference log-probs precomputed.
+- ``reward``: stock ``trl.RewardTrainer`` vs ``packing_hf.RewardTrainer`` (``packed``) on a llama
+  sequence classifier (one score, ``pad_token_id`` set), each pair's ``prompt + chosen`` and
+  ``prompt + rejected`` scored.
+- ``kto``: stock ``trl.KTOTrainer`` vs ``packing_hf.KTOTrainer`` (``packed``) on the same pairs made
+  unpaired, TRL's format (``prompt + chosen`` labelled desirable, ``prompt + rejected`` undesirable), with
+  the KL term (every example's prompt with a neighbour's completion: a second forward) and reference
+  log-probs precomputed; a step takes ``2 x --batch-pairs`` examples, as many sequences as the others.
 
 Pairs come from GSM8K (train split): the reference answer is ``chosen``, the same answer with its lines in
 reverse order (the final ``#### n`` first) is ``rejected``; tokenized by TRL with the SmolLM2 tokenizer.
 Two prompt sets: ``short`` (the question alone, ~50 tokens) and ``long`` (three worked GSM8K examples
 before the question, a few-shot prompt of ~400 tokens, as prompt-heavy preference data is).
-All contenders train the same tiny llama (fp32, same initial weights) on the same batches of pairs in
-the same order, with reference log-probs precomputed, AdamW: stock pads every batch to ``2B x longest``
-and runs sdpa; ``packed`` runs one ``[1, T]`` row with packing_hf's varlen attention
-(``shared_prompt=False``); ``shared`` holds every pair's prompt once (``shared_prompt=True``). Every
-contender runs in its own subprocess (so its peak RSS is its own), the contenders alternate, and the rounds
-are repeated.
+All contenders of a trainer train the same tiny llama (fp32, same initial weights) on the same batches in
+the same order, AdamW: stock pads every batch to the longest sequence and runs sdpa; packed contenders
+run packing_hf's varlen attention. Every contender runs in its own subprocess (so its peak RSS is its
+own), the contenders of a trainer alternate with the order rotated every round, and the rounds repeat.
 
 Reported per contender: real tokens/s of the training steps (forward + backward + optimizer step,
-median over rounds; real tokens = the tokens of both sequences of every pair, as the padded batch holds
-them, so the three contenders are measured on the same work), peak RSS of the process and its growth over
-the state before the first step, and the per-step losses; the table gives ratios over padded and the
-largest loss difference.
+median over rounds; real tokens = the non-padding tokens of the padded batch, KL sequences included, which
+every contender's batch carries, so all contenders of a trainer are measured on the same work), the tokens
+computed per step (the packed rows' length, checked below the padded batch's: the packed path is taken),
+peak RSS of the process and its growth over the state before the first step, and the per-step losses;
+the table gives ratios over the trainer's stock padded contender and the largest loss difference from it.
 
-    python benchmarks/bench_dpo.py            # ~10-15 minutes on 2 cores
-    python benchmarks/bench_dpo.py --quick    # a smoke run
+    python benchmarks/bench_dpo.py                          # all three trainers, ~35-40 minutes on 2 cores
+    python benchmarks/bench_dpo.py --trainers dpo --prompts long
+    python benchmarks/bench_dpo.py --quick                  # a smoke run
 """
 
 from __future__ import annotations
@@ -34,24 +47,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, TOKENIZER_DIR, base_parser, print_table, write_json  # noqa: E402
+from _common import TOKENIZER_DIR, base_parser, load_gsm8k, print_table, write_json  # noqa: E402
 
 SEED = 0
-
-
-CONTENDERS = ("padded", "packed", "shared")
 SHOTS = 3  # worked examples before the question in the long-prompt set
+MAX_LENGTH = 1024  # above every sequence of both sets: nothing is truncated or dropped
+CONTENDERS = {
+    "dpo": ("padded", "packed", "shared"),
+    "reward": ("padded", "packed"),
+    "kto": ("padded", "packed"),
+}
+LOSS_WARNING = 1e-5  # a larger loss difference from stock means the contenders did not do the same work
 
 
-def _pairs(n: int, prompts: str = "short"):
-    import datasets
-
-    rows = []
-    with open(DATA_DIR / "gsm8k_train.jsonl") as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) == n + SHOTS * n:
-                break
+def _pairs(n: int, prompts: str) -> dict[str, list[str]]:
+    """``n`` GSM8K preference pairs ``{"prompt", "chosen", "rejected"}`` with the ``prompts`` set's prompts."""
+    rows = load_gsm8k("train", limit=n + SHOTS * n)
     examples, rows = rows[n:], rows[:n]
 
     def prompt(i: int, r: dict) -> str:
@@ -61,32 +72,36 @@ def _pairs(n: int, prompts: str = "short"):
         shots = examples[i * SHOTS : (i + 1) * SHOTS]
         return "".join(f"Question: {e['question']}\nAnswer: {e['answer']}\n\n" for e in shots) + question
 
-    return datasets.Dataset.from_dict(
-        {
-            "prompt": [prompt(i, r) for i, r in enumerate(rows)],
-            "chosen": [" " + r["answer"] for r in rows],
-            "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
-        }
-    )
+    return {
+        "prompt": [prompt(i, r) for i, r in enumerate(rows)],
+        "chosen": [" " + r["answer"] for r in rows],
+        "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
+    }
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def _unpaired(pairs: dict[str, list[str]]) -> dict[str, list]:
+    """TRL's unpaired (KTO) format: every pair's chosen (``label=True``) then its rejected (``False``)."""
+    return {
+        "prompt": [p for p in pairs["prompt"] for _ in range(2)],
+        "completion": [c for pair in zip(pairs["chosen"], pairs["rejected"], strict=True) for c in pair],
+        "label": [label for _ in pairs["prompt"] for label in (True, False)],
+    }
 
 
-def run_contender(
-    contender: str, prompts: str, num_pairs: int, batch_pairs: int, steps: int, out: str
-) -> None:
-    """One contender in this process: set up, train ``steps`` steps, write timings/losses/memory to ``out``."""
-    import numpy as np
+def _build_trainer(trainer: str, contender: str, prompts: str, num_pairs: int, batch_pairs: int):
+    """The ``trainer`` of ``contender`` (stock TRL for ``padded``, else packing_hf) with its model and data."""
+    import datasets
     import torch
     import trl
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     import packing_hf
-    from packing_hf.integrations.dpo import DPOConfig, DPOTrainer
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     config = AutoConfig.for_model(
         "llama",
@@ -96,19 +111,31 @@ def run_contender(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,  # the reward model pools at the last token that is not padding
     )
     packed = contender != "padded"
     attn = packing_hf.register_attention() if packed else "sdpa"
+    model_cls = AutoModelForSequenceClassification if trainer == "reward" else AutoModelForCausalLM
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
-    trainer_cls, config_cls = (DPOTrainer, DPOConfig) if packed else (trl.DPOTrainer, trl.DPOConfig)
-    extra = {"shared_prompt": contender == "shared"} if packed else {}
+    model = model_cls.from_config(config, attn_implementation=attn).float()
+    pairs = _pairs(num_pairs, prompts)
+    options: dict = {"per_device_train_batch_size": batch_pairs}
+    if trainer == "dpo":
+        options.update(precompute_ref_log_probs=True)
+        if packed:
+            options.update(shared_prompt=contender == "shared")
+    elif trainer == "kto":
+        pairs = _unpaired(pairs)
+        # KTO's KL completions come from the neighbours in batches of this size: as many sequences as a pair batch
+        options.update(per_device_train_batch_size=2 * batch_pairs, precompute_ref_log_probs=True)
+    name = {"dpo": "DPO", "reward": "Reward", "kto": "KTO"}[trainer]
+    library = packing_hf if packed else trl  # the same class names in both
+    trainer_cls, config_cls = getattr(library, f"{name}Trainer"), getattr(library, f"{name}Config")
     args = config_cls(
-        **extra,
-        output_dir=f"/tmp/bench_dpo_{contender}",
-        per_device_train_batch_size=batch_pairs,
-        precompute_ref_log_probs=True,
-        max_length=1024,
+        **options,
+        output_dir=f"/tmp/bench_dpo_{trainer}_{contender}",
+        max_length=MAX_LENGTH,
         bf16=False,  # TRL's default autocast; the comparison is in fp32
         gradient_checkpointing=False,
         report_to="none",
@@ -117,71 +144,97 @@ def run_contender(
         save_strategy="no",
         seed=SEED,
     )
-    data = _pairs(num_pairs, prompts)
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-    data = trainer.train_dataset
+    return trainer_cls(
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict(pairs), processing_class=tokenizer
+    )
+
+
+def _tokens(batch: dict, packed: bool) -> tuple[int, int]:
+    """(real, computed) tokens of a step: the padded layout's non-padding tokens (every contender's batch
+    carries it) and the tokens the model runs (the packed rows, or the padded batch), KL rows included."""
+    prefixes = [p for p in ("", "KL_") if p + "attention_mask" in batch]
+    real = sum(int(batch[p + "attention_mask"].sum()) for p in prefixes)
+    computed = sum(batch[p + ("packed_input_ids" if packed else "input_ids")].numel() for p in prefixes)
+    return real, computed
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_contender(job: dict) -> None:
+    """One contender in this process: set up, train ``steps`` steps, write timings/losses/memory to ``out``."""
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    trainer = _build_trainer(
+        job["trainer"], job["contender"], job["prompts"], job["pairs"], job["batch_pairs"]
+    )
+    model, data, batch_size = trainer.model, trainer.train_dataset, trainer.args.per_device_train_batch_size
+    packed = job["contender"] != "padded"
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
     order = np.random.default_rng(SEED).permutation(len(data))
     model.train()
     rss_before = _rss_mib()
     seconds, tokens, losses, computed = [], [], [], []
-    for step in range(steps):
-        start = (step * batch_pairs) % len(data)
-        indices = [int(i) for i in order[start : start + batch_pairs]]
+    for step in range(job["steps"]):
+        start = (step * batch_size) % len(data)
+        indices = [int(i) for i in order[start : start + batch_size]]
         t0 = time.perf_counter()
         batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in indices]))
-        loss = trainer.compute_loss(model, batch)
+        real, run = _tokens(batch, packed)
+        loss = trainer.compute_loss(model, dict(batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - t0)
-        tokens.append(int(batch["attention_mask"].sum()))
+        tokens.append(real)
+        computed.append(run)
         losses.append(float(loss))
-        computed.append(int(batch["packed_input_ids" if packed else "input_ids"].numel()))
-    Path(out).write_text(
-        json.dumps(
-            {
-                "seconds": seconds,
-                "tokens": tokens,
-                "losses": losses,
-                "rss_before_mib": rss_before,
-                "rss_peak_mib": _rss_mib(),
-                "computed_tokens": computed,
-            }
-        )
+    result = {"seconds": seconds, "tokens": tokens, "losses": losses, "computed_tokens": computed}
+    Path(job["out"]).write_text(
+        json.dumps({**result, "rss_before_mib": rss_before, "rss_peak_mib": _rss_mib()})
     )
 
 
-def _run_set(prompts: str, args) -> dict:
-    """Every contender on one prompt set, interleaved over the rounds; their summaries and ratios."""
-    results: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+def _run_rounds(trainer: str, prompts: str, args) -> dict[str, list[dict]]:
+    """Every contender of ``trainer`` ``args.rounds`` times, each in its own subprocess, interleaved."""
+    contenders = CONTENDERS[trainer]
+    results: dict[str, list[dict]] = {c: [] for c in contenders}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for round_index in range(args.rounds):
-        shift = round_index % len(CONTENDERS)
-        for contender in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            out = f"/tmp/bench_dpo_{prompts}_{contender}_{round_index}.json"
-            command = [
-                sys.executable,
-                __file__,
-                "--_contender",
-                contender,
-                "--_out",
-                out,
-                "--_prompts",
-                prompts,
-            ]
-            command += [
-                "--pairs",
-                str(args.pairs),
-                "--batch-pairs",
-                str(args.batch_pairs),
-                "--steps",
-                str(args.steps),
-            ]
-            subprocess.run(command, env=env, check=True, capture_output=True)
+        shift = round_index % len(contenders)
+        for contender in contenders[shift:] + contenders[:shift]:
+            out = f"/tmp/bench_dpo_{trainer}_{prompts}_{contender}_{round_index}.json"
+            job = dict(trainer=trainer, contender=contender, prompts=prompts, out=out)
+            job.update(pairs=args.pairs, batch_pairs=args.batch_pairs, steps=args.steps)
+            done = subprocess.run(
+                [sys.executable, __file__, "--_job", json.dumps(job)], env=env, capture_output=True, text=True
+            )
+            if done.returncode:
+                sys.exit(f"{trainer} {contender} ({prompts} prompts) failed:\n{done.stderr[-4000:]}")
             results[contender].append(json.loads(Path(out).read_text()))
-            print(f"{prompts} prompts, round {round_index}: {contender} done", flush=True)
+            print(f"{trainer}, {prompts} prompts, round {round_index}: {contender} done", flush=True)
+    return results
 
+
+def _check_same_work(trainer: str, prompts: str, results: dict[str, list[dict]]) -> None:
+    """Every contender saw the same real tokens per step; the packed ones computed fewer than padded."""
+    padded = results["padded"][0]
+    for name, runs in results.items():
+        if runs[0]["tokens"] != padded["tokens"]:
+            sys.exit(f"{trainer} ({prompts}): {name} saw other batches than padded: {runs[0]['tokens']}")
+        fewer = all(p < q for p, q in zip(runs[0]["computed_tokens"], padded["computed_tokens"], strict=True))
+        if name != "padded" and not fewer:
+            sys.exit(
+                f"{trainer} ({prompts}): {name} did not take the packed path: computed tokens per step "
+                f"{runs[0]['computed_tokens']} vs padded {padded['computed_tokens']}"
+            )
+
+
+def _summarize(trainer: str, prompts: str, results: dict[str, list[dict]]) -> dict:
+    """Per contender: median tokens/s over rounds, memory, loss difference; ratios over stock padded."""
     summary = {}
     for contender, runs in results.items():
         rates = [sum(r["tokens"]) / sum(r["seconds"]) for r in runs]
@@ -196,18 +249,19 @@ def _run_set(prompts: str, args) -> dict:
             "losses": runs[0]["losses"],
         }
     padded = summary["padded"]
-    rows = []
-    ratios = {}
+    ratios, rows = {}, []
     for name, s in summary.items():
         loss_diff = max(abs(a - b) for a, b in zip(padded["losses"], s["losses"], strict=True))
         ratios[name] = {
             "tokens_per_s_over_padded": s["tokens_per_s"] / padded["tokens_per_s"],
             "rss_growth_over_padded": s["rss_growth_mib"] / padded["rss_growth_mib"],
+            "computed_tokens_over_padded": s["computed_tokens_per_step"] / padded["computed_tokens_per_step"],
             "max_abs_loss_difference": loss_diff,
             "runs_identical": all(r["losses"] == results[name][0]["losses"] for r in results[name]),
         }
         rows.append(
             {
+                "trainer": trainer,
                 "prompts": prompts,
                 "contender": name,
                 "tokens_per_s": round(s["tokens_per_s"], 1),
@@ -225,55 +279,65 @@ def _run_set(prompts: str, args) -> dict:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--trainers", default="dpo,reward,kto", help="comma-separated subset of dpo,reward,kto"
+    )
     parser.add_argument("--pairs", type=int, default=48)
     parser.add_argument("--batch-pairs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", choices=["short", "long", "both"], default="both")
     args = parser.parse_args()
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    unknown = sorted(set(trainers) - set(CONTENDERS))
+    if unknown or not trainers:
+        parser.error(f"--trainers {args.trainers!r}: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
     if args.quick:
         args.pairs, args.steps, args.rounds = 8, 2, 1
 
     sets = ["long", "short"] if args.prompts == "both" else [args.prompts]
-    results = {prompts: _run_set(prompts, args) for prompts in sets}
-    rows = [row for result in results.values() for row in result["rows"]]
+    results: dict[str, dict] = {}
+    for trainer in trainers:
+        for prompts in sets:
+            runs = _run_rounds(trainer, prompts, args)
+            _check_same_work(trainer, prompts, runs)
+            results.setdefault(trainer, {})[prompts] = _summarize(trainer, prompts, runs)
+    rows = [row for by_set in results.values() for result in by_set.values() for row in result["rows"]]
     print_table(rows, list(rows[0]))
-    for prompts, result in results.items():
-        r = result["ratios"]
-        print(
-            f"{prompts} prompts: packed {r['packed']['tokens_per_s_over_padded']:.2f}x, packed + shared prompt "
-            f"{r['shared']['tokens_per_s_over_padded']:.2f}x stock padded tokens/s"
-        )
+    for trainer, by_set in results.items():
+        for prompts, result in by_set.items():
+            others = [c for c in CONTENDERS[trainer] if c != "padded"]
+            ratios = ", ".join(f"{c} {result['ratios'][c]['tokens_per_s_over_padded']:.2f}x" for c in others)
+            print(f"{trainer}, {prompts} prompts: {ratios} stock padded tokens/s")
+            for c in others:
+                if result["ratios"][c]["max_abs_loss_difference"] > LOSS_WARNING:
+                    print(f"  WARNING: {c} losses differ from stock padded by more than {LOSS_WARNING:g}")
     write_json(
         "dpo",
         {
             "config": {
+                "trainers": trainers,
                 "pairs": args.pairs,
                 "batch_pairs": args.batch_pairs,
                 "steps": args.steps,
                 "rounds": args.rounds,
-                "model": "llama from_config hidden 64, 2 layers, 4 heads / 2 KV, SmolLM2 vocabulary (49,152)",
+                "model": "llama from_config hidden 64, 2 layers, 4 heads / 2 KV, SmolLM2 vocabulary (49,152); "
+                "reward: sequence classifier with one score",
                 "data": "GSM8K train: chosen = answer, rejected = answer lines reversed; short prompts = the "
-                f"question, long prompts = {SHOTS} worked examples + the question",
+                f"question, long prompts = {SHOTS} worked examples + the question; KTO: every pair as two "
+                "unpaired examples (chosen desirable, rejected undesirable)",
             },
-            "results": {p: {k: v for k, v in r.items() if k != "rows"} for p, r in results.items()},
+            "results": {
+                t: {p: {k: v for k, v in r.items() if k != "rows"} for p, r in by_set.items()}
+                for t, by_set in results.items()
+            },
         },
         args,
     )
 
 
 if __name__ == "__main__":
-    if "--_contender" in sys.argv:
-        import argparse
-
-        inner = argparse.ArgumentParser()
-        inner.add_argument("--_contender")
-        inner.add_argument("--_out")
-        inner.add_argument("--_prompts")
-        inner.add_argument("--pairs", type=int)
-        inner.add_argument("--batch-pairs", type=int)
-        inner.add_argument("--steps", type=int)
-        a = inner.parse_args()
-        run_contender(a._contender, a._prompts, a.pairs, a.batch_pairs, a.steps, a._out)
+    if len(sys.argv) == 3 and sys.argv[1] == "--_job":
+        run_contender(json.loads(sys.argv[2]))
     else:
         main()
