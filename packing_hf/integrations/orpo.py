@@ -247,7 +247,8 @@ class PackedPairsMixin:
         """After TRL's ``__init__``: the checks that need the loaded model, then the packing set-up."""
         if isinstance(model, str):
             _check_model(self.model, self._stock_name)
-        self.use_dpo_data_collator = True  # stock's prediction_step warns on any other collator: this one is exact
+        # stock's prediction_step warns on any collator but its own: this one is exact
+        self.use_dpo_data_collator = True
         parallelism = getattr(self.accelerator, "parallelism_config", None)
         for name in ("cp_size", "sp_size"):
             if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
