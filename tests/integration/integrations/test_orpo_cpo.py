@@ -318,3 +318,28 @@ def test_collator_refuses_labels_that_are_not_the_tokens():
         collator([row])
     with pytest.raises(ValueError, match="rejected_labels must be rejected_input_ids"):
         collator([{**row, "rejected_labels": [-100, 4]}])
+
+
+@pytest.mark.parametrize("case", ["orpo", "cpo-sigmoid"])
+def test_evaluation_matches_stock(tmp_path, tokenizer, twins, pairs, case):
+    kind, config = CASES[case]
+    stock_trainer, stock_config, packed_trainer, packed_config = TRAINERS[kind]
+    stock_model, packed_model = twins()
+    results = []
+    for trainer, conf, model in (
+        (stock_trainer, stock_config, stock_model),
+        (packed_trainer, packed_config, packed_model),
+    ):
+        trainer = trainer(
+            model=model,
+            args=conf(**_common(tmp_path, "eval", per_device_eval_batch_size=3, **config)),
+            train_dataset=pairs(2),
+            eval_dataset=pairs(6),
+            processing_class=tokenizer,
+        )
+        results.append(trainer.evaluate())
+    want, got = results
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if not (key.startswith("eval_logits/") or "time" in key or "per_second" in key):  # timings
+            _close(got[key], value, key)
