@@ -195,6 +195,9 @@ class PackedPairsMixin:
     Subclasses say how the per-sequence log-probs are reduced (:meth:`_average_log_prob`), which tokens the NLL
     term averages over (:meth:`_nll_mask`) and which positions the ``logits/*`` metrics read
     (``_logits_drop_last``).
+
+    >>> ORPOTrainer._logits_drop_last, CPOTrainer._logits_drop_last  # stock reads logits[:, :-1] / logits
+    (True, False)
     """
 
     _stock_name: ClassVar[str]
