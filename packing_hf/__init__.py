@@ -85,6 +85,10 @@ _LAZY: dict[str, str] = {
     "RewardConfig": "integrations",
     "KTOTrainer": "integrations",
     "KTOConfig": "integrations",
+    "ORPOTrainer": "integrations",
+    "ORPOConfig": "integrations",
+    "CPOTrainer": "integrations",
+    "CPOConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
@@ -136,12 +140,16 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import (
+        CPOConfig,
+        CPOTrainer,
         DPOConfig,
         DPOTrainer,
         GRPOConfig,
         GRPOTrainer,
         KTOConfig,
         KTOTrainer,
+        ORPOConfig,
+        ORPOTrainer,
         RewardConfig,
         RewardTrainer,
         RLOOConfig,

@@ -2,6 +2,7 @@
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
 ``DPOTrainer`` / ``DPOConfig``, ``KTOTrainer`` / ``KTOConfig``, ``RewardTrainer`` / ``RewardConfig``,
+``ORPOTrainer`` / ``ORPOConfig``, ``CPOTrainer`` / ``CPOConfig``,
 ``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so
 ``packing_hf.Trainer`` works without TRL.
 
@@ -19,12 +20,16 @@ from .args import PackingArguments
 from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 
 __all__ = [
+    "CPOConfig",
+    "CPOTrainer",
     "DPOConfig",
     "DPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "KTOConfig",
     "KTOTrainer",
+    "ORPOConfig",
+    "ORPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
     "RewardConfig",
@@ -44,6 +49,10 @@ _TRL_NAMES = {
     "DPOConfig": "dpo",
     "KTOTrainer": "kto",
     "KTOConfig": "kto",
+    "ORPOTrainer": "orpo",
+    "ORPOConfig": "orpo",
+    "CPOTrainer": "orpo",
+    "CPOConfig": "orpo",
     "RewardTrainer": "reward",
     "RewardConfig": "reward",
     "GRPOTrainer": "rl",
@@ -70,6 +79,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
     from .kto import KTOConfig, KTOTrainer
+    from .orpo import CPOConfig, CPOTrainer, ORPOConfig, ORPOTrainer
     from .reward import RewardConfig, RewardTrainer
     from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer
