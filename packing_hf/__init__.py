@@ -89,6 +89,8 @@ _LAZY: dict[str, str] = {
     "ORPOConfig": "integrations",
     "CPOTrainer": "integrations",
     "CPOConfig": "integrations",
+    "TPOTrainer": "integrations",
+    "TPOConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
@@ -156,6 +158,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         RLOOTrainer,
         SFTConfig,
         SFTTrainer,
+        TPOConfig,
+        TPOTrainer,
         Trainer,
         TrainingArguments,
     )

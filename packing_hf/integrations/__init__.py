@@ -2,7 +2,7 @@
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
 ``DPOTrainer`` / ``DPOConfig``, ``KTOTrainer`` / ``KTOConfig``, ``RewardTrainer`` / ``RewardConfig``,
-``ORPOTrainer`` / ``ORPOConfig``, ``CPOTrainer`` / ``CPOConfig``,
+``ORPOTrainer`` / ``ORPOConfig``, ``CPOTrainer`` / ``CPOConfig``, ``TPOTrainer`` / ``TPOConfig``,
 ``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so
 ``packing_hf.Trainer`` works without TRL.
 
@@ -38,6 +38,8 @@ __all__ = [
     "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
+    "TPOConfig",
+    "TPOTrainer",
     "Trainer",
     "TrainingArguments",
 ]
@@ -53,6 +55,8 @@ _TRL_NAMES = {
     "ORPOConfig": "orpo",
     "CPOTrainer": "orpo",
     "CPOConfig": "orpo",
+    "TPOTrainer": "tpo",
+    "TPOConfig": "tpo",
     "RewardTrainer": "reward",
     "RewardConfig": "reward",
     "GRPOTrainer": "rl",
@@ -83,3 +87,4 @@ if TYPE_CHECKING:
     from .reward import RewardConfig, RewardTrainer
     from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer
+    from .tpo import TPOConfig, TPOTrainer
