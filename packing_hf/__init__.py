@@ -93,6 +93,8 @@ _LAZY: dict[str, str] = {
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
     "RLOOConfig": "integrations",
+    "GMPOTrainer": "integrations",
+    "GMPOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
@@ -144,6 +146,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         CPOTrainer,
         DPOConfig,
         DPOTrainer,
+        GMPOConfig,
+        GMPOTrainer,
         GRPOConfig,
         GRPOTrainer,
         KTOConfig,
