@@ -3,8 +3,8 @@
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
 ``DPOTrainer`` / ``DPOConfig``, ``KTOTrainer`` / ``KTOConfig``, ``RewardTrainer`` / ``RewardConfig``,
 ``ORPOTrainer`` / ``ORPOConfig``, ``CPOTrainer`` / ``CPOConfig``, ``TPOTrainer`` / ``TPOConfig``,
-``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so
-``packing_hf.Trainer`` works without TRL.
+``GRPOTrainer`` / ``GRPOConfig``, ``RLOOTrainer`` / ``RLOOConfig`` and ``GMPOTrainer`` / ``GMPOConfig``
+import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -24,6 +24,8 @@ __all__ = [
     "CPOTrainer",
     "DPOConfig",
     "DPOTrainer",
+    "GMPOConfig",
+    "GMPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "KTOConfig",
@@ -63,6 +65,8 @@ _TRL_NAMES = {
     "GRPOConfig": "rl",
     "RLOOTrainer": "rl",
     "RLOOConfig": "rl",
+    "GMPOTrainer": "gmpo",
+    "GMPOConfig": "gmpo",
 }
 
 
@@ -82,6 +86,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .gmpo import GMPOConfig, GMPOTrainer
     from .kto import KTOConfig, KTOTrainer
     from .orpo import CPOConfig, CPOTrainer, ORPOConfig, ORPOTrainer
     from .reward import RewardConfig, RewardTrainer

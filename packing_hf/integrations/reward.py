@@ -9,7 +9,8 @@ score head's per-token output of the packed forward at the same token of every s
 ``center_rewards_coefficient``) and metrics run unchanged on them. ``max_tokens_per_batch`` packs pairs
 with multipack (a pair weighs ``len(chosen) + len(rejected)``; TRL drops pairs over ``max_length`` when it
 prepares the dataset, as stock does). Under DDP the ranks' multipack micro-batches may then hold different
-numbers of pairs: the all-gather of every rank's scores behind TRL's reward metrics takes that.
+numbers of pairs: the all-gather of every rank's scores behind TRL's reward metrics takes that
+(:func:`~packing_hf.integrations.dataloaders.gather_uneven_rows`, installed by every packing trainer).
 
 Refused: a ``data_collator`` that does not pack pairs, a model without a ``score`` head (the per-token
 scores must be read before pooling), and prompt-learning PEFT (virtual tokens per padded row).
@@ -21,8 +22,6 @@ scores must be read before pooling), and prompt-learning PEFT (virtual tokens pe
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,36 +158,6 @@ class PackedRewardForward:
         return output
 
 
-@contextlib.contextmanager
-def _gathers_uneven_rows(accelerator: Any) -> Iterator[None]:
-    """For the duration, ``accelerator.gather`` takes tensors whose first dimension differs between the ranks.
-
-    TRL's ``compute_loss`` gathers every rank's ``(2B, num_labels)`` scores for its reward metrics. Under
-    ``max_tokens_per_batch`` the ranks' micro-batches hold different numbers of pairs, which a plain all-gather
-    cannot take (gloo aborts the process, NCCL may hang): such a tensor is padded to the longest rank's rows,
-    gathered, and the padding dropped, giving every rank's rows in rank order as stock's gather does. Scalars
-    are gathered as before.
-    """
-    if accelerator.num_processes == 1:
-        yield
-        return
-    plain = accelerator.gather
-
-    def gather(tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            return plain(tensor)
-        rows = plain(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()  # (world_size,)
-        padded = accelerator.pad_across_processes(tensor, dim=0)
-        blocks = plain(padded).split(padded.shape[0])
-        return torch.cat([block[:n] for block, n in zip(blocks, rows, strict=True)])
-
-    accelerator.gather = gather
-    try:
-        yield
-    finally:
-        del accelerator.gather  # the class's method again
-
-
 class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
     """``trl.RewardTrainer`` on packed pair batches: the same scores, loss, gradients and metrics, no padding.
 
@@ -275,10 +244,9 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
     ):
         self._install_packed_forward(model)
-        with _gathers_uneven_rows(self.accelerator):
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences."""

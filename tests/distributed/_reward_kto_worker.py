@@ -89,7 +89,7 @@ def main(out_dir: str, mode: str) -> None:
 
     import packing_hf
     from packing_hf.integrations.kto import KTOConfig, KTOTrainer
-    from packing_hf.integrations.reward import RewardConfig, RewardTrainer, _gathers_uneven_rows
+    from packing_hf.integrations.reward import RewardConfig, RewardTrainer
     from packing_hf.preference import PaddingFreeRewardCollator
     from packing_hf.unpaired import PaddingFreeUnpairedCollator
 
@@ -267,10 +267,9 @@ def main(out_dir: str, mode: str) -> None:
         every = [tuple(r["prompt_ids"] + r["completion_ids"]) for r in rows]
 
     rank = multipack.args.process_index
-    # the reward trainer's gather of rows whose number differs between the ranks, on gloo (rank r: r + 2 rows)
+    # the trainer's gather of rows whose number differs between the ranks, on gloo (rank r: r + 2 rows)
     rows_of_rank = torch.arange(rank + 2, dtype=torch.float32)[:, None] + 10 * rank
-    with _gathers_uneven_rows(multipack.accelerator):
-        uneven_gather = multipack.accelerator.gather(rows_of_rank)
+    uneven_gather = multipack.accelerator.gather(rows_of_rank)
     torch.save(
         {
             "rank": rank,
