@@ -335,3 +335,23 @@ def test_evaluation_matches_stock(tmp_path, tokenizer, twins, triples, case):
     for key, value in want.items():
         if "time" not in key and "per_second" not in key:  # timings
             _close(got[key], value, key)
+
+
+def test_multipack_evaluation_matches_stock(tmp_path, tokenizer, twins, triples):
+    # all four eval examples fit one multipack batch, as in stock's one padded batch of four: same metrics
+    stock_model, packed_model = twins()
+    config = _common(tmp_path, "eval-multipack", per_device_eval_batch_size=4, **CASES["tpo-l"])
+    stock = StockTPOTrainer(
+        model=stock_model, args=StockTPOConfig(**config), train_dataset=triples(2), processing_class=tokenizer
+    )
+    packed = TPOTrainer(
+        model=packed_model,
+        args=TPOConfig(**config, max_tokens_per_batch=4096),
+        train_dataset=triples(2),
+        processing_class=tokenizer,
+    )
+    want, got = stock.evaluate(triples(4)), packed.evaluate(triples(4))
+    assert set(got) == set(want) and "eval_logps/chosen" in got
+    for key, value in want.items():
+        if "time" not in key and "per_second" not in key:  # timings
+            _close(got[key], value, key)
