@@ -201,7 +201,34 @@ class PackedPairsMixin:
     """
 
     _stock_name: ClassVar[str]
+    _algorithm: ClassVar[str]
+    _config_class: ClassVar[type]
     _logits_drop_last: ClassVar[bool]
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = as_config(args, model, self._config_class, self._algorithm)
+        data_collator = self._packed_init(
+            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
+        )
+        super().__init__(
+            model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._packed_setup(model)
 
     def _packed_init(self, model: Any, args: Any, data_collator: Any, train_dataset: Any,
                      eval_dataset: Any, processing_class: Any, kwargs: dict) -> Any:  # fmt: skip
@@ -360,32 +387,9 @@ class ORPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockORPOTrainer):
     """
 
     _stock_name = "trl.experimental.orpo.ORPOTrainer"
+    _algorithm = "ORPO"
+    _config_class = ORPOConfig
     _logits_drop_last = True
-
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, ORPOConfig, "ORPO")
-        data_collator = self._packed_init(
-            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
-        )
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packed_setup(model)
 
     def _average_log_prob(self) -> bool:
         return True  # ORPO's odds ratio is over mean per-token log-probs
@@ -421,32 +425,9 @@ class CPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockCPOTrainer):
     """
 
     _stock_name = "trl.experimental.cpo.CPOTrainer"
+    _algorithm = "CPO"
+    _config_class = CPOConfig
     _logits_drop_last = False
-
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, CPOConfig, "CPO")
-        data_collator = self._packed_init(
-            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
-        )
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packed_setup(model)
 
     def _average_log_prob(self) -> bool:
         return self.loss_type in ("ipo", "simpo")  # as stock (alphapo became simpo in the config)
