@@ -85,18 +85,64 @@ _LAZY: dict[str, str] = {
     "RewardConfig": "integrations",
     "KTOTrainer": "integrations",
     "KTOConfig": "integrations",
+    "ORPOTrainer": "integrations",
+    "ORPOConfig": "integrations",
+    "CPOTrainer": "integrations",
+    "CPOConfig": "integrations",
+    "TPOTrainer": "integrations",
+    "TPOConfig": "integrations",
     "GRPOTrainer": "integrations",
     "GRPOConfig": "integrations",
     "RLOOTrainer": "integrations",
     "RLOOConfig": "integrations",
+    "GMPOTrainer": "integrations",
+    "GMPOConfig": "integrations",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
+
+_DISTILLATION = (
+    "a distillation trainer: its loss compares the student's and a teacher's per-token distributions on "
+    "the same padded batch, and packing_hf packs neither forward"
+)
+# TRL 1.16 trainers packing_hf does not pack: asking packing_hf for one names it and says why, instead of a
+# bare "no attribute" (their padded TRL trainers work as they are)
+_NOT_PACKED: dict[str, tuple[str, str]] = {
+    "OnlineDPOTrainer": (
+        "trl.experimental.online_dpo",
+        "it generates the pairs it trains on and judges them in the same step; packing_hf packs offline "
+        "preference data and the online rollouts of the GRPO family only",
+    ),
+    "AsyncGRPOTrainer": (
+        "trl.experimental.async_grpo",
+        "its rollouts come from an external vLLM server and are batched by its own queue; packing_hf packs "
+        "GRPOTrainer / RLOOTrainer",
+    ),
+    "A2POTrainer": (
+        "trl.experimental.a2po",
+        "its value-estimation stage and regression loss run their own padded forwards, which are not packed",
+    ),
+    "GKDTrainer": ("trl.experimental.gkd", _DISTILLATION),
+    "GOLDTrainer": ("trl.experimental.gold", _DISTILLATION),
+    "DistillationTrainer": ("trl", _DISTILLATION),
+    "AsyncDistillationTrainer": ("trl.experimental.async_distillation", _DISTILLATION),
+    "ServerDistillationTrainer": ("trl.experimental.server_distillation", _DISTILLATION),
+    "IWOPDTrainer": ("trl.experimental.iw_opd", _DISTILLATION),
+    "SDFTTrainer": ("trl.experimental.sdft", _DISTILLATION),
+    "SDPOTrainer": ("trl.experimental.sdpo", _DISTILLATION),
+}
 
 
 def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
+        if name in _NOT_PACKED:
+            where, why = _NOT_PACKED[name]
+            packed = ", ".join(n for n in __all__ if n.endswith("Trainer"))
+            raise AttributeError(
+                f"packing_hf has no {name}: {why}. Use {where}.{name} with padded batches; the trainers "
+                f"packing_hf packs exactly are {packed}"
+            )
         raise AttributeError(f"module 'packing_hf' has no attribute {name!r}")
     module = importlib.import_module(f"packing_hf.{module_name}")
     if name == "ATTENTION_NAME":
@@ -136,18 +182,26 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import (
+        CPOConfig,
+        CPOTrainer,
         DPOConfig,
         DPOTrainer,
+        GMPOConfig,
+        GMPOTrainer,
         GRPOConfig,
         GRPOTrainer,
         KTOConfig,
         KTOTrainer,
+        ORPOConfig,
+        ORPOTrainer,
         RewardConfig,
         RewardTrainer,
         RLOOConfig,
         RLOOTrainer,
         SFTConfig,
         SFTTrainer,
+        TPOConfig,
+        TPOTrainer,
         Trainer,
         TrainingArguments,
     )

@@ -2,8 +2,9 @@
 
 ``Trainer`` and ``TrainingArguments`` need only transformers; ``SFTTrainer`` / ``SFTConfig`` and
 ``DPOTrainer`` / ``DPOConfig``, ``KTOTrainer`` / ``KTOConfig``, ``RewardTrainer`` / ``RewardConfig``,
-``GRPOTrainer`` / ``GRPOConfig`` and ``RLOOTrainer`` / ``RLOOConfig`` import TRL on first access, so
-``packing_hf.Trainer`` works without TRL.
+``ORPOTrainer`` / ``ORPOConfig``, ``CPOTrainer`` / ``CPOConfig``, ``TPOTrainer`` / ``TPOConfig``,
+``GRPOTrainer`` / ``GRPOConfig``, ``RLOOTrainer`` / ``RLOOConfig`` and ``GMPOTrainer`` / ``GMPOConfig``
+import TRL on first access, so ``packing_hf.Trainer`` works without TRL.
 
 >>> from packing_hf.integrations import Trainer, TrainingArguments
 >>> TrainingArguments(output_dir="out", max_tokens_per_batch=2048, report_to="none").max_tokens_per_batch
@@ -19,12 +20,18 @@ from .args import PackingArguments
 from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 
 __all__ = [
+    "CPOConfig",
+    "CPOTrainer",
     "DPOConfig",
     "DPOTrainer",
+    "GMPOConfig",
+    "GMPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "KTOConfig",
     "KTOTrainer",
+    "ORPOConfig",
+    "ORPOTrainer",
     "PackingArguments",
     "PackingTrainerMixin",
     "RewardConfig",
@@ -33,6 +40,8 @@ __all__ = [
     "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
+    "TPOConfig",
+    "TPOTrainer",
     "Trainer",
     "TrainingArguments",
 ]
@@ -44,12 +53,20 @@ _TRL_NAMES = {
     "DPOConfig": "dpo",
     "KTOTrainer": "kto",
     "KTOConfig": "kto",
+    "ORPOTrainer": "orpo",
+    "ORPOConfig": "orpo",
+    "CPOTrainer": "orpo",
+    "CPOConfig": "orpo",
+    "TPOTrainer": "tpo",
+    "TPOConfig": "tpo",
     "RewardTrainer": "reward",
     "RewardConfig": "reward",
     "GRPOTrainer": "rl",
     "GRPOConfig": "rl",
     "RLOOTrainer": "rl",
     "RLOOConfig": "rl",
+    "GMPOTrainer": "gmpo",
+    "GMPOConfig": "gmpo",
 }
 
 
@@ -69,7 +86,10 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .dpo import DPOConfig, DPOTrainer
+    from .gmpo import GMPOConfig, GMPOTrainer
     from .kto import KTOConfig, KTOTrainer
+    from .orpo import CPOConfig, CPOTrainer, ORPOConfig, ORPOTrainer
     from .reward import RewardConfig, RewardTrainer
     from .rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     from .sft import SFTConfig, SFTTrainer
+    from .tpo import TPOConfig, TPOTrainer

@@ -8,7 +8,9 @@ score head's per-token output of the packed forward at the same token of every s
 ``logits`` are the ``(2B, num_labels)`` scores stock computes, and TRL's loss (``margin``,
 ``center_rewards_coefficient``) and metrics run unchanged on them. ``max_tokens_per_batch`` packs pairs
 with multipack (a pair weighs ``len(chosen) + len(rejected)``; TRL drops pairs over ``max_length`` when it
-prepares the dataset, as stock does).
+prepares the dataset, as stock does). Under DDP the ranks' multipack micro-batches may then hold different
+numbers of pairs: the all-gather of every rank's scores behind TRL's reward metrics takes that
+(:func:`~packing_hf.integrations.dataloaders.gather_uneven_rows`, installed by every packing trainer).
 
 Refused: a ``data_collator`` that does not pack pairs, a model without a ``score`` head (the per-token
 scores must be read before pooling), and prompt-learning PEFT (virtual tokens per padded row).

@@ -58,7 +58,7 @@ from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics
-from .dataloaders import PackingDataMixin, is_packing_collator, is_stream
+from .dataloaders import PackingDataMixin, gather_uneven_rows, is_packing_collator, is_stream
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
 from .preflight import base_model, preflight_packing
@@ -111,6 +111,7 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         self._loss_setup()
+        gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples
         if args.max_tokens_per_batch is None:
             return
         if not is_packing_collator(self.data_collator):

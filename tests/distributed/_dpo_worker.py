@@ -16,7 +16,7 @@ import sys
 NUM_PAIRS = 12
 BATCH_PAIRS = 2
 MAX_LENGTH = 128
-MAX_TOKENS_PER_BATCH = 420
+MAX_TOKENS_PER_BATCH = 520  # the ranks' batches then hold different numbers of pairs
 SEED = 0
 
 
@@ -186,6 +186,12 @@ def main(out_dir: str) -> None:
             "batches": collator.batches,
             "pair_tokens": pair_tokens,
             "global_step": multipack.state.global_step,
+            "budget": MAX_TOKENS_PER_BATCH,
+            "logged": [  # TRL's metrics gathered over both ranks' pairs: the same on both
+                {k: v for k, v in log.items() if k.startswith(("rewards/", "logps/"))}
+                for log in multipack.state.log_history
+                if "rewards/margins" in log
+            ],
             "shared": shared,
             "shared_prompt_tokens": collator.stats["shared_prompt_tokens"],
         },

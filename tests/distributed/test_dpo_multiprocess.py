@@ -4,7 +4,8 @@ Each rank trains one step (the packed one sharing every pair's prompt) with stoc
 weights and data (reference log-probs precomputed and gathered across the ranks); the DDP-averaged
 gradients must agree to 1e-5 relative and be the same on both ranks. A multipack epoch over pairs must give
 both ranks the same number of steps, disjoint pairs that together cover the dataset once, and batches
-within the token budget counted over both sequences of every pair.
+within the token budget counted over both sequences of every pair; in some step the ranks hold different
+numbers of pairs, which TRL's gather of per-pair metrics must take (gloo aborted on it before).
 """
 
 from __future__ import annotations
@@ -51,4 +52,7 @@ def test_two_process_packed_dpo_matches_stock(tmp_path, data_dir, launch, torchr
     assert not set(seen0) & set(seen1)
     assert sorted(seen0 + seen1) == sorted(r0["pair_tokens"])
     for batch in r0["batches"] + r1["batches"]:
-        assert sum(r0["pair_tokens"][pair] for pair in batch) <= 420
+        assert sum(r0["pair_tokens"][pair] for pair in batch) <= r0["budget"]
+    # in some step the ranks held different numbers of pairs: TRL's gather of per-pair rewards took them
+    assert any(len(a) != len(b) for a, b in zip(r0["batches"], r1["batches"], strict=True))
+    assert r0["logged"] and r0["logged"] == r1["logged"]

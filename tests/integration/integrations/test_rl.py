@@ -1,4 +1,4 @@
-"""packing_hf.GRPOTrainer / RLOOTrainer against stock TRL on padded rollouts: same log-probs, losses, gradients.
+"""packing_hf.GRPOTrainer / RLOOTrainer / GMPOTrainer against stock TRL on padded rollouts: same log-probs, losses, gradients.
 
 Both trainers load one tiny llama (fp32) from the same folder (so TRL builds the reference model from it
 too): sdpa for stock, packing_hf's varlen attention for the packed one. Generation is replaced on both by
@@ -18,7 +18,10 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 trl = pytest.importorskip("trl")
 
+from trl.experimental import gmpo as stock_gmpo  # noqa: E402
+
 import packing_hf  # noqa: E402
+from packing_hf.integrations.gmpo import GMPOConfig, GMPOTrainer  # noqa: E402
 from packing_hf.integrations.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from packing_hf.rollouts import RolloutPack  # noqa: E402
 
@@ -92,14 +95,19 @@ def _common(tmp_path, name: str, **overrides) -> dict:
     return {**defaults, **overrides}
 
 
-def _build(tmp_path, model_dir, tokenizer, data, rloo: bool = False, **config):
-    """(stock trainer, packed trainer) on the same weights, prompts and generations."""
+def _kinds(algorithm: str):
+    """[(stock trainer, config), (packed trainer, config)] of ``algorithm``."""
+    if algorithm == "gmpo":
+        return [(stock_gmpo.GMPOTrainer, stock_gmpo.GMPOConfig), (GMPOTrainer, GMPOConfig)]
+    if algorithm == "rloo":
+        return [(trl.RLOOTrainer, trl.RLOOConfig), (RLOOTrainer, RLOOConfig)]
+    return [(trl.GRPOTrainer, trl.GRPOConfig), (GRPOTrainer, GRPOConfig)]
+
+
+def _build(tmp_path, model_dir, tokenizer, data, algorithm: str = "grpo", **config):
+    """(stock trainer, packed trainer) of ``algorithm`` on the same weights, prompts and generations."""
     trainers = []
-    kinds = (
-        [(trl.RLOOTrainer, trl.RLOOConfig), (RLOOTrainer, RLOOConfig)]
-        if rloo
-        else [(trl.GRPOTrainer, trl.GRPOConfig), (GRPOTrainer, GRPOConfig)]
-    )
+    kinds = _kinds(algorithm)
     for (trainer_cls, config_cls), attn in zip(kinds, ("sdpa", packing_hf.register_attention()), strict=True):
         name = "stock" if trainer_cls.__module__.startswith("trl") else "packed"
         options = {k: v for k, v in config.items() if name == "packed" or k not in PACKING_FIELDS}
@@ -186,8 +194,32 @@ def _per_token(trainer, batch):
 )
 def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, tokenizer, prompts, config):
     stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), **config)
+    _check_micro_batch(stock, packed, config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},  # KL to the reference (beta=0.04)
+        {"max_tokens_per_batch": 48},  # several packed forwards per micro-batch
+        # no reference model (GMPO's default); entropy mask inside the geometric mean
+        {"beta": 0.0, "share_prompt": True, "top_entropy_quantile": 0.5},
+        {"share_prompt": True, "max_tokens_per_batch": 64, "mask_truncated_completions": True},
+    ],
+    ids=["kl", "budget", "no_kl+share_prompt+entropy_mask", "share_prompt+budget+mask_truncated"],
+)
+def test_gmpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, tokenizer, prompts, config):
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), algorithm="gmpo", **config)
+    assert type(stock).__module__ == "trl.experimental.gmpo.gmpo_trainer"
+    _check_micro_batch(stock, packed, config)
+
+
+def _check_micro_batch(stock, packed, config: dict) -> None:
+    """Reference log-probs, advantages, policy log-probs and entropies, loss, gradients, metrics: as stock."""
     batch_s, batch_p = _micro_batches(stock, packed)
-    _close(batch_p["ref_per_token_logps"], batch_s["ref_per_token_logps"], "reference log-probs")
+    assert ("ref_per_token_logps" in batch_p) == ("ref_per_token_logps" in batch_s) == (stock.beta != 0.0)
+    if stock.beta != 0.0:
+        _close(batch_p["ref_per_token_logps"], batch_s["ref_per_token_logps"], "reference log-probs")
     _close(batch_p["advantages"], batch_s["advantages"], "advantages")
 
     logps_p, entropy_p, _ = _per_token(packed, batch_p)
@@ -202,6 +234,10 @@ def test_grpo_logps_loss_gradients_and_metrics_match_stock(tmp_path, model_dir, 
         rollouts = int((torch.cat([batch_p["prompt_mask"], batch_p["completion_mask"]], 1)).sum())
         assert packed.packing_stats["packed_tokens"] < 3 * rollouts  # 3 passes (ref, policy, policy)
 
+    _check_loss_and_metrics(stock, packed, batch_s, batch_p)
+
+
+def _check_loss_and_metrics(stock, packed, batch_s, batch_p) -> None:
     stock._metrics["train"].clear()
     packed._metrics["train"].clear()
     loss_p, grads_p = _loss_and_grads(packed, batch_p)
@@ -245,6 +281,24 @@ def test_negative_control_layout_errors_are_caught(
         _close(_per_token(packed, batch_p)[0], logps_s, "policy per-token log-probs")
 
 
+@pytest.mark.parametrize(
+    "share, tamper", [(False, _one_long_sequence), (True, _branches_without_prefix)], ids=["packed", "shared"]
+)
+def test_gmpo_negative_control_layout_errors_are_caught(
+    tmp_path, model_dir, tokenizer, prompts, monkeypatch, share, tamper
+):
+    # the loss/gradient comparison of the GMPO test catches a packed row whose segments see each other
+    # (or whose branches miss their prompt): the geometric-mean weight and KL read the wrong log-probs
+    stock, packed = _build(
+        tmp_path, model_dir, tokenizer, lambda: prompts(2), algorithm="gmpo", share_prompt=share
+    )
+    batch_s, batch_p = _micro_batches(stock, packed)
+    _check_loss_and_metrics(stock, packed, batch_s, batch_p)  # exact as built
+    monkeypatch.setattr(RolloutPack, "model_inputs", tamper)
+    with pytest.raises(AssertionError, match="loss|gradients"):
+        _check_loss_and_metrics(stock, packed, batch_s, batch_p)
+
+
 class _GradientProbe(TrainerCallback):
     """Keeps the accumulated gradient seen right before every optimizer step."""
 
@@ -282,12 +336,12 @@ def _train_both(stock, packed):
 
 
 @pytest.mark.parametrize(
-    "rloo, share",
-    [(False, False), (True, False), (False, True), (True, True)],
-    ids=["grpo", "rloo", "grpo+share_prompt", "rloo+share_prompt"],
+    "algorithm, share",
+    [("grpo", False), ("rloo", False), ("gmpo", False), ("grpo", True), ("rloo", True), ("gmpo", True)],
+    ids=lambda v: v if isinstance(v, str) else ("share_prompt" if v else "packed"),
 )
 def test_training_with_accumulation_and_iterations_matches_stock(
-    tmp_path, model_dir, tokenizer, prompts, rloo, share
+    tmp_path, model_dir, tokenizer, prompts, algorithm, share
 ):
     # 2 optimizer steps of 2 micro-batches; every generation is reused for 2 iterations, so the old-policy
     # log-probs come from a no-grad packed pass and the importance ratios move away from 1
@@ -300,8 +354,12 @@ def test_training_with_accumulation_and_iterations_matches_stock(
         max_tokens_per_batch=64,
         share_prompt=share,
     )
-    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(4), rloo=rloo, **config)
+    if algorithm == "gmpo":  # a log-space clip range the moved ratios leave, so GMPO's clipping is exercised
+        config["epsilon"] = 0.02
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(4), algorithm=algorithm, **config)
     _train_both(stock, packed)
+    if algorithm == "gmpo":
+        assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in stock.state.log_history)
     assert packed.packing_stats["forwards"] > 0
     assert (packed.packing_stats["shared_prompts"] > 0) == share
     assert not packed.model._forward_pre_hooks  # the pre-flight preparation was given back

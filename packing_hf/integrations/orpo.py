@@ -1,0 +1,438 @@
+"""``packing_hf.ORPOTrainer`` / ``packing_hf.CPOTrainer``: TRL's ORPO and CPO on packed pairs, exactly.
+
+TRL keeps ORPO and CPO in ``trl.experimental`` in the older DPO style: each row is tokenized into
+``chosen_input_ids`` / ``chosen_labels`` and ``rejected_input_ids`` / ``rejected_labels`` (``prompt + answer``,
+``-100`` on the prompt), a collator pads them, and ``concatenated_forward`` runs the ``2B`` sequences of ``B``
+pairs as one right-padded ``(2B, L)`` batch and returns the per-sequence log-probs of the answers, the logits and
+an NLL term. These subclasses keep TRL's tokenization, loss and metrics, and replace only the collator and
+``concatenated_forward``:
+
+- :class:`PaddingFreePairCollator` packs the ``2B`` sequences (chosen ones first, TRL's row order) as segments of
+  one ``[1, T]`` row with restarting ``position_ids`` and ``cu_seq_lens_q/k``
+  (:class:`~packing_hf.preference.PaddingFreePreferenceCollator` on prompt-less pairs), next to TRL's padded
+  layout (``input_ids``, ``attention_mask``, ``concatenated_labels``, ``(2B, L)`` integers; no model compute runs
+  on them).
+- ``concatenated_forward`` runs the model once on the packed row (varlen attention keeps the segments apart),
+  takes the log-prob of every next token, scatters them to the padded layout
+  (:func:`~packing_hf.preference.unpack_shifted`) and reduces them as stock does: summed (CPO ``sigmoid`` /
+  ``hinge``) or averaged (ORPO, CPO ``ipo`` / ``simpo`` / ``alphapo``) over each answer's labels. ORPO's NLL is
+  the mean over every chosen token after the first (prompt included), CPO's over the chosen answer's tokens
+  (``cpo_alpha * nll``; none when ``cpo_alpha=0``), as stock. Log-probs, losses, gradients and every metric
+  equal stock's up to floating-point reassociation inside the matmuls, except:
+- ``logits/chosen`` / ``logits/rejected``: stock averages the logits of every position of the padded batch,
+  padding included, so its value depends on how much padding the batch has. Here they are the mean over the real
+  positions stock reads (ORPO: every token but each sequence's last; CPO: every token); they equal stock's on a
+  batch without padding.
+
+``max_tokens_per_batch`` packs pairs with multipack, a pair weighing ``len(chosen_input_ids) +
+len(rejected_input_ids)`` (TRL truncates every sequence to ``max_length`` when it tokenizes). ``padding_free``
+(``None`` or ``True``) is what these trainers always do.
+
+Refused with a ``ValueError``: ``padding_free=False``, a ``data_collator`` that does not pack pairs,
+encoder-decoder models (their labels go through the decoder, not a packed row), MoE models with
+``output_router_logits`` (the router's auxiliary loss would be computed over the packed tokens, not stock's
+padded ones), ``generate_during_eval`` (it needs padded prompts), ``loss_normalization`` other than ``"token"``
+(the loss is one term per pair), vision datasets, prompt-learning PEFT and context/sequence parallelism.
+
+>>> from packing_hf.integrations.orpo import CPOConfig
+>>> CPOConfig("out", max_tokens_per_batch=2048, loss_type="alphapo", report_to="none", use_cpu=True).loss_type
+'simpo'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from trl.experimental.cpo import CPOConfig as _StockCPOConfig
+from trl.experimental.cpo import CPOTrainer as _StockCPOTrainer
+from trl.experimental.orpo import ORPOConfig as _StockORPOConfig
+from trl.experimental.orpo import ORPOTrainer as _StockORPOTrainer
+from trl.trainer.utils import selective_log_softmax
+
+from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths, unpack_shifted
+from ..varlen import IGNORE_INDEX
+from .args import PackingArguments, as_config
+from .dpo import (
+    PreferenceStatsCollator,
+    _check_dataset,
+    _check_vocabulary,
+    _pad_token_id,
+    check_whole_sequence_options,
+)
+from .preflight import base_model
+from .trainer import PackingTrainerMixin
+
+__all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer", "PaddingFreePairCollator"]
+
+LABELS_KEY = "concatenated_labels"
+_SEQUENCE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+_PADDING_FREE_HELP = (
+    "Packed pairs, no padding computed: what this trainer always does (None or True). False is refused: use "
+    "TRL's own trainer for padded batches."
+)
+
+
+@dataclass
+class ORPOConfig(PackingArguments, _StockORPOConfig):
+    """``trl.experimental.orpo.ORPOConfig`` plus the packing fields of
+    :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
+    every pair.
+
+    >>> ORPOConfig(output_dir="out", padding_free=True, report_to="none", use_cpu=True).packing_preflight
+    'switch'
+    """
+
+    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+
+
+@dataclass
+class CPOConfig(PackingArguments, _StockCPOConfig):
+    """``trl.experimental.cpo.CPOConfig`` plus the packing fields of
+    :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
+    every pair.
+
+    >>> CPOConfig(output_dir="out", report_to="none", use_cpu=True).loss_type
+    'sigmoid'
+    """
+
+    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+
+
+@dataclass
+class PaddingFreePairCollator(PaddingFreePreferenceCollator):
+    """Collate rows tokenized by TRL's ORPO / CPO trainers into one packed row of ``2B`` segments.
+
+    Input: ``B`` feature dicts with ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
+    ``rejected_labels`` (lists of ints; a sequence's labels are its own tokens, ``-100`` where not trained);
+    other keys are ignored. Output (``S = 2B``, chosen first; ``L`` the longest; ``T`` the packed tokens): the
+    keys of :class:`~packing_hf.preference.PaddingFreePreferenceCollator` for prompt-less pairs
+    (``packed_input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``packed_index``, and
+    the padded ``input_ids`` / ``attention_mask`` ``(S, L)``), plus ``concatenated_labels`` ``(S, L)`` int64:
+    the labels in TRL's padded layout (``-100`` on padding).
+
+    >>> batch = PaddingFreePairCollator()([{"chosen_input_ids": [1, 2, 3], "chosen_labels": [-100, 2, 3],
+    ...     "rejected_input_ids": [1, 4], "rejected_labels": [-100, 4]}])
+    >>> batch["packed_input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
+    ([[1, 2, 3, 1, 4]], [0, 3, 5])
+    >>> batch["concatenated_labels"].tolist()
+    [[-100, 2, 3], [-100, 4, -100]]
+    """
+
+    input_columns: ClassVar[tuple[str, ...]] = _SEQUENCE_KEYS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shared_prompt:
+            raise ValueError(
+                "TRL's ORPO / CPO rows hold the prompt inside both sequences; leave shared_prompt=False"
+            )
+        if self.pad_to_multiple_of:
+            raise ValueError(
+                f"pad_to_multiple_of={self.pad_to_multiple_of}: packed ORPO / CPO rows take no padding segment; "
+                "leave it unset"
+            )
+
+    def __call__(
+        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, Any]:
+        features, return_tensors = self._batch_arguments(features, return_tensors, "one pair")
+        missing = [k for k in _SEQUENCE_KEYS if any(k not in f for f in features)]
+        if missing:
+            raise ValueError(
+                f"a feature lacks {missing} (keys: {sorted(features[0])}): PaddingFreePairCollator takes rows "
+                "tokenized by TRL's ORPO / CPO trainers"
+            )
+        sides = ("chosen", "rejected")
+        ids = [np.asarray(f[f"{side}_input_ids"], dtype=np.int64) for side in sides for f in features]
+        labels = [np.asarray(f[f"{side}_labels"], dtype=np.int64) for side in sides for f in features]
+        for s, (i, lab) in enumerate(zip(ids, labels, strict=True)):
+            trained = lab != IGNORE_INDEX
+            if lab.shape != i.shape or (lab[trained] != i[trained]).any():
+                side = sides[s // len(features)]
+                raise ValueError(
+                    f"pair {s % len(features)}: {side}_labels must be {side}_input_ids with -100 on untrained "
+                    f"tokens (got {lab.size} labels for {i.size} tokens, or labels that are other tokens)"
+                )
+        pairs = [
+            {"prompt_ids": [], "chosen_ids": c, "rejected_ids": r}
+            for c, r in zip(ids[: len(features)], ids[len(features) :], strict=True)
+        ]
+        batch = super().__call__(pairs, "np")
+        del batch["completion_mask"]  # prompt-less pairs: all ones, and TRL's labels say what is trained
+        padded = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int64)
+        padded[batch["attention_mask"].astype(bool)] = np.concatenate(labels)  # row-major: sequence order
+        batch[LABELS_KEY] = padded
+        if return_tensors == "pt":
+            batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+        return batch
+
+
+def _check_model(model: Any, stock: str) -> None:
+    """Refuse the models whose packed forward cannot reproduce stock's padded one."""
+    if isinstance(model, str) or model is None:
+        return
+    config = getattr(base_model(model), "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(base_model(model)).__name__} is an encoder-decoder model: its answers run through the "
+            f"decoder as padded labels, which packing_hf does not pack. Use {stock} for encoder-decoder models"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits=True: the router's auxiliary loss would be computed over the packed "
+            "tokens, not over stock's padded batch, so the loss would differ. Set "
+            f"model.config.output_router_logits=False (no auxiliary loss) or use {stock}"
+        )
+
+
+class PackedPairsMixin:
+    """The packed ``concatenated_forward`` shared by :class:`ORPOTrainer` and :class:`CPOTrainer`.
+
+    Subclasses say how the per-sequence log-probs are reduced (:meth:`_average_log_prob`), which tokens the NLL
+    term averages over (:meth:`_nll_mask`) and which positions the ``logits/*`` metrics read
+    (``_logits_drop_last``).
+
+    >>> ORPOTrainer._logits_drop_last, CPOTrainer._logits_drop_last  # stock reads logits[:, :-1] / logits
+    (True, False)
+    """
+
+    _stock_name: ClassVar[str]
+    _algorithm: ClassVar[str]
+    _config_class: ClassVar[type]
+    _logits_drop_last: ClassVar[bool]
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = as_config(args, model, self._config_class, self._algorithm)
+        data_collator = self._packed_init(
+            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
+        )
+        super().__init__(
+            model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._packed_setup(model)
+
+    def _packed_init(self, model: Any, args: Any, data_collator: Any, train_dataset: Any,
+                     eval_dataset: Any, processing_class: Any, kwargs: dict) -> Any:  # fmt: skip
+        """Every refusal before TRL tokenizes anything; returns the collator to use."""
+        stock = self._stock_name
+        if args.padding_free is False:
+            raise ValueError(
+                f"padding_free=False asks for padded batches, which packing_hf's trainer never runs; use {stock}"
+            )
+        if data_collator is not None and not isinstance(data_collator, PaddingFreePairCollator):
+            raise ValueError(
+                f"data_collator={type(data_collator).__name__} does not pack pairs; leave it unset (a "
+                "PaddingFreePairCollator is built) or pass a PaddingFreePairCollator"
+            )
+        if args.loss_normalization != "token":
+            raise ValueError(
+                f"loss_normalization={args.loss_normalization!r}: the loss of {stock} is one term per pair plus "
+                "its own NLL mean; leave loss_normalization='token'"
+            )
+        if args.generate_during_eval:
+            raise ValueError(
+                "generate_during_eval=True generates from padded prompts, which packed batches do not carry; "
+                f"unset it or use {stock}"
+            )
+        if args.is_encoder_decoder:
+            raise ValueError(f"is_encoder_decoder=True: encoder-decoder models are not packed; use {stock}")
+        _check_model(model, stock)
+        check_whole_sequence_options(
+            args,
+            model,
+            train_dataset,
+            kwargs,
+            unit="a preference pair, whose two sequences",
+            what="preference",
+            stock=stock,
+        )
+        _check_dataset(train_dataset, "train_dataset")
+        _check_dataset(eval_dataset, "eval_dataset")
+        _check_vocabulary(processing_class, model)
+        if data_collator is None:
+            data_collator = PaddingFreePairCollator(pad_token_id=_pad_token_id(processing_class))
+        args.remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns
+        return data_collator
+
+    def _packed_setup(self, model: Any) -> None:
+        """After TRL's ``__init__``: the checks that need the loaded model, then the packing set-up."""
+        if isinstance(model, str):
+            _check_model(self.model, self._stock_name)
+        # stock's prediction_step warns on any collator but its own: this one is exact
+        self.use_dpo_data_collator = True
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        for name in ("cp_size", "sp_size"):
+            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
+                raise ValueError(
+                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
+                    f"a packed row does not support; unset it or use {self._stock_name}"
+                )
+        self._packing_setup()
+
+    def _average_log_prob(self) -> bool:
+        raise NotImplementedError
+
+    def _nll_mask(self, batch: dict[str, Any], n_pairs: int) -> torch.Tensor | None:
+        """``(B, L - 1)`` bool: the chosen targets the NLL term averages over, or ``None`` for no NLL term."""
+        raise NotImplementedError
+
+    def concatenated_forward(self, model: Any, batch: dict[str, Any]) -> tuple:
+        """Stock's ``concatenated_forward`` on a packed row: ``(chosen_logps (B,), rejected_logps (B,),
+        chosen_logits (N_c, V), rejected_logits (N_r, V), nll_loss ())``; the logits are those of the real
+        positions the ``logits/*`` metrics average (see the module docstring)."""
+        if "packed_index" not in batch:
+            raise ValueError(
+                f"{type(self).__name__} got a batch without 'packed_index' (keys {sorted(batch)}): batches must "
+                "come from PaddingFreePairCollator"
+            )
+        packed_ids = batch["packed_input_ids"]  # (1, T)
+        index = batch["packed_index"]  # (T,)
+        labels = batch[LABELS_KEY]  # (S, L)
+        rows, width = labels.shape
+        n_pairs = rows // 2
+        inputs = {
+            k: batch[k]
+            for k in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+        }
+        logits = model(input_ids=packed_ids, use_cache=False, **inputs).logits  # (1, T, V)
+        # log-prob of every packed next token; those crossing into the next segment are dropped by the scatter
+        token_logps = selective_log_softmax(logits[:, :-1], packed_ids[:, 1:].to(logits.device))  # (1, T - 1)
+        per_token = unpack_shifted(token_logps, index, rows, width)  # (S, L - 1), stock's positions
+        loss_mask = labels[:, 1:].to(per_token.device) != IGNORE_INDEX
+        logps = (per_token * loss_mask).sum(-1)  # the same reduction as stock's get_batch_logps
+        if self._average_log_prob():
+            logps = logps / loss_mask.sum(-1)
+        nll_mask = self._nll_mask(batch, n_pairs)
+        if nll_mask is None:
+            nll_loss = torch.tensor(0.0).to(self.accelerator.device)
+        else:
+            nll_mask = nll_mask.to(per_token.device)
+            nll_loss = -(per_token[:n_pairs] * nll_mask).sum() / nll_mask.sum()
+
+        cu = batch["cu_seq_lens_q"].tolist()
+        positions = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+        if self._logits_drop_last:  # stock reads logits[:, :-1]: every position that predicts a token
+            positions[torch.tensor(cu[1:], device=logits.device) - 1] = False
+        chosen_logits = logits[0, : cu[n_pairs]][positions[: cu[n_pairs]]]
+        rejected_logits = logits[0, cu[n_pairs] : cu[rows]][positions[cu[n_pairs] : cu[rows]]]
+        return logps[:n_pairs], logps[n_pairs:], chosen_logits, rejected_logits, nll_loss
+
+    def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
+        """Tokens of every pair in a packed row: both sequences, as TRL tokenized (and truncated) them."""
+        from ..sampler import lengths_from_dataset
+        from .dataloaders import _is_hf_dataset
+
+        columns = ("chosen_input_ids", "rejected_input_ids")
+        if _is_hf_dataset(dataset):
+            missing = [c for c in columns if c not in dataset.column_names]
+            if missing:
+                raise ValueError(
+                    f"max_tokens_per_batch needs pair lengths, but the training dataset lacks {missing} "
+                    f"(columns: {dataset.column_names}); let {type(self).__name__} tokenize it"
+                )
+            chosen, rejected = (lengths_from_dataset(dataset, c) for c in columns)
+        else:
+            chosen, rejected = (
+                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
+            )
+        return preference_pair_lengths(np.zeros_like(chosen), chosen, rejected)
+
+    def _wrap_train_collator(self, collator: Any) -> Any:
+        if self.args.packing_metrics and isinstance(collator, PaddingFreePairCollator):
+            return PreferenceStatsCollator(collator)
+        return collator
+
+
+class ORPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockORPOTrainer):
+    """``trl.experimental.orpo.ORPOTrainer`` on packed pairs: same log-probs, loss, gradients and metrics.
+
+    Same arguments as TRL's; ``args`` is converted to :class:`ORPOConfig` if it is a plain
+    ``TrainingArguments`` / TRL ``ORPOConfig``. Unless given, the collator is a :class:`PaddingFreePairCollator`.
+    Load the model with an attention that keeps packed segments apart (sdpa/eager for llama-like models, or
+    ``packing_hf.register_attention()``); the pre-flight check verifies it while training. ``logits/chosen`` and
+    ``logits/rejected`` are means over real positions (see the module docstring).
+
+    >>> import datasets
+    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
+    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "chosen": ["2", "5"], "rejected": ["3", "6"]})
+    >>> args = ORPOConfig("/tmp/packing_hf_orpo_doctest", max_tokens_per_batch=64, max_length=32, max_steps=1,
+    ...     report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    >>> trainer = ORPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    >>> trainer.train().global_step  # doctest: +ELLIPSIS
+    {...}
+    1
+    """
+
+    _stock_name = "trl.experimental.orpo.ORPOTrainer"
+    _algorithm = "ORPO"
+    _config_class = ORPOConfig
+    _logits_drop_last = True
+
+    def _average_log_prob(self) -> bool:
+        return True  # ORPO's odds ratio is over mean per-token log-probs
+
+    def _nll_mask(self, batch: dict[str, Any], n_pairs: int) -> torch.Tensor:
+        # stock: cross-entropy over every real chosen token after the first, prompt included
+        return batch["attention_mask"][:n_pairs, 1:] == 1
+
+
+class CPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockCPOTrainer):
+    """``trl.experimental.cpo.CPOTrainer`` on packed pairs: same log-probs, loss, gradients and metrics.
+
+    Every ``loss_type`` (``sigmoid``, ``hinge``, ``ipo``, ``simpo``, ``alphapo``), ``alpha`` and ``cpo_alpha``
+    as stock. Same arguments as TRL's; ``args`` is converted to :class:`CPOConfig` if it is a plain
+    ``TrainingArguments`` / TRL ``CPOConfig``. Unless given, the collator is a :class:`PaddingFreePairCollator`.
+    ``logits/chosen`` and ``logits/rejected`` are means over real positions (see the module docstring).
+
+    >>> import datasets
+    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
+    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "chosen": ["2", "5"], "rejected": ["3", "6"]})
+    >>> args = CPOConfig("/tmp/packing_hf_cpo_doctest", loss_type="simpo", max_length=32, max_steps=1,
+    ...     per_device_train_batch_size=2, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    >>> trainer = CPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    >>> type(trainer.data_collator).__name__
+    'PaddingFreePairCollator'
+    >>> trainer.train().global_step  # doctest: +ELLIPSIS
+    {...}
+    1
+    """
+
+    _stock_name = "trl.experimental.cpo.CPOTrainer"
+    _algorithm = "CPO"
+    _config_class = CPOConfig
+    _logits_drop_last = False
+
+    def _average_log_prob(self) -> bool:
+        return self.loss_type in ("ipo", "simpo")  # as stock (alphapo became simpo in the config)
+
+    def _nll_mask(self, batch: dict[str, Any], n_pairs: int) -> torch.Tensor | None:
+        if self.cpo_alpha == 0:
+            return None
+        return batch[LABELS_KEY][:n_pairs, 1:] != IGNORE_INDEX  # stock: the chosen answer's tokens
