@@ -25,13 +25,13 @@ own), the contenders of a trainer alternate with the order rotated every round, 
 Reported per contender: real tokens/s of the training steps (forward + backward + optimizer step,
 median over rounds; real tokens = the non-padding tokens of the padded batch, KL sequences included, which
 every contender's batch carries, so all contenders of a trainer are measured on the same work), the tokens
-computed per step (the packed rows' length, checked below the padded batch's: the packed path is taken),
+computed per step (the packed rows' length: checked to hold no padding and to total fewer than padded's),
 peak RSS of the process and its growth over the state before the first step, and the per-step losses;
 the table gives ratios over the trainer's stock padded contender and the largest loss difference from it.
 
 A full run is long: the 49k-token LM head dominates DPO and KTO steps (batches of 8 pairs, ~12k real tokens
 per step with long prompts). ``--steps 4 --rounds 1`` took 27 minutes on 2 shared, loaded CPU cores (one
-thread per contender), which extrapolates to ~4.5 hours for the defaults (20 steps, 3 rounds) there: DPO
+thread per contender: ``BENCH_THREADS=1``, default 2), which extrapolates to ~4.5 hours for the defaults (20 steps, 3 rounds) there: DPO
 ~2.3 h, KTO ~2 h, reward ~3 min (no LM head); less on a quiet machine.
 
     python benchmarks/bench_dpo.py                          # all three trainers (see above)
