@@ -29,10 +29,11 @@ computed per step (the packed rows' length: checked to hold no padding and to to
 peak RSS of the process and its growth over the state before the first step, and the per-step losses;
 the table gives ratios over the trainer's stock padded contender and the largest loss difference from it.
 
-A full run is long: the 49k-token LM head dominates DPO and KTO steps (batches of 8 pairs, ~12k real tokens
-per step with long prompts). ``--steps 4 --rounds 1`` took 27 minutes on 2 shared, loaded CPU cores (one
-thread per contender: ``BENCH_THREADS=1``, default 2), which extrapolates to ~4.5 hours for the defaults (20 steps, 3 rounds) there: DPO
-~2.3 h, KTO ~2 h, reward ~3 min (no LM head); less on a quiet machine.
+A full run is long: the 49k-token LM head dominates DPO and KTO steps. The README's figures
+(``--pairs 16 --batch-pairs 4 --steps 20 --rounds 3``, both prompt sets, 2 threads) took 35 minutes for DPO,
+37 minutes for KTO and 2 minutes for the reward model on 2 CPU cores. The defaults take 8 pairs per step (~12k
+real tokens per step with long prompts): ``--steps 4 --rounds 1`` of them took 27 minutes on 2 shared, loaded
+cores (one thread per contender: ``BENCH_THREADS=1``), which extrapolates to ~4.5 hours for 20 steps and 3 rounds.
 
     python benchmarks/bench_dpo.py                          # all three trainers (see above)
     python benchmarks/bench_dpo.py --trainers dpo --prompts long
