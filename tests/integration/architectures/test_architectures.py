@@ -181,6 +181,33 @@ def test_own_attention_models_refuse_the_varlen_implementation():
         prepare_model_for_packing(model)
 
 
+def test_own_attention_is_claimed_only_for_models_that_compute_attention_themselves():
+    """``own_attention`` makes the attention name refuse the model; a model whose modeling code dispatches
+    through ``AttentionInterface`` (CodeGen and GPT-J from transformers 5.24 on) would be refused falsely.
+    Refused and hybrid entries are left out: they are refused, or prepared, for other reasons."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from packing_hf.architectures import REGISTRY
+
+    checked, wrong = [], []
+    for model_type, entry in sorted(REGISTRY.items()):
+        if not entry.own_attention or entry.status not in ("exact", "mask"):
+            continue
+        source = inspect.getsource(
+            inspect.getmodule(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]))
+        )
+        checked.append(model_type)
+        if "ALL_ATTENTION_FUNCTIONS" in source:
+            wrong.append(model_type)
+    assert len(checked) >= 5, checked
+    assert not wrong, (
+        f"registered as computing attention themselves, yet they call AttentionInterface: {wrong}"
+    )
+
+
 def test_unregistered_architectures_are_checked_before_being_trusted(monkeypatch):
     from packing_hf import registry
 
@@ -230,7 +257,9 @@ def test_the_sweep_covers_every_causal_decoder_of_transformers():
     assert not missing, f"causal-LM model types missing from the registry (and the sweep): {missing}"
     table = (ROOT / "docs" / "architectures.md").read_text()
     unlisted = [m for m in wrappers if f"\n| {m} |" not in table]
-    assert not unlisted, f"multimodal wrappers missing from the multimodal table of docs/architectures.md: {unlisted}"
+    assert not unlisted, (
+        f"multimodal wrappers missing from the multimodal table of docs/architectures.md: {unlisted}"
+    )
     unswept = sorted(m for m, e in REGISTRY.items() if not e.sweep and e.status != "refused")
     assert not unswept, unswept
 

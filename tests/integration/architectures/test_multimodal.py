@@ -34,11 +34,24 @@ WRAPPERS = [
 ]
 
 
+def _skip_if_transformers_fails_text_only(model):
+    """transformers 5.24's Llama4ForConditionalGeneration fails on text-only input by itself (its forward reads
+    ``image_outputs`` from a text model's output): nothing to compare packing against there."""
+    import transformers
+
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+    except AttributeError as exc:
+        pytest.skip(f"transformers {transformers.__version__}: a text-only forward of the stock model fails: {exc}")
+
+
 @pytest.mark.parametrize("model_type", WRAPPERS)
 @pytest.mark.parametrize("implementation", ["sdpa", "packing_hf"])
 def test_text_only_rows_through_a_vlm_wrapper_are_exact_when_prepared(model_type, implementation):
     model = build_tiny_model(model_type, implementation)
     assert "ForConditionalGeneration" in type(model).__name__
+    _skip_if_transformers_fails_text_only(model)
     with prepare_model_for_packing(model):
         report = check_packing(model, noise_floor=True)
     assert report.error is None and len(report.grads_max_abs_diff) == 3, report

@@ -38,7 +38,10 @@ def test_the_collators_boundaries_pass_and_keep_the_samples_apart():
     ("cu", "error"),
     [
         ([0, 12], r"boundary at token 7, where position_ids restart"),  # the two samples attend to each other
-        ([0, 7, 10], r"ends at token 10 but the packed row has 12 tokens: the last 2 tokens"),  # 2 in no sample
+        (
+            [0, 7, 10],
+            r"ends at token 10 but the packed row has 12 tokens: the last 2 tokens",
+        ),  # 2 in no sample
         ([0, 5, 12], r"boundary at token 5 where position_ids continue"),  # contradicts position_ids
         ([0, 7, 14], r"cu_seq_lens_q"),  # past the row
     ],
@@ -67,11 +70,28 @@ def test_the_negative_control_a_contradicting_row_leaks_when_unchecked(monkeypat
 
 
 def test_a_config_changed_after_the_first_forward_is_checked_again():
-    """Chunked attention whose layers layer_types no longer names, set after a first forward, is refused at
-    the next forward (the check was keyed on the config object alone, so the change slipped through)."""
+    """A config field the check reads, set after a first forward, is checked again at the next forward (the
+    check was keyed on the config object alone, so the change slipped through). Llama's modeling ignores
+    ``layer_types``, so naming a convolution layer there runs in transformers and only the check sees it."""
+    model, batch = _model(), _row()
+    with torch.no_grad():
+        model(**batch, use_cache=False)  # plain attention: served
+        model.config.layer_types = ["conv", "full_attention"]
+        with pytest.raises(ValueError, match="llama cannot be packed exactly.*conv"):
+            model(**batch, use_cache=False)
+
+
+def test_chunked_layers_no_longer_named_by_layer_types_are_refused():
+    """Llama 4's chunked local attention whose layers ``layer_types`` stops naming after the first forward.
+    transformers 5.24 reads ``layer_types`` in the model's forward (and fails without it); earlier versions
+    ran the chunked layers anyway, which only packing_hf's check caught: called here on a real layer."""
     model, batch = _model("llama4_text"), _row()
+    attention = model.model.layers[0].self_attn
     with torch.no_grad():
         model(**batch, use_cache=False)  # chunked layers named by layer_types: served
         model.config.layer_types = None
+        q = k = v = torch.zeros(1, 2, 12, 8)
         with pytest.raises(ValueError, match="llama4_text cannot be packed exactly.*chunked local attention"):
-            model(**batch, use_cache=False)
+            packing_hf.attention.interface.varlen_attention_forward(
+                attention, q, k, v, None, position_ids=batch["position_ids"]
+            )
