@@ -6,7 +6,7 @@ cache, and varlen kernels need int32 offsets. :func:`validate_packed_batch` chec
 few vectorized comparisons, at most one host sync) and returns the batch to pass on:
 
 - ``use_cache=True`` (the default of most configs): a cache turns packed-sequence detection off, so the
-  returned batch says ``use_cache=False``; a ``past_key_values`` next to a packed row is refused;
+  returned batch says ``use_cache=False``; a ``past_key_values`` (or ``cache``) next to a packed row is refused;
 - an ``attention_mask`` next to packed inputs: all ones carries nothing and turns detection off, so it is
   dropped; one with zeros contradicts the packed boundaries and is refused;
 - ``cu_seq_lens_q/k`` with more than one row: they describe one ``[1, T]`` row, refused;
@@ -179,7 +179,7 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
     Args:
         batch: model inputs: ``input_ids`` ``(B, T)``, ``position_ids`` ``(B, T)``, optionally
             ``cu_seq_lens_q/k`` ``(n + 1,)`` int32, ``max_length_q/k``, ``attention_mask`` ``(B, T)``,
-            ``labels`` ``(B, T)``, ``use_cache``, ``past_key_values``.
+            ``labels`` ``(B, T)``, ``use_cache``, ``past_key_values`` / ``cache``.
         config: the model config (optional); its ``use_cache`` decides whether ``use_cache=False`` must be
             added.
 
@@ -263,11 +263,12 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
                 "needs no mask: drop attention_mask (PaddingFreeCollator does not emit one)"
             )
 
-    if out.get("past_key_values") is not None:
-        raise ValueError(
-            "past_key_values was passed with a packed row: a cache turns off packed-sequence masking and "
-            "would mix samples; packed rows are for training, call the model without a cache"
-        )
+    for name in ("past_key_values", "cache"):  # transformers 5.24 renamed past_key_values to cache
+        if out.get(name) is not None:
+            raise ValueError(
+                f"{name} was passed with a packed row: a cache turns off packed-sequence masking and would mix "
+                "samples; packed rows are for training, call the model without a cache"
+            )
     if out.get("use_cache") or (out.get("use_cache") is None and _config_caches(config)):
         out["use_cache"] = False  # a cache disables packed-sequence detection in transformers' mask creation
 

@@ -24,7 +24,7 @@ HYBRIDS = [e.model_type for e in iter_sweep() if e.status == "mixers"]
 def test_every_family_of_the_issue_is_covered():
     families = (
         "bamba granitemoehybrid nemotron_h falcon_h1 zamba zamba2 jamba mamba mamba2 falcon_mamba "  # Mamba
-        "qwen3_next qwen3_5_text qwen3_5_moe_text olmo_hybrid "  # gated DeltaNet
+        "qwen3_next qwen3_5_text qwen3_5_moe_text olmo_hybrid lara_mini "  # gated DeltaNet
         "lfm2 lfm2_moe lfm3 inkling_text inkling2_text "  # short convolutions
         "kimi_linear minimax bailing_hybrid recurrent_gemma"  # linear attention, RG-LRU
     )

@@ -54,9 +54,10 @@ def test_a_config_without_cache_needs_no_flag():
     assert "use_cache" not in validate_packed_batch(packed(), Config())
 
 
-def test_past_key_values_next_to_a_packed_row_is_refused():
-    with pytest.raises(ValueError, match="past_key_values.*packed"):
-        validate_packed_batch(packed(past_key_values=object()))
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])  # cache: transformers 5.24's name for it
+def test_a_cache_next_to_a_packed_row_is_refused(name):
+    with pytest.raises(ValueError, match=f"{name} was passed with a packed row"):
+        validate_packed_batch(packed(**{name: object()}))
 
 
 def test_an_all_ones_attention_mask_is_dropped():
