@@ -587,24 +587,16 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences, after the collator's ``max_length``."""
-        from ..sampler import lengths_from_dataset
-        from .dataloaders import _is_hf_dataset
+        from .dataloaders import column_lengths
 
         collator = self.data_collator
         max_length = collator.max_length if collator.overflow == "truncate" else None
-        columns = ("prompt_ids", "chosen_ids", "rejected_ids")
-        if _is_hf_dataset(dataset):
-            missing = [c for c in columns if c not in dataset.column_names]
-            if missing:
-                raise ValueError(
-                    f"max_tokens_per_batch needs pair lengths, but the training dataset lacks {missing} (columns: "
-                    f"{dataset.column_names}); let DPOTrainer tokenize it (prompt / chosen / rejected columns)"
-                )
-            parts = [lengths_from_dataset(dataset, c) for c in columns]
-        else:
-            parts = [
-                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
-            ]
+        parts = column_lengths(
+            dataset,
+            ("prompt_ids", "chosen_ids", "rejected_ids"),
+            "pair",
+            "let DPOTrainer tokenize it (prompt / chosen / rejected columns)",
+        )
         return preference_pair_lengths(
             *parts,
             max_length=max_length,

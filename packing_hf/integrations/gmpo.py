@@ -25,13 +25,11 @@ by ``TRL_EXPERIMENTAL_SILENCE=1``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from trl.experimental.gmpo import GMPOConfig as _StockGMPOConfig
 from trl.experimental.gmpo import GMPOTrainer as _StockGMPOTrainer
 
-from .args import as_config
-from .rl import PackedRolloutsMixin, RolloutPackingArguments, _check_options
+from .rl import PackedRolloutsMixin, RolloutPackingArguments
 
 __all__ = ["GMPOConfig", "GMPOTrainer"]
 
@@ -57,25 +55,5 @@ class GMPOTrainer(PackedRolloutsMixin, _StockGMPOTrainer):
     ('PackedRolloutsMixin', 'trl.experimental.gmpo.gmpo_trainer')
     """
 
-    def __init__(
-        self,
-        model: Any,
-        reward_funcs: Any,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, GMPOConfig, "GMPO")
-        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
-        super().__init__(
-            model,
-            reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packing_init()
+    _algorithm = "GMPO"
+    _config_class = GMPOConfig

@@ -189,22 +189,10 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every example in the packed rows: its sequence and its KL twin, after ``max_length``."""
-        from ..sampler import lengths_from_dataset
-        from .dataloaders import _is_hf_dataset
+        from .dataloaders import column_lengths
 
         columns = ["prompt_ids", "completion_ids"] + (["KL_completion_ids"] if self.calculate_KL else [])
-        if _is_hf_dataset(dataset):
-            missing = [c for c in columns if c not in dataset.column_names]
-            if missing:
-                raise ValueError(
-                    f"max_tokens_per_batch needs example lengths, but the training dataset lacks {missing} "
-                    f"(columns: {dataset.column_names}); let KTOTrainer tokenize it"
-                )
-            parts = [lengths_from_dataset(dataset, c) for c in columns]
-        else:
-            parts = [
-                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
-            ]
+        parts = column_lengths(dataset, columns, "example", "let KTOTrainer tokenize it")
         limit = self.data_collator.max_length
         lengths = [np.minimum(parts[0] + p, limit) if limit else parts[0] + p for p in parts[1:]]
         return np.sum(lengths, axis=0).astype(np.int64)

@@ -250,22 +250,14 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences."""
-        from ..sampler import lengths_from_dataset
-        from .dataloaders import _is_hf_dataset
+        from .dataloaders import column_lengths
 
-        columns = ("chosen_ids", "rejected_ids")
-        if _is_hf_dataset(dataset):
-            missing = [c for c in columns if c not in dataset.column_names]
-            if missing:
-                raise ValueError(
-                    f"max_tokens_per_batch needs pair lengths, but the training dataset lacks {missing} (columns: "
-                    f"{dataset.column_names}); let RewardTrainer tokenize it (chosen / rejected columns)"
-                )
-            chosen, rejected = (lengths_from_dataset(dataset, c) for c in columns)
-        else:
-            chosen, rejected = (
-                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
-            )
+        chosen, rejected = column_lengths(
+            dataset,
+            ("chosen_ids", "rejected_ids"),
+            "pair",
+            "let RewardTrainer tokenize it (chosen / rejected columns)",
+        )
         return preference_pair_lengths(np.zeros_like(chosen), chosen, rejected)
 
     def _wrap_train_collator(self, collator: Any) -> Any:

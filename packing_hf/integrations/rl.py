@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import trl
@@ -159,7 +159,36 @@ class PackedRolloutsMixin:
     forwards computed), ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced) and
     ``shared_prompts`` (prompt segments computed once for several rollouts); ``rank_sync_forwards`` counts
     the forwards added (by splitting rows) so that every data-parallel rank runs as many.
+
+    A trainer class sets ``_config_class`` (its packing config, to which ``args`` is converted) and
+    ``_algorithm`` (the name used in messages); the arguments are the TRL trainer's.
     """
+
+    _algorithm: ClassVar[str]
+    _config_class: ClassVar[type]
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = as_config(args, model, self._config_class, self._algorithm)
+        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._packing_init()
 
     def _packing_init(self) -> None:
         parallelism = getattr(self.accelerator, "parallelism_config", None)
@@ -331,28 +360,8 @@ class GRPOTrainer(PackedRolloutsMixin, trl.GRPOTrainer):
     (1, True)
     """
 
-    def __init__(
-        self,
-        model: Any,
-        reward_funcs: Any = None,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, GRPOConfig, "GRPO")
-        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
-        super().__init__(
-            model,
-            reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packing_init()
+    _algorithm = "GRPO"
+    _config_class = GRPOConfig
 
 
 class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
@@ -365,25 +374,5 @@ class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
     ('PackedRolloutsMixin', 'trl.trainer.rloo_trainer')
     """
 
-    def __init__(
-        self,
-        model: Any,
-        reward_funcs: Any,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, RLOOConfig, "RLOO")
-        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
-        super().__init__(
-            model,
-            reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packing_init()
+    _algorithm = "RLOO"
+    _config_class = RLOOConfig
