@@ -6,8 +6,8 @@ Every causal-LM architecture falls in one of four classes (measured by the archi
 - ``exact``: transformers' own mask creation already keeps packed samples apart (it reads restarting
   ``position_ids``); only the batch guards are needed (no cache, no attention mask).
 - ``mask``: the model builds its causal mask *without* ``position_ids`` (OPT, BLOOM, MPT, gpt-oss,
-  Falcon before transformers 5.24, ...), so every token sees the previous samples of the row; :mod:`packing_hf.architectures.prepare`
-  restricts the mask each decoder layer receives to same-sample pairs. ALiBi (BLOOM, MPT, Falcon) stays
+  Falcon before transformers 5.24, ...), so every token sees the previous samples of the row;
+  :mod:`packing_hf.architectures.prepare` restricts the mask each decoder layer receives to same-sample pairs. ALiBi (BLOOM, MPT, Falcon) stays
   exact: its bias is linear in the key position, so the per-sample offset is a constant per query row,
   which softmax ignores; attention sinks (gpt-oss) are a per-head logit, also independent of the row.
 - ``mixers``: hybrid and recurrent models whose non-attention token mixers (Mamba/Mamba2 scans, gated
@@ -107,6 +107,10 @@ def _transformers_at_least(wanted: str) -> bool:
     return Version(version("transformers")) >= Version(wanted)
 
 
+# transformers 5.24 moved Falcon, CodeGen and GPT-J onto create_causal_mask (and the last two onto
+# AttentionInterface): their entries depend on it
+_TRANSFORMERS_5_24 = _transformers_at_least("5.24")
+
 _NO_POSITION_MASK = "builds its causal mask without position_ids, so packed samples attend to earlier samples"
 _ALIBI = "; ALiBi stays exact once the mask is per sample (its bias shifts by a per-row constant)"
 _SSM = (
@@ -157,11 +161,10 @@ _ENTRIES = [
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         },
     ),
-    # transformers 5.24 moved CodeGen and GPT-J onto AttentionInterface (and create_causal_mask)
-    _entry("codegen", "exact", "", own_attention=not _transformers_at_least("5.24")),
+    _entry("codegen", "exact", "", own_attention=not _TRANSFORMERS_5_24),
     _entry("gpt_neox_japanese", "exact", "", own_attention=True),
     _entry("gpt_neo", "exact", "", own_attention=True),
-    _entry("gptj", "exact", "", own_attention=not _transformers_at_least("5.24")),
+    _entry("gptj", "exact", "", own_attention=not _TRANSFORMERS_5_24),
     _entry("ctrl", "exact"),
     # causal decoders of transformers 5.23 added to the sweep (issue 18); the tiny fields fill what their
     # default configs leave unset (or too large for a tiny copy)
@@ -182,9 +185,8 @@ _ENTRIES = [
     _entry("afmoe", "mask", _NO_POSITION_MASK + " (full and sliding-window layers)"),
     _entry("gpt_oss", "mask", _NO_POSITION_MASK + "; attention sinks are per-head logits, unaffected"),
     _entry("bloom", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True),
-    # transformers 5.24 builds Falcon's mask with create_causal_mask, which reads the restarting position_ids
     _entry("falcon", "exact", "", own_attention=True)
-    if _transformers_at_least("5.24")
+    if _TRANSFORMERS_5_24
     else _entry("falcon", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True),
     _entry("mpt", "mask", _NO_POSITION_MASK + _ALIBI, own_attention=True, inverted_bool_mask=True),
     _entry("xglm", "mask", _NO_POSITION_MASK, own_attention=True),

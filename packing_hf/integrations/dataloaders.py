@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -60,18 +61,27 @@ def _is_hf_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-def column_lengths(dataset: Any, columns: Any, what: str, fix: str) -> list[np.ndarray]:
-    """The token count of every row in each of ``columns`` (lists of token ids), for the multipack plan of
+def column_lengths(dataset: Any, columns: Sequence[str], what: str, fix: str) -> list[np.ndarray]:
+    """The token count of every row in each of ``columns`` (lists of token ids), for the multipack plans of
     the preference trainers: read from the Arrow offsets of a ``datasets.Dataset`` (no ids are loaded), else
-    row by row.
+    row by row from any indexable dataset of dicts.
+
+    Returns:
+        One ``(N,)`` int64 array per column, in the order of ``columns``.
 
     Raises:
-        ValueError: a ``datasets.Dataset`` without one of the columns, naming them, ``what`` is measured
-            (``"pair"``) and ``fix``.
+        ValueError: a ``datasets.Dataset`` without one of the columns, naming them, what is measured
+            (``what``: ``"pair"``, ``"example"``) and the fix.
 
     >>> from datasets import Dataset
     >>> column_lengths(Dataset.from_dict({"a": [[1, 2], [3]]}), ["a"], "pair", "tokenize it")[0].tolist()
     [2, 1]
+    >>> column_lengths([{"a": [1, 2, 3]}], ["a"], "pair", "tokenize it")[0].dtype
+    dtype('int64')
+    >>> column_lengths(Dataset.from_dict({"a": [[1]]}), ["a", "b"], "pair", "tokenize it")
+    Traceback (most recent call last):
+    ...
+    ValueError: max_tokens_per_batch needs pair lengths, but the training dataset lacks ['b'] (columns: ['a']); tokenize it
     """
     from ..sampler import lengths_from_dataset
 

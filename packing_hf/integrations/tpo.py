@@ -432,24 +432,12 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every example in a packed row: all its sequences, after the collator's ``max_length``."""
-        from ..sampler import lengths_from_dataset
-        from .dataloaders import _is_hf_dataset
+        from .dataloaders import column_lengths
 
         collator = self.data_collator
         branches = _BRANCHES if collator.include_reference else _BRANCHES[:2]
         columns = ("prompt_ids", *(f"{b}_ids" for b in branches))
-        if _is_hf_dataset(dataset):
-            missing = [c for c in columns if c not in dataset.column_names]
-            if missing:
-                raise ValueError(
-                    f"max_tokens_per_batch needs example lengths, but the training dataset lacks {missing} "
-                    f"(columns: {dataset.column_names}); let TPOTrainer tokenize it"
-                )
-            prompt, *answers = (lengths_from_dataset(dataset, c) for c in columns)
-        else:
-            prompt, *answers = (
-                np.array([len(dataset[i][c]) for i in range(len(dataset))], dtype=np.int64) for c in columns
-            )
+        prompt, *answers = column_lengths(dataset, columns, "example", "let TPOTrainer tokenize it")
         limit = collator.max_length if collator.overflow == "truncate" else None
         total = np.zeros_like(prompt)
         for answer in answers:

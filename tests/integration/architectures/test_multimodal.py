@@ -43,7 +43,9 @@ def _skip_if_transformers_fails_text_only(model):
         with torch.no_grad():
             model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
     except AttributeError as exc:
-        pytest.skip(f"transformers {transformers.__version__}: a text-only forward of the stock model fails: {exc}")
+        pytest.skip(
+            f"transformers {transformers.__version__}: a text-only forward of the stock model fails: {exc}"
+        )
 
 
 @pytest.mark.parametrize("model_type", WRAPPERS)
