@@ -73,6 +73,8 @@ class ArchitectureSupport:
             the per-sample mask of status ``"mask"`` as well.
         mixers: class names of the non-attention token-mixer modules that
             :func:`packing_hf.prepare_model_for_packing` runs per sample (status ``"mixers"``).
+        split_stack: every block is a mixer (a pure state-space model): the whole block stack runs on the
+            samples as a right-padded batch, split once before the first block and joined after the last.
         tiny: config fields for the tiny copy used by the sweep (on top of :func:`packing_hf.architectures.tiny.tiny_config`).
         sweep: whether the architecture sweep (table and test) covers it.
 
@@ -89,6 +91,7 @@ class ArchitectureSupport:
     sweep: bool = True
     mixers: tuple[str, ...] = ()
     mask_fix: bool = False
+    split_stack: bool = False
 
 
 def _entry(model_type: str, status: Status, reason: str = "", **kwargs: Any) -> ArchitectureSupport:
@@ -206,10 +209,15 @@ _ENTRIES = [
         mixers=("JambaMambaMixer",),
     ),
     _entry("falcon_h1", "mixers", f"Mamba2 {_SSM}", tiny={"mamba_d_ssm": 128}, mixers=("FalconH1Mixer",)),
-    _entry("falcon_mamba", "mixers", f"Mamba {_SSM}", mixers=("FalconMambaMixer",)),
-    _entry("mamba", "mixers", f"Mamba {_SSM}", mixers=("MambaMixer",)),
+    _entry("falcon_mamba", "mixers", f"Mamba {_SSM}", mixers=("FalconMambaMixer",), split_stack=True),
+    _entry("mamba", "mixers", f"Mamba {_SSM}", mixers=("MambaMixer",), split_stack=True),
     _entry(
-        "mamba2", "mixers", f"Mamba2 {_SSM}", tiny={"num_heads": 4, "head_dim": 32}, mixers=("Mamba2Mixer",)
+        "mamba2",
+        "mixers",
+        f"Mamba2 {_SSM}",
+        tiny={"num_heads": 4, "head_dim": 32},
+        mixers=("Mamba2Mixer",),
+        split_stack=True,
     ),
     _entry(
         "granitemoehybrid",

@@ -7,12 +7,12 @@ causal and starts from a zero state, so on a *right-padded* batch each real toke
 sample's earlier tokens. :class:`MixerRepacking` uses that: a forward pre-hook on each mixer module turns
 its packed input ``(B, T, ...)`` into a right-padded batch ``(n, L, ...)`` (one row per sample, ``L`` the
 longest sample), and a forward hook gathers the real tokens of the output back to ``(B, T, ...)``. The
-mixer itself is transformers' own code, untouched; the gather indices are computed once per packed forward
-and shared by every layer. Padding tokens are zeros placed *after* each sample, so they never reach a real
+mixer itself is transformers' own code, untouched; the gather indices are derived from the decoder layer's
+own arguments (:mod:`packing_hf.architectures.boundaries`), once per packed forward. Padding tokens are zeros placed *after* each sample, so they never reach a real
 token (causality), and no padding mask is needed.
 
-The hooks act only on packed forwards (the model pre-hook of :mod:`packing_hf.architectures.prepare`
-found sample boundaries); padded batches and ``generate()`` pass through untouched.
+The hooks act only on packed calls (the decoder layer around the mixer found sample boundaries in its
+arguments); padded batches and ``generate()`` pass through untouched.
 
 >>> starts = torch.tensor([[True, False, False, True, False]])  # samples of 3 and 2 tokens
 >>> layout = PackedLayout.from_starts(starts)
@@ -27,13 +27,29 @@ True
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MASK_ARGUMENTS", "PACKED_ONLY_ARGUMENTS", "MixerRepacking", "PackedLayout", "find_mixers"]
+from .boundaries import LAYOUT_KEY
+
+__all__ = [
+    "MASK_ARGUMENTS",
+    "PACKED_ONLY_ARGUMENTS",
+    "MixerRepacking",
+    "PackedLayout",
+    "find_mixers",
+    "forward_names",
+    "takes_kwargs",
+]
+
+# on a hooked mixer module: the layouts pushed by its decoder layer's calls in flight, [(layout, checkpointed)]
+SCOPE_ATTRIBUTE = "_packing_hf_scope"
+# on a hooked mixer module: the layout of its own split in flight (pre-hook to post-hook)
+ACTIVE_ATTRIBUTE = "_packing_hf_active"
 
 # arguments describing padding of the packed row: the padded batch has its own (trailing zeros, no mask)
 MASK_ARGUMENTS = frozenset({"attention_mask", "conv_mask", "causal_mask", "mask"})
@@ -153,63 +169,93 @@ def find_mixers(model: torch.nn.Module, class_names: tuple[str, ...]) -> list[to
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def forward_names(cls: type) -> tuple[str, ...]:
+    """The named parameters of ``cls.forward`` in order (no ``self``, no ``*args`` / ``**kwargs``)."""
+    params = inspect.signature(cls.forward).parameters
+    return tuple(
+        n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
+
+
+def takes_kwargs(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``**kwargs`` (a decoder layer can then hand the layout to its mixer)."""
+    params = inspect.signature(cls.forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 class MixerRepacking:
     """Hooks running each mixer module on the samples of a packed row as a right-padded batch.
 
-    Set :attr:`layout` before a packed forward (``None`` for any other forward: the hooks then do
-    nothing). :attr:`enabled` ``False`` lets the mixers run over the whole row (the stock leak): kept for
-    negative controls and for measuring what the per-sample split costs.
+    The hooks keep no layout of their own. A mixer's hook takes the :class:`PackedLayout` of the call it is
+    part of from one of two places, both written by the prepared decoder layer around it
+    (:mod:`packing_hf.architectures.prepare`):
+
+    - the keyword argument ``packing_hf_layout`` of the mixer's call, which the layer adds to its own
+      keyword arguments and hands on: activation checkpointing saves it with the layer's arguments, so the
+      layer re-run during backward splits its mixer with the layout of the forward being re-run;
+    - the mixer's call scope (``module._packing_hf_scope``), pushed by the layer's pre-hook and popped by its
+      post-hook (also when the forward raises): for layers that do not hand their keyword arguments on. A
+      layer that does not, and is checkpointed, would re-run its mixer with no layout during backward: that is
+      refused at the forward, by name.
+
+    The layout of a split in flight is kept on the mixer module from its pre-hook to its post-hook (popped
+    also when the mixer raises). Hooks are bound methods of this object and their state lives on the hooked
+    modules, so ``copy.deepcopy`` / ``pickle`` of the model copy them with it: a copy is prepared on its own.
 
     Args:
         mixers: the modules to hook.
 
     Attributes:
-        layout: the :class:`PackedLayout` of the packed forward in flight, or ``None``.
-        enabled: split packed rows per sample (default ``True``).
+        enabled: split packed rows per sample (default ``True``); ``False`` lets the mixers run over the
+            whole row (the stock leak): kept for negative controls and for measuring what the split costs.
         handles: the hook handles (removed by :meth:`remove`).
     """
 
     def __init__(self, mixers: list[torch.nn.Module]) -> None:
-        self.layout: PackedLayout | None = None
         self.enabled = True
         self.handles: list[Any] = []
-        self._active: dict[int, PackedLayout] = {}  # id(module) -> layout of its forward in flight
         for module in mixers:
-            params = inspect.signature(module.forward).parameters
-            names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-            self.handles.append(
-                module.register_forward_pre_hook(self._make_pre_hook(names), with_kwargs=True)
-            )
-            self.handles.append(module.register_forward_hook(self._post_hook))
+            self.handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post_hook, always_call=True))
 
-    def _make_pre_hook(self, names: list[str]):
-        def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            layout = self.layout
-            if layout is None:
-                return None
-            hidden = args[0] if args else kwargs.get(names[0]) if names else None
-            if not layout.matches(hidden):
-                return None  # not this packed row (e.g. a decode step): leave the call alone
-            # A packed row has no padding, so the mixer needs no mask (a per-sample 4-D attention mask may
-            # reach it through its decoder layer); the padded batch's padding trails every sample.
-            split = layout if self.enabled else None  # disabled: the whole row as one sequence (leaks)
-            new_args = []
-            for name, value in zip(names, args, strict=False):
-                new_args.append(None if name in MASK_ARGUMENTS else _repack(value, split))
-            new_kwargs = {}
-            for name, value in kwargs.items():
-                if name in PACKED_ONLY_ARGUMENTS:
-                    continue
-                new_kwargs[name] = None if name in MASK_ARGUMENTS else _repack(value, split)
-            if split is not None:
-                self._active[id(module)] = layout
-            return tuple(new_args) + tuple(args[len(new_args) :]), new_kwargs
-
-        return pre_hook
+    def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        kwargs = dict(kwargs)
+        layout = kwargs.pop(LAYOUT_KEY, None)
+        scope = module.__dict__.get(SCOPE_ATTRIBUTE)
+        if layout is None and scope:
+            layout, checkpointed = scope[-1]
+            if checkpointed:
+                raise ValueError(
+                    f"{type(module).__name__} runs per sample on packed rows, but its decoder layer does not hand "
+                    "it its keyword arguments, so activation checkpointing would re-run it during backward "
+                    "without the packed row's boundaries (wrong gradients). Turn gradient checkpointing off for "
+                    "this model when training on packed rows, or train it padded"
+                )
+        if layout is None:
+            return args, kwargs
+        names = forward_names(type(module))
+        hidden = args[0] if args else kwargs.get(names[0]) if names else None
+        if not layout.matches(hidden):
+            return args, kwargs  # not this packed row (e.g. a decode step): leave the call alone
+        # A packed row has no padding, so the mixer needs no mask (a per-sample 4-D attention mask may
+        # reach it through its decoder layer); the padded batch's padding trails every sample.
+        split = layout if self.enabled else None  # disabled: the whole row as one sequence (leaks)
+        new_args = []
+        for name, value in zip(names, args, strict=False):
+            new_args.append(None if name in MASK_ARGUMENTS else _repack(value, split))
+        new_kwargs = {}
+        for name, value in kwargs.items():
+            if name in PACKED_ONLY_ARGUMENTS:
+                continue
+            new_kwargs[name] = None if name in MASK_ARGUMENTS else _repack(value, split)
+        if split is not None:
+            module.__dict__[ACTIVE_ATTRIBUTE] = layout
+        return tuple(new_args) + tuple(args[len(new_args) :]), new_kwargs
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        layout = self._active.pop(id(module), None)
-        if layout is None:
+        layout = module.__dict__.pop(ACTIVE_ATTRIBUTE, None)
+        if layout is None or output is None:  # not split, or the mixer raised (the hook runs then too)
             return None
         return _unpack(output, layout)
 
@@ -218,5 +264,3 @@ class MixerRepacking:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self._active.clear()
-        self.layout = None

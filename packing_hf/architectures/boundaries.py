@@ -1,0 +1,82 @@
+"""Sample boundaries read from the arguments of one call: what lets a hooked layer stay exact per step.
+
+A prepared model's layer hooks never keep the boundaries of "the forward in flight" in model state: a
+trainer may run several packed forwards before one backward, activation checkpointing re-runs layers
+during backward, and a deep copy of the model runs its own forwards. Each hook instead reads the
+boundaries from the arguments of *its own call*:
+
+``cu_seq_lens_q`` ``(n + 1,)`` among its keyword arguments (one ``(1, T)`` row): the prepared model adds it
+to every packed one-row call, and transformers hands keyword arguments down to the decoder layers.
+``position_ids`` alone are not read here: a left-padded batch of ``generate()`` has positions that restart
+at 0 too (``[0, 0, 0, 1, 2]``), and only the model-level check, which sees the attention mask, tells them
+apart. A layer that gets no ``cu_seq_lens_q`` (several packed rows, or a model that does not hand keyword
+arguments down) is served by the prepared call in flight instead (:mod:`packing_hf.architectures.prepare`).
+
+Activation checkpointing saves a layer's arguments and re-runs it with the same ones, so the re-run sees
+the same boundaries; a copy's layers read their own calls. Derived tensors (the starts, the right-padded
+layout) are cached per argument tensor object and version, so the layers of one forward, which all get
+the same ``position_ids`` object, derive them once.
+
+>>> kwargs = {"cu_seq_lens_q": torch.tensor([0, 3, 5], dtype=torch.int32)}
+>>> call_starts(("hidden_states",), (torch.zeros(1, 5, 4),), kwargs).int().tolist()
+[[1, 0, 0, 1, 0]]
+>>> call_starts(("hidden_states",), (torch.zeros(1, 5, 4),), {"position_ids": torch.tensor([[0, 1, 2, 0, 1]])}) is None
+True
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["LAYOUT_KEY", "call_starts", "derived"]
+
+# the keyword argument a prepared decoder layer passes on to its mixers: the right-padded layout of the
+# packed row it runs on (see packing_hf.architectures.mixers); checkpointing saves it with the layer's call
+LAYOUT_KEY = "packing_hf_layout"
+
+# (weakref to the source tensor, its version, what was derived, the derived value); a few entries suffice:
+# every layer of one forward reads the same position_ids / cu_seq_lens_q object
+_DERIVED: list[tuple[weakref.ref, int, str, Any]] = []
+_DERIVED_SIZE = 8
+
+
+def derived(source: torch.Tensor, kind: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, cached per ``source`` tensor object, its version and ``kind`` (no host sync on a hit)."""
+    if torch.compiler.is_compiling():
+        return compute()
+    for ref, version, entry_kind, value in _DERIVED:
+        if ref() is source and version == source._version and entry_kind == kind:
+            return value
+    value = compute()
+    _DERIVED.insert(0, (weakref.ref(source), source._version, kind, value))
+    del _DERIVED[_DERIVED_SIZE:]
+    return value
+
+
+def _starts_from_cu(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+    starts = torch.zeros(1, tokens, dtype=torch.bool, device=cu.device)
+    starts[0, cu[:-1].long()] = True
+    return starts
+
+
+def call_starts(names: Sequence[str], args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``(B, T)`` bool sample starts of a packed call, from its own arguments; ``None`` if it shows none.
+
+    Args:
+        names: the parameter names of the called ``forward``, in order.
+        args: the positional arguments of the call; ``args[0]`` (or ``kwargs["hidden_states"]``) is the
+            ``(B, T, ...)`` hidden states.
+        kwargs: the keyword arguments of the call.
+    """
+    hidden = args[0] if args else kwargs.get(names[0] if names else "hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or hidden.shape[1] < 2:
+        return None
+    rows, tokens = int(hidden.shape[0]), int(hidden.shape[1])
+    cu = kwargs.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and rows == 1:
+        return derived(cu, f"starts:{tokens}", lambda: _starts_from_cu(cu, tokens))
+    return None
