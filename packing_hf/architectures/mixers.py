@@ -44,6 +44,7 @@ __all__ = [
     "find_mixers",
     "forward_names",
     "takes_kwargs",
+    "unpad_outputs",
 ]
 
 # on a hooked mixer module: the layouts pushed by its decoder layer's calls in flight, [(layout, checkpointed)]
@@ -136,7 +137,8 @@ def _repack(value: Any, layout: PackedLayout | None) -> Any:
     return value
 
 
-def _unpack(value: Any, layout: PackedLayout) -> Any:
+def unpad_outputs(value: Any, layout: PackedLayout) -> Any:
+    """Every ``(n, L, ...)`` right-padded tensor of ``value`` (tuples of them too) back to ``(B, T, ...)``."""
     if (
         isinstance(value, torch.Tensor)
         and value.dim() >= 2
@@ -148,7 +150,7 @@ def _unpack(value: Any, layout: PackedLayout) -> Any:
     ):
         return layout.unpad(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_unpack(v, layout) for v in value)
+        return tuple(unpad_outputs(v, layout) for v in value)
     return value
 
 
@@ -169,7 +171,7 @@ def find_mixers(model: torch.nn.Module, class_names: tuple[str, ...]) -> list[to
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_names(cls: type) -> tuple[str, ...]:
     """The named parameters of ``cls.forward`` in order (no ``self``, no ``*args`` / ``**kwargs``)."""
     params = inspect.signature(cls.forward).parameters
@@ -257,7 +259,7 @@ class MixerRepacking:
         layout = module.__dict__.pop(ACTIVE_ATTRIBUTE, None)
         if layout is None or output is None:  # not split, or the mixer raised (the hook runs then too)
             return None
-        return _unpack(output, layout)
+        return unpad_outputs(output, layout)
 
     def remove(self) -> None:
         """Remove every hook (a second call is a no-op)."""

@@ -27,6 +27,7 @@ import torch
 
 from ..attention import ATTENTION_NAME, resolve_attn_implementation
 from ..attention.guards import check_forward_call
+from ..attention.host import remember_host_values
 from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
 from ..registry import (
     IMAGE_BLOCK_MASK,
@@ -41,17 +42,16 @@ from ..registry import (
     wrapper_text_config,
 )
 from ..verify import DEFAULT_TOLERANCE, PackingReport, check_packing
-from ..attention.host import remember_host_values
 from .boundaries import LAYOUT_KEY, call_starts, derived
 from .mixers import (
     PACKED_ONLY_ARGUMENTS,
     SCOPE_ATTRIBUTE,
     MixerRepacking,
     PackedLayout,
-    _unpack,
     find_mixers,
     forward_names,
     takes_kwargs,
+    unpad_outputs,
 )
 from .tiny import build_tiny_model, tiny_config
 
@@ -418,7 +418,9 @@ class PackingPreparation:
             if starts is not None and isinstance(mask, torch.Tensor):
                 setattr(mask, _MASK_TAG, starts)
             elif isinstance(mask, torch.Tensor):
-                starts = getattr(mask, _MASK_TAG, None)  # re-run by a checkpoint wrapper: the same mask object
+                starts = getattr(
+                    mask, _MASK_TAG, None
+                )  # re-run by a checkpoint wrapper: the same mask object
         hidden = args[0] if args else kwargs.get(spec.names[0] if spec.names else "hidden_states")
         if (
             starts is None
@@ -582,11 +584,11 @@ class PackingPreparation:
 def _unpad_output(output: Any, layout: PackedLayout) -> Any:
     """A stack's output back to the packed rows: ``last_hidden_state`` and every ``hidden_states`` entry."""
     if isinstance(output, tuple):
-        return _unpack(output, layout)
+        return unpad_outputs(output, layout)
     for key in ("last_hidden_state", "hidden_states"):
         value = getattr(output, key, None)
         if value is not None:
-            output[key] = _unpack(value, layout)
+            output[key] = unpad_outputs(value, layout)
     return output
 
 

@@ -156,7 +156,9 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     return create_reference_model(model)
 
 
-@pytest.mark.parametrize("make_copy", [copy.deepcopy, _reference_copy, _torch_save_copy], ids=["deepcopy", "trl", "torch.save"])
+@pytest.mark.parametrize(
+    "make_copy", [copy.deepcopy, _reference_copy, _torch_save_copy], ids=["deepcopy", "trl", "torch.save"]
+)
 @pytest.mark.parametrize("model_type, attention", COPY_MODELS, ids=[m for m, _ in COPY_MODELS])
 def test_a_copy_of_a_prepared_model_is_prepared_on_its_own(model_type, attention, make_copy):
     model = _model(model_type, attention)
@@ -174,7 +176,13 @@ def test_a_copy_of_a_prepared_model_is_prepared_on_its_own(model_type, attention
     assert _packed_error(other, row, ROWS[0]) < 1e-5  # reverting the original leaves a copy prepared
 
 
-DECODER_MODELS = [("bamba", "sdpa"), ("lfm2", "sdpa"), ("qwen3_5_text", "sdpa"), ("opt", "eager"), ("mamba2", "eager")]
+DECODER_MODELS = [
+    ("bamba", "sdpa"),
+    ("lfm2", "sdpa"),
+    ("qwen3_5_text", "sdpa"),
+    ("opt", "eager"),
+    ("mamba2", "eager"),
+]
 
 
 @pytest.mark.parametrize("model_type, attention", DECODER_MODELS, ids=[m for m, _ in DECODER_MODELS])
