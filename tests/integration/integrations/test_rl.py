@@ -21,6 +21,9 @@ trl = pytest.importorskip("trl")
 from trl.experimental import gmpo as stock_gmpo  # noqa: E402
 
 import packing_hf  # noqa: E402
+from packing_hf.architectures import prepare as prepare_module  # noqa: E402
+from packing_hf.architectures.mixers import MixerRepacking  # noqa: E402
+from packing_hf.integrations import preflight as preflight_module  # noqa: E402
 from packing_hf.integrations.gmpo import GMPOConfig, GMPOTrainer  # noqa: E402
 from packing_hf.integrations.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from packing_hf.rollouts import RolloutPack  # noqa: E402
@@ -410,3 +413,55 @@ def test_router_aux_loss_is_refused(tmp_path, tokenizer, prompts):
             train_dataset=prompts(2),
             processing_class=tokenizer,
         )
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, tokenizer):
+    """A tiny Bamba (Mamba2 layer, then attention) with the SmolLM2 vocabulary, saved once."""
+    from packing_hf.architectures.tiny import tiny_config
+
+    path = tmp_path_factory.mktemp("tiny_bamba")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("bamba", vocab_size=len(tokenizer))).save_pretrained(path)
+    return path
+
+
+class _LeakingRepacking(MixerRepacking):
+    """Negative control: the prepared hybrid runs its Mamba2 mixer over whole packed rows (the stock leak)."""
+
+    def __init__(self, mixers):
+        super().__init__(mixers)
+        self.enabled = False
+
+
+@pytest.mark.parametrize(
+    "reentrant, leak",
+    [(False, False), (True, False), (False, True)],
+    ids=["exact", "reentrant", "negative_control"],
+)
+def test_hybrid_with_checkpointing_and_several_packs_per_backward_matches_stock(
+    tmp_path, hybrid_dir, tokenizer, prompts, reentrant, leak, monkeypatch
+):
+    """Issue 29's reproduction: GRPO on a hybrid with activation checkpointing on (TRL's default), every
+    generation batch split over 2 steps, and a token budget that makes each micro-batch several packed
+    forwards before its one backward. Every accumulated gradient and logged metric equals stock TRL's."""
+    config = dict(
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        steps_per_generation=2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        max_tokens_per_batch=64,
+    )
+    stock, packed = _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(4), **config)
+    assert packed.args.gradient_checkpointing
+    if leak:  # the pre-flight check passes as it does for the exact model; the trained model then leaks
+        report = preflight_module.check_architecture(packed.model.config, packing_hf.register_attention())
+        monkeypatch.setattr(preflight_module, "check_architecture", lambda *args, **kwargs: report)
+        monkeypatch.setattr(prepare_module, "MixerRepacking", _LeakingRepacking)
+        with pytest.raises(AssertionError, match="gradient|loss"):
+            _train_both(stock, packed)
+        return
+    _train_both(stock, packed)
+    assert packed.packing_stats["forwards"] > packed.state.global_step  # several packs per backward
