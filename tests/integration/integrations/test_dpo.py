@@ -396,3 +396,64 @@ def test_padding_free_means_packed_and_shared_prompt_switches_an_sdpa_model(
     trainer.train()
     assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["exact", "negative_control"])
+def test_reference_made_by_create_reference_model_from_a_prepared_policy(
+    tmp_path, tokenizer, pairs, leak
+):
+    """Issue 29: ``trl.create_reference_model`` deep-copies a prepared hybrid policy. The copy carries a
+    preparation of its own, so the packed reference log-probs, the loss and every gradient equal stock TRL's.
+    Negative control: the copy with its mixer split off (its Mamba2 layer runs over the whole packed row,
+    as the copy of a closure-based preparation did) is caught by the same comparison."""
+    from transformers import AutoModelForCausalLM
+    from trl import create_reference_model
+
+    from packing_hf.architectures.tiny import tiny_config
+
+    config = tiny_config("bamba", vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    policy_stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").train()
+    policy_packed = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=packing_hf.register_attention()
+    )
+    policy_packed.load_state_dict(policy_stock.state_dict())
+    policy_packed.train()
+    handle = packing_hf.prepare_model_for_packing(policy_packed)
+    ref_packed = create_reference_model(policy_packed)
+    if leak:
+        ref_packed._packing_hf_preparation.split_mixers = False
+    common = dict(loss_type=["sigmoid"], shared_prompt=False)
+    stock = trl.DPOTrainer(
+        model=policy_stock,
+        ref_model=create_reference_model(policy_stock),
+        args=trl.DPOConfig(**_common(tmp_path, "stock", loss_type=["sigmoid"])),
+        train_dataset=pairs(4),
+        processing_class=tokenizer,
+    )
+    packed = DPOTrainer(
+        model=policy_packed,
+        ref_model=ref_packed,
+        args=DPOConfig(**_common(tmp_path, "packed", **common)),
+        train_dataset=pairs(4),
+        processing_class=tokenizer,
+    )
+    padded_batch, packed_batch = _batches(stock, packed, range(4))
+
+    def compare():
+        with torch.no_grad():
+            got = packed.compute_ref_log_probs(packed.ref_model, packed_batch)
+            want = stock.compute_ref_log_probs(stock.ref_model, padded_batch)
+        for g, w, side in zip(got, want, ("chosen", "rejected"), strict=True):
+            _close(g, w, f"reference {side} logps")
+        loss_p, grads_p = _loss_and_grads(packed, packed_batch)
+        loss_s, grads_s = _loss_and_grads(stock, padded_batch)
+        _close(loss_p, loss_s, "loss")
+        _close(grads_p, grads_s, "gradients")
+
+    if leak:
+        with pytest.raises(AssertionError, match="reference"):
+            compare()
+    else:
+        compare()
+    handle.revert()
