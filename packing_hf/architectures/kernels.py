@@ -106,12 +106,12 @@ def _version(module_name: str) -> str | None:
 def check_fla_triton(config: Any, device: torch.device | str | None = None) -> None:
     """Refuse a gated DeltaNet model on a stack where fla's backward raises (see :func:`fla_triton_problem`).
 
-    A no-op for models without gated DeltaNet layers, without fla or without a CUDA device.
+    A no-op for models without gated DeltaNet layers, without fla or off CUDA.
 
     Args:
         config: the model's config (a multimodal wrapper's text config decides).
-        device: the training device; ``None`` or a CPU device checks the current CUDA device, where the
-            model will train, if there is one.
+        device: the device the model runs on: a CUDA device is checked, any other is not (fla's kernels run
+            on CUDA tensors only); ``None`` checks the current CUDA device, if there is one.
 
     Raises:
         ValueError: fla, Triton and the GPU are a combination fla refuses in the backward pass; the message
@@ -122,11 +122,12 @@ def check_fla_triton(config: Any, device: torch.device | str | None = None) -> N
     """
     if not uses_fla_gated_deltanet(config):
         return
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
+    if device is None:
         if not torch.cuda.is_available():
             return
         device = torch.device("cuda", torch.cuda.current_device())
+    if torch.device(device).type != "cuda":
+        return
     fla_version = _version("fla")
     if fla_version is None:
         return

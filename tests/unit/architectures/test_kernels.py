@@ -71,6 +71,9 @@ def test_check_refuses_the_bad_stack_before_training(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match=r"qwen3_5_text: fla 0\.6\.0 .* Triton 3\.6\.0 .* capability 9\.0"):
         check_fla_triton(AutoConfig.for_model("qwen3_5_text"))
+    with pytest.raises(ValueError, match="upgrade Triton"):
+        check_fla_triton(AutoConfig.for_model("qwen3_5_text"), "cuda:0")
+    check_fla_triton(AutoConfig.for_model("qwen3_5_text"), "cpu")  # fla's kernels never run on CPU tensors
     check_fla_triton(AutoConfig.for_model("llama"))  # no gated DeltaNet: nothing to refuse
     versions["triton"] = "3.7.1"
     check_fla_triton(AutoConfig.for_model("qwen3_5_text"))
