@@ -33,7 +33,9 @@ HAS_CUDA = torch.cuda.is_available()
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        # the marker, not item.keywords: every test under tests/gpu/ has the keyword "gpu" (its folder), the
+        # CPU halves of the GPU tests there included
+        if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
             item.add_marker(skip_gpu)
 
 
@@ -155,6 +157,32 @@ def _right_padded_batch(rows: list[list[int]], pad_token_id: int = 0) -> dict[st
 def right_padded_batch():
     """``right_padded_batch(rows, pad_token_id=0)``: the padded reference batch of token-id lists."""
     return _right_padded_batch
+
+
+def _assert_close(got, want, what: str, *, rel: float, terms=()) -> None:
+    """``got`` equals ``want`` within ``rel`` times the magnitude of what ``want`` was computed from.
+
+    A bound relative to ``want`` alone cannot hold where large terms cancel to a small result (a loss of
+    mean-zero advantages, a reward margin, a KL, rewards of a policy still equal to its reference): float32
+    rounds every term to ~1e-7 of its own size, so the result carries that absolute error whatever its own
+    size, and its sign is the CPU's kernels' choice. The bound is ``rel x max(|want|, |terms|)`` (maxima over
+    all elements; ``terms``: the magnitudes that were summed or cancelled, e.g. the chosen and rejected rewards
+    of a margin): the resolution of the computation, orders of magnitude below the change a wrong sample
+    boundary makes. Without ``terms`` it is ``rel`` relative to ``want`` (log-probs, gradients as a vector);
+    a ``want`` of exact zeros then needs exact zeros.
+    """
+    got = torch.as_tensor(got, dtype=torch.float64).detach()
+    want = torch.as_tensor(want, dtype=torch.float64).detach()
+    scale = max([float(want.abs().max()), *(float(torch.as_tensor(t).abs().max()) for t in terms)])
+    err = float((got - want).abs().max())
+    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel} x {scale:.3g} (got {got}, want {want})"
+
+
+@pytest.fixture(scope="session")
+def assert_close():
+    """``assert_close(got, want, what, rel=..., terms=())``: equality to the resolution of the computation,
+    ``rel x max(|want|, |terms|)``; pass as ``terms`` the magnitudes a near-zero value was computed from."""
+    return _assert_close
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ WORKER = Path(__file__).with_name("_reward_kto_worker.py")
 LAUNCH_TIMEOUT_S = 300
 REL = 1e-5
 NOT_COMPARED = ("learning_rate", "epoch", "train_runtime", "total_flos")
+KTO_BETA = 0.1  # TRL's KTOConfig default, which the worker keeps
 
 pytestmark = pytest.mark.distributed
 
@@ -60,13 +61,26 @@ def _check_gradients(records: list[dict]) -> None:
             _close(rec["local_grads"], ddp, f"rank {rec['rank']}'s own gradient")
 
 
-def _check_logs(records: list[dict], expected: set[str]) -> None:
+def _terms(key: str, log: dict) -> list[float]:
+    """The magnitudes a logged ``key`` is a small difference of (``assert_close``'s ``terms``). Reward model:
+    the margin and the mean reward cancel chosen and rejected scores (the extremes bound them). KTO: a reward is
+    beta x (policy - reference) summed log-probs (beta: TRL's default), the margin two rewards, the KL policy -
+    reference log-probs of the mismatched completions: all cancel sums of log-probs of the logged size."""
+    if key in ("margin", "mean_reward"):
+        return [log["min_reward"], log["max_reward"]]
+    logps = [log[k] for k in ("logps/chosen", "logps/rejected") if k in log]
+    if key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        return [KTO_BETA * value for value in logps]
+    return logps if key == "kl" else []
+
+
+def _check_logs(records: list[dict], expected: set[str], assert_close) -> None:
     for rec in records:
         stock, packed = rec["logs"]["stock"], rec["logs"]["packed"]
         assert expected <= stock.keys() <= packed.keys(), sorted(stock)  # packed adds packing statistics
         for key, want in stock.items():
             if isinstance(want, (int, float)) and key not in NOT_COMPARED and "per_second" not in key:
-                _close(torch.tensor(float(packed[key])), torch.tensor(float(want)), f"logged {key}")
+                assert_close(packed[key], want, f"logged {key}", rel=REL, terms=_terms(key, stock))
 
 
 def _check_multipack(records: list[dict]) -> None:
@@ -84,10 +98,10 @@ def _check_multipack(records: list[dict]) -> None:
         assert batch["row_tokens"] == sum(batch["counted"]) <= r0["budget"]
 
 
-def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, torchrun_command):
+def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
     records = _run("reward", tmp_path, data_dir, launch, torchrun_command)
     _check_gradients(records)
-    _check_logs(records, {"loss", "accuracy", "margin", "mean_reward", "num_tokens"})
+    _check_logs(records, {"loss", "accuracy", "margin", "mean_reward", "num_tokens"}, assert_close)
     _check_multipack(
         records
     )  # with a step whose ranks held different numbers of pairs, whose scores TRL gathers
@@ -95,11 +109,13 @@ def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, tor
         assert rec["uneven_gather"].flatten().tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
 
 
-def test_two_process_packed_kto_matches_stock(tmp_path, data_dir, launch, torchrun_command):
+def test_two_process_packed_kto_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
     records = _run("kto", tmp_path, data_dir, launch, torchrun_command)
     _check_gradients(records)
     _check_logs(
-        records, {"loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"}
+        records,
+        {"loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"},
+        assert_close,
     )
     for rec in records:  # every example's KL log-probs: the policy's, then the reference model's
         stock, packed = rec["kl_logps"]["stock"], rec["kl_logps"]["packed"]

@@ -96,6 +96,18 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert float((got - want).abs().max()) <= REL * scale, f"{what}: {got} vs {want}"
 
 
+def _terms(key: str, metrics: dict, beta: float) -> list[float]:
+    """The magnitudes a logged ``key`` is a small difference of (``assert_close``'s ``terms``): a reward is
+    beta x (policy - reference) summed log-probs, the margin a difference of two rewards, the KL a mean of
+    policy - reference log-probs of the mismatched completions (log-probs of the same size, ~800 here): all
+    cancel sums of log-probs, and the KL is 0 when the policy is its reference."""
+    prefix = "eval_" if key.startswith("eval_") else ""
+    logps = [metrics[prefix + k] for k in ("logps/chosen", "logps/rejected") if prefix + k in metrics]
+    if key[len(prefix) :] in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        return [beta * value for value in logps]
+    return logps if key[len(prefix) :] == "kl" else []
+
+
 def _loss_and_grads(trainer, batch):
     trainer.model.train()
     trainer.model.zero_grad()
@@ -134,7 +146,7 @@ def _one_step(stock, packed, collator=None):
     [{"loss_type": "kto"}, {"loss_type": "apo_zero_unpaired"}, {"precompute_ref_log_probs": True}],
     ids=["kto", "apo_zero_unpaired", "precomputed_reference"],
 )
-def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, examples, config):
+def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, examples, config, assert_close):
     stock, packed = _build(tmp_path, tokenizer, twins, lambda: examples(8), **config)
     (loss_p, grads_p, metrics_p), (loss_s, grads_s, metrics_s), padded, batch, kl = _one_step(stock, packed)
     if kl is not None:
@@ -150,7 +162,8 @@ def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, exam
         metrics_p.keys() == metrics_s.keys() and {"kl", "logps/chosen", "logits/rejected"} <= metrics_s.keys()
     )
     for key, want in metrics_s.items():
-        _close(metrics_p[key], want, f"metric {key}")
+        terms = _terms(key, metrics_s, stock.args.beta)
+        assert_close(metrics_p[key], want, f"metric {key}", rel=REL, terms=terms)
 
 
 class _OneSequence(PaddingFreeUnpairedCollator):
@@ -192,7 +205,7 @@ class _GradientProbe(TrainerCallback):
         )
 
 
-def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, examples):
+def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, examples, assert_close):
     config = dict(
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -212,7 +225,8 @@ def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins
     logs = [next(h for h in t.state.log_history if "loss" in h) for t in (stock, packed)]
     for key, want in logs[0].items():
         if isinstance(want, float) and key not in ("learning_rate", "epoch") and "per_second" not in key:
-            _close(torch.tensor(logs[1][key]), torch.tensor(want), f"logged {key}")
+            terms = _terms(key, logs[0], stock.args.beta)
+            assert_close(logs[1][key], want, f"logged {key}", rel=REL, terms=terms)
     params = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (stock, packed)]
     _close(params[1], params[0], "parameters after one SGD step")
 
@@ -270,10 +284,11 @@ def test_refusals_of_vision_data_and_padded_collators(tmp_path, tokenizer, twins
         )  # fmt: skip
 
 
-def test_evaluation_matches_stock(tmp_path, tokenizer, twins, examples):
+def test_evaluation_matches_stock(tmp_path, tokenizer, twins, examples, assert_close):
     stock, packed = _build(tmp_path, tokenizer, twins, lambda: examples(4), per_device_eval_batch_size=4)
     results = [t.evaluate(examples(4)) for t in (stock, packed)]
     assert {"eval_loss", "eval_kl", "eval_logps/chosen"} <= results[0].keys()
     for key, want in results[0].items():
         if key not in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"):
-            _close(torch.tensor(results[1][key]), torch.tensor(want), f"evaluation {key}")
+            terms = _terms(key, results[0], stock.args.beta)
+            assert_close(results[1][key], want, f"evaluation {key}", rel=REL, terms=terms)
