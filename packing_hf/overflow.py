@@ -36,12 +36,12 @@ def check_overflow(value: str, owner: str, allowed: Sequence[str] = OVERFLOW_POL
     >>> check_overflow("skip", "packing_overflow")
     Traceback (most recent call last):
     ...
-    ValueError: packing_overflow = 'skip' is not an overflow policy ('skip' was renamed 'drop': leave the whole sample out, counted); choose one of 'error', 'truncate', 'split', 'drop'
+    ValueError: packing_overflow = 'skip' is not an overflow policy; 'skip' was renamed 'drop' (leave the whole sample out, counted); choose one of 'error', 'truncate', 'split', 'drop'
     """
     if value not in allowed:
         choices = ", ".join(repr(p) for p in allowed)
         known = " is not an overflow policy" if value not in OVERFLOW_POLICIES else " is not supported here"
         if value in _RENAMED:
-            known += f" ({value!r} was renamed {_RENAMED[value]})"
+            known += f"; {value!r} was renamed {_RENAMED[value]}"
         raise ValueError(f"{owner} = {value!r}{known}; choose one of {choices}")
     return value
