@@ -10,7 +10,9 @@ from packing_hf.overflow import OVERFLOW_POLICIES, check_overflow
 
 def test_skip_is_refused_and_the_error_names_drop_which_replaced_it():
     assert "skip" not in OVERFLOW_POLICIES
-    with pytest.raises(ValueError, match=r"'skip' was renamed 'drop' \(leave the whole sample out, counted\)"):
+    with pytest.raises(
+        ValueError, match=r"'skip' was renamed 'drop' \(leave the whole sample out, counted\)"
+    ):
         check_overflow("skip", "overflow")
 
 
