@@ -103,6 +103,11 @@ def mrope_position_ids(
     Returns:
         ``(4, 1, T)`` int64.
 
+    Raises:
+        ValueError: a sample's image (video) placeholders are not the number its ``image_grid_thw``
+            (``video_grid_thw``) rows ask for, checked before ``rope_index`` runs, as transformers' "Image
+            features and image tokens do not match" (needs the model's ``vision_config.spatial_merge_size``).
+
     >>> def rope_index(input_ids, mm_token_type_ids, attention_mask=None, **_):  # a text-only stand-in
     ...     pos = attention_mask.long().cumsum(-1) - 1
     ...     return (pos + 10).expand(3, -1, -1), None
@@ -116,6 +121,7 @@ def mrope_position_ids(
             f"mrope_position_ids needs one packed row (1, T) and offsets from 0 to T; got input_ids of shape "
             f"{tuple(input_ids.shape)} and cu_seqlens {cu[:3]}...{cu[-1:]}"
         )
+    _check_placeholders(rope_index, cu, mm_token_type_ids, grids)
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=False)]
     longest = max(lengths)
     device = input_ids.device
@@ -136,6 +142,54 @@ def mrope_position_ids(
     out[0, 0] = cu_seqlens_to_position_ids(cu).to(device)
     out[1:, 0] = positions[:, valid].to(device=device, dtype=torch.long)
     return out
+
+
+def _spatial_merge_size(rope_index: Callable[..., Any]) -> int | None:
+    """``vision_config.spatial_merge_size`` of the model whose bound ``get_rope_index`` this is, else ``None``."""
+    config = getattr(getattr(rope_index, "__self__", None), "config", None)
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    return merge if isinstance(merge, int) and merge > 0 else None
+
+
+def _check_placeholders(
+    rope_index: Callable[..., Any], cu: list[int], mm_token_type_ids: torch.Tensor, grids: dict[str, Any]
+) -> None:
+    """Refuse a sample whose image / video placeholders are not what its grid rows ask for.
+
+    Every image (video) of the row takes ``t * h * w / spatial_merge_size**2`` placeholders; the grid rows are
+    consumed in sample order, as the model consumes them. Without this check ``rope_index`` or the position
+    assignment fails with a bare shape mismatch, far from the cause.
+    """
+    merge = _spatial_merge_size(rope_index)
+    if merge is None:
+        return
+    types = mm_token_type_ids.reshape(-1)
+    for kind, code, key in (("image", 1, "image_grid_thw"), ("video", 2, "video_grid_thw")):
+        grid = grids.get(key)
+        needed = [] if grid is None else (torch.as_tensor(grid).reshape(-1, 3).prod(-1) // merge**2).tolist()
+        taken = 0
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=False)):
+            tokens, asked, first = int((types[a:b] == code).sum()), 0, taken
+            while asked < tokens and taken < len(needed):
+                asked += needed[taken]
+                taken += 1
+            if asked != tokens:
+                rows = {0: "no row left", 1: f"row {first}"}.get(
+                    taken - first, f"rows {first} to {taken - 1}"
+                )
+                raise ValueError(
+                    f"{kind.capitalize()} features and {kind} tokens do not match: sample {i} of the packed row has "
+                    f"{tokens} {kind} placeholder tokens, but its {key} ({rows}) asks for {asked} (t * h * w / "
+                    f"spatial_merge_size**2 per {kind}, spatial_merge_size={merge}). Expand every {kind}'s "
+                    f"placeholder to that many tokens (the model's processor does) and keep each sample's {key} "
+                    f"with it"
+                )
+        if taken != len(needed):
+            raise ValueError(
+                f"{kind.capitalize()} features and {kind} tokens do not match: {key} has {len(needed)} rows but the "
+                f"placeholders of the packed row use only {taken}; every {kind} needs its placeholder tokens in "
+                "its sample's input_ids"
+            )
 
 
 def image_block_masks(
@@ -273,6 +327,8 @@ class MultimodalCollator:
 
     def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, Any]:
         features = [self._normalize(f) for f in features]
+        for i, feature in enumerate(features):
+            self._check_pixels(i, feature)
         token_keys = [k for k in TOKEN_KEYS if any(k in f for f in features)]
         for key in token_keys:  # a text-only sample next to image samples: every token is text (0)
             features = [
@@ -295,6 +351,33 @@ class MultimodalCollator:
                 second_per_grid_ts=batch.get("second_per_grid_ts"),
             )
         return batch
+
+    def _check_pixels(self, index: int, feature: Mapping[str, Any]) -> None:
+        """Refuse a sample announcing images (videos) without their pixels: the model would embed the placeholders
+        as plain text tokens, or take the pixels of another sample, with no error."""
+        ids = np.asarray(feature.get("input_ids", ()))
+        types = feature.get("mm_token_type_ids")
+        types = None if types is None else np.asarray(types).reshape(-1)
+        for kind, pixels, grid, token, code in (
+            ("image", "pixel_values", "image_grid_thw", self.image_token_id, 1),
+            ("video", "pixel_values_videos", "video_grid_thw", self.video_token_id, 2),
+        ):
+            if feature.get(pixels) is not None:
+                continue
+            grid_rows = 0 if feature.get(grid) is None else np.asarray(feature[grid]).reshape(-1, 3).shape[0]
+            if grid_rows:
+                found = f"{grid} ({grid_rows} {kind}s) but no {pixels}"
+            elif token is not None and bool((ids == token).any()):
+                found = f"{int((ids == token).sum())} {kind} placeholder tokens (id {token}) but no {pixels}"
+            elif types is not None and bool((types == code).any()):
+                found = f"{int((types == code).sum())} {kind} tokens in mm_token_type_ids but no {pixels}"
+            else:
+                continue
+            raise ValueError(
+                f"sample {index} has {found}: the model would read its placeholders as text tokens (or take the "
+                f"pixels of another sample). Keep the processor's {pixels} with the sample, or drop its {kind} "
+                "placeholders and grid"
+            )
 
     @staticmethod
     def _normalize(feature: Mapping[str, Any]) -> dict[str, Any]:
