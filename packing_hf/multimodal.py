@@ -38,6 +38,7 @@ from .varlen import cu_seqlens_to_position_ids
 
 __all__ = [
     "IMAGE_KEYS",
+    "PACKED_MEDIA_KEY",
     "TOKEN_KEYS",
     "MultimodalCollator",
     "image_block_masks",
@@ -58,6 +59,12 @@ IMAGE_KEYS: tuple[str, ...] = (
 )
 # one entry per token of a sample, concatenated along the row
 TOKEN_KEYS: tuple[str, ...] = ("token_type_ids", "mm_token_type_ids")
+# Set (True) on a batch packing several samples with images or videos: only a model prepared by
+# packing_hf.prepare_model_for_packing handles such a row (per-sample multimodal positions and image masks, the
+# wrapper's image refusals), and its forward pre-hook consumes the key. An unprepared model passes it down to
+# its attention layers, where packing_hf's attention (attn_implementation=packing_hf.ATTENTION_NAME) refuses it;
+# eager / sdpa ignore it, nothing of packing_hf runs there.
+PACKED_MEDIA_KEY = "packing_hf_packed_media"
 
 
 def mm_token_types(
@@ -277,7 +284,10 @@ class MultimodalCollator:
             ``pad_to_multiple_of`` are refused: they would cut image blocks or pad the per-token keys.
 
     Returns (``__call__``): the padding-free batch (``input_ids``, ``labels``, ``position_ids``,
-    ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present.
+    ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present, and
+    :data:`PACKED_MEDIA_KEY` when several samples with images share the row: such a batch is for a model prepared
+    by :func:`packing_hf.prepare_model_for_packing` (``packing_hf.Trainer`` prepares it); packing_hf's attention
+    refuses it in an unprepared model.
 
     >>> collator = MultimodalCollator()
     >>> batch = collator([{"input_ids": [5, 9, 9], "pixel_values": torch.ones(2, 4)},
@@ -337,6 +347,9 @@ class MultimodalCollator:
         batch = self._base(features)
         for key in token_keys:
             batch[key] = batch[key].reshape(1, -1)
+        media = any(len(batch[k]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
+        if media and len(features) > 1:
+            batch[PACKED_MEDIA_KEY] = True
         if self.rope_index is not None:
             types = batch.get("mm_token_type_ids")
             if types is None:
