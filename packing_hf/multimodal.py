@@ -44,6 +44,7 @@ __all__ = [
     "image_block_masks",
     "mm_token_types",
     "mrope_position_ids",
+    "refuse_unprepared_media",
 ]
 
 # one entry per image (or video) of a sample, concatenated along dim 0 in sample order
@@ -65,6 +66,24 @@ TOKEN_KEYS: tuple[str, ...] = ("token_type_ids", "mm_token_type_ids")
 # its attention layers, where packing_hf's attention (attn_implementation=packing_hf.ATTENTION_NAME) refuses it;
 # eager / sdpa ignore it, nothing of packing_hf runs there.
 PACKED_MEDIA_KEY = "packing_hf_packed_media"
+
+
+def refuse_unprepared_media(kwargs: Mapping[str, Any]) -> None:
+    """Raise if an attention layer's ``kwargs`` still hold :data:`PACKED_MEDIA_KEY`, which a prepared model's
+    forward pre-hook consumes: the model was not prepared, and only preparation makes packed image rows exact
+    (a Qwen-VL model otherwise places the image tokens by text positions) or refuses the wrappers whose image
+    rows are not.
+
+    >>> refuse_unprepared_media({"position_ids": None})
+    """
+    if kwargs.get(PACKED_MEDIA_KEY):
+        raise ValueError(
+            "a packed row holding images (packing_hf.MultimodalCollator, several samples) reached a model that "
+            "packing_hf.prepare_model_for_packing has not prepared: only a prepared model keeps their multimodal "
+            "positions and image masks per sample (and refuses wrappers whose image rows it has not verified). "
+            "Call packing_hf.prepare_model_for_packing(model) before the forward (packing_hf.Trainer does), or "
+            "collate one sample per row"
+        )
 
 
 def mm_token_types(

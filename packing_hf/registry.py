@@ -451,19 +451,8 @@ _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention
 # zamba, zamba2 and the inkling models keep mixers whatever layer_types says, the Mamba-family configs derive
 # layer_types from other fields.
 MIXERS_BY_LAYER_TYPE = frozenset(
-    {
-        "bailing_hybrid",
-        "kimi_linear",
-        "lara_mini",
-        "lfm2",
-        "lfm2_moe",
-        "lfm3",
-        "minimax",
-        "olmo_hybrid",
-        "qwen3_5_moe_text",
-        "qwen3_5_text",
-        "qwen3_next",
-    }
+    "bailing_hybrid kimi_linear lara_mini lfm2 lfm2_moe lfm3 minimax olmo_hybrid qwen3_5_moe_text qwen3_5_text "
+    "qwen3_next".split()
 )
 _CHUNKED = (
     "chunked local attention (attention_chunk_size) without config.layer_types: which layers are chunked is not "
@@ -597,7 +586,7 @@ def mask_prepared(config: Any) -> bool:
     return seen is not None and seen() is config
 
 
-def needs_preparation(config: Any) -> str | None:
+def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
     """Why the model of ``config``, as loaded, lets packed samples see each other until
     :func:`packing_hf.prepare_model_for_packing` prepares it; ``None`` when it needs nothing or is prepared.
 
@@ -607,8 +596,9 @@ def needs_preparation(config: Any) -> str | None:
     - ``"mixers"``: its mixers carry state across the row unless they are split per sample
       (:func:`mixers_prepared`), or the config has no mixer (:func:`mixer_free`);
     - ``"mask"`` (or a hybrid's ``mask_fix``): its mask ignores ``position_ids`` unless its layers get per-sample
-      masks (:func:`mask_prepared`), or it runs packing_hf's varlen attention, which keeps the samples apart
-      itself (and refuses a model computing attention in its own code).
+      masks (:func:`mask_prepared`), or it runs packing_hf's varlen attention (``varlen=True``: the config's
+      ``_attn_implementation`` is ``packing_hf.ATTENTION_NAME``), which keeps the samples apart itself (and
+      refuses a model computing attention in its own code).
 
     Other statuses say ``None`` here: ``"refused"`` and ``"unknown"`` are decided by
     :func:`check_served_config` and ``prepare_model_for_packing``.
@@ -628,10 +618,7 @@ def needs_preparation(config: Any) -> str | None:
         return entry.reason
     mixers_split = entry.status == "mixers" and any(mixers_prepared(c) for c in marked)
     if entry.status == "mask" or (entry.mask_fix and not mixers_split):
-        from .attention.interface import ATTENTION_NAME  # the attention package imports this module
-
-        varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME and not entry.own_attention
-        if not varlen and not any(mask_prepared(c) for c in marked):
+        if not (varlen and not entry.own_attention) and not any(mask_prepared(c) for c in marked):
             return entry.reason
     return None
 

@@ -203,7 +203,8 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
     False
     """
     out, starts = _validate(batch, config)
-    reason = needs_preparation(config) if starts is not None and config is not None else None
+    varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    reason = needs_preparation(config, varlen=varlen) if starts is not None and config is not None else None
     if reason is not None:
         model_type = getattr(config, "model_type", type(config).__name__)
         raise ValueError(

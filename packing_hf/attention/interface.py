@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..multimodal import PACKED_MEDIA_KEY
+from ..multimodal import refuse_unprepared_media
 from ..registry import check_served_config, served_config_key
 from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
 from . import host
@@ -440,17 +440,6 @@ def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
 
 _WARNED_ATTENTIONS = False
 
-# A prepared model's forward pre-hook consumes PACKED_MEDIA_KEY (packing_hf.attention.guards): reaching a layer,
-# it says the model was not prepared, and only preparation makes packed image rows exact (a Qwen-VL model
-# otherwise places the image tokens by text positions) or refuses the wrappers whose image rows are not.
-_UNPREPARED_MEDIA = (
-    "a packed row holding images (packing_hf.MultimodalCollator, several samples) reached a model that "
-    "packing_hf.prepare_model_for_packing has not prepared: only a prepared model keeps their multimodal "
-    "positions and image masks per sample (and refuses wrappers whose image rows it has not verified). Call "
-    "packing_hf.prepare_model_for_packing(model) before the forward (packing_hf.Trainer does), or collate one "
-    "sample per row"
-)
-
 # id(config) -> (weakref of the config, the fields check_served_config read): one check per model config and
 # state of those fields, so a config changed after the first forward (e.g. layer_types) is checked again
 _SERVED: dict[int, tuple[weakref.ref, tuple]] = {}
@@ -515,8 +504,7 @@ def varlen_attention_forward(
     """
     global _WARNED_ATTENTIONS
     _check_served(getattr(module, "config", None))
-    if kwargs.get(PACKED_MEDIA_KEY):
-        raise ValueError(_UNPREPARED_MEDIA)
+    refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
     if kwargs.get("cache") is not None:
         raise ValueError(
             f"{ATTENTION_NAME} does not drive transformers' paged cache (continuous batching); load the model "
