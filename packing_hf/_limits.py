@@ -1,9 +1,11 @@
-"""Limits of the varlen kernels, and the one checker of int arguments, shared by numpy and torch code.
+"""Limits of the varlen kernels, and the one checker of int (and of bool) arguments, shared by numpy and torch code.
 
 >>> INT32_MAX
 2147483647
 >>> check_int(8, "max_length", minimum=1)
 8
+>>> check_bool(True, "share_prompt")
+True
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["INT32_MAX", "check_int"]
+import numpy as np
+
+__all__ = ["INT32_MAX", "check_bool", "check_int"]
 
 # cu_seqlens are int32 in every varlen kernel: a packed row (or a batch budget) past this cannot be addressed
 INT32_MAX = 2**31 - 1
@@ -43,3 +47,28 @@ def check_int(
         need = "an int" if minimum is None else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {need}{' or None' if optional else ''}, got {value!r}")
     return int(value)
+
+
+def check_bool(value: Any, name: str, *, optional: bool = False) -> Any:
+    """``value`` as a Python bool, or a ``TypeError`` naming ``name``: the one check of a switch argument.
+
+    A string is refused, not read: ``bool("false")`` and ``bool("no")`` are True. (Command lines and YAML files
+    parsed by ``HfArgumentParser`` already hand real booleans.)
+
+    Args:
+        value: the argument (``bool`` or numpy bool).
+        name: how the caller spells the argument, for the message.
+        optional: ``None`` is accepted (and returned): the field's default means "decide for me".
+
+    >>> check_bool("yes", "share_prompt")
+    Traceback (most recent call last):
+    ...
+    TypeError: share_prompt must be True or False, got 'yes' (a str); pass a bool (share_prompt=True), not a string
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    allowed = "True, False or None" if optional else "True or False"
+    hint = f"; pass a bool ({name}=True), not a string" if isinstance(value, str) else ""
+    raise TypeError(f"{name} must be {allowed}, got {value!r} (a {type(value).__name__}){hint}")

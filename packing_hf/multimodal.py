@@ -38,11 +38,13 @@ from .varlen import cu_seqlens_to_position_ids
 
 __all__ = [
     "IMAGE_KEYS",
+    "PACKED_MEDIA_KEY",
     "TOKEN_KEYS",
     "MultimodalCollator",
     "image_block_masks",
     "mm_token_types",
     "mrope_position_ids",
+    "refuse_unprepared_media",
 ]
 
 # one entry per image (or video) of a sample, concatenated along dim 0 in sample order
@@ -58,6 +60,30 @@ IMAGE_KEYS: tuple[str, ...] = (
 )
 # one entry per token of a sample, concatenated along the row
 TOKEN_KEYS: tuple[str, ...] = ("token_type_ids", "mm_token_type_ids")
+# Set (True) on a batch packing several samples with images or videos: only a model prepared by
+# packing_hf.prepare_model_for_packing handles such a row (per-sample multimodal positions and image masks, the
+# wrapper's image refusals), and its forward pre-hook consumes the key. An unprepared model passes it down to
+# its attention layers, where packing_hf's attention (attn_implementation=packing_hf.ATTENTION_NAME) refuses it;
+# eager / sdpa ignore it, nothing of packing_hf runs there.
+PACKED_MEDIA_KEY = "packing_hf_packed_media"
+
+
+def refuse_unprepared_media(kwargs: Mapping[str, Any]) -> None:
+    """Raise if an attention layer's ``kwargs`` still hold :data:`PACKED_MEDIA_KEY`, which a prepared model's
+    forward pre-hook consumes: the model was not prepared, and only preparation makes packed image rows exact
+    (a Qwen-VL model otherwise places the image tokens by text positions) or refuses the wrappers whose image
+    rows are not.
+
+    >>> refuse_unprepared_media({"position_ids": None})
+    """
+    if kwargs.get(PACKED_MEDIA_KEY):
+        raise ValueError(
+            "a packed row holding images (packing_hf.MultimodalCollator, several samples) reached a model that "
+            "packing_hf.prepare_model_for_packing has not prepared: only a prepared model keeps their multimodal "
+            "positions and image masks per sample (and refuses wrappers whose image rows it has not verified). "
+            "Call packing_hf.prepare_model_for_packing(model) before the forward (packing_hf.Trainer does), or "
+            "collate one sample per row"
+        )
 
 
 def mm_token_types(
@@ -103,6 +129,11 @@ def mrope_position_ids(
     Returns:
         ``(4, 1, T)`` int64.
 
+    Raises:
+        ValueError: a sample's image (video) placeholders are not the number its ``image_grid_thw``
+            (``video_grid_thw``) rows ask for, checked before ``rope_index`` runs, as transformers' "Image
+            features and image tokens do not match" (needs the model's ``vision_config.spatial_merge_size``).
+
     >>> def rope_index(input_ids, mm_token_type_ids, attention_mask=None, **_):  # a text-only stand-in
     ...     pos = attention_mask.long().cumsum(-1) - 1
     ...     return (pos + 10).expand(3, -1, -1), None
@@ -116,6 +147,7 @@ def mrope_position_ids(
             f"mrope_position_ids needs one packed row (1, T) and offsets from 0 to T; got input_ids of shape "
             f"{tuple(input_ids.shape)} and cu_seqlens {cu[:3]}...{cu[-1:]}"
         )
+    _check_placeholders(rope_index, cu, mm_token_type_ids, grids)
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=False)]
     longest = max(lengths)
     device = input_ids.device
@@ -136,6 +168,54 @@ def mrope_position_ids(
     out[0, 0] = cu_seqlens_to_position_ids(cu).to(device)
     out[1:, 0] = positions[:, valid].to(device=device, dtype=torch.long)
     return out
+
+
+def _spatial_merge_size(rope_index: Callable[..., Any]) -> int | None:
+    """``vision_config.spatial_merge_size`` of the model whose bound ``get_rope_index`` this is, else ``None``."""
+    config = getattr(getattr(rope_index, "__self__", None), "config", None)
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    return merge if isinstance(merge, int) and merge > 0 else None
+
+
+def _check_placeholders(
+    rope_index: Callable[..., Any], cu: list[int], mm_token_type_ids: torch.Tensor, grids: dict[str, Any]
+) -> None:
+    """Refuse a sample whose image / video placeholders are not what its grid rows ask for.
+
+    Every image (video) of the row takes ``t * h * w / spatial_merge_size**2`` placeholders; the grid rows are
+    consumed in sample order, as the model consumes them. Without this check ``rope_index`` or the position
+    assignment fails with a bare shape mismatch, far from the cause.
+    """
+    merge = _spatial_merge_size(rope_index)
+    if merge is None:
+        return
+    types = mm_token_type_ids.reshape(-1)
+    for kind, code, key in (("image", 1, "image_grid_thw"), ("video", 2, "video_grid_thw")):
+        grid = grids.get(key)
+        needed = [] if grid is None else (torch.as_tensor(grid).reshape(-1, 3).prod(-1) // merge**2).tolist()
+        taken = 0
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=False)):
+            tokens, asked, first = int((types[a:b] == code).sum()), 0, taken
+            while asked < tokens and taken < len(needed):
+                asked += needed[taken]
+                taken += 1
+            if asked != tokens:
+                rows = {0: "no row left", 1: f"row {first}"}.get(
+                    taken - first, f"rows {first} to {taken - 1}"
+                )
+                raise ValueError(
+                    f"{kind.capitalize()} features and {kind} tokens do not match: sample {i} of the packed row has "
+                    f"{tokens} {kind} placeholder tokens, but its {key} ({rows}) asks for {asked} (t * h * w / "
+                    f"spatial_merge_size**2 per {kind}, spatial_merge_size={merge}). Expand every {kind}'s "
+                    f"placeholder to that many tokens (the model's processor does) and keep each sample's {key} "
+                    f"with it"
+                )
+        if taken != len(needed):
+            raise ValueError(
+                f"{kind.capitalize()} features and {kind} tokens do not match: {key} has {len(needed)} rows but the "
+                f"placeholders of the packed row use only {taken}; every {kind} needs its placeholder tokens in "
+                "its sample's input_ids"
+            )
 
 
 def image_block_masks(
@@ -223,7 +303,10 @@ class MultimodalCollator:
             ``pad_to_multiple_of`` are refused: they would cut image blocks or pad the per-token keys.
 
     Returns (``__call__``): the padding-free batch (``input_ids``, ``labels``, ``position_ids``,
-    ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present.
+    ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present, and
+    :data:`PACKED_MEDIA_KEY` when several samples with images share the row: such a batch is for a model prepared
+    by :func:`packing_hf.prepare_model_for_packing` (``packing_hf.Trainer`` prepares it); packing_hf's attention
+    refuses it in an unprepared model.
 
     >>> collator = MultimodalCollator()
     >>> batch = collator([{"input_ids": [5, 9, 9], "pixel_values": torch.ones(2, 4)},
@@ -273,6 +356,8 @@ class MultimodalCollator:
 
     def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, Any]:
         features = [self._normalize(f) for f in features]
+        for i, feature in enumerate(features):
+            self._check_pixels(i, feature)
         token_keys = [k for k in TOKEN_KEYS if any(k in f for f in features)]
         for key in token_keys:  # a text-only sample next to image samples: every token is text (0)
             features = [
@@ -281,6 +366,9 @@ class MultimodalCollator:
         batch = self._base(features)
         for key in token_keys:
             batch[key] = batch[key].reshape(1, -1)
+        media = any(len(batch[k]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
+        if media and len(features) > 1:
+            batch[PACKED_MEDIA_KEY] = True
         if self.rope_index is not None:
             types = batch.get("mm_token_type_ids")
             if types is None:
@@ -295,6 +383,33 @@ class MultimodalCollator:
                 second_per_grid_ts=batch.get("second_per_grid_ts"),
             )
         return batch
+
+    def _check_pixels(self, index: int, feature: Mapping[str, Any]) -> None:
+        """Refuse a sample announcing images (videos) without their pixels: the model would embed the placeholders
+        as plain text tokens, or take the pixels of another sample, with no error."""
+        ids = np.asarray(feature.get("input_ids", ()))
+        types = feature.get("mm_token_type_ids")
+        types = None if types is None else np.asarray(types).reshape(-1)
+        for kind, pixels, grid, token, code in (
+            ("image", "pixel_values", "image_grid_thw", self.image_token_id, 1),
+            ("video", "pixel_values_videos", "video_grid_thw", self.video_token_id, 2),
+        ):
+            if feature.get(pixels) is not None:
+                continue
+            grid_rows = 0 if feature.get(grid) is None else np.asarray(feature[grid]).reshape(-1, 3).shape[0]
+            if grid_rows:
+                found = f"{grid} ({grid_rows} {kind}s) but no {pixels}"
+            elif token is not None and bool((ids == token).any()):
+                found = f"{int((ids == token).sum())} {kind} placeholder tokens (id {token}) but no {pixels}"
+            elif types is not None and bool((types == code).any()):
+                found = f"{int((types == code).sum())} {kind} tokens in mm_token_type_ids but no {pixels}"
+            else:
+                continue
+            raise ValueError(
+                f"sample {index} has {found}: the model would read its placeholders as text tokens (or take the "
+                f"pixels of another sample). Keep the processor's {pixels} with the sample, or drop its {kind} "
+                "placeholders and grid"
+            )
 
     @staticmethod
     def _normalize(feature: Mapping[str, Any]) -> dict[str, Any]:

@@ -98,8 +98,9 @@ def _ids_array(value: Any, index: int, key: str) -> np.ndarray:
 
 
 def _reference_logps(features: list[Mapping[str, Any]], key: str) -> np.ndarray:
-    """``(B,)`` float32 per-pair values (precomputed reference log-probs, margins), one number per pair (a one-element list would become
-    ``(B, 1)``, which TRL's loss broadcasts against ``(B,)`` into a silent ``(B, B)``)."""
+    """``(B,)`` float32 per-pair values (precomputed reference log-probs, margins), one finite number per pair (a
+    one-element list would become ``(B, 1)``, which TRL's loss broadcasts against ``(B,)`` into a silent ``(B, B)``;
+    a NaN would make the whole batch's loss NaN)."""
     values = _column(features, key)
     try:
         array = np.asarray(values, dtype=np.float32)
@@ -111,6 +112,15 @@ def _reference_logps(features: list[Mapping[str, Any]], key: str) -> np.ndarray:
             f"sample {bad}: {key!r} is {values[bad]!r}; it must be one number per pair (a float), giving shape "
             f"({len(values)},). For values saved as one-element lists: "
             f"dataset.map(lambda r: {{{key!r}: float(r[{key!r}][0])}})"
+        )
+    finite = np.isfinite(array)
+    if not finite.all():
+        bad = int(np.argmin(finite))
+        # a NaN or infinite value turns the loss (and every gradient of the step) into NaN/inf silently
+        raise ValueError(
+            f"sample {bad}: {key!r} is {values[bad]!r}, not a finite number; the loss of the whole batch would be "
+            "NaN or infinite. Recompute it (e.g. precompute_ref_log_probs with a reference model in fp32) or drop "
+            "that sample"
         )
     return array
 

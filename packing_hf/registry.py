@@ -36,6 +36,7 @@ __all__ = [
     "IMAGE_BLOCK_MASK",
     "IMAGE_ROWS_UNVERIFIED",
     "IMAGE_ROWS_VERIFIED",
+    "MIXERS_BY_LAYER_TYPE",
     "REGISTRY",
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
@@ -44,9 +45,13 @@ __all__ = [
     "check_served_config",
     "served_config_key",
     "iter_sweep",
+    "mark_mask_prepared",
     "mark_mixers_prepared",
+    "mask_prepared",
+    "mixer_free",
     "mixers_prepared",
     "multimodal_refusal",
+    "needs_preparation",
     "support",
     "unsupported_layers",
     "wrapper_text_config",
@@ -447,6 +452,16 @@ UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "o
 
 # layer kinds (config.layer_types values) that are plain softmax attention over the sample
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+
+# "mixers" models that build a token mixer only at the layers whose config.layer_types entry is not attention:
+# a config whose layers are all attention has no mixer and packs like an "exact" one (read the layers, not the
+# type). tests/unit/architectures/test_registry.py builds every one attention-only and finds no mixer module;
+# zamba, zamba2 and the inkling models keep mixers whatever layer_types says, the Mamba-family configs derive
+# layer_types from other fields.
+MIXERS_BY_LAYER_TYPE = frozenset(
+    "bailing_hybrid kimi_linear lara_mini lfm2 lfm2_moe lfm3 minimax olmo_hybrid qwen3_5_moe_text qwen3_5_text "
+    "qwen3_next".split()
+)
 _CHUNKED = (
     "chunked local attention (attention_chunk_size) without config.layer_types: which layers are chunked is not "
     "known, so packing_hf's varlen attention cannot split them into chunks; load it with "
@@ -473,6 +488,25 @@ def unsupported_layers(config: Any) -> str | None:
     if other:
         return f"layer types {other} carry state or mix tokens along the row, across sample boundaries"
     return None
+
+
+def mixer_free(config: Any) -> bool:
+    """Whether a ``"mixers"`` model of this *config* has no mixer: its type is in ``MIXERS_BY_LAYER_TYPE`` and
+    every ``config.layer_types`` entry is attention (an attention-only LFM2, say).
+
+    >>> from types import SimpleNamespace
+    >>> mixer_free(SimpleNamespace(model_type="lfm2_moe", layer_types=["full_attention", "full_attention"]))
+    True
+    >>> mixer_free(SimpleNamespace(model_type="lfm2_moe", layer_types=["conv", "full_attention"]))
+    False
+    """
+    layer_types = getattr(config, "layer_types", None)
+    return (
+        str(getattr(config, "model_type", "")) in MIXERS_BY_LAYER_TYPE
+        and isinstance(layer_types, list | tuple)
+        and len(layer_types) > 0
+        and unsupported_layers(config) is None
+    )
 
 
 def bidirectional_attention(config: Any) -> str | None:
@@ -527,6 +561,76 @@ def mixers_prepared(config: Any) -> bool:
     return seen is not None and seen() is config
 
 
+# the same for models whose decoder layers prepare_model_for_packing restricts to per-sample masks (status "mask",
+# or a hybrid's mask_fix); written by prepare_model_for_packing and its revert()
+_PREPARED_MASKS: dict[int, weakref.ref] = {}
+
+
+def mark_mask_prepared(config: Any, prepared: bool) -> None:
+    """Record that the model of ``config`` has (``True``) or no longer has per-sample masks in its decoder layers.
+
+    The marker of :func:`mark_mixers_prepared` for registry status ``"mask"``: read by :func:`needs_preparation`
+    (and so by :func:`packing_hf.validate_packed_batch`).
+
+    >>> from transformers import AutoConfig
+    >>> config = AutoConfig.for_model("opt")
+    >>> mark_mask_prepared(config, True)
+    >>> mask_prepared(config)
+    True
+    >>> mark_mask_prepared(config, False)
+    >>> mask_prepared(config)
+    False
+    """
+    key = id(config)
+    if prepared:
+        _PREPARED_MASKS[key] = weakref.ref(config, lambda _: _PREPARED_MASKS.pop(key, None))
+    else:
+        _PREPARED_MASKS.pop(key, None)
+
+
+def mask_prepared(config: Any) -> bool:
+    """Whether :func:`mark_mask_prepared` marked ``config`` (and it is still the same object)."""
+    seen = _PREPARED_MASKS.get(id(config))
+    return seen is not None and seen() is config
+
+
+def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
+    """Why the model of ``config``, as loaded, lets packed samples see each other until
+    :func:`packing_hf.prepare_model_for_packing` prepares it; ``None`` when it needs nothing or is prepared.
+
+    Reads the registry entry of the config (of a multimodal wrapper's language model when the wrapper is not
+    registered itself) and its layers:
+
+    - ``"mixers"``: its mixers carry state across the row unless they are split per sample
+      (:func:`mixers_prepared`), or the config has no mixer (:func:`mixer_free`);
+    - ``"mask"`` (or a hybrid's ``mask_fix``): its mask ignores ``position_ids`` unless its layers get per-sample
+      masks (:func:`mask_prepared`), or it runs packing_hf's varlen attention (``varlen=True``: the config's
+      ``_attn_implementation`` is ``packing_hf.ATTENTION_NAME``), which keeps the samples apart itself (and
+      refuses a model computing attention in its own code).
+
+    Other statuses say ``None`` here: ``"refused"`` and ``"unknown"`` are decided by
+    :func:`check_served_config` and ``prepare_model_for_packing``.
+
+    >>> from transformers import AutoConfig
+    >>> needs_preparation(AutoConfig.for_model("llama")) is None
+    True
+    >>> needs_preparation(AutoConfig.for_model("bamba"))[:6]
+    'Mamba2'
+    """
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    text = wrapper_text_config(config) if model_type not in REGISTRY else None
+    rules = config if text is None else text
+    entry = support(str(getattr(rules, "model_type", model_type)))
+    marked = (config, rules)
+    if entry.status == "mixers" and not any(mixers_prepared(c) for c in marked) and not mixer_free(rules):
+        return entry.reason
+    mixers_split = entry.status == "mixers" and any(mixers_prepared(c) for c in marked)
+    if entry.status == "mask" or (entry.mask_fix and not mixers_split):
+        if not (varlen and not entry.own_attention) and not any(mask_prepared(c) for c in marked):
+            return entry.reason
+    return None
+
+
 def served_config_key(config: Any) -> tuple:
     """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
     again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
@@ -570,7 +674,8 @@ def check_served_config(config: Any) -> None:
     head = f"{model_type} cannot be packed exactly with attn_implementation='packing_hf_varlen': "
     if entry.status == "refused":
         raise ValueError(head + entry.reason + "; train it without packing (padded batches)")
-    prepared = entry.status == "mixers" and mixers_prepared(config)
+    # an attention-only config of a type whose mixers follow layer_types has nothing to prepare
+    prepared = entry.status == "mixers" and (mixers_prepared(config) or mixer_free(config))
     if entry.status == "mixers" and not prepared:
         raise ValueError(
             head[:-2] + " alone: " + entry.reason + ", which the attention cannot reach; call "

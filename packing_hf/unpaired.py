@@ -19,6 +19,7 @@ to), linked by ``packed_index`` exactly as in :mod:`packing_hf.preference`. The 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -121,13 +122,39 @@ class PaddingFreeUnpairedCollator(PaddingFreePreferenceCollator):
             batch.update({prefix + k: v for k, v in _split_row(both, rows, n).items()})
         if not with_kl:  # the KL twins (copies of the completions) only served to build the row
             self.stats["samples"] -= n
-        batch["label"] = np.asarray([bool(v) for v in labels])
+        batch["label"] = np.asarray([_check_label(i, v) for i, v in enumerate(labels)], dtype=bool)
         for key in ("ref_logps", "ref_KL_logps"):
             if any(key in f for f in features):
                 batch[key] = _reference_logps(features, key)
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
         return batch
+
+
+def _check_label(index: int, value: Any) -> bool:
+    """Sample ``index``'s KTO ``label`` as a bool: what TRL accepts (a bool, or the ints 0 / 1), nothing else.
+
+    ``bool("false")`` is True: a label read from text would flip silently, so strings (and any other type) are
+    refused with the fix.
+
+    >>> _check_label(0, np.bool_(False)), _check_label(1, 1)
+    (False, True)
+    >>> _check_label(2, "false")
+    Traceback (most recent call last):
+    ...
+    TypeError: sample 2: 'label' is 'false' (a str); KTO labels must be booleans (True: desirable), or the ints 0 / 1. Convert the column, e.g. dataset.map(lambda r: {'label': r['label'] == 'true'})
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(
+        f"sample {index}: 'label' is {value!r} (a {type(value).__name__}); KTO labels must be booleans (True: "
+        "desirable), or the ints 0 / 1. Convert the column, e.g. dataset.map(lambda r: {'label': r['label'] == "
+        "'true'})"
+    )
 
 
 def _split_row(both: dict[str, Any], rows: slice, n: int) -> dict[str, Any]:

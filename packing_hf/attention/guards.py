@@ -18,7 +18,9 @@ few vectorized comparisons, at most one host sync) and returns the batch to pass
 - a packed row too long for int32 offsets, ``cu_seq_lens`` that do not cover the row, a ``max_length``
   shorter than a sample: refused;
 - ``labels`` at a sample start that are not ``-100``: the last token of one sample would be trained to
-  predict the first token of the next, refused.
+  predict the first token of the next, refused;
+- (:func:`validate_packed_batch` given a ``config``) a model that leaks until it is prepared (a hybrid's
+  mixers, a mask built without ``position_ids``) and is not: refused, naming the fix.
 
 :func:`packed_forward_pre_hook` applies the same checks inside ``model.forward`` (installed by
 :func:`packing_hf.attention.models.prepare_model_for_packing`).
@@ -37,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ..multimodal import PACKED_MEDIA_KEY
+from ..registry import needs_preparation
 from ..shared_prefix import shared_prefix_position_ids
 from ..varlen import (
     IGNORE_INDEX,
@@ -181,7 +185,10 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
             ``cu_seq_lens_q/k`` ``(n + 1,)`` int32, ``max_length_q/k``, ``attention_mask`` ``(B, T)``,
             ``labels`` ``(B, T)``, ``use_cache``, ``past_key_values`` / ``cache``.
         config: the model config (optional); its ``use_cache`` decides whether ``use_cache=False`` must be
-            added.
+            added, and a packed batch is refused for a model that leaks until
+            :func:`packing_hf.prepare_model_for_packing` prepares it (a hybrid's mixers, a mask built without
+            ``position_ids``: :func:`packing_hf.registry.needs_preparation`): pass ``model.config`` after
+            preparing.
 
     Returns:
         A shallow copy of ``batch``: an all-ones ``attention_mask`` removed and ``use_cache=False`` set when
@@ -195,7 +202,16 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
     >>> validate_packed_batch(ok)["use_cache"]
     False
     """
-    return _validate(batch, config)[0]
+    out, starts = _validate(batch, config)
+    varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    reason = needs_preparation(config, varlen=varlen) if starts is not None and config is not None else None
+    if reason is not None:
+        model_type = getattr(config, "model_type", type(config).__name__)
+        raise ValueError(
+            f"config: a {model_type!r} model not prepared for packing leaks on this packed batch ({reason}); call "
+            "packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does) and pass its model.config"
+        )
+    return out
 
 
 def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -302,6 +318,12 @@ def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) 
     return args, checked
 
 
+def _prepared(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a model :func:`packing_hf.prepare_model_for_packing` prepared (and not reverted)."""
+    handle = getattr(module, "_packing_hf_preparation", None)
+    return bool(getattr(handle, "active", False))
+
+
 def check_forward_call(
     module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict, torch.Tensor | None]:
@@ -309,6 +331,10 @@ def check_forward_call(
     view = dict(kwargs)
     if args and isinstance(args[0], torch.Tensor) and "input_ids" not in view:
         view["input_ids"] = args[0]
+    if _prepared(module):
+        # the packed image rows of MultimodalCollator are this model's to handle (per-sample positions and
+        # masks, the wrapper's image refusals): consumed here, so that the attention does not refuse them
+        view.pop(PACKED_MEDIA_KEY, None)
     checked, starts = _validate(view, getattr(module, "config", None))
     if args and "input_ids" not in kwargs:
         checked.pop("input_ids", None)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..multimodal import refuse_unprepared_media
 from ..registry import check_served_config, served_config_key
 from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
 from . import host
@@ -503,6 +504,7 @@ def varlen_attention_forward(
     """
     global _WARNED_ATTENTIONS
     _check_served(getattr(module, "config", None))
+    refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
     if kwargs.get("cache") is not None:
         raise ValueError(
             f"{ATTENTION_NAME} does not drive transformers' paged cache (continuous batching); load the model "

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import transformers
 
-from .._limits import check_int
+from .._limits import check_bool, check_int
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
@@ -31,6 +31,9 @@ PREFLIGHT_MODES = ("switch", "error", "off")
 @dataclass
 class PackingArguments:
     """Packing fields, mixed into a ``TrainingArguments`` subclass (see the module docstring)."""
+
+    # the ``bool | None`` switches a subclass adds (None: decide for me), checked like the packing booleans
+    _optional_switches: ClassVar[tuple[str, ...]] = ()
 
     max_tokens_per_batch: int | None = field(
         default=None,
@@ -109,6 +112,10 @@ class PackingArguments:
         self.loss_normalization = check_loss_normalization(self.loss_normalization)
         if self.multipack_mixing not in MIXINGS:
             raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
+        for name in ("packing_eval", "packing_metrics"):
+            setattr(self, name, check_bool(getattr(self, name), name))
+        for name in self._optional_switches:
+            setattr(self, name, check_bool(getattr(self, name), name, optional=True))
 
 
 @dataclass

@@ -43,7 +43,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -93,6 +93,7 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     'switch'
     """
 
+    _optional_switches: ClassVar[tuple[str, ...]] = ("shared_prompt",)
     shared_prompt: bool | None = field(
         default=None,
         metadata={

@@ -86,6 +86,7 @@ class ORPOConfig(PackingArguments, _StockORPOConfig):
     'switch'
     """
 
+    _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
 
 
@@ -99,6 +100,7 @@ class CPOConfig(PackingArguments, _StockCPOConfig):
     'sigmoid'
     """
 
+    _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
 
 

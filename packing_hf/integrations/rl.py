@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import trl
 
-from .._limits import check_int
+from .._limits import check_bool, check_int
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES, as_config
@@ -96,6 +96,7 @@ class RolloutPackingArguments:
         self.max_tokens_per_batch = check_int(
             self.max_tokens_per_batch, "max_tokens_per_batch", 1, optional=True
         )
+        self.share_prompt = check_bool(self.share_prompt, "share_prompt")
         if self.packing_preflight not in PREFLIGHT_MODES:
             raise ValueError(
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"

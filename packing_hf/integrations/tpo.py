@@ -84,6 +84,7 @@ class TPOConfig(PackingArguments, _StockTPOConfig):
     1.0
     """
 
+    _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = field(
         default=None,
         metadata={

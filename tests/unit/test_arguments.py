@@ -199,3 +199,34 @@ def test_the_sampler_refuses_a_budget_past_int32_and_a_huge_one_costs_no_memory(
         assert [sorted(b) for b in sampler] == [[0, 1, 2]]
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 64, f"the plan of three samples grew the peak RSS by {grown_mib:.0f} MiB"
+
+
+# --------------------------------------------------------------------------------------------------
+# the switches of the packing configs: a string is refused, never read (bool("no") is True)
+
+
+def _configs():
+    import packing_hf
+
+    return [
+        (packing_hf.GRPOConfig, "share_prompt", False),
+        (packing_hf.RLOOConfig, "share_prompt", False),
+        (packing_hf.TrainingArguments, "packing_eval", False),
+        (packing_hf.TrainingArguments, "packing_metrics", False),
+        (packing_hf.DPOConfig, "shared_prompt", True),
+        (packing_hf.ORPOConfig, "padding_free", True),
+        (packing_hf.CPOConfig, "padding_free", True),
+        (packing_hf.TPOConfig, "padding_free", True),
+    ]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_packing_config_switches_take_booleans_only(index, tmp_path):
+    config_class, name, optional = _configs()[index]
+    common = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
+    assert getattr(config_class(**common, **{name: True}), name) is True  # control: a bool is kept
+    if optional:
+        assert getattr(config_class(**common, **{name: None}), name) is None
+    for bad in ("yes", "false", 1):
+        with pytest.raises(TypeError, match=f"{name} must be True.*got {bad!r}"):
+            config_class(**common, **{name: bad})

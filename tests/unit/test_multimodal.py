@@ -85,7 +85,11 @@ def test_the_collator_computes_mrope_positions_with_the_given_rope_index():
         pos = attention_mask.long().cumsum(-1) - 1 + 100 * mm_token_type_ids.long()
         return pos.expand(3, -1, -1), None
 
-    rows = [{"input_ids": [1, IMAGE, IMAGE, 2]}, {"input_ids": [3, IMAGE]}]
+    pixels = np.ones((4, 6), dtype=np.float32)  # a sample with placeholders carries its pixels
+    rows = [
+        {"input_ids": [1, IMAGE, IMAGE, 2], "pixel_values": pixels},
+        {"input_ids": [3, IMAGE], "pixel_values": pixels},
+    ]
     batch = MultimodalCollator(rope_index, image_token_id=IMAGE)(rows)
     assert batch["position_ids"].shape == (4, 1, 6)
     assert batch["position_ids"][0].tolist() == [[0, 1, 2, 3, 0, 1]]  # the text row restarts per sample
@@ -105,3 +109,65 @@ def test_image_block_masks_keep_blocks_and_samples_apart():
     assert not masks["sliding_attention"][0, 0, 3, 0]  # window of 2
     eager = image_block_masks([0, 2], torch.tensor([[0, 1]]), dtype=torch.float32)["full_attention"]
     assert eager[0, 0, 0, 1] == torch.finfo(torch.float32).min and eager[0, 0, 1, 0] == 0
+
+
+@pytest.mark.parametrize(
+    ("sample", "match"),
+    [
+        (
+            {"input_ids": [5, 6, 7, 8], "image_grid_thw": [[1, 2, 2]]},
+            r"image_grid_thw \(1 images\) but no pixel_values",
+        ),
+        ({"input_ids": [5, IMAGE, 7]}, "1 image placeholder tokens \\(id 9\\) but no pixel_values"),
+        (
+            {"input_ids": [5, 6, 7], "mm_token_type_ids": [0, 2, 0]},
+            "1 video tokens in mm_token_type_ids but no",
+        ),
+        (
+            {"input_ids": [5, 6, 7], "video_grid_thw": [[2, 2, 2]]},
+            "video_grid_thw \\(1 videos\\) but no pixel_values",
+        ),
+    ],
+)
+def test_a_sample_announcing_images_without_their_pixels_is_refused(sample, match):
+    collator = MultimodalCollator(image_token_id=IMAGE)
+    with_pixels = {
+        "input_ids": [5, IMAGE, 7],
+        "pixel_values": np.ones((4, 6), np.float32),
+        "image_grid_thw": [[1, 2, 2]],
+    }
+    with pytest.raises(ValueError, match="sample 1 has " + match):
+        collator([with_pixels, sample])
+    # control: the same samples with their pixels (or with no image at all) are collated
+    pixels = "pixel_values_videos" if "video" in match else "pixel_values"
+    collator([with_pixels, {**sample, pixels: np.ones((4, 6), np.float32)}])
+    collator([with_pixels, {"input_ids": [5, 6, 7], "image_grid_thw": np.zeros((0, 3), dtype=np.int64)}])
+
+
+class _QwenLikeModel:
+    """Stands for a Qwen-VL model: a bound ``get_rope_index`` whose owner has ``vision_config.spatial_merge_size``."""
+
+    class config:  # noqa: N801 - mirrors ``model.config``
+        class vision_config:  # noqa: N801
+            spatial_merge_size = MERGE
+
+    def get_rope_index(self, input_ids, mm_token_type_ids, attention_mask=None, **_):
+        pos = attention_mask.long().cumsum(-1) - 1
+        return pos.expand(3, -1, -1), None
+
+
+def test_placeholders_not_matching_the_grid_are_named_before_the_model_runs():
+    rows = [r for r in _rows(12) if len(r["image_grid_thw"])][:3]
+    collator = MultimodalCollator(_QwenLikeModel().get_rope_index, image_token_id=IMAGE)
+    collator(rows)  # control: the processor's expansion passes
+    short = dict(rows[1], input_ids=list(rows[1]["input_ids"]))
+    short["input_ids"].remove(IMAGE)  # one placeholder fewer than image_grid_thw asks for
+    wanted = int(np.prod(rows[1]["image_grid_thw"][0])) // MERGE**2
+    with pytest.raises(
+        ValueError, match="Image features and image tokens do not match: sample 1 of the packed row"
+    ):
+        collator([rows[0], short, rows[2]])
+    extra = dict(rows[0], image_grid_thw=[*rows[0]["image_grid_thw"], [1, 2, 2]])  # a grid row with no tokens
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        collator([extra])
+    assert wanted > 0

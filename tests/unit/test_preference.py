@@ -258,3 +258,21 @@ def test_reference_logps_of_the_wrong_shape_are_named():
         PaddingFreePreferenceCollator()(
             [{**pair, "ref_chosen_logps": [-1.0], "ref_rejected_logps": -2.0}] * 2
         )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_reference_logps_and_margins_are_refused(bad):
+    from packing_hf.preference import PaddingFreeRewardCollator
+    from packing_hf.unpaired import PaddingFreeUnpairedCollator
+
+    pair = {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]}
+    dpo = [{**pair, "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}] * 2
+    PaddingFreePreferenceCollator()(dpo)  # control: finite values pass
+    with pytest.raises(ValueError, match="sample 1: 'ref_rejected_logps' is .*, not a finite number"):
+        PaddingFreePreferenceCollator()([dpo[0], {**dpo[1], "ref_rejected_logps": bad}])
+    kto = {"prompt_ids": [1], "completion_ids": [2], "label": True, "ref_logps": -1.0}
+    with pytest.raises(ValueError, match="sample 0: 'ref_logps' is .*, not a finite number"):
+        PaddingFreeUnpairedCollator()([{**kto, "ref_logps": bad}, kto])
+    reward = {"chosen_ids": [1, 2], "rejected_ids": [3], "margin": 0.5}
+    with pytest.raises(ValueError, match="sample 0: 'margin' is .*, not a finite number"):
+        PaddingFreeRewardCollator()([{**reward, "margin": bad}])

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing, tiny_config
-from packing_hf.multimodal import MultimodalCollator, image_block_masks, mm_token_types, mrope_position_ids
+from packing_hf.multimodal import (
+    PACKED_MEDIA_KEY,
+    MultimodalCollator,
+    image_block_masks,
+    mm_token_types,
+    mrope_position_ids,
+)
 from packing_hf.registry import IMAGE_ROWS_VERIFIED
 from packing_hf.verify import DEFAULT_TOLERANCE, check_packing
 
@@ -442,3 +448,67 @@ def test_trainer_packs_image_rows_with_the_multimodal_collator(qwen_models, tmp_
     assert len(seen) == 2
     for positions, pixels in seen:  # mRoPE rows computed per sample inside the prepared model
         assert positions[0] == 4 and pixels[0] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# packed image rows reaching a model that was not prepared; placeholders that do not match the grid
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("positions", ["collator", "model"])
+def test_packed_image_rows_are_refused_by_the_attention_of_an_unprepared_model(model_type, positions):
+    model = build_tiny_model(model_type, "packing_hf").eval()
+    samples = _qwen_samples(model)
+    rope_index = model.model.get_rope_index if positions == "collator" else None
+    batch = MultimodalCollator(rope_index, image_token_id=model.config.image_token_id)(samples)
+    assert batch[PACKED_MEDIA_KEY] is True
+    with pytest.raises(ValueError, match="packed row holding images .* has not prepared"):
+        model(**batch, use_cache=False)
+    # the leak the refusal stands for: the same row with the key dropped is served, and the image tokens of an
+    # unprepared model get text positions (the model's positions), caught by the comparison with each sample alone
+    unmarked = {k: v for k, v in batch.items() if k != PACKED_MEDIA_KEY}
+    if positions == "model":
+        logits, _ = _packed_vs_alone(model, samples, {**unmarked, "use_cache": False})
+        assert logits > 100 * DEFAULT_TOLERANCE, logits
+    # prepared, the same batch (key and all) is exact
+    with prepare_model_for_packing(model):
+        logits, grads = _packed_vs_alone(model, samples, batch)
+    assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
+
+
+def test_text_only_rows_and_one_sample_rows_carry_no_media_key():
+    model = build_tiny_model("qwen2_vl", "packing_hf").eval()
+    samples = _qwen_samples(model)
+    collator = MultimodalCollator(image_token_id=model.config.image_token_id)
+    assert PACKED_MEDIA_KEY not in collator([samples[2], samples[2]])  # text only: served unprepared, exact
+    assert PACKED_MEDIA_KEY not in collator(samples[:1])  # one sample: nothing to keep apart
+    with torch.no_grad():
+        model(**collator([samples[2], samples[2]]), use_cache=False)
+
+
+@pytest.mark.parametrize("positions", ["collator", "model"])
+def test_one_placeholder_short_is_named_as_transformers_names_it_before_the_model_runs(
+    qwen_models, positions
+):
+    model = qwen_models["qwen2_vl"].eval()
+    samples = _qwen_samples(model)
+    token = model.config.image_token_id
+    ids = samples[1]["input_ids"]
+    samples[1] = {**samples[1], "input_ids": ids[: ids.index(token)] + ids[ids.index(token) + 1 :]}
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):  # stock, alone
+        model(**_alone_kwargs(model, samples[1]))
+    calls = []
+    hook = model.model.language_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with (
+            prepare_model_for_packing(model),
+            pytest.raises(
+                ValueError,
+                match="Image features and image tokens do not match: sample 1 of the packed row has",
+            ),
+        ):
+            rope_index = model.model.get_rope_index if positions == "collator" else None
+            model(**MultimodalCollator(rope_index, image_token_id=token)(samples))
+    finally:
+        hook.remove()
+    assert calls == []  # refused before the language model ran

@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import packing_hf
 from packing_hf.architectures import check_served_config, prepare_model_for_packing, tiny_config
-from packing_hf.registry import unsupported_layers
+from packing_hf.architectures.mixers import find_mixers
+from packing_hf.registry import MIXERS_BY_LAYER_TYPE, mixer_free, support, unsupported_layers
 from packing_hf.verify import build_packed_batch, check_packing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,3 +85,58 @@ def test_the_attention_name_splits_llama4_chunked_layers_into_chunks_per_sample(
         assert (varlen(input_ids=ids, use_cache=False).logits - reference).abs().max() < 1e-5
         monkeypatch.setattr(interface, "attention_chunk", lambda module: None)  # negative control
         assert (varlen(input_ids=ids, use_cache=False).logits - reference).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# read the layers, not the type: an attention-only config of a "mixers" type has nothing to prepare
+
+
+def _attention_only(model_type: str):
+    config = tiny_config(model_type)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    if hasattr(config, "full_attn_idxs"):  # LFM2 keeps both spellings
+        config.full_attn_idxs = list(range(config.num_hidden_layers))
+    return config
+
+
+@pytest.mark.parametrize("model_type", sorted(MIXERS_BY_LAYER_TYPE))
+def test_an_attention_only_config_of_these_types_builds_no_mixer(model_type):
+    # what MIXERS_BY_LAYER_TYPE claims: the mixers follow layer_types (zamba, for one, keeps them regardless)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_attention_only(model_type))
+    assert find_mixers(model, support(model_type).mixers) == []
+    assert mixer_free(model.config)
+    stock = AutoModelForCausalLM.from_config(
+        tiny_config(model_type)
+    )  # control: the registered copy has mixers
+    assert find_mixers(stock, support(model_type).mixers) and not mixer_free(stock.config)
+
+
+def test_zamba_keeps_its_mixers_whatever_layer_types_says_so_it_is_not_listed():
+    model = AutoModelForCausalLM.from_config(_attention_only("zamba"))
+    assert find_mixers(model, support("zamba").mixers) and "zamba" not in MIXERS_BY_LAYER_TYPE
+    with pytest.raises(ValueError, match="zamba cannot be packed exactly"):
+        check_served_config(model.config)
+
+
+def test_an_attention_only_lfm2_moe_is_served_by_the_attention_name_and_packs_exactly():
+    config = _attention_only("lfm2_moe")
+    check_served_config(config)  # was refused by type ("mixers"), although no layer mixes tokens
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=packing_hf.register_attention()
+    ).eval()
+    report = check_packing(model)
+    assert report.error is None and not report.leaked, report
+    # negative control: one convolution layer and the same check fails (refused by the attention, with the cause)
+    conv = tiny_config("lfm2_moe", layer_types=["conv", "full_attention"])
+    torch.manual_seed(0)
+    leaking = AutoModelForCausalLM.from_config(
+        conv, attn_implementation=packing_hf.register_attention()
+    ).eval()
+    refused = check_packing(leaking, gradients=False)
+    assert refused.leaked and "lfm2_moe cannot be packed exactly" in refused.error
+    # and under sdpa, where nothing refuses it, the same comparison sees the leak
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(conv, attn_implementation="sdpa").eval()
+    assert check_packing(stock, gradients=False, noise_floor=False).leaked
