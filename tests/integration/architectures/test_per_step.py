@@ -87,7 +87,12 @@ def _step(model: torch.nn.Module, rows: list[dict]) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss = sum(model(**row).loss for row in rows)
     loss.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # named as in the model unwrapped (a checkpoint wrapper adds a path component)
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def _worst(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -240,3 +245,26 @@ def test_a_layer_that_cannot_carry_the_layout_under_checkpointing_is_refused():
         _checkpointing(model, False)
         with pytest.raises(ValueError, match="JambaMambaMixer.*gradient checkpointing off"):
             model(**row)
+
+
+WRAPPED = [("opt", "eager"), ("bamba", "sdpa"), ("lfm2", "sdpa"), ("bloom", "eager"), ("mamba2", "eager")]
+
+
+@pytest.mark.parametrize("model_type, attention", WRAPPED, ids=[m for m, _ in WRAPPED])
+def test_a_checkpoint_wrapper_that_reruns_the_hooks_is_exact(model_type, attention):
+    """torch's ``checkpoint_wrapper`` (FSDP's activation checkpointing) runs the layer's hooks inside the
+    checkpoint: the re-run reads the same call's boundaries again (BLOOM: from the mask object it tagged)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _model(model_type, attention)
+    vocab = _vocab(model)
+    rows = [_row(lengths, seed, vocab) for seed, lengths in enumerate(ROWS)]
+    with prepare_model_for_packing(model):
+        model.train()
+        expected = _step(model, rows)
+        layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        for index, layer in enumerate(layers):
+            layers[index] = checkpoint_wrapper(layer)
+        assert _worst(_step(model, rows), expected) <= 1e-6
+        stale = [*rows[:-1], _row(ROWS[-1], len(ROWS) - 1, vocab, boundaries=ROWS[0])]
+        assert _worst(_step(model, stale), expected) > 1e-3  # negative control

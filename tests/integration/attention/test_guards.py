@@ -61,11 +61,6 @@ def test_a_mask_model_is_refused_under_sdpa_and_served_under_the_attention_name(
     assert not check_packing(varlen, noise_floor=False).leaked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prepare.py does not yet call registry.mark_mask_prepared for its mask fix (another developer owns it); "
-    "when it does this passes and the xfail must go",
-)
 def test_a_prepared_mask_model_passes():
     model = build_tiny_model("opt", "sdpa").eval()
     with prepare_model_for_packing(model):

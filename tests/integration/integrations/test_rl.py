@@ -21,7 +21,7 @@ trl = pytest.importorskip("trl")
 from trl.experimental import gmpo as stock_gmpo  # noqa: E402
 
 import packing_hf  # noqa: E402
-from packing_hf.architectures import prepare as prepare_module  # noqa: E402
+from packing_hf.architectures import preparation as preparation_module  # noqa: E402
 from packing_hf.architectures.mixers import MixerRepacking  # noqa: E402
 from packing_hf.integrations import preflight as preflight_module  # noqa: E402
 from packing_hf.integrations.gmpo import GMPOConfig, GMPOTrainer  # noqa: E402
@@ -470,7 +470,7 @@ def test_hybrid_with_checkpointing_and_several_packs_per_backward_matches_stock(
     if leak:  # the pre-flight check passes as it does for the exact model; the trained model then leaks
         report = preflight_module.check_architecture(packed.model.config, packing_hf.register_attention())
         monkeypatch.setattr(preflight_module, "check_architecture", lambda *args, **kwargs: report)
-        monkeypatch.setattr(prepare_module, "MixerRepacking", _LeakingRepacking)
+        monkeypatch.setattr(preparation_module, "MixerRepacking", _LeakingRepacking)
         with pytest.raises(AssertionError, match="gradient|loss"):
             _train_both(stock, packed)
         return
