@@ -399,9 +399,7 @@ def test_padding_free_means_packed_and_shared_prompt_switches_an_sdpa_model(
 
 
 @pytest.mark.parametrize("leak", [False, True], ids=["exact", "negative_control"])
-def test_reference_made_by_create_reference_model_from_a_prepared_policy(
-    tmp_path, tokenizer, pairs, leak
-):
+def test_reference_made_by_create_reference_model_from_a_prepared_policy(tmp_path, tokenizer, pairs, leak):
     """Issue 29: ``trl.create_reference_model`` deep-copies a prepared hybrid policy. The copy carries a
     preparation of its own, so the packed reference log-probs, the loss and every gradient equal stock TRL's.
     Negative control: the copy with its mixer split off (its Mamba2 layer runs over the whole packed row,
