@@ -527,9 +527,32 @@ def bidirectional_attention(config: Any) -> str | None:
     return None
 
 
-# id(config) -> weakref of the configs of models whose mixers prepare_model_for_packing split per sample (a
-# config is not hashable; nothing is written on the config itself, so a saved model stays stock)
-_PREPARED_MIXERS: dict[int, weakref.ref] = {}
+class _ConfigMarks:
+    """Configs marked by :func:`packing_hf.prepare_model_for_packing` (and unmarked by its ``revert()``).
+
+    Kept as ``id(config) -> weakref`` (a config is not hashable; nothing is written on the config itself, so a
+    saved model stays stock); an entry goes with its config.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def set(self, config: Any, marked: bool) -> None:
+        key = id(config)
+        if marked:
+            self._refs[key] = weakref.ref(config, lambda _: self._refs.pop(key, None))
+        else:
+            self._refs.pop(key, None)
+
+    def __contains__(self, config: Any) -> bool:
+        seen = self._refs.get(id(config))
+        return seen is not None and seen() is config
+
+
+# models whose mixers run per sample; models whose decoder layers get per-sample masks (status "mask", or a
+# hybrid's mask_fix)
+_PREPARED_MIXERS = _ConfigMarks()
+_PREPARED_MASKS = _ConfigMarks()
 
 
 def mark_mixers_prepared(config: Any, prepared: bool) -> None:
@@ -548,22 +571,12 @@ def mark_mixers_prepared(config: Any, prepared: bool) -> None:
     >>> mixers_prepared(config)
     False
     """
-    key = id(config)
-    if prepared:
-        _PREPARED_MIXERS[key] = weakref.ref(config, lambda _: _PREPARED_MIXERS.pop(key, None))
-    else:
-        _PREPARED_MIXERS.pop(key, None)
+    _PREPARED_MIXERS.set(config, prepared)
 
 
 def mixers_prepared(config: Any) -> bool:
     """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
-    seen = _PREPARED_MIXERS.get(id(config))
-    return seen is not None and seen() is config
-
-
-# the same for models whose decoder layers prepare_model_for_packing restricts to per-sample masks (status "mask",
-# or a hybrid's mask_fix); written by prepare_model_for_packing and its revert()
-_PREPARED_MASKS: dict[int, weakref.ref] = {}
+    return config in _PREPARED_MIXERS
 
 
 def mark_mask_prepared(config: Any, prepared: bool) -> None:
@@ -581,17 +594,12 @@ def mark_mask_prepared(config: Any, prepared: bool) -> None:
     >>> mask_prepared(config)
     False
     """
-    key = id(config)
-    if prepared:
-        _PREPARED_MASKS[key] = weakref.ref(config, lambda _: _PREPARED_MASKS.pop(key, None))
-    else:
-        _PREPARED_MASKS.pop(key, None)
+    _PREPARED_MASKS.set(config, prepared)
 
 
 def mask_prepared(config: Any) -> bool:
     """Whether :func:`mark_mask_prepared` marked ``config`` (and it is still the same object)."""
-    seen = _PREPARED_MASKS.get(id(config))
-    return seen is not None and seen() is config
+    return config in _PREPARED_MASKS
 
 
 def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
