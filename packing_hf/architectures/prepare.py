@@ -140,16 +140,22 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
       packed calls get ``use_cache=False`` and lose an all-ones ``attention_mask``; a padding mask, a
       cache, several rows with ``cu_seq_lens_q``, positions not restarting at 0, int32 overflow and labels
       not masked at sample starts raise ``ValueError``. Unpacked calls (e.g. ``generate``) pass unchanged.
+      Models with layer hooks (below) get it on their decoder too (called on its own, e.g. by TRL's fused LM
+      head), and a packed one-row call gets ``cu_seq_lens_q/k`` from its positions: the layers read it.
     - for architectures whose mask ignores ``position_ids`` (registry status ``"mask"``) and that run
       eager/sdpa attention: pre-hooks on the decoder layers restricting their attention mask to same-sample
       pairs.
     - for hybrid and recurrent architectures (registry status ``"mixers"``: Mamba/Mamba2, gated DeltaNet,
       KDA, lightning attention, RG-LRU, short convolutions): hooks on every token-mixer module named by the
       registry that run it on the samples of a packed row as a right-padded batch
-      (:mod:`packing_hf.architectures.mixers`), so no state or convolution window crosses a boundary.
+      (:mod:`packing_hf.architectures.mixers`), so no state or convolution window crosses a boundary;
+      pure state-space stacks (``split_stack``) run their whole block stack on the padded samples instead.
 
-    Calling it twice returns the same handle. Keep the model prepared until the backward pass is done:
-    activation checkpointing re-runs the layers (and their mask hooks) during backward.
+    Every hook reads the boundaries of its own call (:mod:`packing_hf.architectures.preparation`), so it stays
+    exact under activation checkpointing, several packed forwards before one backward, ``copy.deepcopy`` /
+    ``pickle`` of the model (the copy carries its own handle) and direct calls of the decoder. Calling it twice
+    returns the same handle. Keep the model prepared until the backward pass is done: a checkpoint wrapper
+    that runs module hooks inside the checkpoint re-runs them during backward.
 
     Args:
         model: a transformers causal LM.
