@@ -5,12 +5,13 @@ trainer may run several packed forwards before one backward, activation checkpoi
 during backward, and a deep copy of the model runs its own forwards. Each hook instead reads the
 boundaries from the arguments of *its own call*:
 
-``cu_seq_lens_q`` ``(n + 1,)`` among its keyword arguments (one ``(1, T)`` row): the prepared model adds it
-to every packed one-row call, and transformers hands keyword arguments down to the decoder layers.
+``cu_seq_lens_q`` ``(n + 1,)`` among its keyword arguments (one ``(1, T)`` row), or ``seq_idx`` ``(B, T)``
+(the sample index of every token, for several packed rows): the prepared model adds them to every packed
+call, and transformers hands keyword arguments down to the decoder layers.
 ``position_ids`` alone are not read here: a left-padded batch of ``generate()`` has positions that restart
 at 0 too (``[0, 0, 0, 1, 2]``), and only the model-level check, which sees the attention mask, tells them
-apart. A layer that gets no ``cu_seq_lens_q`` (several packed rows, or a model that does not hand keyword
-arguments down) is served by the prepared call in flight instead (:mod:`packing_hf.architectures.prepare`).
+apart. A layer that gets neither (a model that does not hand keyword arguments down: BLOOM, MPT) is served
+by the prepared call in flight instead (:mod:`packing_hf.architectures.preparation`).
 
 Activation checkpointing saves a layer's arguments and re-runs it with the same ones, so the re-run sees
 the same boundaries; a copy's layers read their own calls. Derived tensors (the starts, the right-padded
@@ -20,6 +21,8 @@ the same ``position_ids`` object, derive them once.
 >>> kwargs = {"cu_seq_lens_q": torch.tensor([0, 3, 5], dtype=torch.int32)}
 >>> call_starts(("hidden_states",), (torch.zeros(1, 5, 4),), kwargs).int().tolist()
 [[1, 0, 0, 1, 0]]
+>>> call_starts(("hidden_states",), (torch.zeros(2, 3, 4),), {"seq_idx": torch.tensor([[0, 0, 1], [0, 1, 1]])}).int().tolist()
+[[1, 0, 1], [1, 1, 0]]
 >>> call_starts(("hidden_states",), (torch.zeros(1, 5, 4),), {"position_ids": torch.tensor([[0, 1, 2, 0, 1]])}) is None
 True
 """
@@ -63,6 +66,12 @@ def _starts_from_cu(cu: torch.Tensor, tokens: int) -> torch.Tensor:
     return starts
 
 
+def _starts_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    starts = torch.ones_like(seq_idx, dtype=torch.bool)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return starts
+
+
 def call_starts(names: Sequence[str], args: tuple, kwargs: dict) -> torch.Tensor | None:
     """``(B, T)`` bool sample starts of a packed call, from its own arguments; ``None`` if it shows none.
 
@@ -79,4 +88,7 @@ def call_starts(names: Sequence[str], args: tuple, kwargs: dict) -> torch.Tensor
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor) and cu.dim() == 1 and rows == 1:
         return derived(cu, f"starts:{tokens}", lambda: _starts_from_cu(cu, tokens))
+    seq_idx = kwargs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and tuple(seq_idx.shape) == (rows, tokens):
+        return derived(seq_idx, "starts", lambda: _starts_from_seq_idx(seq_idx))
     return None

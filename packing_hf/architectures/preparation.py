@@ -346,17 +346,18 @@ class PackingPreparation:
                 checked = self._multimodal_positions(module, args, checked, starts)
             if self._image_blocks and starts is not None and checked.get("token_type_ids") is not None:
                 checked = self._image_block_mask(module, checked, starts)
-            if (
-                starts is not None
-                and self._needs_boundaries
-                and starts.shape[0] == 1
-                and checked.get("cu_seq_lens_q") is None
-            ):
-                # the decoder layers read the boundaries from their own arguments: transformers hands them
-                # cu_seq_lens_q (and the attention reads it too: same boundaries as the positions)
-                cu, host, longest = _cu_seq_lens(starts)
-                remember_host_values(cu, host)
-                checked.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            if starts is not None and self._needs_boundaries:
+                # the decoder layers read the boundaries from their own arguments, which transformers hands
+                # down: cu_seq_lens_q for one row (the attention reads it too: the same boundaries as the
+                # positions), seq_idx (B, T) for several rows
+                if starts.shape[0] == 1 and checked.get("cu_seq_lens_q") is None:
+                    cu, host, longest = _cu_seq_lens(starts)
+                    remember_host_values(cu, host)
+                    checked.update(
+                        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
+                    )
+                elif starts.shape[0] > 1 and checked.get("seq_idx") is None:
+                    checked["seq_idx"] = (torch.cumsum(starts.int(), dim=-1) - 1).to(torch.int32)
         if self.split_stack and starts is not None and any(module is d for d in self._stack_decoders):
             args, checked = self._pad_stack(module, args, checked, starts)
         entries.append((id(module), starts))

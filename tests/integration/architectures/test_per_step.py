@@ -316,8 +316,8 @@ def test_every_prepared_architecture_is_exact_under_checkpointing_or_refused(mod
 
 @pytest.mark.parametrize("model_type, attention", [("bamba", "sdpa"), ("opt", "eager")], ids=["bamba", "opt"])
 def test_several_packed_rows_per_forward_under_checkpointing_are_exact(model_type, attention):
-    """Packed rows [B, T] with B = 2 (boundaries in position_ids only, so no cu_seq_lens_q reaches the layers):
-    the layers take the boundaries of the prepared call in flight and hand them into the checkpoint."""
+    """Packed rows [B, T] with B = 2 (boundaries in position_ids only): the model's pre-hook hands the layers
+    ``seq_idx`` (B, T), under transformers' checkpointing and under a wrapper that re-runs the hooks."""
     model = _model(model_type, attention)
     vocab = _vocab(model)
 
@@ -332,6 +332,13 @@ def test_several_packed_rows_per_forward_under_checkpointing_are_exact(model_typ
         for reentrant in (True, False):
             _checkpointing(model, reentrant)
             assert _worst(_step(model, step), expected) <= 1e-6
+        _checkpointing(model, None)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        for index, layer in enumerate(layers):
+            layers[index] = checkpoint_wrapper(layer)
+        assert _worst(_step(model, step), expected) <= 1e-6
         # negative control: the second forward laid out as the first
         stale = batch(2, [ROWS[2], ROWS[0]])
         stale["position_ids"] = step[0]["position_ids"]
