@@ -27,7 +27,8 @@ REL = 1e-5
 NOT_COMPARED = ("learning_rate", "epoch", "train_runtime", "total_flos")
 KTO_BETA = 0.1  # TRL's KTOConfig default, which the worker keeps
 
-pytestmark = pytest.mark.distributed
+# both tests read the one launch of the module fixture, so under xdist they share a worker
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("reward_kto_multiprocess")]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -35,14 +36,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert float((got - want).abs().max()) <= REL * scale, f"{what}: {got} vs {want}"
 
 
-def _run(mode: str, tmp_path, data_dir, launch, torchrun_command) -> list[dict]:
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_dir, launch, torchrun_command):
+    """One launch for both tests (each rank process imports torch, transformers and TRL once): the reward run,
+    then the KTO run, each writing its own ``rank{r}.pt``; the tests check them separately."""
+    out_dir = tmp_path_factory.mktemp("reward_kto2")
     launch(
-        [*torchrun_command(), str(WORKER), str(tmp_path), mode],
+        [*torchrun_command(), str(WORKER), str(out_dir), "reward,kto"],
         LAUNCH_TIMEOUT_S,
-        f"2-process {mode} run",
+        "2-process reward + KTO run",
         PACKING_HF_DATA=str(data_dir),
     )
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return out_dir
+
+
+def _records(run_dir, mode: str) -> list[dict]:
+    records = [torch.load(run_dir / mode / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [rec["rank"] for rec in records] == [0, 1] and all(rec["world_size"] == 2 for rec in records)
     return records
 
@@ -98,8 +107,8 @@ def _check_multipack(records: list[dict]) -> None:
         assert batch["row_tokens"] == sum(batch["counted"]) <= r0["budget"]
 
 
-def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
-    records = _run("reward", tmp_path, data_dir, launch, torchrun_command)
+def test_two_process_packed_reward_matches_stock(run_dir, assert_close):
+    records = _records(run_dir, "reward")
     _check_gradients(records)
     _check_logs(records, {"loss", "accuracy", "margin", "mean_reward", "num_tokens"}, assert_close)
     _check_multipack(
@@ -109,8 +118,8 @@ def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, tor
         assert rec["uneven_gather"].flatten().tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
 
 
-def test_two_process_packed_kto_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
-    records = _run("kto", tmp_path, data_dir, launch, torchrun_command)
+def test_two_process_packed_kto_matches_stock(run_dir, assert_close):
+    records = _records(run_dir, "kto")
     _check_gradients(records)
     _check_logs(
         records,

@@ -20,7 +20,9 @@ import torch
 WORKER = Path(__file__).with_name("_stream_train_worker.py")
 LAUNCH_TIMEOUT_S = 240
 
-pytestmark = pytest.mark.distributed
+# one launch per module: the tests read the same records, so under xdist they must share a worker (without the
+# group, --dist loadgroup spreads them and each worker launches the run again)
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("stream_train_multiprocess")]
 
 
 @pytest.fixture(scope="module")

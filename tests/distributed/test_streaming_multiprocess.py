@@ -16,7 +16,9 @@ import pytest
 WORKER = Path(__file__).with_name("_streaming_worker.py")
 LAUNCH_TIMEOUT_S = 180
 
-pytestmark = pytest.mark.distributed
+# one launch per module: the tests read the same records, so under xdist they must share a worker (without the
+# group, --dist loadgroup spreads them and each worker launches the run again)
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("streaming_multiprocess")]
 
 
 @pytest.fixture(scope="module")
