@@ -27,8 +27,7 @@ REL = 1e-5
 NOT_COMPARED = ("learning_rate", "epoch", "train_runtime", "total_flos")
 KTO_BETA = 0.1  # TRL's KTOConfig default, which the worker keeps
 
-# both tests read the one launch of the module fixture, so under xdist they share a worker
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("reward_kto_multiprocess")]
+pytestmark = pytest.mark.distributed
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -37,17 +36,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, data_dir, launch, torchrun_command):
-    """One launch for both tests (each rank process imports torch, transformers and TRL once): the reward run,
-    then the KTO run, each writing its own ``rank{r}.pt``; the tests check them separately."""
-    out_dir = tmp_path_factory.mktemp("reward_kto2")
-    launch(
-        [*torchrun_command(), str(WORKER), str(out_dir), "reward,kto"],
-        LAUNCH_TIMEOUT_S,
-        "2-process reward + KTO run",
-        PACKING_HF_DATA=str(data_dir),
+def run_dir(run_once, data_dir, launch, torchrun_command):
+    """One launch for both tests, even when xdist runs them on different workers (each rank process imports
+    torch, transformers and TRL once): the reward run, then the KTO run, each writing its own ``rank{r}.pt``;
+    the tests check them separately."""
+    return run_once(
+        "reward_kto2",
+        lambda out: launch(
+            [*torchrun_command(), str(WORKER), str(out), "reward,kto"],
+            LAUNCH_TIMEOUT_S,
+            "2-process reward + KTO run",
+            PACKING_HF_DATA=str(data_dir),
+        ),
     )
-    return out_dir
 
 
 def _records(run_dir, mode: str) -> list[dict]:
