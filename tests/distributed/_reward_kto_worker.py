@@ -1,12 +1,13 @@
 """One rank of the 2-process reward-model and KTO runs launched by ``test_reward_kto_multiprocess.py``.
 
-Run as ``torchrun --nproc_per_node 2 _reward_kto_worker.py OUT_DIR {reward,kto}`` (``use_cpu=True``: gloo on
-CPU). Every rank trains the same tiny llama one optimizer step with the stock TRL trainer (padded batches,
+Run as ``torchrun --nproc_per_node 2 _reward_kto_worker.py OUT_DIR MODES`` (``use_cpu=True``: gloo on
+CPU), ``MODES`` one of ``reward``, ``kto`` or both (``reward,kto``: one launch runs them one after the other,
+each in ``OUT_DIR/MODE``). Every rank trains the same tiny llama one optimizer step with the stock TRL trainer (padded batches,
 sdpa) and one with the packing_hf trainer (packed rows, varlen attention) on the same data, and saves both
 DDP-averaged gradients and the metrics the trainers logged. It also recomputes, outside DDP, the gradient
 of the batch this rank saw in the stock step from the same initial weights (the rank-local gradient, whose
 mean over the ranks DDP must give). Then it runs one multipack epoch (``max_tokens_per_batch``) and records
-what every collated batch held. Writes ``rank{r}.pt``. Importing this module does nothing (pytest collects
+what every collated batch held. Writes ``OUT_DIR/MODE/rank{r}.pt``. Importing this module does nothing (pytest collects
 it for doctests).
 
 - ``reward``: ``trl.RewardTrainer`` vs ``packing_hf.RewardTrainer`` on chosen/rejected GSM8K pairs, an
@@ -94,6 +95,7 @@ def main(out_dir: str, mode: str) -> None:
     from packing_hf.unpaired import PaddingFreeUnpairedCollator
 
     assert mode in ("reward", "kto"), mode
+    out_dir = os.path.join(out_dir, mode)
     data_dir = os.environ["PACKING_HF_DATA"]
     PartialState(cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(data_dir, "smollm2_tokenizer"))
@@ -287,10 +289,13 @@ def main(out_dir: str, mode: str) -> None:
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    import torch
+
+    for mode in sys.argv[2].split(","):
+        main(sys.argv[1], mode)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from filelock import FileLock  # a dependency of torch, transformers and datasets
 
 
 def _free_port() -> int:
@@ -69,3 +71,30 @@ def load_worker() -> Callable[[Path], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """``run_once(name, run)``: the folder in which ``run(folder)`` ran exactly once in this test session.
+
+    A module whose tests all read one launch keeps it in a module fixture, but pytest-xdist may hand those
+    tests to different workers, and each worker would launch it again (``xdist_group`` does not help: with
+    pytest 9 its group suffix no longer reaches the node ids). So the first worker to ask runs it under a
+    file lock in the session's shared temporary folder; the others wait and read its files. A run that fails
+    leaves no result, and the next worker to ask runs it again (and fails the same way)."""
+    base = tmp_path_factory.getbasetemp()
+    # under xdist every worker's basetemp is popen-gwN inside the session's folder; without it, basetemp is
+    # the session's folder itself (its parent holds earlier sessions' folders)
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, run: Callable[[Path], None]) -> Path:
+        folder, done = root / f"run-once-{name}", root / f"run-once-{name}.done"
+        with FileLock(str(root / f"run-once-{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed run left
+                folder.mkdir()
+                run(folder)
+                done.touch()
+        return folder
+
+    return get

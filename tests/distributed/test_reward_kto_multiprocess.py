@@ -35,14 +35,24 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert float((got - want).abs().max()) <= REL * scale, f"{what}: {got} vs {want}"
 
 
-def _run(mode: str, tmp_path, data_dir, launch, torchrun_command) -> list[dict]:
-    launch(
-        [*torchrun_command(), str(WORKER), str(tmp_path), mode],
-        LAUNCH_TIMEOUT_S,
-        f"2-process {mode} run",
-        PACKING_HF_DATA=str(data_dir),
+@pytest.fixture(scope="module")
+def run_dir(run_once, data_dir, launch, torchrun_command):
+    """One launch for both tests, even when xdist runs them on different workers (each rank process imports
+    torch, transformers and TRL once): the reward run, then the KTO run, each writing its own ``rank{r}.pt``;
+    the tests check them separately."""
+    return run_once(
+        "reward_kto2",
+        lambda out: launch(
+            [*torchrun_command(), str(WORKER), str(out), "reward,kto"],
+            LAUNCH_TIMEOUT_S,
+            "2-process reward + KTO run",
+            PACKING_HF_DATA=str(data_dir),
+        ),
     )
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _records(run_dir, mode: str) -> list[dict]:
+    records = [torch.load(run_dir / mode / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [rec["rank"] for rec in records] == [0, 1] and all(rec["world_size"] == 2 for rec in records)
     return records
 
@@ -98,8 +108,8 @@ def _check_multipack(records: list[dict]) -> None:
         assert batch["row_tokens"] == sum(batch["counted"]) <= r0["budget"]
 
 
-def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
-    records = _run("reward", tmp_path, data_dir, launch, torchrun_command)
+def test_two_process_packed_reward_matches_stock(run_dir, assert_close):
+    records = _records(run_dir, "reward")
     _check_gradients(records)
     _check_logs(records, {"loss", "accuracy", "margin", "mean_reward", "num_tokens"}, assert_close)
     _check_multipack(
@@ -109,8 +119,8 @@ def test_two_process_packed_reward_matches_stock(tmp_path, data_dir, launch, tor
         assert rec["uneven_gather"].flatten().tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
 
 
-def test_two_process_packed_kto_matches_stock(tmp_path, data_dir, launch, torchrun_command, assert_close):
-    records = _run("kto", tmp_path, data_dir, launch, torchrun_command)
+def test_two_process_packed_kto_matches_stock(run_dir, assert_close):
+    records = _records(run_dir, "kto")
     _check_gradients(records)
     _check_logs(
         records,

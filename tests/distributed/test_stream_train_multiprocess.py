@@ -24,9 +24,11 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory, launch, torchrun_command, load_worker):
-    out_dir = tmp_path_factory.mktemp("stream_train2")
-    launch([*torchrun_command(), str(WORKER), str(out_dir)], LAUNCH_TIMEOUT_S)
+def records(run_once, launch, torchrun_command, load_worker):
+    # one launch for every test here, even when xdist spreads them over its workers
+    out_dir = run_once(
+        "stream_train2", lambda out: launch([*torchrun_command(), str(WORKER), str(out)], LAUNCH_TIMEOUT_S)
+    )
     return load_worker(WORKER), [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -20,12 +20,17 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory, launch, torchrun_command, load_worker):
+def records(run_once, launch, torchrun_command, load_worker):
     worker = load_worker(WORKER)
-    folder = tmp_path_factory.mktemp("streaming2")
-    data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in worker.make_records()))
-    launch([*torchrun_command(), str(WORKER), str(data), str(folder)], LAUNCH_TIMEOUT_S, "2-process stream")
+
+    def run(folder):
+        data = folder / "data.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in worker.make_records()))
+        launch(
+            [*torchrun_command(), str(WORKER), str(data), str(folder)], LAUNCH_TIMEOUT_S, "2-process stream"
+        )
+
+    folder = run_once("streaming2", run)  # one launch for every test here, even over several xdist workers
     return worker, [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

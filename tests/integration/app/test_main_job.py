@@ -102,8 +102,9 @@ def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path)
             "max_length=256",
             "overflow=drop",
             "max_tokens_per_batch=256",
-            "baseline_batches=1",
-            "baseline_time_share=1000",
+            # no padded-vs-packed timing: on the 135M model it cost more than the rest of the job, and the demo
+            # pipeline test above checks the baseline (this test is about loading, training and saving)
+            "baseline_batches=0",
             "eval_num_samples=2",
             "max_steps=1",
             "warmup_steps=0",
@@ -113,6 +114,7 @@ def test_real_smollm2_gguf_trains_offline_and_saves_a_plain_checkpoint(tmp_path)
     )
     summary = run_training(cfg, print_fn=lambda *_: None)
     assert "134.5M parameters" in summary["model"] and summary["global_step"] == 1
+    assert summary["baseline"] is None
     # pretrained weights, not a random init (which scores ~ln(49152) = 10.8 on these answers)
     assert summary["eval_loss_before"] < 3.0 and math.isfinite(summary["eval_loss_after"])
     config = json.loads((out / "config.json").read_text())

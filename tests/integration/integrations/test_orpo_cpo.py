@@ -37,12 +37,15 @@ TRAINERS = {
     "orpo": (StockORPOTrainer, StockORPOConfig, ORPOTrainer, ORPOConfig),
     "cpo": (StockCPOTrainer, StockCPOConfig, CPOTrainer, CPOConfig),
 }
-# every CPO loss of TRL 1.16 (alphapo becomes simpo without NLL, alpha shapes the rewards of any loss type)
+# One CPO case per packing_hf branch: CPOTrainer only chooses between summed and averaged log-probs
+# (``_average_log_prob``: ipo / simpo / alphapo) and whether the NLL term is computed (``_nll_mask``:
+# cpo_alpha != 0); the loss formulas themselves (sigmoid / hinge / ipo / simpo, label_smoothing, simpo_gamma,
+# alpha) are TRL's code, read from the same log-probs. So: sigmoid (summed, NLL), simpo (averaged, NLL),
+# alphapo (averaged, no NLL: TRL turns it into simpo with cpo_alpha=0, alpha shaping the rewards) and
+# sigmoid-no-nll (summed, no NLL). hinge and ipo would repeat sigmoid's and simpo's paths.
 CASES = {
     "orpo": ("orpo", {"beta": 0.2}),
     "cpo-sigmoid": ("cpo", {"loss_type": "sigmoid", "label_smoothing": 0.1}),
-    "cpo-hinge": ("cpo", {"loss_type": "hinge", "cpo_alpha": 0.5}),
-    "cpo-ipo": ("cpo", {"loss_type": "ipo"}),
     "cpo-simpo": ("cpo", {"loss_type": "simpo", "simpo_gamma": 0.3}),
     "cpo-alphapo": ("cpo", {"loss_type": "alphapo", "alpha": 0.2}),
     "cpo-sigmoid-no-nll": ("cpo", {"loss_type": "sigmoid", "cpo_alpha": 0.0}),

@@ -30,10 +30,13 @@ REL = 1e-5
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# every TPO loss of TRL 1.16, label smoothing where it applies, and tpo_alpha=0 (no reference rows)
+# TPOTrainer's packed forward returns the padded logits and TRL computes everything after them, so the loss
+# type matters to packing_hf only through how TRL reduces per-token log-probs (summed: sigmoid / hinge;
+# averaged: ipo / tpo-l) and whether reference rows are packed (tpo_alpha != 0). The equality test runs
+# sigmoid (summed), tpo-l (averaged) and sigmoid-no-reference; hinge would only change TRL's formula over
+# sigmoid's log-probs, ipo over tpo-l's (ipo is kept for the evaluation test).
 CASES = {
     "sigmoid": {"loss_type": "sigmoid", "label_smoothing": 0.1, "beta": 0.1},
-    "hinge": {"loss_type": "hinge", "tpo_alpha": 0.5},
     "ipo": {"loss_type": "ipo"},
     "tpo-l": {"loss_type": "tpo-l", "tpo_l_gamma": 0.3, "label_smoothing": 0.2},
     "sigmoid-no-reference": {"loss_type": "sigmoid", "tpo_alpha": 0.0},
@@ -149,7 +152,7 @@ def _batches(stock, packed, n):
     return stock._prepare_inputs(padded), packed._prepare_inputs(packed_batch)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["sigmoid", "tpo-l", "sigmoid-no-reference"])
 def test_logits_loss_gradients_and_metrics_match_stock(
     tmp_path, tokenizer, twins, triples, case, assert_close
 ):
