@@ -528,11 +528,8 @@ def bidirectional_attention(config: Any) -> str | None:
 
 
 class _ConfigMarks:
-    """Configs marked by :func:`packing_hf.prepare_model_for_packing` (and unmarked by its ``revert()``).
-
-    Kept as ``id(config) -> weakref`` (a config is not hashable; nothing is written on the config itself, so a
-    saved model stays stock); an entry goes with its config.
-    """
+    """Configs marked by :func:`packing_hf.prepare_model_for_packing` (unmarked by its ``revert()``), as
+    ``id(config) -> weakref``: a config is not hashable, and nothing is written on it (a saved model stays stock)."""
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
@@ -545,14 +542,11 @@ class _ConfigMarks:
             self._refs.pop(key, None)
 
     def __contains__(self, config: Any) -> bool:
-        seen = self._refs.get(id(config))
-        return seen is not None and seen() is config
+        return (seen := self._refs.get(id(config))) is not None and seen() is config
 
 
-# models whose mixers run per sample; models whose decoder layers get per-sample masks (status "mask", or a
-# hybrid's mask_fix)
-_PREPARED_MIXERS = _ConfigMarks()
-_PREPARED_MASKS = _ConfigMarks()
+# mixers run per sample; decoder layers get per-sample masks (status "mask", or a hybrid's mask_fix)
+_PREPARED_MIXERS, _PREPARED_MASKS = _ConfigMarks(), _ConfigMarks()
 
 
 def mark_mixers_prepared(config: Any, prepared: bool) -> None:
