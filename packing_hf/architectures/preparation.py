@@ -229,8 +229,8 @@ class PackingPreparation:
     """Handle returned by :func:`prepare_model_for_packing`: ``revert()`` undoes everything it did.
 
     Every hook reads the sample boundaries of its own call (see docs/architecture.md, "Boundaries travel
-    with the call"): a decoder layer from its ``cu_seq_lens_q`` / ``position_ids`` arguments, which the model
-    pre-hook completes for packed one-row calls; the hooks are bound methods of this handle, whose state lives
+    with the call"): a decoder layer from its ``cu_seq_lens_q`` / ``seq_idx`` arguments, which the model
+    pre-hook adds to packed calls; the hooks are bound methods of this handle, whose state lives
     on the hooked modules or travels in the call's arguments. So activation checkpointing, several packed
     forwards before one backward, ``copy.deepcopy`` / ``pickle`` of the model (a copy carries its own handle
     and hooks) and calls of the inner decoder stay exact.
@@ -289,9 +289,9 @@ class PackingPreparation:
             for layer, index in layers:
                 specs[id(layer)] = (layer, index, [])
             self.layers = len(layers)
+        enclosing = [(mixer, _enclosing_layer(model, mixer)) for mixer in mixers]
         if self._repacking is not None:
-            for mixer in mixers:
-                layer = _enclosing_layer(model, mixer)
+            for mixer, layer in enclosing:
                 if layer is None:
                     raise ValueError(
                         f"{entry.model_type}: the token mixer {type(mixer).__name__} sits in no decoder layer of a "
@@ -300,10 +300,11 @@ class PackingPreparation:
                 specs.setdefault(id(layer), (layer, None, []))[2].append(mixer)
         hooked = [layer for layer, _, _ in specs.values()]
         if self.split_stack:
-            hooked = [layer for mixer in mixers if (layer := _enclosing_layer(model, mixer)) is not None]
-        self._stack_decoders = _decoders(hooked, model) if self.split_stack else []
+            hooked = [layer for _, layer in enclosing if layer is not None]
+        decoders = [d for d in _decoders(hooked, model) if d is not model]
+        self._stack_decoders = decoders if self.split_stack else []
         # the model itself, then every decoder that calls hooked layers (it can be called on its own)
-        for module in [model, *[d for d in _decoders(hooked, model) if d is not model]]:
+        for module in [model, *decoders]:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(
                 module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
