@@ -48,7 +48,12 @@ _DERIVED_SIZE = 8
 
 
 def derived(source: torch.Tensor, kind: str, compute: Callable[[], Any]) -> Any:
-    """``compute()``, cached per ``source`` tensor object, its version and ``kind`` (no host sync on a hit)."""
+    """``compute()``, cached per ``source`` tensor object, its version and ``kind`` (no host sync on a hit).
+
+    >>> cu = torch.tensor([0, 2, 5])
+    >>> derived(cu, "doc", lambda: cu.diff()) is derived(cu, "doc", lambda: None)  # the second call is a hit
+    True
+    """
     if torch.compiler.is_compiling():
         return compute()
     for ref, version, entry_kind, value in _DERIVED:

@@ -138,7 +138,12 @@ def _repack(value: Any, layout: PackedLayout | None) -> Any:
 
 
 def unpad_outputs(value: Any, layout: PackedLayout) -> Any:
-    """Every ``(n, L, ...)`` right-padded tensor of ``value`` (tuples of them too) back to ``(B, T, ...)``."""
+    """Every ``(n, L, ...)`` right-padded tensor of ``value`` (tuples of them too) back to ``(B, T, ...)``.
+
+    >>> layout = PackedLayout.from_starts(torch.tensor([[True, False, True]]))  # samples of 2 and 1 tokens
+    >>> unpad_outputs((torch.tensor([[[1.0], [2.0]], [[3.0], [0.0]]]), None), layout)[0][..., 0].tolist()
+    [[1.0, 2.0, 3.0]]
+    """
     if (
         isinstance(value, torch.Tensor)
         and value.dim() >= 2
@@ -173,7 +178,11 @@ def find_mixers(model: torch.nn.Module, class_names: tuple[str, ...]) -> list[to
 
 @functools.cache
 def forward_names(cls: type) -> tuple[str, ...]:
-    """The named parameters of ``cls.forward`` in order (no ``self``, no ``*args`` / ``**kwargs``)."""
+    """The named parameters of ``cls.forward`` in order (no ``self``, no ``*args`` / ``**kwargs``).
+
+    >>> forward_names(torch.nn.Linear)
+    ('input',)
+    """
     params = inspect.signature(cls.forward).parameters
     return tuple(
         n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
@@ -181,7 +190,11 @@ def forward_names(cls: type) -> tuple[str, ...]:
 
 
 def takes_kwargs(cls: type) -> bool:
-    """Whether ``cls.forward`` takes ``**kwargs`` (a decoder layer can then hand the layout to its mixer)."""
+    """Whether ``cls.forward`` takes ``**kwargs`` (a decoder layer can then hand the layout to its mixer).
+
+    >>> takes_kwargs(torch.nn.Linear)
+    False
+    """
     params = inspect.signature(cls.forward).parameters.values()
     return any(p.kind is p.VAR_KEYWORD for p in params)
 
