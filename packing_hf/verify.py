@@ -309,21 +309,65 @@ def check_packing(
     True
     """
     config = model.config
-    samples = list(input_ids) if input_ids is not None else _random_samples(config, lengths, seed)
+    samples = _samples_on_device(model, lengths, input_ids, seed)
+    lengths = tuple(int(s.numel()) for s in samples)
+    attn_implementation = str(getattr(config, "_attn_implementation", None))
+    names, var_kw = _accepted_kwargs(model)
+    notes: list[str] = []
+    batch = _packed_kwargs(samples, names, var_kw, notes, attention_mask=attention_mask, use_cache=use_cache)
+    comparison = _SampleComparison(model, gradients, "use_cache" in names or var_kw, notes)
+    if noise_floor:
+        comparison.set_reference(_float64_copy(model, notes))
+    error = None
+    with _checking_mode(model), torch.set_grad_enabled(gradients):
+        try:
+            packed_logits = _logits(model(**batch))[0]  # (T, V)
+        except Exception as exc:  # any failure of the packed path is a finding, not a crash of the check
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        else:
+            comparison.compare_all(samples, packed_logits)
+    return PackingReport(
+        str(getattr(config, "model_type", type(model).__name__)),
+        attn_implementation,
+        _attention_backend(attn_implementation),  # read after the forward: the backend it ran
+        lengths,
+        tolerance,
+        tuple(comparison.logits_diffs),
+        tuple(comparison.grads_diffs),
+        tuple(comparison.worst),
+        error=error,
+        notes=tuple(notes),
+        logits_noise=tuple(comparison.logits_noise),
+        grads_noise=tuple(comparison.grads_noise),
+    )
+
+
+def _samples_on_device(model, lengths: Sequence[int], input_ids, seed: int) -> list[torch.Tensor]:
+    """The samples to check (``input_ids``, or random ones of ``lengths``) as int64 on the model's device."""
+    samples = list(input_ids) if input_ids is not None else _random_samples(model.config, lengths, seed)
     if not samples or any(s.dim() != 1 or s.numel() == 0 for s in samples):
         raise ValueError(
             f"input_ids must be a non-empty list of non-empty 1-D tensors, got shapes "
             f"{[tuple(s.shape) for s in samples]}"
         )
     device = next(model.parameters()).device
-    samples = [s.to(device=device, dtype=torch.long) for s in samples]
-    lengths = tuple(int(s.numel()) for s in samples)
-    attn_implementation = str(getattr(config, "_attn_implementation", None))
-    names, var_kw = _accepted_kwargs(model)
+    return [s.to(device=device, dtype=torch.long) for s in samples]
 
+
+def _packed_kwargs(
+    samples: list[torch.Tensor],
+    names: set[str],
+    var_kw: bool,
+    notes: list[str],
+    *,
+    attention_mask: bool,
+    use_cache: bool | None,
+) -> dict:
+    """The packed row of ``samples`` as forward kwargs, on their device; keys the forward does not accept are
+    left out, each with a note."""
+    device = samples[0].device
     batch = build_packed_batch(samples)
     batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    notes = []
     if attention_mask:
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     if use_cache is not None:
@@ -332,74 +376,78 @@ def check_packing(
         if key not in names and not var_kw:
             batch.pop(key)
             notes.append(f"forward() does not accept {key!r}: left out")
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if gradients else []
-    tensors = [p for _, p in params]
+    return batch
 
-    def grads_of(loss: torch.Tensor, retain: bool) -> list[torch.Tensor | None]:
-        return list(torch.autograd.grad(loss, tensors, retain_graph=retain, allow_unused=True))
 
-    def report(logits_diffs=(), grads_diffs=(), worst=(), error: str | None = None, noise=((), ())):
-        return PackingReport(
-            str(getattr(config, "model_type", type(model).__name__)),
-            attn_implementation,
-            _attention_backend(attn_implementation),  # read after the forward: the backend it ran
-            lengths,
-            tolerance,
-            tuple(logits_diffs),
-            tuple(grads_diffs),
-            tuple(worst),
-            error=error,
-            notes=tuple(notes),
-            logits_noise=tuple(noise[0]),
-            grads_noise=tuple(noise[1]),
+class _SampleComparison:
+    """Every sample alone vs its slice of the packed row, gathered sample by sample: logits, gradients of its own
+    next-token loss (with ``gradients``), and the model's rounding noise against a float64 reference (while one
+    is set and runs)."""
+
+    def __init__(self, model, gradients: bool, alone_use_cache: bool, notes: list[str]) -> None:
+        self.model, self.gradients, self.alone_use_cache, self.notes = (
+            model,
+            gradients,
+            alone_use_cache,
+            notes,
         )
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if gradients else []
+        self.tensors = [p for _, p in self.params]
+        self.reference, self.ref_params = None, []
+        self.logits_diffs: list[float] = []
+        self.grads_diffs: list[float] = []
+        self.worst: list[str] = []
+        self.logits_noise: list[float] = []
+        self.grads_noise: list[float] = []
 
-    def alone_kwargs(sample: torch.Tensor) -> dict:
+    def set_reference(self, reference) -> None:
+        self.reference = reference
+        if reference is not None:
+            self.ref_params = [p for n, p in reference.named_parameters() if p.requires_grad]
+
+    def compare_all(self, samples: list[torch.Tensor], packed_logits: torch.Tensor) -> None:
+        """``packed_logits`` ``(T, V)``: the packed row's, cut back into the samples in order."""
+        start = 0
+        for sample in samples:
+            end = start + int(sample.numel())
+            self._compare(sample, packed_logits[start:end])
+            start = end
+
+    def _alone_kwargs(self, sample: torch.Tensor) -> dict:
         alone = {"input_ids": sample.unsqueeze(0)}
-        if "use_cache" in names or var_kw:
+        if self.alone_use_cache:
             alone["use_cache"] = False
         return alone
 
-    reference = _float64_copy(model, notes) if noise_floor else None
-    ref_params = (
-        [p for n, p in reference.named_parameters() if p.requires_grad] if reference is not None else []
-    )
-    logits_diffs, grads_diffs, worst = [], [], []
-    logits_noise, grads_noise = [], []
-    with _checking_mode(model), torch.set_grad_enabled(gradients):
-        try:
-            packed_logits = _logits(model(**batch))[0]  # (T, V)
-        except Exception as exc:  # any failure of the packed path is a finding, not a crash of the check
-            return report(error=f"{type(exc).__name__}: {exc}"[:500])
-        start = 0
-        for i, sample in enumerate(samples):
-            end = start + lengths[i]
-            alone_logits = _logits(model(**alone_kwargs(sample)))[0]  # (l_i, V)
-            piece = packed_logits[start:end]
-            logits_diffs.append(_max_diff(piece, alone_logits))
-            if gradients:
-                packed_grads = grads_of(_next_token_loss(piece, sample), retain=True)
-                alone_grads = grads_of(_next_token_loss(alone_logits, sample), retain=False)
-                best, best_name = _max_grad_diff(params, packed_grads, alone_grads)
-                grads_diffs.append(best)
-                worst.append(best_name)
-            if reference is not None:
-                try:
-                    with _checking_mode(reference):
-                        exact_logits = _logits(reference(**alone_kwargs(sample)))[0]  # (l_i, V) float64
-                        logits_noise.append(_max_diff(alone_logits, exact_logits))
-                        if gradients:
-                            loss = _next_token_loss(exact_logits, sample)
-                            exact_grads = list(torch.autograd.grad(loss, ref_params, allow_unused=True))
-                            grads_noise.append(_max_grad_diff(params, alone_grads, exact_grads)[0])
-                except Exception as exc:  # e.g. a kernel without fp64: fixed tolerance only, and say so
-                    notes.append(
-                        f"no fp64 reference ({type(exc).__name__}: {exc}); fixed tolerance only"[:300]
-                    )
-                    reference, logits_noise, grads_noise = None, [], []
-            start = end
+    def _grads_of(self, loss: torch.Tensor, retain: bool) -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(loss, self.tensors, retain_graph=retain, allow_unused=True))
 
-    return report(logits_diffs, grads_diffs, worst, noise=(logits_noise, grads_noise))
+    def _compare(self, sample: torch.Tensor, piece: torch.Tensor) -> None:
+        alone_logits = _logits(self.model(**self._alone_kwargs(sample)))[0]  # (l_i, V)
+        self.logits_diffs.append(_max_diff(piece, alone_logits))
+        alone_grads = None
+        if self.gradients:
+            packed_grads = self._grads_of(_next_token_loss(piece, sample), retain=True)
+            alone_grads = self._grads_of(_next_token_loss(alone_logits, sample), retain=False)
+            best, best_name = _max_grad_diff(self.params, packed_grads, alone_grads)
+            self.grads_diffs.append(best)
+            self.worst.append(best_name)
+        if self.reference is not None:
+            self._measure_noise(sample, alone_logits, alone_grads)
+
+    def _measure_noise(self, sample: torch.Tensor, alone_logits: torch.Tensor, alone_grads) -> None:
+        """The sample alone in the model's dtype vs alone in the float64 reference."""
+        try:
+            with _checking_mode(self.reference):
+                exact_logits = _logits(self.reference(**self._alone_kwargs(sample)))[0]  # (l_i, V) float64
+                self.logits_noise.append(_max_diff(alone_logits, exact_logits))
+                if self.gradients:
+                    loss = _next_token_loss(exact_logits, sample)
+                    exact_grads = list(torch.autograd.grad(loss, self.ref_params, allow_unused=True))
+                    self.grads_noise.append(_max_grad_diff(self.params, alone_grads, exact_grads)[0])
+        except Exception as exc:  # e.g. a kernel without fp64: fixed tolerance only, and say so
+            self.notes.append(f"no fp64 reference ({type(exc).__name__}: {exc}); fixed tolerance only"[:300])
+            self.reference, self.logits_noise, self.grads_noise = None, [], []
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
