@@ -228,57 +228,83 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
 
     position_ids = _text_positions(out.get("position_ids"))
     if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
-        host = _check_packed_cu_seqlens(out, batch_size, total)
-        # the attention layers reuse this host copy instead of reading the boundaries again, and get one
-        # tensor for queries and keys (checked equal above), which is their self-attention fast path
-        remember_host_values(out["cu_seq_lens_q"], host)
-        if out.get("cu_seq_lens_k") is not None:
-            out["cu_seq_lens_k"] = out["cu_seq_lens_q"]
-        if position_ids is None:
-            raise ValueError(
-                "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "
-                f"treat the whole row as one sample. Pass restarting position_ids ({_FIX_POSITIONS})"
-            )
-        position_ids = position_ids.reshape(1, -1)
-        prefix = out.get(PREFIX_KEY)
-        if prefix is not None:
-            _check_prefix_attention(config)
-            # branches continue their prefix's positions (checked against the segments as well)
-            expected = shared_prefix_position_ids(host, prefix).to(position_ids.device)  # (T,) int64
-        else:
-            # from the host copy already made: no further device sync
-            expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
-        wrong = position_ids[0] != expected
-        if bool(wrong.any()):
-            bad = _first_true(wrong)
-            raise ValueError(
-                f"position_ids[0, {bad}] = {int(position_ids[0, bad])} but cu_seq_lens_q puts token {bad} at "
-                f"position {int(expected[bad])} of its sample: positions must restart at 0 at every boundary "
-                "of cu_seq_lens_q (and continue the prefix in a shared-prefix branch), or eager/sdpa would "
-                f"merge samples; {_FIX_POSITIONS}"
-            )
+        _check_cu_seqlens_positions(out, position_ids, batch_size, total, config)
     elif isinstance(position_ids, torch.Tensor):
-        not_zero = starts & (position_ids != 0)
-        if bool(not_zero.any()):
-            row, col = divmod(_first_true(not_zero), position_ids.shape[-1])
-            raise ValueError(
-                f"position_ids[{row}, {col}] = {int(position_ids[row, col])} begins a packed sample, but packed "
-                "samples must start at position 0: a sample continuing the previous one's positions would be "
-                f"merged with it, and rotary positions would be offset; {_FIX_POSITIONS}"
-            )
+        _check_sample_starts_at_zero(position_ids, starts)
+    _drop_all_ones_mask(out)
+    _turn_cache_off(out, config)
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape[:2] == (batch_size, total):
+        _check_labels_at_starts(labels, starts, total)
+    return out, starts
 
+
+def _check_cu_seqlens_positions(
+    out: dict[str, Any], position_ids: Any, batch_size: int, total: int, config: Any
+) -> None:
+    """Check ``cu_seq_lens_q/k`` and that ``position_ids`` restart at every boundary they mark (or continue the
+    prefix in a shared-prefix branch); ``out`` gets one boundary tensor for queries and keys."""
+    host = _check_packed_cu_seqlens(out, batch_size, total)
+    # the attention layers reuse this host copy instead of reading the boundaries again, and get one
+    # tensor for queries and keys (checked equal above), which is their self-attention fast path
+    remember_host_values(out["cu_seq_lens_q"], host)
+    if out.get("cu_seq_lens_k") is not None:
+        out["cu_seq_lens_k"] = out["cu_seq_lens_q"]
+    if position_ids is None:
+        raise ValueError(
+            "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "
+            f"treat the whole row as one sample. Pass restarting position_ids ({_FIX_POSITIONS})"
+        )
+    position_ids = position_ids.reshape(1, -1)
+    prefix = out.get(PREFIX_KEY)
+    if prefix is not None:
+        _check_prefix_attention(config)
+        # branches continue their prefix's positions (checked against the segments as well)
+        expected = shared_prefix_position_ids(host, prefix).to(position_ids.device)  # (T,) int64
+    else:
+        # from the host copy already made: no further device sync
+        expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
+    wrong = position_ids[0] != expected
+    if bool(wrong.any()):
+        bad = _first_true(wrong)
+        raise ValueError(
+            f"position_ids[0, {bad}] = {int(position_ids[0, bad])} but cu_seq_lens_q puts token {bad} at "
+            f"position {int(expected[bad])} of its sample: positions must restart at 0 at every boundary "
+            "of cu_seq_lens_q (and continue the prefix in a shared-prefix branch), or eager/sdpa would "
+            f"merge samples; {_FIX_POSITIONS}"
+        )
+
+
+def _check_sample_starts_at_zero(position_ids: torch.Tensor, starts: torch.Tensor) -> None:
+    """Without ``cu_seq_lens_q``: every sample start found in ``position_ids`` ``(B, T)`` must be position 0."""
+    not_zero = starts & (position_ids != 0)
+    if bool(not_zero.any()):
+        row, col = divmod(_first_true(not_zero), position_ids.shape[-1])
+        raise ValueError(
+            f"position_ids[{row}, {col}] = {int(position_ids[row, col])} begins a packed sample, but packed "
+            "samples must start at position 0: a sample continuing the previous one's positions would be "
+            f"merged with it, and rotary positions would be offset; {_FIX_POSITIONS}"
+        )
+
+
+def _drop_all_ones_mask(out: dict[str, Any]) -> None:
+    """Remove an all-ones ``attention_mask`` from ``out``; refuse any other mask next to packed inputs."""
     mask = out.get("attention_mask")
-    if mask is not None:
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
-            # all ones says nothing, but its presence switches transformers' packed-sequence detection off
-            del out["attention_mask"]
-        else:
-            raise ValueError(
-                "an attention_mask with padding (or a 4-D mask) was passed next to packed inputs: it would "
-                "replace the packed boundaries and let samples attend to each other. A padding-free batch "
-                "needs no mask: drop attention_mask (PaddingFreeCollator does not emit one)"
-            )
+    if mask is None:
+        return
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
+        # all ones says nothing, but its presence switches transformers' packed-sequence detection off
+        del out["attention_mask"]
+    else:
+        raise ValueError(
+            "an attention_mask with padding (or a 4-D mask) was passed next to packed inputs: it would "
+            "replace the packed boundaries and let samples attend to each other. A padding-free batch "
+            "needs no mask: drop attention_mask (PaddingFreeCollator does not emit one)"
+        )
 
+
+def _turn_cache_off(out: dict[str, Any], config: Any) -> None:
+    """Refuse a cache next to a packed row, and set ``use_cache=False`` where the model would build one."""
     for name in ("past_key_values", "cache"):  # transformers 5.24 renamed past_key_values to cache
         if out.get(name) is not None:
             raise ValueError(
@@ -288,19 +314,19 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
     if out.get("use_cache") or (out.get("use_cache") is None and _config_caches(config)):
         out["use_cache"] = False  # a cache disables packed-sequence detection in transformers' mask creation
 
-    labels = out.get("labels")
-    if isinstance(labels, torch.Tensor) and labels.shape[:2] == (batch_size, total):
-        inner = starts.clone()
-        inner[:, 0] = False  # the very first token of a row is never a prediction target after the shift
-        bad = inner & (labels != IGNORE_INDEX)
-        if bool(bad.any()):
-            row, col = divmod(_first_true(bad), total)
-            raise ValueError(
-                f"labels[{row}, {col}] = {int(labels[row, col])} at the first token of a packed sample: after "
-                "the causal shift the previous sample's last token would be trained to predict it. Set labels "
-                f"to {IGNORE_INDEX} at every sample start (PaddingFreeCollator does)"
-            )
-    return out, starts
+
+def _check_labels_at_starts(labels: torch.Tensor, starts: torch.Tensor, total: int) -> None:
+    """``labels`` ``(B, T)`` must be ``IGNORE_INDEX`` at every sample start but a row's first token."""
+    inner = starts.clone()
+    inner[:, 0] = False  # the very first token of a row is never a prediction target after the shift
+    bad = inner & (labels != IGNORE_INDEX)
+    if bool(bad.any()):
+        row, col = divmod(_first_true(bad), total)
+        raise ValueError(
+            f"labels[{row}, {col}] = {int(labels[row, col])} at the first token of a packed sample: after "
+            "the causal shift the previous sample's last token would be trained to predict it. Set labels "
+            f"to {IGNORE_INDEX} at every sample start (PaddingFreeCollator does)"
+        )
 
 
 def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
