@@ -366,18 +366,7 @@ def varlen_attention(
     torch.Size([6, 4, 8])
     """
     global _LAST_BACKEND
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got {shape}")
-    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must share tokens and heads, and q {tuple(q.shape)} "
-            "and k must share head_dim"
-        )
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    check_int32_tokens(max(q.shape[0], k.shape[0]), "a varlen call")
+    _check_qkv(q, k, v)
     cu_q, host_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
     if cu_seqlens_k is cu_seqlens_q:
         cu_k, host_k = cu_q, host_q
@@ -388,47 +377,9 @@ def varlen_attention(
             f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has {cu_k.numel()}: both describe the "
             "same segments"
         )
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be (left, right), got {window_size!r}")
-    window = (int(window_size[0]), int(window_size[1]))
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
-        if t is not None and tuple(t.shape) != (q.shape[1],):
-            raise ValueError(
-                f"{name} must be ({q.shape[1]},), one value per query head, got {tuple(t.shape)}"
-            )
-
-    features = set()
-    if window[0] >= 0 or (window[1] >= 0 and not causal):
-        features.add("window")
-    if softcap and softcap > 0:
-        features.add("softcap")
-    if dropout_p > 0:
-        features.add("dropout")
-    if alibi_slopes is not None:
-        features.add("alibi")
-    if s_aux is not None:
-        features.add("sinks")
-    if v.shape[-1] != q.shape[-1]:
-        features.add("head_dim_v")
-
-    if backend == "auto":
-        name = select_backend(q.device, q.dtype, features, head_dim=q.shape[-1])
-    else:
-        check_backend_name(backend)
-        if not BACKENDS[backend].is_installed():
-            raise ValueError(
-                f"attention backend {backend!r} is not installed here; installed: {available_backends()}"
-            )
-        missing = sorted(features - BACKENDS[backend].features())
-        if missing:
-            raise ValueError(
-                f"attention backend {backend!r} does not support {missing}; use backend='auto' to pick one "
-                f"that does (select_backend tells which)"
-            )
-        name = backend
-
+    window = _check_options(q.shape[1], window_size, dropout_p, alibi_slopes, s_aux)
+    features = _requested_features(q, v, causal, window, softcap, dropout_p, alibi_slopes, s_aux)
+    name = _resolve_backend(backend, q, features)
     call = _Call(
         q=q,
         k=k,
@@ -449,6 +400,86 @@ def varlen_attention(
     )
     _LAST_BACKEND = name
     return BACKENDS[name].run(call)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``q`` ``(Tq, Hq, D)``, ``k`` ``(Tk, Hkv, D)``, ``v`` ``(Tk, Hkv, Dv)`` with ``Hkv`` dividing ``Hq``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got {shape}")
+    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must share tokens and heads, and q {tuple(q.shape)} "
+            "and k must share head_dim"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    check_int32_tokens(max(q.shape[0], k.shape[0]), "a varlen call")
+
+
+def _check_options(
+    heads: int,
+    window_size: tuple[int, int],
+    dropout_p: float,
+    alibi_slopes: torch.Tensor | None,
+    s_aux: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Check the optional features of a call (``heads`` query heads); returns the window as two ints."""
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be (left, right), got {window_size!r}")
+    window = (int(window_size[0]), int(window_size[1]))
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
+        if t is not None and tuple(t.shape) != (heads,):
+            raise ValueError(f"{name} must be ({heads},), one value per query head, got {tuple(t.shape)}")
+    return window
+
+
+def _requested_features(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    dropout_p: float,
+    alibi_slopes: torch.Tensor | None,
+    s_aux: torch.Tensor | None,
+) -> set[str]:
+    """The optional :data:`FEATURES` a call uses (what a backend must support to run it)."""
+    features = set()
+    if window[0] >= 0 or (window[1] >= 0 and not causal):
+        features.add("window")
+    if softcap and softcap > 0:
+        features.add("softcap")
+    if dropout_p > 0:
+        features.add("dropout")
+    if alibi_slopes is not None:
+        features.add("alibi")
+    if s_aux is not None:
+        features.add("sinks")
+    if v.shape[-1] != q.shape[-1]:
+        features.add("head_dim_v")
+    return features
+
+
+def _resolve_backend(backend: str, q: torch.Tensor, features: set[str]) -> str:
+    """The backend to run: ``"auto"``'s pick for ``q``'s device and dtype, or the named one if it can."""
+    if backend == "auto":
+        return select_backend(q.device, q.dtype, features, head_dim=q.shape[-1])
+    check_backend_name(backend)
+    if not BACKENDS[backend].is_installed():
+        raise ValueError(
+            f"attention backend {backend!r} is not installed here; installed: {available_backends()}"
+        )
+    missing = sorted(features - BACKENDS[backend].features())
+    if missing:
+        raise ValueError(
+            f"attention backend {backend!r} does not support {missing}; use backend='auto' to pick one "
+            f"that does (select_backend tells which)"
+        )
+    return backend
 
 
 def _varlen_attention_masked(
