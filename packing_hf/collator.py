@@ -86,6 +86,37 @@ def _keys_present(features: list[Mapping[str, Any]]) -> frozenset[str]:
     return _OPTIONAL_KEYS.intersection(set().union(*features))  # one C-level pass over all keys
 
 
+def _flat_input_ids(raw_ids: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The samples' ``input_ids`` as one flat ``(T,)`` int64 array and their lengths ``(n,)``; every sample
+    non-empty, every id ``>= 0``."""
+    if any(type(v[0]) is bool for v in raw_ids if isinstance(v, list) and v):
+        bad = next(i for i, v in enumerate(raw_ids) if isinstance(v, list) and v and type(v[0]) is bool)
+        raise TypeError(f"sample {bad}: 'input_ids' holds bools; token ids must be ints")
+    ids, lengths = flatten_field(raw_ids, "input_ids")
+    if (lengths == 0).any():
+        bad = int(np.argmax(lengths == 0))
+        raise ValueError(f"sample {bad}: 'input_ids' is empty; drop empty samples from the dataset")
+    if ids.min() < 0:
+        pos = int(np.argmax(ids < 0))
+        i, offset = locate(pos, lengths)
+        raise ValueError(
+            f"sample {i}: input_ids[{offset}] = {int(ids[pos])} is negative; token ids must be "
+            ">= 0 (padding or -100 belong in labels, not input_ids)"
+        )
+    return ids, lengths
+
+
+def _cu_seqlens(seg_lengths: np.ndarray) -> np.ndarray:
+    """``(n + 1,)`` int64 offsets of the segments, checked to fit int32."""
+    # Boundaries in numpy: the same formulas as varlen.lengths_to_cu_seqlens / lengths_to_position_ids /
+    # lengths_to_seq_idx (the tests check they agree), because in a data loader's main process torch's
+    # per-call overhead and intra-op threads make these small ops cost more than the whole collation.
+    cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (n + 1,)
+    np.cumsum(seg_lengths, out=cu[1:])
+    check_int32_tokens(int(cu[-1]), "the batch")
+    return cu
+
+
 @dataclass
 class PaddingFreeCollator:
     """Collate samples into one packed row ``[1, T]`` with restarting positions and varlen boundaries.
@@ -267,6 +298,35 @@ class PaddingFreeCollator:
             _raise_for_bad_feature(features)
             raise
         keys = _keys_present(features)
+        present = self._check_known_keys(features)
+        ids, lengths = _flat_input_ids(raw_ids)
+
+        labels = self._labels(features, keys, ids, lengths)
+        weights = self._loss_weights(features, lengths) if LOSS_WEIGHTS_KEY in keys else None
+        seg_lengths = self._segment_lengths(features, keys, lengths)
+        ids, labels, seg_lengths, weights = self._apply_max_length(
+            ids, labels, seg_lengths, features, lengths, weights
+        )
+        n_tokens = ids.size
+        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        if n_pad:
+            ids, labels, seg_lengths, weights = self._pad(n_pad, ids, labels, seg_lengths, weights)
+        cu = _cu_seqlens(seg_lengths)  # (n + 1,)
+        # Every segment's first label is masked: its logit would come from the previous sample's last token.
+        labels[cu[:-1]] = self.label_pad_id
+
+        self.stats["batches"] += 1
+        self.stats["tokens"] += n_tokens
+        self.stats["padding_tokens"] += n_pad
+
+        batch = self._packed_batch(ids, labels, weights, seg_lengths, cu, return_tensors)
+        for key in self.passthrough_keys:
+            if key in present:
+                batch[key] = _concatenate([f[key] for f in features if key in f], key, return_tensors)
+        return batch
+
+    def _check_known_keys(self, features: list[Mapping[str, Any]]) -> set[str]:
+        """Every key the features carry (read, passed through or dropped); an error names any other."""
         present = set().union(*features)  # one C-level pass over all keys
         unknown = present - _KNOWN_KEYS_SET - set(self.passthrough_keys) - set(self.drop_keys)
         if unknown:
@@ -276,57 +336,39 @@ class PaddingFreeCollator:
                 "model (concatenated along the first dimension), drop_keys=(...) to drop them knowingly, or "
                 "remove the columns from the dataset"
             )
-        if any(type(v[0]) is bool for v in raw_ids if isinstance(v, list) and v):
-            bad = next(i for i, v in enumerate(raw_ids) if isinstance(v, list) and v and type(v[0]) is bool)
-            raise TypeError(f"sample {bad}: 'input_ids' holds bools; token ids must be ints")
+        return present
 
-        ids, lengths = flatten_field(raw_ids, "input_ids")
-        if (lengths == 0).any():
-            bad = int(np.argmax(lengths == 0))
-            raise ValueError(f"sample {bad}: 'input_ids' is empty; drop empty samples from the dataset")
-        if ids.min() < 0:
-            pos = int(np.argmax(ids < 0))
-            i, offset = locate(pos, lengths)
-            raise ValueError(
-                f"sample {i}: input_ids[{offset}] = {int(ids[pos])} is negative; token ids must be "
-                ">= 0 (padding or -100 belong in labels, not input_ids)"
-            )
+    def _pad(
+        self,
+        n_pad: int,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        seg_lengths: np.ndarray,
+        weights: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``n_pad`` padding tokens appended as their own segment (label ``label_pad_id``, weight 0)."""
+        ids = np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
+        labels = np.concatenate([labels, np.full(n_pad, self.label_pad_id, dtype=np.int64)])
+        seg_lengths = np.append(seg_lengths, n_pad)
+        if weights is not None:
+            weights = np.concatenate([weights, np.zeros(n_pad, dtype=weights.dtype)])
+        return ids, labels, seg_lengths, weights
 
-        labels = self._labels(features, keys, ids, lengths)
-        weights = self._loss_weights(features, lengths) if LOSS_WEIGHTS_KEY in keys else None
-        seg_lengths = self._segment_lengths(features, keys, lengths)
-        ids, labels, seg_lengths, weights = self._apply_max_length(
-            ids, labels, seg_lengths, features, lengths, weights
-        )
-        n_tokens = ids.size
-
-        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
-        if n_pad:
-            ids = np.concatenate([ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
-            labels = np.concatenate([labels, np.full(n_pad, self.label_pad_id, dtype=np.int64)])
-            seg_lengths = np.append(seg_lengths, n_pad)
-            if weights is not None:
-                weights = np.concatenate([weights, np.zeros(n_pad, dtype=weights.dtype)])
-
-        # Boundaries in numpy: the same formulas as varlen.lengths_to_cu_seqlens / lengths_to_position_ids /
-        # lengths_to_seq_idx (the tests check they agree), because in a data loader's main process torch's
-        # per-call overhead and intra-op threads make these small ops cost more than the whole collation.
-        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (n + 1,)
-        np.cumsum(seg_lengths, out=cu[1:])
-        check_int32_tokens(int(cu[-1]), "the batch")
-        starts = cu[:-1]
-        # Every segment's first label is masked: its logit would come from the previous sample's last token.
-        labels[starts] = self.label_pad_id
-
-        self.stats["batches"] += 1
-        self.stats["tokens"] += n_tokens
-        self.stats["padding_tokens"] += n_pad
-
+    def _packed_batch(
+        self,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        weights: np.ndarray | None,
+        seg_lengths: np.ndarray,
+        cu: np.ndarray,
+        return_tensors: str,
+    ) -> dict[str, Any]:
+        """The output row ``[1, T]`` and its boundaries (see :func:`_cu_seqlens` for why in numpy)."""
         batch: dict[str, Any] = {"input_ids": ids[None], "labels": labels[None]}
         if weights is not None:
             batch[LOSS_WEIGHTS_KEY] = weights[None]  # [1, T] float32
         if self.return_position_ids:
-            position_ids = np.repeat(starts - self.position_ids_start, seg_lengths)  # (T,) segment offsets
+            position_ids = np.repeat(cu[:-1] - self.position_ids_start, seg_lengths)  # (T,) segment offsets
             np.subtract(np.arange(ids.size, dtype=np.int64), position_ids, out=position_ids)
             batch["position_ids"] = position_ids[None]  # [1, T]
         if self.return_seq_idx:
@@ -338,9 +380,6 @@ class PaddingFreeCollator:
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:
             batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
-        for key in self.passthrough_keys:
-            if key in present:
-                batch[key] = _concatenate([f[key] for f in features if key in f], key, return_tensors)
         return batch
 
     def _labels(
