@@ -291,67 +291,27 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
     ) -> dict[str, Any]:
         features, return_tensors = self._batch_arguments(features, return_tensors, "one pair")
-        flat: dict[str, np.ndarray] = {}
-        lengths: dict[str, np.ndarray] = {}
-        for key in _PAIR_KEYS:
-            arrays = [_ids_array(v, i, key) for i, v in enumerate(_column(features, key))]
-            flat[key] = np.concatenate(arrays)
-            lengths[key] = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        flat, lengths = _pair_columns(features)
         n_pairs = len(features)
-
-        # Sequence s < B is prompt_s + chosen_s, sequence B + s is prompt_s + rejected_s (TRL's row order).
-        prompt_len = np.concatenate([lengths["prompt_ids"], lengths["prompt_ids"]])  # (S,)
-        completion_len = np.concatenate([lengths["chosen_ids"], lengths["rejected_ids"]])  # (S,)
-        seq_len = prompt_len + completion_len
-        if (seq_len == 0).any():
-            s = int(np.argmax(seq_len == 0))
-            raise ValueError(
-                f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} is empty; drop empty "
-                "pairs from the dataset"
-            )
+        prompt_len, completion_len, seq_len = _sequence_lengths(lengths, n_pairs)
         truncated = seq_len > self.max_length if self.max_length is not None else np.zeros(seq_len.size, bool)
         ids, is_completion = self._interleave(flat, lengths, prompt_len, completion_len)
         ids, is_completion, seq_len = self._apply_max_length(ids, is_completion, seq_len, n_pairs)
         n_seq, width = seq_len.size, int(seq_len.max())
         seq_start = np.cumsum(seq_len) - seq_len  # (S,) where every sequence starts in `ids`
         shared = self._shared_lengths(is_completion, seq_start, truncated, n_pairs)  # (B,)
-        if self.shared_prompt:
-            seg_len, seg_seq, seg_offset, prefix_idx = _pair_segments(seq_len, shared)
-        else:  # the sequences in TRL's row order, each its own segment
-            seg_len, seg_seq = seq_len, np.arange(n_seq, dtype=np.int64)
-            seg_offset, prefix_idx = np.zeros(n_seq, dtype=np.int64), np.full(n_seq, -1)
+        seg_len, seg_seq, seg_offset, prefix_idx = _row_segments(seq_len, shared, self.shared_prompt)
         n_tokens = int(seg_len.sum())
 
         n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
         seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
-        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)  # (segments + 1,)
-        np.cumsum(seg_lengths, out=cu[1:])
-        if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
-            raise ValueError(
-                f"the batch holds {int(cu[-1])} tokens ({n_seq} x {width} padded), more than int32 offsets can "
-                f"address ({INT32_MAX}); use fewer pairs per batch"
-            )
-        starts = cu[:-1]
-        in_segment = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,)
-        # every real packed token: its sequence and its offset in that sequence (= its position)
-        seq = np.repeat(seg_seq, seg_len)  # (n_tokens,)
-        offsets = in_segment[:n_tokens] + np.repeat(seg_offset, seg_len)  # (n_tokens,)
-
-        # packed token -> flat index into the (S, L) padded layout; starts and padding -> S * L (never targets)
-        sentinel = n_seq * width
-        packed_index = np.full(int(cu[-1]), sentinel, dtype=np.int64)
-        packed_index[:n_tokens] = seq * width + offsets
-        packed_index[starts] = sentinel
-
-        # the padded layout holds every sequence whole, shared prompt or not
-        row = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len)
-        real_flat = row * width + (np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len))
-        padded_ids = np.full(n_seq * width, self.pad_token_id, dtype=np.int64)
-        attention = np.zeros(n_seq * width, dtype=np.int64)
-        completion = np.zeros(n_seq * width, dtype=np.int64)
-        padded_ids[real_flat] = ids
-        attention[real_flat] = 1
-        completion[real_flat] = is_completion
+        cu = _row_offsets(seg_lengths, n_seq, width)  # (segments + 1,)
+        in_segment, seq, offsets, packed_index = _token_sources(
+            cu, seg_lengths, seg_len, seg_seq, seg_offset, n_seq, width
+        )
+        padded_ids, attention, completion = _padded_layout(
+            ids, is_completion, seq_len, seq_start, width, self.pad_token_id
+        )
 
         self.stats["batches"] += 1
         self.stats["pairs"] += n_pairs
@@ -368,9 +328,9 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         batch: dict[str, Any] = {
             "packed_input_ids": packed_ids[None],
             "packed_index": packed_index,
-            "input_ids": padded_ids.reshape(n_seq, width),
-            "attention_mask": attention.reshape(n_seq, width),
-            "completion_mask": completion.reshape(n_seq, width),
+            "input_ids": padded_ids,
+            "attention_mask": attention,
+            "completion_mask": completion,
         }
         if self.return_position_ids:
             positions = np.concatenate([offsets, in_segment[n_tokens:]])  # padding restarts at 0
@@ -474,6 +434,107 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
                 dropped,
             )
         return ids[keep], is_completion[keep], np.minimum(seq_len, m)
+
+
+def _pair_columns(features: list[Mapping[str, Any]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per pair key (prompt, chosen, rejected): every pair's ids back to back, and their lengths ``(B,)``."""
+    flat: dict[str, np.ndarray] = {}
+    lengths: dict[str, np.ndarray] = {}
+    for key in _PAIR_KEYS:
+        arrays = [_ids_array(v, i, key) for i, v in enumerate(_column(features, key))]
+        flat[key] = np.concatenate(arrays)
+        lengths[key] = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    return flat, lengths
+
+
+def _sequence_lengths(
+    lengths: dict[str, np.ndarray], n_pairs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(S,)`` prompt, completion and total lengths of the ``S = 2B`` sequences; none may be empty."""
+    # Sequence s < B is prompt_s + chosen_s, sequence B + s is prompt_s + rejected_s (TRL's row order).
+    prompt_len = np.concatenate([lengths["prompt_ids"], lengths["prompt_ids"]])  # (S,)
+    completion_len = np.concatenate([lengths["chosen_ids"], lengths["rejected_ids"]])  # (S,)
+    seq_len = prompt_len + completion_len
+    if (seq_len == 0).any():
+        s = int(np.argmax(seq_len == 0))
+        raise ValueError(
+            f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} is empty; drop empty "
+            "pairs from the dataset"
+        )
+    return prompt_len, completion_len, seq_len
+
+
+def _row_segments(
+    seq_len: np.ndarray, shared: np.ndarray, shared_prompt: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The packed row's segments as :func:`_pair_segments` returns them, with or without shared prompts."""
+    if shared_prompt:
+        return _pair_segments(seq_len, shared)
+    n_seq = seq_len.size  # the sequences in TRL's row order, each its own segment
+    return seq_len, np.arange(n_seq, dtype=np.int64), np.zeros(n_seq, dtype=np.int64), np.full(n_seq, -1)
+
+
+def _row_offsets(seg_lengths: np.ndarray, n_seq: int, width: int) -> np.ndarray:
+    """``(segments + 1,)`` int64 offsets of the packed row; they and the ``(n_seq, width)`` layout must fit int32."""
+    cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)
+    np.cumsum(seg_lengths, out=cu[1:])
+    if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
+        raise ValueError(
+            f"the batch holds {int(cu[-1])} tokens ({n_seq} x {width} padded), more than int32 offsets can "
+            f"address ({INT32_MAX}); use fewer pairs per batch"
+        )
+    return cu
+
+
+def _token_sources(
+    cu: np.ndarray,
+    seg_lengths: np.ndarray,
+    seg_len: np.ndarray,
+    seg_seq: np.ndarray,
+    seg_offset: np.ndarray,
+    n_seq: int,
+    width: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where every token of the row of ``seg_lengths`` comes from (its first ``len(seg_len)`` segments are
+    real, a last one may be padding); ``(n_seq, width)`` is the padded layout ``(S, L)``.
+
+    Returns ``in_segment`` ``(T,)``, every token's offset in its segment; ``seq`` and ``offsets``
+    ``(n_tokens,)``, the sequence of every real token and its offset there (its position); ``packed_index``
+    ``(T,)``, see the module docstring.
+    """
+    n_tokens = int(seg_len.sum())
+    starts = cu[:-1]
+    in_segment = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,)
+    seq = np.repeat(seg_seq, seg_len)  # (n_tokens,)
+    offsets = in_segment[:n_tokens] + np.repeat(seg_offset, seg_len)  # (n_tokens,)
+    # packed token -> flat index into the (S, L) padded layout; starts and padding -> S * L (never targets)
+    sentinel = n_seq * width
+    packed_index = np.full(int(cu[-1]), sentinel, dtype=np.int64)
+    packed_index[:n_tokens] = seq * width + offsets
+    packed_index[starts] = sentinel
+    return in_segment, seq, offsets, packed_index
+
+
+def _padded_layout(
+    ids: np.ndarray,
+    is_completion: np.ndarray,
+    seq_len: np.ndarray,
+    seq_start: np.ndarray,
+    width: int,
+    pad_token_id: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TRL's right-padded layout of the sequences, every one whole (shared prompt or not): ``input_ids``,
+    ``attention_mask`` and ``completion_mask``, ``(S, width)`` int64."""
+    n_seq = seq_len.size
+    row = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len)
+    real_flat = row * width + (np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len))
+    padded_ids = np.full(n_seq * width, pad_token_id, dtype=np.int64)
+    attention = np.zeros(n_seq * width, dtype=np.int64)
+    completion = np.zeros(n_seq * width, dtype=np.int64)
+    padded_ids[real_flat] = ids
+    attention[real_flat] = 1
+    completion[real_flat] = is_completion
+    return padded_ids.reshape(n_seq, width), attention.reshape(n_seq, width), completion.reshape(n_seq, width)
 
 
 def _pair_segments(

@@ -315,9 +315,8 @@ def check_packing(
     names, var_kw = _accepted_kwargs(model)
     notes: list[str] = []
     batch = _packed_kwargs(samples, names, var_kw, notes, attention_mask=attention_mask, use_cache=use_cache)
-    comparison = _SampleComparison(model, gradients, "use_cache" in names or var_kw, notes)
-    if noise_floor:
-        comparison.set_reference(_float64_copy(model, notes))
+    reference = _float64_copy(model, notes) if noise_floor else None
+    comparison = _SampleComparison(model, gradients, "use_cache" in names or var_kw, notes, reference)
     error = None
     with _checking_mode(model), torch.set_grad_enabled(gradients):
         try:
@@ -381,29 +380,25 @@ def _packed_kwargs(
 
 class _SampleComparison:
     """Every sample alone vs its slice of the packed row, gathered sample by sample: logits, gradients of its own
-    next-token loss (with ``gradients``), and the model's rounding noise against a float64 reference (while one
-    is set and runs)."""
+    next-token loss (with ``gradients``), and the model's rounding noise against ``reference``, a float64 copy
+    (while one is given and runs)."""
 
-    def __init__(self, model, gradients: bool, alone_use_cache: bool, notes: list[str]) -> None:
-        self.model, self.gradients, self.alone_use_cache, self.notes = (
-            model,
-            gradients,
-            alone_use_cache,
-            notes,
-        )
+    def __init__(self, model, gradients: bool, alone_use_cache: bool, notes: list[str], reference) -> None:
+        self.model = model
+        self.gradients = gradients
+        self.alone_use_cache = alone_use_cache  # whether the forward takes use_cache
+        self.notes = notes
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if gradients else []
         self.tensors = [p for _, p in self.params]
-        self.reference, self.ref_params = None, []
+        self.reference = reference  # None once it failed: fixed tolerance only
+        self.ref_params = (
+            [p for n, p in reference.named_parameters() if p.requires_grad] if reference is not None else []
+        )
         self.logits_diffs: list[float] = []
         self.grads_diffs: list[float] = []
         self.worst: list[str] = []
         self.logits_noise: list[float] = []
         self.grads_noise: list[float] = []
-
-    def set_reference(self, reference) -> None:
-        self.reference = reference
-        if reference is not None:
-            self.ref_params = [p for n, p in reference.named_parameters() if p.requires_grad]
 
     def compare_all(self, samples: list[torch.Tensor], packed_logits: torch.Tensor) -> None:
         """``packed_logits`` ``(T, V)``: the packed row's, cut back into the samples in order."""
