@@ -12,7 +12,7 @@ run on these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -108,6 +108,11 @@ _TINY_FIELDS: dict[str, int] = {
     "index_topk": 8,
 }
 
+# _TINY_FIELDS never set above the config's own value (the expert-group counts)
+_CAPPED_FIELDS = frozenset(("n_group", "topk_group", "num_expert_group"))
+# fields some default configs leave at None although their model needs a value -> tiny value
+_NONE_FIELDS: dict[str, int] = {"head_dim": _TINY_HEAD_DIM, "num_key_value_heads": _TINY_HEADS}
+
 # fields counting layers, per naming scheme
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
@@ -187,24 +192,41 @@ def tiny_config(config, **overrides):
 
     base = AutoConfig.for_model(config) if isinstance(config, str) else config
     data = _config_dict(base)
+    present = _field_resolver(base, data)
+    # every step adds the fields it changes to `new`; later steps read what earlier ones decided
+    new: dict = {}
+    _shrink_sizes(data, present, new)
+    _shrink_heads(data, present, new)
+    _shrink_depth(data, present, new)
+    _fit_token_ids(data, present, new)
+    _shrink_sub_configs(base, data, new)
+    _fit_mrope_sections(base, data, present, new)
+    _apply_support_tiny(base, data, new)
+    new.update(overrides)
+    return type(base)(**{**data, **new})
+
+
+def _field_resolver(base, data: dict) -> Callable[[str], str | None]:
+    """``present(name)``: the key of field ``name`` in ``data`` (through the config's attribute_map), or None."""
     attribute_map = getattr(type(base), "attribute_map", {}) or {}
 
     def present(name: str) -> str | None:
         name = attribute_map.get(name, name)
         return name if name in data else None
 
-    new: dict = {}
+    return present
+
+
+def _shrink_sizes(data: dict, present: Callable[[str], str | None], new: dict) -> None:
+    """Every integer field of :data:`_TINY_FIELDS` the config has, set to its tiny value."""
     for name, value in _TINY_FIELDS.items():
         key = present(name)
         if key is not None and isinstance(data[key], int) and not isinstance(data[key], bool):
-            new[key] = (
-                min(value, data[key]) if name in ("n_group", "topk_group", "num_expert_group") else value
-            )
-    # fields some default configs leave at None although their model needs a value
-    for name in ("head_dim", "num_key_value_heads"):
+            new[key] = min(value, data[key]) if name in _CAPPED_FIELDS else value
+    for name, value in _NONE_FIELDS.items():
         key = present(name)
         if key is not None and data[key] is None:
-            new[key] = _TINY_HEAD_DIM if name == "head_dim" else _TINY_HEADS
+            new[key] = value
     if present("qk_rope_head_dim") and present("head_dim"):
         # multi-head latent attention: head_dim is the rotary part of the query/key heads
         new[present("head_dim")] = _TINY_FIELDS["qk_rope_head_dim"]
@@ -213,54 +235,67 @@ def tiny_config(config, **overrides):
     ]
     if experts and present("num_experts_per_tok") and data[present("num_experts_per_tok")] is None:
         new[present("num_experts_per_tok")] = _TINY_FIELDS["num_experts_per_tok"]
+
+
+def _shrink_heads(data: dict, present: Callable[[str], str | None], new: dict) -> None:
+    """Key/value heads in the tiny head count, keeping the attention's flavour."""
     heads_key, kv_key = present("num_attention_heads"), present("num_key_value_heads")
     if kv_key is not None and isinstance(data[kv_key], int) and heads_key is not None:
         # keep the flavour: multi-head stays multi-head, multi-query stays multi-query, GQA gets 2 groups
         original_kv, original_heads = data[kv_key], data[heads_key]
         new[kv_key] = _TINY_HEADS if original_kv == original_heads else 1 if original_kv == 1 else 2
 
-    # depth: one layer of each type (at least _TINY_LAYERS), and per-layer lists cut to match
-    layers_key = next((k for k in map(present, _LAYER_FIELDS) if k is not None), None)
-    if layers_key is not None:
-        original_layers = int(data[layers_key])
-        layer_types = data.get("layer_types")
-        keep = _TINY_LAYERS
-        if isinstance(layer_types, list) and len(layer_types) == original_layers:
-            keep = max(keep, len(set(layer_types)))
-            chosen = _representative_layers(layer_types, keep)
-        else:
-            chosen = list(range(min(keep, original_layers)))
-        new[layers_key] = len(chosen)
-        for key, value in data.items():
-            if isinstance(value, list) and len(value) == original_layers and original_layers > len(chosen):
-                new[key] = [value[i] for i in chosen]
-            elif key == "per_layer_config" and isinstance(value, dict):
-                # {"05": {...}} keyed by layer index: keep the chosen layers' entries under their new index
-                # per-layer head counts follow the tiny ones (a validator may require kv heads == heads)
-                sizes = {**_TINY_FIELDS, **{f: new[f] for f in ("num_key_value_heads",) if f in new}}
-                new[key] = {
-                    f"{chosen.index(int(k)):02d}": {f: sizes.get(f, v) for f, v in per.items()}
-                    for k, per in value.items()
-                    if int(k) in chosen
-                }
 
+def _shrink_depth(data: dict, present: Callable[[str], str | None], new: dict) -> None:
+    """One layer of each type (at least ``_TINY_LAYERS``), and the per-layer lists and dicts cut to match."""
+    layers_key = next((k for k in map(present, _LAYER_FIELDS) if k is not None), None)
+    if layers_key is None:
+        return
+    original_layers = int(data[layers_key])
+    layer_types = data.get("layer_types")
+    keep = _TINY_LAYERS
+    if isinstance(layer_types, list) and len(layer_types) == original_layers:
+        keep = max(keep, len(set(layer_types)))
+        chosen = _representative_layers(layer_types, keep)
+    else:
+        chosen = list(range(min(keep, original_layers)))
+    new[layers_key] = len(chosen)
+    for key, value in data.items():
+        if isinstance(value, list) and len(value) == original_layers and original_layers > len(chosen):
+            new[key] = [value[i] for i in chosen]
+        elif key == "per_layer_config" and isinstance(value, dict):
+            # {"05": {...}} keyed by layer index: keep the chosen layers' entries under their new index
+            # per-layer head counts follow the tiny ones (a validator may require kv heads == heads)
+            sizes = {**_TINY_FIELDS, **{f: new[f] for f in ("num_key_value_heads",) if f in new}}
+            new[key] = {
+                f"{chosen.index(int(k)):02d}": {f: sizes.get(f, v) for f, v in per.items()}
+                for k, per in value.items()
+                if int(k) in chosen
+            }
+
+
+def _fit_token_ids(data: dict, present: Callable[[str], str | None], new: dict) -> None:
+    """Special token ids moved inside the tiny vocabulary (a multimodal wrapper's into its text model's)."""
     vocab_key = present("vocab_size")
     vocab = new.get(vocab_key, data.get(vocab_key)) if vocab_key else None
     wrapper = vocab is None and isinstance(data.get("text_config"), dict)
     if wrapper:
         vocab = _TINY_VOCAB  # a multimodal wrapper: its image/video token ids index the tiny text vocabulary
-    if isinstance(vocab, int):
-        # special token ids outside the tiny vocabulary would index past the embedding table (a wrapper's
-        # start below the text config's own, so that an image token never doubles as end-of-sequence)
-        spare = vocab - 1 - (16 if wrapper else 0)
-        for key, value in data.items():
-            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= vocab:
-                new[key] = spare
-                spare -= 1
-            elif key.endswith("_token_id") and isinstance(value, list):
-                new[key] = [v if v < vocab else vocab - 1 for v in value]
+    if not isinstance(vocab, int):
+        return
+    # special token ids outside the tiny vocabulary would index past the embedding table (a wrapper's
+    # start below the text config's own, so that an image token never doubles as end-of-sequence)
+    spare = vocab - 1 - (16 if wrapper else 0)
+    for key, value in data.items():
+        if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= vocab:
+            new[key] = spare
+            spare -= 1
+        elif key.endswith("_token_id") and isinstance(value, list):
+            new[key] = [v if v < vocab else vocab - 1 for v in value]
 
-    # nested configs: a text_config is a model of its own; attention/FFN sub-configs (dbrx, mpt) hold sizes
+
+def _shrink_sub_configs(base, data: dict, new: dict) -> None:
+    """Nested configs: a text_config is a model of its own; attention/FFN sub-configs (dbrx, mpt) hold sizes."""
     for key, value in data.items():
         if key == "text_config" and isinstance(value, dict) and getattr(base, key, None) is not None:
             new[key] = tiny_config(getattr(base, key)).to_dict()
@@ -270,20 +305,25 @@ def tiny_config(config, **overrides):
         elif key in ("attn_config", "ffn_config") and isinstance(value, dict):
             new[key] = {**value, **{k: v for k, v in _TINY_FIELDS.items() if isinstance(value.get(k), int)}}
 
+
+def _fit_mrope_sections(base, data: dict, present: Callable[[str], str | None], new: dict) -> None:
+    """Multimodal RoPE splits head_dim / 2 frequencies into (temporal, height, width) sections: resized to the
+    tiny head_dim."""
     rope = data.get("rope_parameters")
     mrope = "mrope_section" in (getattr(type(base), "ignore_keys_at_rope_validation", None) or ())
     if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or (mrope and rope)):
-        # multimodal RoPE splits head_dim / 2 frequencies into (temporal, height, width) sections
         head_dim = new.get(present("head_dim") or "", _TINY_HEAD_DIM)
         half = (head_dim or _TINY_HEAD_DIM) // 2
         section = [half // 4, half // 4]
         new["rope_parameters"] = {**rope, "mrope_section": [half - sum(section), *section]}
+
+
+def _apply_support_tiny(base, data: dict, new: dict) -> None:
+    """The registry's per-architecture tiny fields (``support(model_type).tiny``), last."""
     for key, value in support(str(getattr(base, "model_type", ""))).tiny.items():
         # a dict (a sub-config such as dbrx's attn_config) adds to the fields the config already has
         current = new.get(key, data.get(key))
         new[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
-    new.update(overrides)
-    return type(base)(**{**data, **new})
 
 
 def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
