@@ -307,7 +307,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
         cu = _row_offsets(seg_lengths, n_seq, width)  # (segments + 1,)
         in_segment, seq, offsets, packed_index = _token_sources(
-            cu, seg_lengths, seg_len, seg_seq, seg_offset, n_seq, width
+            cu, seg_lengths, seg_len, seg_seq, seg_offset, n_tokens, n_seq, width
         )
         padded_ids, attention, completion = _padded_layout(
             ids, is_completion, seq_len, seq_start, width, self.pad_token_id
@@ -492,17 +492,17 @@ def _token_sources(
     seg_len: np.ndarray,
     seg_seq: np.ndarray,
     seg_offset: np.ndarray,
+    n_tokens: int,
     n_seq: int,
     width: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Where every token of the row of ``seg_lengths`` comes from (its first ``len(seg_len)`` segments are
-    real, a last one may be padding); ``(n_seq, width)`` is the padded layout ``(S, L)``.
+    """Where every token of the row of ``seg_lengths`` comes from (its first ``len(seg_len)`` segments hold the
+    ``n_tokens`` real tokens, a last one may be padding); ``(n_seq, width)`` is the padded layout ``(S, L)``.
 
     Returns ``in_segment`` ``(T,)``, every token's offset in its segment; ``seq`` and ``offsets``
     ``(n_tokens,)``, the sequence of every real token and its offset there (its position); ``packed_index``
     ``(T,)``, see the module docstring.
     """
-    n_tokens = int(seg_len.sum())
     starts = cu[:-1]
     in_segment = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,)
     seq = np.repeat(seg_seq, seg_len)  # (n_tokens,)
