@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ATTENTION_NAME, last_backend
+from .attention.admission import mark_mixers_prepared, mixers_prepared
 from .collator import PaddingFreeCollator
-from .registry import mark_mixers_prepared, mixers_prepared
+from .errors import PackingRefused
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -102,6 +103,7 @@ class PackingReport:
     worst_parameter: tuple[str, ...]
     error: str | None = None
     notes: tuple[str, ...] = field(default=())
+    refusal: str | None = None  # the .reason of a PackingRefused raised by the packed forward
     logits_noise: tuple[float, ...] = field(default=())
     grads_noise: tuple[float, ...] = field(default=())
 
@@ -175,6 +177,7 @@ class PackingReport:
             "grads_max_abs_diff": list(self.grads_max_abs_diff),
             "worst_parameter": list(self.worst_parameter),
             "error": self.error,
+            "refusal": self.refusal,
             "notes": list(self.notes),
             "logits_noise": list(self.logits_noise),
             "grads_noise": list(self.grads_noise),
@@ -317,27 +320,25 @@ def check_packing(
     batch = _packed_kwargs(samples, names, var_kw, notes, attention_mask=attention_mask, use_cache=use_cache)
     reference = _float64_copy(model, notes) if noise_floor else None
     comparison = _SampleComparison(model, gradients, "use_cache" in names or var_kw, notes, reference)
-    error = None
+    error = refusal = None
     with _checking_mode(model), torch.set_grad_enabled(gradients):
         try:
             packed_logits = _logits(model(**batch))[0]  # (T, V)
         except Exception as exc:  # any failure of the packed path is a finding, not a crash of the check
             error = f"{type(exc).__name__}: {exc}"[:500]
+            refusal = exc.reason if isinstance(exc, PackingRefused) else None
         else:
             comparison.compare_all(samples, packed_logits)
     return PackingReport(
-        str(getattr(config, "model_type", type(model).__name__)),
-        attn_implementation,
-        _attention_backend(attn_implementation),  # read after the forward: the backend it ran
-        lengths,
-        tolerance,
-        tuple(comparison.logits_diffs),
-        tuple(comparison.grads_diffs),
-        tuple(comparison.worst),
+        model_type=str(getattr(config, "model_type", type(model).__name__)),
+        attn_implementation=attn_implementation,
+        backend=_attention_backend(attn_implementation),  # read after the forward: the backend it ran
+        lengths=lengths,
+        tolerance=tolerance,
         error=error,
         notes=tuple(notes),
-        logits_noise=tuple(comparison.logits_noise),
-        grads_noise=tuple(comparison.grads_noise),
+        refusal=refusal,
+        **comparison.results(),
     )
 
 
@@ -399,6 +400,16 @@ class _SampleComparison:
         self.worst: list[str] = []
         self.logits_noise: list[float] = []
         self.grads_noise: list[float] = []
+
+    def results(self) -> dict[str, tuple]:
+        """What was gathered, as the :class:`PackingReport` fields of the same names."""
+        return {
+            "logits_max_abs_diff": tuple(self.logits_diffs),
+            "grads_max_abs_diff": tuple(self.grads_diffs),
+            "worst_parameter": tuple(self.worst),
+            "logits_noise": tuple(self.logits_noise),
+            "grads_noise": tuple(self.grads_noise),
+        }
 
     def compare_all(self, samples: list[torch.Tensor], packed_logits: torch.Tensor) -> None:
         """``packed_logits`` ``(T, V)``: the packed row's, cut back into the samples in order."""
