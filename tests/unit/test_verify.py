@@ -73,3 +73,57 @@ def test_check_packing_reports_the_varlen_backend():
     model = build_tiny_model("qwen2", "packing_hf")
     report = check_packing(model, gradients=False)
     assert not report.leaked and report.backend is not None
+
+
+class _TokenwiseLM(torch.nn.Module):
+    """A causal LM whose logits depend on each token alone (packing is exact by construction), with a forward
+    that takes ``input_ids`` and ``position_ids`` only and can fail on purpose: on the packed row, or in fp64 on
+    a sample of length ``fail_fp64``."""
+
+    def __init__(self, fail_packed: Exception | None = None, fail_fp64: int | None = None) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        torch.manual_seed(0)
+        self.config = PretrainedConfig(vocab_size=32, eos_token_id=31)
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+        self.fail_packed, self.fail_fp64 = fail_packed, fail_fp64
+
+    def forward(self, input_ids, position_ids=None):
+        if self.fail_packed is not None and position_ids is not None:
+            raise self.fail_packed
+        if input_ids.shape[-1] == self.fail_fp64 and self.head.weight.dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return (self.head(self.embed(input_ids)),)
+
+
+def test_check_packing_leaves_out_what_the_forward_does_not_take_and_says_so():
+    report = check_packing(_TokenwiseLM(), lengths=(3, 4))
+    left_out = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
+    assert set(report.notes) == {f"forward() does not accept {key!r}: left out" for key in left_out}
+    assert not report.leaked and len(report.logits_noise) == 2 and len(report.grads_noise) == 2
+
+
+def test_check_packing_falls_back_to_the_fixed_tolerance_without_fp64():
+    measured = check_packing(_TokenwiseLM(), lengths=(3, 4, 2))
+    assert len(measured.logits_noise) == 3 and not any("fp64" in note for note in measured.notes)
+    report = check_packing(_TokenwiseLM(fail_fp64=4), lengths=(3, 4, 2))  # fp64 fails on the second sample
+    fp64_notes = [note for note in report.notes if "fp64" in note]
+    assert fp64_notes == ["no fp64 reference (RuntimeError: no float64 kernel); fixed tolerance only"]
+    # the first sample's noise is dropped too (no half-measured floor), yet every sample is still compared
+    assert report.logits_noise == () and report.grads_noise == ()
+    assert len(report.logits_max_abs_diff) == 3 and len(report.grads_max_abs_diff) == 3 and not report.leaked
+
+
+def test_a_failing_or_refused_packed_forward_is_a_leak_with_its_reason():
+    from packing_hf.errors import PackingRefused
+
+    failed = check_packing(_TokenwiseLM(fail_packed=RuntimeError("boom")), lengths=(3, 4))
+    assert failed.leaked and failed.error == "RuntimeError: boom" and failed.refusal is None
+    assert failed.logits_max_abs_diff == () and failed.grads_max_abs_diff == ()
+    refused = check_packing(
+        _TokenwiseLM(fail_packed=PackingRefused("a_reason", "no packing here")), lengths=(3,)
+    )
+    assert refused.leaked and refused.refusal == "a_reason" and refused.error.startswith("PackingRefused:")
+    assert refused.to_dict()["refusal"] == "a_reason"
