@@ -505,10 +505,9 @@ def varlen_attention_forward(
     (torch.Size([1, 6, 2, 4]), None)
     """
     global _WARNED_ATTENTIONS
+    # sequence parallelism (attention/ulysses.py): the shard calls this function again, on the whole row
     shard = kwargs.pop(SHARD_KEY, None)
-    if (
-        shard is not None
-    ):  # sequence parallelism (attention/ulysses.py): this function again, on the whole row
+    if shard is not None:
         named = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, s_aux=s_aux, alibi_slopes=alibi_slopes)  # fmt: skip
         return shard.attention(
             varlen_attention_forward, module, query, key, value, attention_mask, **named, **kwargs
