@@ -156,7 +156,19 @@ class SequenceShard:
     def check_call(self, batch: dict) -> dict:
         """The model pre-hook's check of this rank's call: its tokens and positions are this shard's, there is
         no mask or cache; returns the batch with ``use_cache=False``."""
-        positions = batch.get("position_ids")
+        self._check_positions(batch.get("position_ids"))
+        for name in ("attention_mask", "past_key_values", "cache", "cu_seq_lens_q", "cu_seq_lens_k"):
+            if batch.get(name) is not None:
+                raise ValueError(
+                    f"{self!r}: {name} was passed next to a sequence-parallel shard, whose boundaries are the "
+                    "whole row's (carried by the shard); drop it"
+                )
+        out = dict(batch)
+        out["use_cache"] = False
+        return out
+
+    def _check_positions(self, positions: Any) -> None:
+        """The call's ``position_ids`` must be this shard's slice of the row's (else rotary is offset)."""
         expected = self.position_ids[:, self.offset : self.offset + self.length]
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != tuple(expected.shape):
             shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else None
@@ -170,15 +182,6 @@ class SequenceShard:
                 f"{self.offset + self.length} (rotary embeddings would be offset); pass the batch "
                 "packing_hf.shard_packed_batch returned, unchanged"
             )
-        for name in ("attention_mask", "past_key_values", "cache", "cu_seq_lens_q", "cu_seq_lens_k"):
-            if batch.get(name) is not None:
-                raise ValueError(
-                    f"{self!r}: {name} was passed next to a sequence-parallel shard, whose boundaries are the "
-                    "whole row's (carried by the shard); drop it"
-                )
-        out = dict(batch)
-        out["use_cache"] = False
-        return out
 
     def attention(
         self,
@@ -201,6 +204,8 @@ class SequenceShard:
         Returns:
             ``((1, T_rank, H, Dv), None)``, as the attention interface returns.
         """
+        if self.calls == 0:  # a model not prepared for packing has no pre-hook: check the call once here
+            self._check_positions(kwargs.get("position_ids"))
         self.calls += 1
         if attention_mask is not None:
             raise ValueError(
