@@ -63,6 +63,7 @@ from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
 from .preflight import base_model, preflight_packing
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
+from .sequence_parallel import PackingSequenceParallelMixin
 
 __all__ = [
     "SAMPLER_STATE_NAME",
@@ -77,7 +78,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin):
+class PackingTrainerMixin(
+    PackingSequenceParallelMixin, PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin
+):
     """What ``packing_hf.Trainer`` and ``packing_hf.SFTTrainer`` add to their Hugging Face base class.
 
     Put it first in the bases (``class Trainer(PackingTrainerMixin, transformers.Trainer)``); ``args`` must be
@@ -111,6 +114,7 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         self._loss_setup()
+        self._sequence_parallel_setup()
         gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples
         if args.max_tokens_per_batch is None:
             return
@@ -293,6 +297,10 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
     >>> result.global_step
     2
     """
+
+    packing_sequence_parallel = (
+        True  # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
+    )
 
     def __init__(
         self,

@@ -13,6 +13,9 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
 - ``sp4_sliding``: a Mistral with a 4-token sliding window at sp=4 (the window sees across shard cuts).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
+- ``packing_hf.Trainer`` with ``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2),
+  max_tokens_per_batch=48)`` on 2 processes, one optimizer step (``"token"`` and ``"sample"``), against the
+  same Trainer on one process (stock's own loss for ``"token"``).
 
 Importing this module does nothing (pytest collects it for doctests).
 """
@@ -170,18 +173,91 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     dist.destroy_process_group()
 
 
+def trainer_step(out_dir: str, sp_size: int, normalization: str) -> tuple:
+    """One optimizer step of ``packing_hf.Trainer`` (``max_tokens_per_batch=48``): the loss summed over ranks
+    and the gradients the optimizer sees (DDP's average), with ``sp_size`` processes in one SP group or (``1``)
+    on one process."""
+    import torch
+    from accelerate import ParallelismConfig
+    from transformers import TrainerCallback
+
+    from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
+
+    grads: dict = {}
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    class Recording(Trainer):
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            grads["__loss__"] = loss.detach().clone()
+            return loss
+
+    generator = torch.Generator().manual_seed(7)
+    data = []
+    for i, length in enumerate([13, 21, 6, 9, 17, 4, 11, 8]):
+        ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        data.append({"input_ids": ids, "labels": [-100] * (i % 3) + ids[i % 3 :]})
+    args = TrainingArguments(
+        f"{out_dir}/trainer-sp{sp_size}", max_tokens_per_batch=48, max_steps=1, learning_rate=1e-3,
+        max_grad_norm=0.0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        loss_normalization=normalization, packing_preflight="off", seed=3,
+        parallelism_config=ParallelismConfig(sp_size=sp_size) if sp_size > 1 else None,
+    )  # fmt: skip
+    trainer = Recording(
+        model=make_model("llama"), args=args, train_dataset=data, data_collator=PaddingFreeCollator(),
+        callbacks=[Capture()],
+    )  # fmt: skip
+    trainer.train()
+    loss = grads.pop("__loss__").double()
+    if sp_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()  # each rank's loss is scaled by the world size (DDP averages)
+    return loss, grads
+
+
+def run_trainer(rank: int, out_dir: str, port: str, world: int) -> None:
+    import torch
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    results = {
+        normalization: trainer_step(out_dir, world, normalization) for normalization in ("token", "sample")
+    }
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "sp_trainer.pt"))
+
+
 def main(out_dir: str, port: str) -> None:
+    import socket
+
     import torch
     import torch.multiprocessing as mp
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported once, before the fork)
     import transformers.models.mistral.modeling_mistral  # noqa: F401
 
     import packing_hf
+    import packing_hf.integrations.trainer  # noqa: F401
 
     torch.set_num_threads(1)
     packing_hf.shard_packed_batch, packing_hf.register_attention()  # resolved before the fork too
     # fork: the children start with everything imported (spawn would import torch and transformers 4 times)
     mp.start_processes(run, args=(out_dir, port, 4), nprocs=4, start_method="fork")
+    # packing_hf.Trainer with ParallelismConfig(sp_size=2) on 2 processes, then on this one without
+    with socket.socket() as probe:  # a second free port: the first group's may linger in TIME_WAIT
+        probe.bind(("127.0.0.1", 0))
+        second = str(probe.getsockname()[1])
+    mp.start_processes(run_trainer, args=(out_dir, second, 2), nprocs=2, start_method="fork")
+    reference = {
+        normalization: trainer_step(out_dir, 1, normalization) for normalization in ("token", "sample")
+    }
+    torch.save(reference, os.path.join(out_dir, "sp_trainer_reference.pt"))
 
 
 if __name__ == "__main__":
