@@ -17,11 +17,16 @@ False
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .._loss import LOSS_WEIGHTS_KEY
 
 __all__ = ["PackingSequenceParallelMixin", "sequence_parallel_size"]
+
+# set by ``accelerate launch --parallelism_config_*``: accelerate then builds its ParallelismConfig from the
+# environment when the Trainer hands it none
+_LAUNCHER_FLAG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 
 
 def sequence_parallel_size(parallelism_config: Any) -> int:
@@ -61,14 +66,23 @@ class PackingSequenceParallelMixin:
         self._packing_sp_group = None
         self._packing_sp_rank = 0
         config = getattr(self.args, "parallelism_config", None)
+        from_launcher = config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true"
+        if from_launcher:  # accelerate launch --parallelism_config_sp_size N (or its config file)
+            from accelerate import ParallelismConfig
+
+            config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
         if not self.packing_sequence_parallel or sequence_parallel_size(config) == 1:
             return super().create_accelerator_and_postprocess()
         self._packing_sp_size = sequence_parallel_size(config)
-        self.args.parallelism_config = None  # accelerate would route sp_size > 1 to DeepSpeed
+        # accelerate would route sp_size > 1 to DeepSpeed: it is built without it, then everything is put back
+        given, self.args.parallelism_config = self.args.parallelism_config, None
+        flag = os.environ.pop(_LAUNCHER_FLAG, None)
         try:
             return super().create_accelerator_and_postprocess()
         finally:
-            self.args.parallelism_config = config
+            self.args.parallelism_config = given
+            if flag is not None:
+                os.environ[_LAUNCHER_FLAG] = flag
 
     def _sequence_parallel_setup(self) -> None:
         """Called by the set-up: the SP groups (collective: every process calls it), and what SP needs."""
