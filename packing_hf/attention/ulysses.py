@@ -140,6 +140,7 @@ class SequenceShard:
         self.position_ids = position_ids
         self.local_only = local_only
         self.calls = 0
+        self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # the whole row's (1, T) labels and loss weights, for the loss (set by shard_packed_batch)
         self.labels: torch.Tensor | None = None
         self.loss_weights: torch.Tensor | None = None
@@ -166,6 +167,13 @@ class SequenceShard:
         out = dict(batch)
         out["use_cache"] = False
         return out
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's positions and boundaries on ``device``, copied once per shard (every layer reuses them,
+        and the same tensor objects let the attention's per-forward caches hit)."""
+        if device not in self._copies:
+            self._copies[device] = (self.position_ids.to(device), self.cu_seq_lens.to(device))
+        return self._copies[device]
 
     def _check_positions(self, positions: Any) -> None:
         """The call's ``position_ids`` must be this shard's slice of the row's (else rotary is offset)."""
@@ -220,8 +228,7 @@ class SequenceShard:
         if self.local_only:  # negative control: the shard's tokens alone, cut samples restarting at its edge
             kwargs["position_ids"] = self.position_ids[:, self.offset : self.offset + self.length]
             return function(module, query, key, value, None, **kwargs)
-        positions = self.position_ids.to(query.device)
-        cu = self.cu_seq_lens.to(query.device)
+        positions, cu = self._on(query.device)
         kwargs.update(position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         kwargs.update(max_length_q=self.longest, max_length_k=self.longest)
         if self.size == 1:  # the shard is the whole row
