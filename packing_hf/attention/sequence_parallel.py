@@ -104,7 +104,9 @@ def sequence_parallel_groups(sp_size: int) -> tuple[Any, int, int, int]:
 
     The world is cut into ``world / sp_size`` groups of consecutive ranks (``0..sp-1``, ``sp..2sp-1``, ...): the
     ranks of a group hold one row together, the groups are the data-parallel replicas. Every process must
-    call it (``new_group`` is collective). Needs ``torch.distributed`` initialised.
+    call it (``new_group`` is collective). Needs ``torch.distributed`` initialised: on 4 processes,
+    ``sequence_parallel_groups(2)`` on rank 3 returns ``(the group of ranks 2 and 3, 1, 1, 2)``
+    (``tests/distributed/_sp_worker.py`` runs it).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp_size < 1 or world % sp_size:
@@ -166,6 +168,12 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
     Raises:
         ValueError: a row that is not one packed ``[1, T]`` row, shorter than the group, with other per-token
             entries it cannot cut, or different across the group's ranks.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> row = PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    >>> shard = shard_packed_batch(row)  # one process (no process group): the whole row
+    >>> shard["input_ids"].tolist(), shard["shift_labels"].tolist()
+    ([[5, 6, 7, 8, 9]], [[6, 7, -100, 9, -100]])
     """
     if dist.is_available() and dist.is_initialized():
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -224,6 +232,11 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
 def shard_loss_counts(batch: dict) -> tuple[float, int]:
     """``(target weight, samples)`` of a shard's whole row (:func:`packing_hf._loss.loss_counts`), on the first
     rank of its group only (``(0.0, 0)`` on the others): summed over every rank of a step, each row counts once.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> shard_loss_counts(shard)  # 3 targets, 2 samples
+    (3.0, 2)
     """
     shard: SequenceShard = batch[SHARD_KEY]
     if shard.rank != 0 or shard.labels is None:
@@ -256,6 +269,12 @@ def sequence_parallel_loss(
 
     Returns:
         A scalar that keeps the graph.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> logits = torch.zeros(1, 5, 10)  # uniform over 10 tokens: every target costs log(10)
+    >>> round(float(sequence_parallel_loss(logits, shard)), 4)
+    2.3026
     """
     shard: SequenceShard = batch[SHARD_KEY]
     if shard.labels is None:
