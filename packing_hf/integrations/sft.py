@@ -186,6 +186,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     1
     """
 
+    packing_sequence_parallel = True  # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
+
     def __init__(
         self,
         model: Any,

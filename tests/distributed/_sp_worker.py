@@ -13,9 +13,9 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
 - ``sp4_sliding``: a Mistral with a 4-token sliding window at sp=4 (the window sees across shard cuts).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
-- ``packing_hf.Trainer`` with ``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2),
-  max_tokens_per_batch=48)`` on 2 processes, one optimizer step (``"token"`` and ``"sample"``), against the
-  same Trainer on one process (stock's own loss for ``"token"``).
+- ``packing_hf.Trainer`` (``"token"``) and ``packing_hf.SFTTrainer`` (``"sample"``) with
+  ``parallelism_config=ParallelismConfig(sp_size=2)``, ``max_tokens_per_batch=48`` on 2 processes, one optimizer
+  step, against the same trainer on one process (stock's own loss for ``"token"``).
 
 Importing this module does nothing (pytest collects it for doctests).
 """
@@ -26,6 +26,7 @@ import os
 import sys
 
 VOCAB = 64
+TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_local_only")
 
 
@@ -173,15 +174,16 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     dist.destroy_process_group()
 
 
-def trainer_step(out_dir: str, sp_size: int, normalization: str) -> tuple:
-    """One optimizer step of ``packing_hf.Trainer`` (``max_tokens_per_batch=48``): the loss summed over ranks
-    and the gradients the optimizer sees (DDP's average), with ``sp_size`` processes in one SP group or (``1``)
-    on one process."""
+def trainer_step(out_dir: str, sp_size: int, kind: str) -> tuple:
+    """One optimizer step of ``packing_hf.Trainer`` (``kind="trainer"``, ``"token"``) or ``SFTTrainer``
+    (``"sft"``, ``"sample"``) with ``max_tokens_per_batch=48``: the loss summed over ranks and the gradients the
+    optimizer sees (DDP's average), with ``sp_size`` processes in one SP group or (``1``) on one process."""
+    import datasets
     import torch
     from accelerate import ParallelismConfig
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
 
-    from packing_hf import PaddingFreeCollator, Trainer, TrainingArguments
+    from packing_hf import PaddingFreeCollator, SFTConfig, SFTTrainer, Trainer, TrainingArguments
 
     grads: dict = {}
 
@@ -189,7 +191,7 @@ def trainer_step(out_dir: str, sp_size: int, normalization: str) -> tuple:
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
-    class Recording(Trainer):
+    class Recording(Trainer if kind == "trainer" else SFTTrainer):
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
             grads["__loss__"] = loss.detach().clone()
@@ -200,15 +202,24 @@ def trainer_step(out_dir: str, sp_size: int, normalization: str) -> tuple:
     for i, length in enumerate([13, 21, 6, 9, 17, 4, 11, 8]):
         ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
         data.append({"input_ids": ids, "labels": [-100] * (i % 3) + ids[i % 3 :]})
-    args = TrainingArguments(
-        f"{out_dir}/trainer-sp{sp_size}", max_tokens_per_batch=48, max_steps=1, learning_rate=1e-3,
-        max_grad_norm=0.0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-        loss_normalization=normalization, packing_preflight="off", seed=3,
+    options = dict(
+        max_tokens_per_batch=48, max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, packing_preflight="off", seed=3,
         parallelism_config=ParallelismConfig(sp_size=sp_size) if sp_size > 1 else None,
     )  # fmt: skip
+    extra = {}
+    if kind == "trainer":
+        args = TrainingArguments(f"{out_dir}/trainer-sp{sp_size}", loss_normalization="token", **options)
+    else:  # TRL's SFT in fp32 (its default on CPU is bf16 autocast), data already tokenized
+        args = SFTConfig(
+            f"{out_dir}/sft-sp{sp_size}", loss_normalization="sample", padding_free=True, max_length=None,
+            bf16=False, **options,
+        )  # fmt: skip
+        data = datasets.Dataset.from_list(data)
+        extra["processing_class"] = AutoTokenizer.from_pretrained(TOKENIZER)
     trainer = Recording(
         model=make_model("llama"), args=args, train_dataset=data, data_collator=PaddingFreeCollator(),
-        callbacks=[Capture()],
+        callbacks=[Capture()], **extra,
     )  # fmt: skip
     trainer.train()
     loss = grads.pop("__loss__").double()
@@ -227,9 +238,7 @@ def run_trainer(rank: int, out_dir: str, port: str, world: int) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
     torch.set_num_threads(1)
-    results = {
-        normalization: trainer_step(out_dir, world, normalization) for normalization in ("token", "sample")
-    }
+    results = {kind: trainer_step(out_dir, world, kind) for kind in ("trainer", "sft")}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "sp_trainer.pt"))
 
@@ -243,6 +252,7 @@ def main(out_dir: str, port: str) -> None:
     import transformers.models.mistral.modeling_mistral  # noqa: F401
 
     import packing_hf
+    import packing_hf.integrations.sft  # noqa: F401  (TRL too)
     import packing_hf.integrations.trainer  # noqa: F401
 
     torch.set_num_threads(1)
@@ -254,9 +264,7 @@ def main(out_dir: str, port: str) -> None:
         probe.bind(("127.0.0.1", 0))
         second = str(probe.getsockname()[1])
     mp.start_processes(run_trainer, args=(out_dir, second, 2), nprocs=2, start_method="fork")
-    reference = {
-        normalization: trainer_step(out_dir, 1, normalization) for normalization in ("token", "sample")
-    }
+    reference = {kind: trainer_step(out_dir, 1, kind) for kind in ("trainer", "sft")}
     torch.save(reference, os.path.join(out_dir, "sp_trainer_reference.pt"))
 
 

@@ -3,8 +3,8 @@ gradient of one optimizer step equal one process on the same whole rows (1e-5 re
 data parallel 2 x sequence parallel 2 (gradient accumulation, gradient checkpointing), with samples cut by
 shard edges, a sample longer than a shard, a shard holding only a tail, ``"sample"`` and ``"token"``
 normalisation with ``loss_weights``, and a sliding window; the negative control (every shard attending within
-its own tokens) fails the same comparison; ``packing_hf.Trainer`` with ``ParallelismConfig(sp_size=2)`` on 2
-processes equals the same Trainer on one. One launch runs every case: ``_sp_worker.py``.
+its own tokens) fails the same comparison; ``packing_hf.Trainer`` and ``SFTTrainer`` with
+``ParallelismConfig(sp_size=2)`` on 2 processes equal the same trainer on one. One launch runs every case: ``_sp_worker.py``.
 """
 
 from __future__ import annotations
@@ -33,14 +33,12 @@ def results(run_once, launch, free_port):
     found = torch.load(folder / "sp_results.pt", weights_only=False)
     trainer = torch.load(folder / "sp_trainer.pt", weights_only=False)
     reference = torch.load(folder / "sp_trainer_reference.pt", weights_only=False)
-    for normalization, got in trainer.items():
-        found[f"trainer_sp2_{normalization}"] = (reference[normalization], got)
+    for kind, got in trainer.items():
+        found[f"{kind}_sp2"] = (reference[kind], got)
     return found
 
 
-@pytest.mark.parametrize(
-    "case", ["sp4_sample", "dp2_sp2_token", "sp4_sliding", "trainer_sp2_token", "trainer_sp2_sample"]
-)
+@pytest.mark.parametrize("case", ["sp4_sample", "dp2_sp2_token", "sp4_sliding", "trainer_sp2", "sft_sp2"])
 def test_sequence_parallel_equals_one_process(results, case, assert_close):
     (ref_loss, ref_grads), (loss, grads) = results[case]
     assert_close(loss, ref_loss, f"{case}: loss", rel=RELATIVE_TOLERANCE)
