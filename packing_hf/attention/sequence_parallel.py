@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
-from ..registry import needs_preparation, support
+from ..registry import support
 from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
+from .admission import needs_preparation
 from .guards import validate_packed_batch
 from .interface import ATTENTION_NAME
 from .ulysses import SHARD_KEY, SequenceShard, shard_lengths
