@@ -65,6 +65,12 @@ _LAZY: dict[str, str] = {
     "register_attention": "attention",
     "shared_prefix_attention": "attention",
     "validate_packed_batch": "attention.guards",
+    # attention/sequence_parallel.py: Ulysses sequence parallelism over packed rows
+    "shard_packed_batch": "attention.sequence_parallel",
+    "sequence_parallel_loss": "attention.sequence_parallel",
+    "shard_loss_counts": "attention.sequence_parallel",
+    "sequence_parallel_groups": "attention.sequence_parallel",
+    "check_sequence_parallel_model": "attention.sequence_parallel",
     # verify.py: the packed-vs-alone check
     "check_packing": "verify",
     "PackingReport": "verify",
@@ -179,6 +185,13 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         varlen_attention,
     )
     from .attention.guards import validate_packed_batch
+    from .attention.sequence_parallel import (
+        check_sequence_parallel_model,
+        sequence_parallel_groups,
+        sequence_parallel_loss,
+        shard_loss_counts,
+        shard_packed_batch,
+    )
     from .collator import PaddingFreeCollator
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import (

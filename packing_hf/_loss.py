@@ -41,6 +41,7 @@ __all__ = [
     "loss_counts",
     "loss_numerator",
     "step_denominator",
+    "target_coefficients",
     "target_segments",
 ]
 
@@ -210,6 +211,33 @@ def loss_numerator(
     sample_weight.index_add_(0, segments, weights.flatten())
     safe = torch.where(sample_weight > 0, sample_weight, torch.ones_like(sample_weight))
     return (sample_loss / safe).sum()
+
+
+def target_coefficients(
+    labels: torch.Tensor,
+    normalization: str,
+    loss_weights: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(B, T - 1)`` float32 ``c`` with ``loss_numerator(l, ...) == sum(c * l)``: the factor of every target's
+    loss in the numerator (its weight, over its sample's weight for ``"sample"``; 0 where ignored).
+
+    Computed on a whole row, then cut, it lets every shard of the row add its own targets' share exactly
+    (sequence parallelism: :func:`packing_hf.sequence_parallel_loss`).
+
+    >>> target_coefficients(torch.tensor([[-100, 1, 1, -100, 1]]), "sample", cu_seq_lens=torch.tensor([0, 3, 5])).tolist()
+    [[0.5, 0.5, 0.0, 1.0]]
+    """
+    check_loss_normalization(normalization, "normalization")
+    weights = _target_weights(labels, loss_weights)
+    if normalization != "sample":
+        return weights
+    segments = target_segments(labels, position_ids, cu_seq_lens).flatten()
+    sample_weight = torch.zeros(labels.numel(), dtype=weights.dtype, device=weights.device)
+    sample_weight.index_add_(0, segments, weights.flatten())
+    per_target = sample_weight[segments].view_as(weights)
+    return torch.where(weights > 0, weights / torch.where(weights > 0, per_target, 1.0), 0.0)
 
 
 def step_denominator(totals: Sequence[float], normalization: str) -> float:

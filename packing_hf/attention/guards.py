@@ -52,6 +52,7 @@ from .admission import needs_preparation
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
+from .ulysses import SHARD_KEY
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
 
@@ -217,6 +218,8 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
 def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
     """:func:`validate_packed_batch`, also returning the ``(B, T)`` sample starts it found (``None``: not packed)."""
     out = dict(batch)
+    if out.get(SHARD_KEY) is not None:  # one rank's part of a sequence-parallel row, checked whole when cut
+        return out[SHARD_KEY].check_call(out), None
     starts = find_packed_boundaries(out)
     if starts is None:
         return out, None

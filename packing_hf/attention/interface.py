@@ -28,12 +28,14 @@ from typing import Any
 import torch
 
 from ..multimodal import refuse_unprepared_media
-from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
+from ..varlen import check_int32_tokens, position_restarts
 from . import host
 from .admission import check_served_config, served_config_key
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
+from .chunks import chunk_position_ids
 from .host import cached_host_values, host_values
 from .prefix import PREFIX_KEY, gather_prefix_keys
+from .ulysses import SHARD_KEY
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention_forward", "varlen_attention_mask"]
 
@@ -491,7 +493,7 @@ def varlen_attention_forward(
         s_aux: ``(Hq,)`` attention sinks (gpt_oss).
         alibi_slopes: ``(Hq,)`` ALiBi slopes.
         **kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``prefix_seq_idx`` (see
-            :func:`attend`); others ignored.
+            :func:`attend`); a sequence-parallel shard (:mod:`packing_hf.attention.ulysses`); others ignored.
 
     Returns:
         ``((B, Tq, Hq, Dv) output, None)``: attention weights are never materialised.
@@ -503,6 +505,13 @@ def varlen_attention_forward(
     (torch.Size([1, 6, 2, 4]), None)
     """
     global _WARNED_ATTENTIONS
+    # sequence parallelism (attention/ulysses.py): the shard calls this function again, on the whole row
+    shard = kwargs.pop(SHARD_KEY, None)
+    if shard is not None:
+        named = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, s_aux=s_aux, alibi_slopes=alibi_slopes)  # fmt: skip
+        return shard.attention(
+            varlen_attention_forward, module, query, key, value, attention_mask, **named, **kwargs
+        )
     _check_served(getattr(module, "config", None))
     refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
     if kwargs.get("cache") is not None:
@@ -571,39 +580,6 @@ def attention_chunk(module: torch.nn.Module) -> int | None:
     if not chunk or not isinstance(layer_types, list | tuple) or not isinstance(index, int):
         return None
     return int(chunk) if layer_types[index] == "chunked_attention" else None
-
-
-def chunk_position_ids(
-    chunk: int,
-    q_length: int,
-    kv_length: int,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """``(B|1, T)`` positions restarting at every chunk of ``chunk`` tokens counted from each sample's start.
-
-    Chunked attention lets a token attend only within its chunk of its sample (transformers' chunked mask
-    on packed rows does the same), so every chunk is a segment of its own: restarting the positions at
-    each chunk start turns the varlen attention's per-sample segments into per-chunk ones. Positions come
-    from ``position_ids``, else from ``cu_seq_lens_q``, else ``0 .. T - 1`` (one sample).
-
-    Raises:
-        ValueError: with a cache (more keys than queries): chunked decoding is not served by this attention.
-
-    >>> chunk_position_ids(3, 7, 7, torch.tensor([[0, 1, 2, 3, 4, 0, 1]]), None, "cpu").tolist()
-    [[0, 1, 2, 0, 1, 0, 1]]
-    """
-    if q_length != kv_length:
-        raise ValueError(
-            f"chunked attention (attention_chunk_size={chunk}) over a cache ({q_length} queries, {kv_length} "
-            "keys) is not served by packing_hf's varlen attention; generate with attn_implementation='sdpa'"
-        )
-    if position_ids is None and cu_seq_lens_q is not None:
-        position_ids = cu_seqlens_to_position_ids(cu_seq_lens_q).reshape(1, -1).to(device)
-    if position_ids is None:
-        position_ids = torch.arange(q_length, device=device).unsqueeze(0)
-    return position_ids % chunk
 
 
 def varlen_attention_mask(

@@ -104,8 +104,10 @@ class PackingDataMixin(PackingStreamMixin):
     # ---- data ------------------------------------------------------------------------------------
 
     def _data_parallel_world(self) -> tuple[int, int]:
-        """``(num_replicas, rank)`` of the data-parallel group (TP/CP/SP are refused in set-up)."""
-        return max(1, self.accelerator.num_processes), self.accelerator.process_index
+        """``(num_replicas, rank)`` of the data-parallel group (TP/CP are refused in set-up; the ``sp_size``
+        processes of a sequence-parallel group are one replica: they share its rows)."""
+        sp_size = getattr(self, "_packing_sp_size", 1)
+        return max(1, self.accelerator.num_processes) // sp_size, self.accelerator.process_index // sp_size
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Token length of every training sample: the ``length_column_name`` column if the dataset has

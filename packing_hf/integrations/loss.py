@@ -111,11 +111,14 @@ class PackingLossMixin:
                 labels, weights, batch.get("position_ids"), batch.get("cu_seq_lens_q")
             )
             local += torch.tensor([float(weights is not None), target_weight, samples], dtype=torch.float64)
+        if getattr(self, "_packing_sp_rank", 0):
+            local.zero_()  # sequence parallelism: the group's ranks share the row, its first rank counts it
         totals = local.to(device)
         if not single:
             # every rank must take the same path this step (a stream's padding batch carries no weights)
             totals = self.accelerator.reduce(totals, reduction="sum")
-        self._packing_loss_active = normalization != "token" or bool(totals[0] > 0)
+        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1  # its loss is always computed here
+        self._packing_loss_active = normalization != "token" or bool(totals[0] > 0) or sequence_parallel
         if not self._packing_loss_active:
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
             return super()._get_num_items_in_batch(batch_samples, device)
@@ -133,6 +136,8 @@ class PackingLossMixin:
         this micro-batch's numerator over the step's denominator ``num_items_in_batch``, times the number of
         processes."""
         weights = inputs.pop(LOSS_WEIGHTS_KEY, None)
+        if getattr(self, "_packing_sp_size", 1) > 1 and model.training:
+            return self._sequence_parallel_loss(model, inputs, weights, num_items_in_batch, return_outputs)
         if not (self._packing_loss_active and model.training and num_items_in_batch is not None):
             # evaluation: eval_loss stays the unweighted token mean (see docs/loss.md)
             return super().compute_loss(

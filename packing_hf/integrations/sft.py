@@ -151,6 +151,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     algorithm = "SFT"
     stock = "trl.SFTTrainer"
     packing_collator = (PaddingFreeCollator, MultimodalCollator)
+    # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
+    packing_sequence_parallel = True
 
     def _packing_config(self, args: Any, model: Any) -> SFTConfig:
         return _as_packing_config(args, model)

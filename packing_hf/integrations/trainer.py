@@ -63,6 +63,7 @@ from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
 from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
+from .sequence_parallel import PackingSequenceParallelMixin
 from .skeleton import PackedTrainerSkeleton
 from .stream_data import is_stream
 
@@ -80,7 +81,12 @@ logger = logging.getLogger(__name__)
 
 
 class PackingTrainerMixin(
-    PackedTrainerSkeleton, PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin
+    PackingSequenceParallelMixin,
+    PackedTrainerSkeleton,
+    PackingLossMixin,
+    PackingEvalMixin,
+    PackingDataMixin,
+    PackingResumeMixin,
 ):
     """What ``packing_hf.Trainer``, ``SFTTrainer`` and the preference trainers add to their Hugging Face base
     class: multipack data, evaluation, resume, the loss contract and metrics (see the module docstring).
@@ -114,6 +120,7 @@ class PackingTrainerMixin(
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         self._loss_setup()
+        self._sequence_parallel_setup()
         gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples
         if args.max_tokens_per_batch is None:
             return
@@ -248,6 +255,9 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
     >>> result.global_step
     2
     """
+
+    # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
+    packing_sequence_parallel = True
 
     def _packing_config(self, args: Any, model: Any) -> Any:
         return TrainingArguments(output_dir="tmp_trainer") if args is None else args

@@ -1,0 +1,299 @@
+"""Sequence parallelism over packed rows, Ulysses style: cut a packed row over the ranks of a group, train on
+the shards, get the loss and gradients of the whole row.
+
+Every rank of a sequence-parallel (SP) group holds the same packed ``[1, T]`` row (the multipack sampler's
+rank is the data-parallel rank). :func:`shard_packed_batch` checks the row whole, shifts its labels whole
+(the target of a shard's last token is the next shard's first token), and keeps this rank's contiguous
+shard of ``input_ids`` / ``position_ids`` / ``shift_labels``, with a
+:class:`~packing_hf.attention.ulysses.SequenceShard` carrying the row's boundaries. The model runs on the
+shard; its attention layers (``attn_implementation=packing_hf.ATTENTION_NAME``) see the whole row for
+``H / sp`` heads (:mod:`packing_hf.attention.ulysses`). :func:`sequence_parallel_loss` gives each rank its
+targets' share of the row's loss under any ``loss_normalization`` / ``loss_weights``, with the row's own
+denominator: the shares add up to the one-process loss, and the gradients summed over the group (DDP's
+average times the world size) are the one-process gradients.
+
+What cannot be exact is refused by name (:func:`check_sequence_parallel_model`): token mixers (SSM,
+DeltaNet, convolutions) need whole samples; models whose attention is not packing_hf's would attend within
+the shard only.
+
+>>> shard_lengths(5, 2)
+[3, 2]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
+from ..registry import support
+from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
+from .admission import needs_preparation
+from .guards import validate_packed_batch
+from .interface import ATTENTION_NAME
+from .ulysses import SHARD_KEY, SequenceShard, shard_lengths
+
+__all__ = [
+    "SHARD_KEY",
+    "SequenceShard",
+    "check_sequence_parallel_model",
+    "sequence_parallel_groups",
+    "sequence_parallel_loss",
+    "shard_loss_counts",
+    "shard_lengths",
+    "shard_packed_batch",
+]
+
+# the per-token keys a shard keeps (cut), the keys consumed into the shard, and what else it may carry
+_CONSUMED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "labels", LOSS_WEIGHTS_KEY)
+
+
+def check_sequence_parallel_model(model: torch.nn.Module, sp_size: int) -> None:
+    """Refuse, by name and with the fix, a model whose packed rows cannot be split over ``sp_size`` ranks exactly.
+
+    A model qualifies when it runs packing_hf's varlen attention (the layers the shard's all-to-alls live in),
+    has no token mixer (a state-space / DeltaNet / convolution layer carries state along the whole sample,
+    which a shard does not hold) and splits its heads over ``sp_size`` (query heads divisible by ``sp_size``;
+    key/value heads divisible by it, or dividing it: they are then repeated).
+
+    >>> from transformers import AutoConfig, AutoModelForCausalLM
+    >>> config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    >>> check_sequence_parallel_model(model, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: sequence parallelism (sp_size=2) runs inside packing_hf's varlen attention, but the model uses attn_implementation='sdpa', which would attend within each rank's shard only; load it with attn_implementation=packing_hf.register_attention()
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != ATTENTION_NAME:
+        raise ValueError(
+            f"sequence parallelism (sp_size={sp_size}) runs inside packing_hf's varlen attention, but the model "
+            f"uses attn_implementation={implementation!r}, which would attend within each rank's shard only; "
+            "load it with attn_implementation=packing_hf.register_attention()"
+        )
+    entry = support(str(getattr(text, "model_type", "")))
+    if entry.status == "mixers" or entry.split_stack:
+        raise ValueError(
+            f"{entry.model_type}: sequence parallelism cannot split its packed rows: its token mixers ({entry.reason}) "
+            "run along whole samples, which a rank's shard does not hold; train it with data parallelism only "
+            "(sp_size=1)"
+        )
+    reason = needs_preparation(config, varlen=True)
+    if reason is not None or entry.own_attention or entry.status == "refused":
+        raise ValueError(
+            f"{entry.model_type}: sequence parallelism needs a model whose attention layers all dispatch to "
+            f"packing_hf's varlen attention ({reason or entry.reason}); train it with sp_size=1"
+        )
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % sp_size or (kv_heads % sp_size and sp_size % kv_heads):
+        raise ValueError(
+            f"sequence parallelism splits the attention heads over the ranks: sp_size={sp_size} must divide the "
+            f"{heads} query heads and divide (or be a multiple of) the {kv_heads} key/value heads; choose another "
+            "sp_size"
+        )
+
+
+def sequence_parallel_groups(sp_size: int) -> tuple[Any, int, int, int]:
+    """The sequence-parallel group of this process: ``(group, sp_rank, dp_rank, dp_size)``.
+
+    The world is cut into ``world / sp_size`` groups of consecutive ranks (``0..sp-1``, ``sp..2sp-1``, ...): the
+    ranks of a group hold one row together, the groups are the data-parallel replicas. Every process must
+    call it (``new_group`` is collective). Needs ``torch.distributed`` initialised: on 4 processes,
+    ``sequence_parallel_groups(2)`` on rank 3 returns ``(the group of ranks 2 and 3, 1, 1, 2)``
+    (``tests/distributed/_sp_worker.py`` runs it).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} must divide the number of processes ({world}): every data-parallel replica is "
+            "a group of sp_size processes"
+        )
+    group = None
+    for start in range(0, world, sp_size):
+        ranks = list(range(start, start + sp_size))
+        created = dist.new_group(ranks)
+        if rank in ranks:
+            group = created
+    return group, rank % sp_size, rank // sp_size, world // sp_size
+
+
+def _row_boundaries(batch: dict, total: int) -> torch.Tensor:
+    cu = batch.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor):
+        return cu.to(torch.int32).cpu()
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor):
+        return position_ids_to_cu_seqlens(positions.cpu())
+    return torch.tensor([0, total], dtype=torch.int32)
+
+
+def _check_same_row(batch: dict, cu: torch.Tensor, group: Any) -> None:
+    """Every rank of the group must hold the same row (the sampler's rank must be the data-parallel rank)."""
+    ids = batch["input_ids"].reshape(-1).long().cpu()
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64)
+    mine = torch.tensor([ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ValueError(
+            "the ranks of a sequence-parallel group hold different packed rows, so their shards do not form one "
+            "row; give every rank of the group the same batch (a multipack sampler whose num_replicas / rank are "
+            "the data-parallel world size / rank, not the process's)"
+        )
+
+
+def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = False) -> dict:
+    """This rank's shard of a packed ``[1, T]`` row, ready for ``model(**shard)``.
+
+    Args:
+        batch: the whole row, as :class:`packing_hf.PaddingFreeCollator` builds it: ``input_ids`` ``(1, T)``,
+            ``position_ids`` ``(1, T)`` restarting per sample, optionally ``cu_seq_lens_q/k``, ``max_length_q/k``,
+            ``labels`` ``(1, T)`` and ``loss_weights`` ``(1, T)``. Checked whole (``validate_packed_batch``).
+        group: the sequence-parallel process group (``None``: the default group), whose ranks all pass the same
+            row (checked: one small all-gather).
+        local_only: negative control: each shard attends within its own tokens only (not exact).
+
+    Returns:
+        ``input_ids`` / ``position_ids`` ``(1, T_rank)`` (the row's own positions, so rotary embeddings are those
+        of the row), ``shift_labels`` ``(1, T_rank)`` (``shift_labels[t] = labels[t + 1]`` of the whole row; the
+        row's last target is ``-100``), ``use_cache=False``, the :class:`SequenceShard` under :data:`SHARD_KEY`
+        (the row's boundaries, labels and loss weights), and any non-token entries of ``batch``.
+
+    Raises:
+        ValueError: a row that is not one packed ``[1, T]`` row, shorter than the group, with other per-token
+            entries it cannot cut, or different across the group's ranks.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> row = PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    >>> shard = shard_packed_batch(row)  # one process (no process group): the whole row
+    >>> shard["input_ids"].tolist(), shard["shift_labels"].tolist()
+    ([[5, 6, 7, 8, 9]], [[6, 7, -100, 9, -100]])
+    """
+    if dist.is_available() and dist.is_initialized():
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        size, rank = 1, 0
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+        raise ValueError(
+            f"sequence parallelism cuts one packed row of input_ids (1, T), got {shape}; collate with "
+            "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
+        )
+    total = int(ids.shape[1])
+    checked = validate_packed_batch(batch)
+    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
+        if checked.get(key) is not None:
+            raise ValueError(
+                f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
+                "(labels, position_ids): pass the row as the collator built it"
+            )
+    lengths = shard_lengths(total, size)
+    cu = _row_boundaries(checked, total)
+    positions = checked.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(total).unsqueeze(0)
+    if size > 1:
+        _check_same_row(checked, cu, group)
+    labels = checked.get("labels")
+    weights = checked.get(LOSS_WEIGHTS_KEY)
+    shard = SequenceShard(group, rank, lengths, cu, positions.reshape(1, -1), local_only=local_only)
+    shard.labels, shard.loss_weights = labels, weights
+    begin, end = shard.offset, shard.offset + shard.length
+    out: dict[str, Any] = {}
+    for key, value in checked.items():
+        if key in _CONSUMED:
+            continue
+        if key in ("input_ids", "position_ids"):
+            out[key] = value[:, begin:end]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, total):
+            raise ValueError(
+                f"the batch's {key!r} {tuple(value.shape)} is per token, and sequence parallelism does not know how "
+                "to cut it over the ranks; drop it from the batch (or train with sp_size=1)"
+            )
+        else:
+            out[key] = value
+    if "position_ids" not in out:
+        out["position_ids"] = positions.reshape(1, -1)[:, begin:end]
+    if isinstance(labels, torch.Tensor):
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (1, T): the target of every token
+        out["shift_labels"] = shifted[:, begin:end]
+    out["use_cache"] = False
+    out[SHARD_KEY] = shard
+    return out
+
+
+def shard_loss_counts(batch: dict) -> tuple[float, int]:
+    """``(target weight, samples)`` of a shard's whole row (:func:`packing_hf._loss.loss_counts`), on the first
+    rank of its group only (``(0.0, 0)`` on the others): summed over every rank of a step, each row counts once.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> shard_loss_counts(shard)  # 3 targets, 2 samples
+    (3.0, 2)
+    """
+    shard: SequenceShard = batch[SHARD_KEY]
+    if shard.rank != 0 or shard.labels is None:
+        return 0.0, 0
+    return _row_counts(shard)
+
+
+def _row_counts(shard: SequenceShard) -> tuple[float, int]:
+    return loss_counts(shard.labels, shard.loss_weights, shard.position_ids, shard.cu_seq_lens)
+
+
+def sequence_parallel_loss(
+    logits: torch.Tensor,
+    batch: dict,
+    normalization: str = "token",
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's share of the loss of a sequence-parallel row: its targets' numerator over ``denominator``.
+
+    The shares of the group's ranks add up to the loss of the whole row computed on one process, for every
+    ``loss_normalization`` (a sample cut by a shard edge is normalised by its whole weight); sum the gradients
+    over the group (DDP averages them: scale the loss by the number of processes, as packing_hf's Trainer does).
+
+    Args:
+        logits: ``(1, T_rank, V)`` the model's output on the shard.
+        batch: what :func:`shard_packed_batch` returned (its ``shift_labels`` and shard).
+        normalization: ``"token"``, ``"sample"`` or ``"sample_sum"`` (``docs/loss.md``).
+        denominator: the step's denominator (its summed :func:`shard_loss_counts`, through
+            :func:`packing_hf._loss.step_denominator`); ``None``: this row's own.
+
+    Returns:
+        A scalar that keeps the graph.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> logits = torch.zeros(1, 5, 10)  # uniform over 10 tokens: every target costs log(10)
+    >>> round(float(sequence_parallel_loss(logits, shard)), 4)
+    2.3026
+    """
+    shard: SequenceShard = batch[SHARD_KEY]
+    if shard.labels is None:
+        raise ValueError("the sharded row had no labels, so it has no loss; collate with labels")
+    coefficients = target_coefficients(
+        shard.labels, normalization, shard.loss_weights, shard.position_ids, shard.cu_seq_lens
+    )  # (1, T - 1): the factor of the target of every token but the last
+    coefficients = F.pad(coefficients, (0, 1))[:, shard.offset : shard.offset + shard.length]
+    coefficients = coefficients.to(logits.device)
+    targets = batch["shift_labels"].to(logits.device)
+    per_token = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view_as(coefficients)
+    # where, not a product: an ignored target's loss must add exactly 0
+    numerator = torch.where(coefficients > 0, per_token * coefficients, torch.zeros_like(per_token)).sum()
+    if denominator is None:
+        denominator = step_denominator(_row_counts(shard), normalization)
+    return numerator / denominator

@@ -1,0 +1,122 @@
+"""Sequence parallelism on one process: the shard arithmetic, the shard of a one-rank group is the row itself,
+and every refusal names its fix. The multi-process exactness (sp=2, sp=4, DP x SP) is in
+``tests/distributed/test_sequence_parallel_multiprocess.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from packing_hf import ATTENTION_NAME, PaddingFreeCollator, prepare_model_for_packing, register_attention
+from packing_hf._loss import loss_counts, loss_numerator, step_denominator
+from packing_hf.attention.sequence_parallel import (
+    SHARD_KEY,
+    check_sequence_parallel_model,
+    sequence_parallel_loss,
+    shard_lengths,
+    shard_packed_batch,
+)
+from packing_hf.attention.ulysses import SequenceShard, _spread_kv_heads
+
+
+def _llama(heads: int = 4, kv_heads: int = 2):
+    config = AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float()
+
+
+def _row(weighted: bool = False) -> dict:
+    samples = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+        {"input_ids": [3, 4, 5], "labels": [3, 4, 5]},
+    ]
+    if weighted:
+        for sample, weights in zip(samples, ([1.0, 1.0, 0.5, 2.0, 1.0], [0.0, 1.0, 3.0]), strict=True):
+            sample["loss_weights"] = weights
+    return PaddingFreeCollator()(samples)
+
+
+def test_shard_lengths_cover_the_row_without_padding():
+    for total in range(4, 40):
+        for size in (1, 2, 3, 4):
+            lengths = shard_lengths(total, size)
+            assert sum(lengths) == total and max(lengths) - min(lengths) <= 1
+    with pytest.raises(ValueError, match="raise max_tokens_per_batch or lower sp_size"):
+        shard_lengths(3, 4)
+
+
+@pytest.mark.parametrize("normalization", ["token", "sample", "sample_sum"])
+def test_a_one_rank_group_trains_the_row_itself(normalization, assert_close):
+    model = _llama()
+    row = _row(weighted=True)
+    shard = shard_packed_batch(row)
+    assert shard["input_ids"].shape == row["input_ids"].shape and SHARD_KEY in shard
+    assert "labels" not in shard  # the model computes no loss of its own on a shard
+    logits = model(**shard).logits
+    inputs = {k: v for k, v in row.items() if k not in ("labels", "loss_weights")}
+    want_logits = model(**inputs).logits
+    assert_close(logits, want_logits, "logits", rel=1e-6)
+    assert shard[SHARD_KEY].calls == model.config.num_hidden_layers
+    per_target = F.cross_entropy(want_logits[0, :-1], row["labels"][0, 1:], reduction="none")[None]
+    args = (row["labels"], normalization, row["loss_weights"], row["position_ids"], row["cu_seq_lens_q"])
+    counts = loss_counts(row["labels"], row["loss_weights"], row["position_ids"], row["cu_seq_lens_q"])
+    want = loss_numerator(per_target, *args) / step_denominator(counts, normalization)
+    assert_close(sequence_parallel_loss(logits, shard, normalization), want, "loss", rel=1e-6)
+    # the same loss without the global shift (each token predicting itself) is caught
+    unshifted = dict(shard, shift_labels=row["labels"])
+    with pytest.raises(AssertionError):
+        assert_close(sequence_parallel_loss(logits, unshifted, normalization), want, "loss", rel=1e-6)
+
+
+def test_the_model_check_refuses_by_name():
+    sdpa = AutoConfig.for_model("llama")
+    sdpa._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        check_sequence_parallel_model(SimpleNamespace(config=sdpa), 2)
+    hybrid = AutoConfig.for_model("bamba")
+    hybrid._attn_implementation = ATTENTION_NAME
+    with pytest.raises(ValueError, match="token mixers"):
+        check_sequence_parallel_model(SimpleNamespace(config=hybrid), 2)
+    llama = AutoConfig.for_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+    llama._attn_implementation = ATTENTION_NAME
+    with pytest.raises(ValueError, match="sp_size=4 must divide the 6 query heads"):
+        check_sequence_parallel_model(SimpleNamespace(config=llama), 4)
+    check_sequence_parallel_model(SimpleNamespace(config=llama), 3)  # 3 divides both
+
+
+def test_key_value_heads_repeated_or_refused():
+    key = torch.arange(2.0).view(1, 2, 1, 1).expand(1, 2, 3, 1)  # (1, Hkv=2, T, D)
+    spread, _ = _spread_kv_heads(key, key, heads=8, kv_heads=2, size=4)
+    assert spread[0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # rank r gets the head of its query heads
+    with pytest.raises(ValueError, match="cannot split the model's 3 key/value heads"):
+        _spread_kv_heads(key, key, heads=6, kv_heads=3, size=2)
+    with pytest.raises(ValueError, match="choose an sp_size dividing 6"):
+        _spread_kv_heads(key, key, heads=6, kv_heads=2, size=4)
+
+
+def test_shards_refuse_what_they_cannot_cut_or_a_changed_call():
+    row = _row()
+    with pytest.raises(ValueError, match="'token_type_ids' .* is per token"):
+        shard_packed_batch({**row, "token_type_ids": torch.zeros_like(row["input_ids"])})
+    with pytest.raises(ValueError, match="already has 'shift_labels'"):
+        shard_packed_batch({**row, "shift_labels": row["labels"]})
+    with pytest.raises(ValueError, match="labels\\[0, 5\\]"):  # the whole row is checked first
+        shard_packed_batch({**row, "labels": torch.where(row["labels"] < 0, 1, row["labels"])})
+    shard = shard_packed_batch(row)
+    model = _llama()
+    moved = dict(shard, position_ids=shard["position_ids"] + 1)
+    with pytest.raises(ValueError, match="rotary embeddings would be offset"):
+        model(**moved)
+    cut = SequenceShard(None, 1, [4, 4], row["cu_seq_lens_q"], row["position_ids"])
+    with prepare_model_for_packing(model):  # the model pre-hook checks the shard's call
+        with pytest.raises(ValueError, match="not this shard's \\(1, 4\\)"):
+            model(**dict(shard, **{SHARD_KEY: cut}))
+        with pytest.raises(ValueError, match="attention_mask was passed next to a sequence-parallel shard"):
+            model(**shard, attention_mask=torch.ones_like(shard["input_ids"]))
