@@ -44,6 +44,7 @@ import trl
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator
+from .adapters import refuse_prompt_learning
 from .args import PackingArguments
 from .dataloaders import _is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
@@ -208,6 +209,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
             )
         args = _as_packing_config(args, model)
         padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
+        if padding_free or args.max_tokens_per_batch is not None:
+            refuse_prompt_learning(model, kwargs.get("peft_config"), stock="trl.SFTTrainer")
         # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.
         install_after = padding_free or args.max_tokens_per_batch is not None
         super().__init__(

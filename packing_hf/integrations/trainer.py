@@ -56,6 +56,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
+from .adapters import apply_peft, refuse_prompt_learning
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics
 from .dataloaders import PackingDataMixin, gather_uneven_rows, is_packing_collator, is_stream
@@ -273,7 +274,9 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
 class Trainer(PackingTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with multipack batches, exact resume, a packing pre-flight check and metrics.
 
-    Takes the same arguments as ``transformers.Trainer``; ``args`` must be a
+    Takes the same arguments as ``transformers.Trainer``, plus ``peft_config`` (a ``peft.PeftConfig``: the
+    model is wrapped with ``peft.get_peft_model``, as TRL's trainers do; prompt-learning methods are refused
+    with packed batches, see :mod:`packing_hf.integrations.adapters`); ``args`` must be a
     :class:`packing_hf.TrainingArguments` (default: one with ``output_dir="tmp_trainer"``). When
     ``max_tokens_per_batch`` is set and no ``data_collator`` is given, a
     :class:`~packing_hf.PaddingFreeCollator` using the tokenizer's pad token is used.
@@ -306,6 +309,11 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
             args = TrainingArguments(output_dir="tmp_trainer")
         if data_collator is None and getattr(args, "max_tokens_per_batch", None) is not None:
             data_collator = PaddingFreeCollator.for_tokenizer(kw.get("processing_class"))
+        # transformers.Trainer takes no peft_config: the model is wrapped here, as TRL's trainers do
+        peft_config = kw.pop("peft_config", None)
+        if getattr(args, "max_tokens_per_batch", None) is not None or is_packing_collator(data_collator):
+            refuse_prompt_learning(model, peft_config, stock="transformers.Trainer")
+        model = apply_peft(model, peft_config)
         # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
         self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(model, args, data_collator, *a, **kw)
