@@ -60,7 +60,8 @@ def _help_line(f) -> str:
     import dataclasses
 
     default = f.default if f.default is not dataclasses.MISSING else None
-    text = " ".join(str(f.metadata.get("help", "")).split())
+    # transformers escapes % for argparse ("~20%%"); this help is printed directly
+    text = " ".join(str(f.metadata.get("help", "")).replace("%%", "%").split())
     if len(text) > 160:
         text = text[:157] + "..."
     return f"    {f.name} (default {default!r}): {text}"
