@@ -165,6 +165,16 @@ def _resolve_batching(cfg: Any) -> str:
     job, training = cfg.job, cfg.training
     budget = getattr(training, "max_tokens_per_batch", None)
     batching = job.batching
+    if job.trainer not in ("trainer", "sft"):  # TRL's preference / RL trainers: always packed
+        if (
+            batching not in ("auto", "multipack" if budget is not None else "padding_free")
+            or job.sample_packing is False
+        ):
+            raise ValueError(
+                f"trainer: {job.trainer} always packs (its pairs, examples or rollouts as packed rows, of at most "
+                f"max_tokens_per_batch tokens when set); remove batching: {batching} / sample_packing"
+            )
+        return "multipack" if budget is not None else "padding_free"
     if job.sample_packing is not None:
         implied = "multipack" if job.sample_packing else "padded"
         if batching not in ("auto", implied):

@@ -125,10 +125,10 @@ def _train(argv: Sequence[str]) -> int:
         cfg = load_train_config(config, overrides)
     except (ValueError, TypeError, FileNotFoundError) as error:
         return _error("train", error, 2)
-    from .train import run_training
+    from .trl_job import run_job
 
     try:
-        run_training(cfg)
+        run_job(cfg)
     except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise

@@ -46,6 +46,10 @@ from .checks import (
 from .data import DATA_OVERFLOWS
 
 __all__ = [
+    "TRAINERS",
+    "TRL_JOB_TRAINERS",
+    "TRAINERS",
+    "TRL_JOB_TRAINERS",
     "DataArguments",
     "JobArguments",
     "ModelArguments",
@@ -65,6 +69,21 @@ def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -
         raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
+_MAPPING_KEYS = ("model_config", "peft", "column_mapping")  # the keys whose value is a mapping
+
+
+def _mapping(name: str, value: Any) -> dict | None:
+    """A mapping key of the config: the YAML mapping itself, or its JSON given on the command line."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} must be a mapping or its JSON, got {value!r} ({error.msg})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class ModelArguments:
     """What to fine-tune.
@@ -73,6 +92,13 @@ class ModelArguments:
     {'hidden_size': 64}
     """
 
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Your model in one line: a local folder, a Hub id, or a .gguf file (de-quantized on load). "
+            "Given on the command line it replaces the config's model (its gguf_*, model_type, model_config)."
+        },
+    )
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A local model folder or a Hub model id (default: the folder of gguf_package)."},
@@ -114,17 +140,29 @@ class ModelArguments:
         },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+    peft: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Train a PEFT adapter instead of every weight: a mapping (or its JSON) of peft.LoraConfig "
+            "keys, e.g. {r: 16, lora_alpha: 32, target_modules: all-linear}; peft_type picks another "
+            "weight-space method (default LORA). Prompt-learning methods are refused (not exact when packed)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        if isinstance(self.model_config, str):
-            try:
-                self.model_config = json.loads(self.model_config)
-            except json.JSONDecodeError as error:
+        if self.model is not None:
+            if self.model_name_or_path is not None and self.model_name_or_path != self.model:
                 raise ValueError(
-                    f"model_config must be a mapping or its JSON, got {self.model_config!r} ({error.msg})"
-                ) from None
-        if self.model_config is not None and not isinstance(self.model_config, dict):
-            raise ValueError(f"model_config must be a mapping, got {type(self.model_config).__name__}")
+                    f"model={self.model!r} and model_name_or_path={self.model_name_or_path!r} both name the model; "
+                    "keep one of the two keys"
+                )
+            if self.model.lower().endswith(".gguf"):
+                gguf = Path(self.model).expanduser()
+                self.model_name_or_path, self.gguf_file = str(gguf.parent), gguf.name
+            else:
+                self.model_name_or_path = self.model
+        self.peft = _mapping("peft", self.peft)
+        self.model_config = _mapping("model_config", self.model_config)
         if self.model_config and self.model_type is None:
             raise ValueError("model_config only applies to a model built from config: set model_type too")
         if self.gguf_package is not None and self.gguf_file is None:
@@ -187,6 +225,13 @@ class DataArguments:
         },
     )
 
+    column_mapping: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Rename the dataset's columns to the names the trainer reads, {your name: trl name}, e.g. "
+            "{question: prompt, good: chosen, bad: rejected} (trainer: dpo | kto | reward | orpo | cpo | grpo | rloo)."
+        },
+    )
     stream_check_records: int = field(
         default=1000,
         metadata={
@@ -197,10 +242,14 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
+        self.column_mapping = _mapping("column_mapping", self.column_mapping)
         if self.stream_check_records < 0:
             raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
-            "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
+            "DataArguments",
+            "prompt_format",
+            self.prompt_format,
+            ("auto", "chat", "alpaca", "text"),
         )
         self.overflow = check_overflow(self.overflow, "DataArguments.overflow", DATA_OVERFLOWS)
         if self.max_length < 1:
@@ -223,10 +272,12 @@ class JobArguments:
     'trainer'
     """
 
-    trainer: Literal["trainer", "sft"] = field(
+    trainer: Literal["trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo"] = field(
         default="trainer",
         metadata={
-            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig)."
+            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig); "
+            "dpo | kto | reward | orpo | cpo | grpo | rloo = packing_hf's packed TRL trainer of that name (+ its "
+            "config), on TRL's data formats (conversational or standard; column_mapping renames)."
         },
     )
     batching: Literal["auto", "multipack", "padding_free", "padded"] = field(
@@ -264,9 +315,17 @@ class JobArguments:
         },
     )
     save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
+    reward_funcs: str | None = field(
+        default=None,
+        metadata={
+            "help": "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "
+            "TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in answer match "
+            "of the embedded GSM8K data; the default for dataset embedded)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        _check_choice("JobArguments", "trainer", self.trainer, ("trainer", "sft"))
+        _check_choice("JobArguments", "trainer", self.trainer, TRAINERS)
         _check_choice(
             "JobArguments", "batching", self.batching, ("auto", "multipack", "padding_free", "padded")
         )
@@ -331,7 +390,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
     for key, value in data.items():
-        if isinstance(value, dict) and key != "model_config":
+        if isinstance(value, dict) and key not in _MAPPING_KEYS:
             raise ValueError(
                 f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
                 "write its entries at the top level"
@@ -372,17 +431,19 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
     return overrides
 
 
+TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo")
+# the trainers whose job is `packing_hf.app.trl_job` (TRL's data formats, TRL's own evaluation)
+TRL_JOB_TRAINERS = TRAINERS[2:]
+
+
 def _training_class(trainer: str):
     """packing_hf's training-arguments class for ``trainer`` (imported lazily: it pulls transformers/TRL)."""
-    if trainer == "sft":
-        from ..integrations import SFTConfig
+    from .. import integrations
 
-        return SFTConfig
-    if trainer == "trainer":
-        from ..integrations import TrainingArguments
-
-        return TrainingArguments
-    raise ValueError(f"trainer must be 'trainer' or 'sft', got {trainer!r}")
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {trainer!r}")
+    name = "TrainingArguments" if trainer == "trainer" else f"{trainer.upper()}Config"
+    return getattr(integrations, {"REWARDConfig": "RewardConfig"}.get(name, name))
 
 
 def _field_names(cls) -> list[str]:
@@ -489,8 +550,11 @@ def load_train_config(
         if tokens in (["null"], ["None"]):  # `key=null` unsets a YAML value (argparse cannot type None)
             del cli[key]
             values[key] = None
+    if "model_type" in values and values["model_type"] is None and "model_config" not in cli:
+        values.pop("model_config", None)  # model_type=null: the config's tiny-model settings go with it
 
     _rename_deprecated(values, cli, training_cls)
+    _own_model(values, cli, source)
 
     import torch
 
@@ -513,6 +577,7 @@ def load_train_config(
         return "the command line" if key in cli or f"no_{key}" in cli else source
 
     _check_training(training_args, origin)
+    _check_model(model_args, source)
     _own_output_dir(result, values, cli)
     try:
         if model_args.model_type is not None:
@@ -528,6 +593,37 @@ def load_train_config(
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
     return result
+
+
+_MODEL_KEYS = ("gguf_file", "gguf_package", "model_type", "model_config")
+
+
+def _own_model(values: dict[str, Any], cli: Mapping[str, list[str]], source: str) -> None:
+    """``model=...`` (or ``model_name_or_path=...``) on the command line replaces the config's model: the
+    config's GGUF file, tiny ``model_type`` and its ``model_config`` are dropped unless given there too, so
+    your own model is one override (``packing-hf train configs/tiny_cpu.yaml model=my/model``)."""
+    if not any(key in cli for key in ("model", "model_name_or_path")):
+        return
+    for key in _MODEL_KEYS:
+        if key not in cli:
+            values.pop(key, None)
+    if "model" in cli:
+        values.pop("model_name_or_path", None)
+
+
+def _check_model(model_args: ModelArguments, source: str) -> None:
+    """A config names a model, and a model built from ``model_type`` has a tokenizer to come from."""
+    if model_args.model_name_or_path is None and model_args.gguf_package is None:
+        if model_args.model_type is None:
+            raise ValueError(
+                f"{source}: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on "
+                "the command line); model_type: llama builds a random tiny model for smoke tests instead"
+            )
+        if model_args.tokenizer_name_or_path is None:
+            raise ValueError(
+                f"{source}: model_type={model_args.model_type!r} builds a model from config, which has no tokenizer "
+                "of its own; set tokenizer_name_or_path (a folder or Hub id)"
+            )
 
 
 def _own_output_dir(cfg: TrainConfig, values: Mapping[str, Any], cli: Mapping[str, list[str]]) -> None:

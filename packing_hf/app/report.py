@@ -79,6 +79,10 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
     if summary.get("stream"):
         lines.append(f"data         {summary['records']}")
         lines.append(f"             {_describe_stream(summary['stream'])}")
+    elif summary.get("records") and "num_samples" not in summary:
+        lines.append(f"data         {summary['records']}")
+    if summary.get("reference"):
+        lines.append(f"reference    {summary['reference']}")
     if "num_samples" in summary:
         lines.append(
             f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
@@ -91,6 +95,11 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
         f"training     {batching}: {_plural(summary['global_step'], 'step')} in {summary['train_runtime']:.1f} s"
         + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
     )
+    rewards = summary.get("rewards") or []
+    if rewards:
+        lines.append(
+            f"reward       {rewards[0]:.4f} (first step) -> {rewards[-1]:.4f} (last step), mean per logged step"
+        )
     lines.append("-" * 90)
     lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
     base = summary.get("baseline")

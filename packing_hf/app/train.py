@@ -297,6 +297,11 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     def say(message: str) -> None:
         print_fn(f"[packing-hf] {message}")
 
+    if cfg.job.trainer not in ("trainer", "sft"):
+        raise ValueError(
+            f"run_training runs trainer: trainer | sft; trainer: {cfg.job.trainer} is run by "
+            "packing_hf.app.trl_job.run_job"
+        )
     phases = _Phases()
     training = cfg.training
     set_seed(training.seed)
