@@ -17,7 +17,7 @@ from packing_hf.app.trl_job import run_job
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}'
 REFERENCE = {
-    "dpo": "copy",
+    "dpo": "adapter",  # run with a LoRA adapter (peft:): TRL disables it for the reference log-probs
     "kto": "copy",
     "reward": "none",
     "orpo": "none",
@@ -36,12 +36,14 @@ def cheap(data_dir: Path, out: Path, trainer: str) -> list[str]:
         "num_samples=4",
         "max_length=384",
         "max_steps=1",
-        "per_device_train_batch_size=2",
+        f"per_device_train_batch_size={2 if trainer in ('kto', 'grpo', 'rloo') else 1}",
         f"output_dir={out}",
         "disable_tqdm=true",
     ]
     if trainer in ("grpo", "rloo"):
         overrides += ["num_generations=2", "max_completion_length=8"]
+    if trainer == "dpo":
+        overrides.append('peft={"r": 4, "target_modules": ["q_proj", "v_proj"]}')
     return overrides
 
 
@@ -55,7 +57,10 @@ def test_shipped_trainer_config_runs_and_saves(trainer, data_dir, tmp_path):
     assert summary["global_step"] == 1 and summary["trainer"] == trainer
     assert summary["losses"] and all(math.isfinite(loss) for loss in summary["losses"])
     assert summary["reference"].startswith(REFERENCE[trainer])
-    assert (out / "model.safetensors").is_file()
+    if trainer == "dpo":  # the adapter alone is saved, and only it trained
+        assert (out / "adapter_model.safetensors").is_file() and "trained (adapter)" in summary["model"]
+    else:
+        assert (out / "model.safetensors").is_file()
     assert json.loads((out / SUMMARY_NAME).read_text())["global_step"] == 1
     assert (out / LOSS_CURVE_NAME).is_file() or "no loss curve drawn" in "\n".join(printed)
     if trainer in ("grpo", "rloo"):
