@@ -71,7 +71,7 @@ def apply_peft(model: Any, peft_config: Any, *, stock: str = "transformers.Train
 
     >>> from peft import LoraConfig
     >>> from packing_hf.architectures.tiny import build_tiny_model
-    >>> model = apply_peft(build_tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    >>> model = apply_peft(build_tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     >>> type(model).__name__, all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     ('PeftModelForCausalLM', True)
     """
