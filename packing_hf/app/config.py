@@ -54,6 +54,7 @@ __all__ = [
     "JobArguments",
     "ModelArguments",
     "TrainConfig",
+    "check_model",
     "load_train_config",
     "parse_overrides",
     "read_yaml",
@@ -577,7 +578,6 @@ def load_train_config(
         return "the command line" if key in cli or f"no_{key}" in cli else source
 
     _check_training(training_args, origin)
-    _check_model(model_args, source)
     _own_output_dir(result, values, cli)
     try:
         if model_args.model_type is not None:
@@ -609,21 +609,6 @@ def _own_model(values: dict[str, Any], cli: Mapping[str, list[str]], source: str
             values.pop(key, None)
     if "model" in cli:
         values.pop("model_name_or_path", None)
-
-
-def _check_model(model_args: ModelArguments, source: str) -> None:
-    """A config names a model, and a model built from ``model_type`` has a tokenizer to come from."""
-    if model_args.model_name_or_path is None and model_args.gguf_package is None:
-        if model_args.model_type is None:
-            raise ValueError(
-                f"{source}: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on "
-                "the command line); model_type: llama builds a random tiny model for smoke tests instead"
-            )
-        if model_args.tokenizer_name_or_path is None:
-            raise ValueError(
-                f"{source}: model_type={model_args.model_type!r} builds a model from config, which has no tokenizer "
-                "of its own; set tokenizer_name_or_path (a folder or Hub id)"
-            )
 
 
 def _own_output_dir(cfg: TrainConfig, values: Mapping[str, Any], cli: Mapping[str, list[str]]) -> None:
@@ -662,3 +647,25 @@ def _rename_deprecated(values: dict[str, Any], cli: dict[str, list[str]], traini
         default = fields[old].default
         if not set_by_user and default not in (None, dataclasses.MISSING):
             values[new] = default
+
+
+def check_model(model_args: ModelArguments, source: str) -> None:
+    """A config names a model, and a model built from ``model_type`` has a tokenizer to come from: checked
+    when a job starts (a config without a model parses, for ``stats`` and tests).
+
+    >>> check_model(ModelArguments(), "my.yaml")
+    Traceback (most recent call last):
+    ...
+    ValueError: my.yaml: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on the command line); model_type: llama builds a random tiny model for smoke tests instead
+    """
+    if model_args.model_name_or_path is None and model_args.gguf_package is None:
+        if model_args.model_type is None:
+            raise ValueError(
+                f"{source}: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on "
+                "the command line); model_type: llama builds a random tiny model for smoke tests instead"
+            )
+        if model_args.tokenizer_name_or_path is None:
+            raise ValueError(
+                f"{source}: model_type={model_args.model_type!r} builds a model from config, which has no tokenizer "
+                "of its own; set tokenizer_name_or_path (a folder or Hub id)"
+            )

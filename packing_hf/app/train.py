@@ -45,7 +45,7 @@ from .baseline import (
     run_baseline,
     samples_of,
 )
-from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
+from .config import ModelArguments, TrainConfig, check_model, load_train_config, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
@@ -304,6 +304,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         )
     phases = _Phases()
     training = cfg.training
+    check_model(cfg.model, cfg.source)
     set_seed(training.seed)
     sft = cfg.job.trainer == "sft"
 

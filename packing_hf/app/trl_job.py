@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .baseline import mean_logged
-from .config import TRL_JOB_TRAINERS, TrainConfig
+from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .modeling import load_model, load_tokenizer, model_source, peft_config_from
 from .report import print_summary
 from .rewards import resolve_reward_funcs
@@ -95,6 +95,7 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         print_fn(f"[packing-hf] {message}")
 
     trainer_name, data, training = cfg.job.trainer, cfg.data, cfg.training
+    check_model(cfg.model, cfg.source)
     phases = _Phases()
     set_seed(training.seed)
     for note in cfg.notes:
