@@ -132,8 +132,7 @@ def _jsonl(path: Path, first: int, every: int, phase: int):
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(
-                    f"{path}:{line_number}: malformed JSON ({_json_problem(error)}); fix or remove "
-                    "the line"
+                    f"{path}:{line_number}: malformed JSON ({_json_problem(error)}); fix or remove the line"
                 ) from None
             if not isinstance(record, dict):
                 raise ValueError(
@@ -147,9 +146,7 @@ def _json_list(path: Path) -> list[Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{path}:{error.lineno}: malformed JSON ({_json_problem(error)})"
-        ) from None
+        raise ValueError(f"{path}:{error.lineno}: malformed JSON ({_json_problem(error)})") from None
     if isinstance(data, dict):
         # {"train": [...], ...} or {"data": [...]}: the usual wrappers around a list of records
         lists = {key: value for key, value in data.items() if isinstance(value, list)}
