@@ -52,6 +52,7 @@ from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
 from .report import _describe_stream, _plural, plot_losses, print_summary
+from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 
@@ -111,18 +112,26 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
     return records, eval_records
 
 
-def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str) -> PreparedDataset:
+def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:
+    """Tokenized with loss masks, or loaded from the tokenized-dataset cache (same records, tokenizer and
+    settings: :mod:`packing_hf.app.token_cache`)."""
     data = cfg.data
-    return prepare_dataset(
-        records,
-        tokenizer,
-        max_length=data.max_length,
-        overflow=data.overflow,
-        prompt_format=data.prompt_format,
-        completion_only_loss=data.completion_only_loss,
-        num_proc=data.dataset_num_proc,
-        desc=desc,
-    )
+    settings = {
+        "max_length": data.max_length,
+        "overflow": data.overflow,
+        "prompt_format": data.prompt_format,
+        "completion_only_loss": data.completion_only_loss,
+    }
+
+    def prepare() -> PreparedDataset:
+        return prepare_dataset(records, tokenizer, num_proc=data.dataset_num_proc, desc=desc, **settings)
+
+    prepared, folder = cached_prepare(records, tokenizer, settings, prepare)
+    if folder is not None and say is not None:
+        say(
+            f"{desc.lower()}: loaded from the tokenized-dataset cache {folder} (same records, tokenizer, settings)"
+        )
+    return prepared
 
 
 def _stream(cfg: TrainConfig, tokenizer) -> RecordStream:
@@ -335,9 +344,9 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         phases.start("tokenize")
         if records is not None:
             say(f"tokenizing {len(records.records):,} records")
-            prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
+            prepared = _prepare(cfg, records, tokenizer, "Tokenizing", say)
         if eval_records is not None:
-            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records")
+            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records", say)
 
     phases.start("load")
     say(f"loading the model: {model_source(cfg.model)}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from packing_hf.app import cli, modeling
+from packing_hf.app import cli, modeling, train
+from packing_hf.app.config import load_train_config
+from packing_hf.app.records import read_records
 from packing_hf.architectures.tiny import build_tiny_model
 
 
@@ -45,3 +47,25 @@ def test_train_help_is_rendered_once(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "--help"]) == 0
     assert capsys.readouterr().out == first  # from the cache
     assert "~20%%" not in first and "trainer (default 'trainer')" in first and "peft (default None)" in first
+
+
+def test_the_tokenized_dataset_is_reused_for_the_same_records_tokenizer_and_settings(
+    tmp_path, monkeypatch, tokenizer
+):
+    monkeypatch.setenv("PACKING_HF_CACHE", str(tmp_path))
+    cfg = load_train_config({"model_type": "llama", "max_length": 1024})
+    records = read_records("embedded", limit=6)
+    said: list[str] = []
+    first = train._prepare(cfg, records, tokenizer, "Tokenizing", said.append)
+    assert not said
+    second = train._prepare(cfg, records, tokenizer, "Tokenizing", said.append)
+    assert len(said) == 1 and "loaded from the tokenized-dataset cache" in said[0]
+    assert second.dataset["input_ids"] == first.dataset["input_ids"]
+    assert second.dataset["labels"] == first.dataset["labels"]
+    assert (second.prompt_format, second.num_truncated) == (first.prompt_format, first.num_truncated)
+    # other settings or other records: tokenized again, never a stale reuse
+    cfg.data.completion_only_loss = False
+    third = train._prepare(cfg, records, tokenizer, "Tokenizing", said.append)
+    assert len(said) == 1 and third.dataset["labels"] != first.dataset["labels"]
+    train._prepare(cfg, read_records("embedded", limit=5), tokenizer, "Tokenizing", said.append)
+    assert len(said) == 1
