@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# packing_hf's caches (GGUF conversions, tokenized datasets, help text) go to a folder of this run, not ~/.cache
+os.environ.setdefault("PACKING_HF_CACHE", tempfile.mkdtemp(prefix="packing_hf_cache_"))
 
 # Property tests draw the same examples on every run (CI must not pass or fail by chance); set
 # HYPOTHESIS_PROFILE=explore to draw new ones while developing.

@@ -15,21 +15,30 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..collator import PaddingFreeCollator
 from ..strategies import padded_batches
+from .report import _fmt_seconds, _plural
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+    from .record_stream import RecordStream
 
 __all__ = [
     "baseline_groups",
     "evaluate_loss",
     "length_sorted_batches",
+    "mean_logged",
     "measure_throughput",
     "padded_collator",
     "padded_efficiency",
     "plan_baseline",
+    "run_baseline",
+    "samples_of",
 ]
 
 
@@ -409,3 +418,112 @@ def plan_baseline(
             if cost <= allowed:
                 return count, rounds, cost, allowed
     return 0, 0, cost, allowed
+
+
+def mean_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(entry[key]) for entry in log_history if key in entry]
+    return float(np.mean(values)) if values else None
+
+
+def samples_of(dataset) -> list[dict[str, Any]]:
+    return dataset.select_columns(["input_ids", "labels"]).with_format(None).to_list()
+
+
+def run_baseline(
+    cfg: TrainConfig,
+    trainer,
+    tokenizer,
+    prepared,
+    stream,
+    lengths,
+    summary,
+    padded,
+    step_tokens,
+    device,
+    autocast,
+    say,
+) -> tuple[dict[str, Any] | None, str]:
+    """The padded baseline, sized to fit ``baseline_time_share`` of the training time: ``(the measurement
+    or None when skipped, what was decided and why)``."""
+    training = cfg.training
+    count = cfg.job.baseline_batches
+    pool = None
+    if stream is not None:
+        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
+        pool = _stream_pool(stream, 2 * count * training.max_tokens_per_batch)
+        lengths = np.array([len(sample["input_ids"]) for sample in pool], dtype=np.int64)
+    order, groups = baseline_groups(cfg, lengths, count)
+    trained_tokens = _trained_tokens(cfg, trainer.state.log_history, summary, lengths)
+    train_seconds = summary["train_runtime"]
+    share = cfg.baseline_time_share
+    if not trained_tokens or not train_seconds > 0:
+        return None, "padded baseline skipped: the training steps gave no speed to size it by"
+    per_token = train_seconds / trained_tokens
+    by_position = lengths[np.asarray(order, dtype=np.int64)]
+    batches, rounds, cost, allowed = plan_baseline(share, by_position, groups, train_seconds, per_token)
+    limit = f"baseline_time_share={share:g} of the training's {_fmt_seconds(train_seconds)}"
+    if batches == 0:
+        note = (
+            f"padded baseline skipped: one batch packed and padded would take ~{_fmt_seconds(cost)}, more than "
+            f"{limit}; raise baseline_time_share to measure it (baseline_batches=0 skips it quietly)"
+        )
+        say(note)
+        return None, note
+    groups = groups[:batches]
+    used = sum(len(group) for group in groups)
+    order = order[:used]
+    shrunk = batches < len(groups) or batches < count or rounds < 2
+    note = (
+        f"padded baseline: {_plural(batches, 'batch', 'batches')} of random samples"
+        + (f" (of baseline_batches={count})" if batches < count else "")
+        + f", each timed packed and padded to its longest, {_plural(rounds, 'round')}: ~{_fmt_seconds(cost)} "
+        f"estimated, within {limit}"
+        + (" (shrunk to fit)" if shrunk else "")
+        + "; micro-batches of at most the token budget, so no more memory than a training step"
+    )
+    say(note)
+    samples = [pool[i] for i in order] if pool is not None else samples_of(prepared.dataset.select(order))
+    # timed after training, on the model exactly as it was trained (attention included)
+    result = measure_throughput(
+        trainer.model,
+        samples,
+        groups,
+        padded_batch_size=None,
+        packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
+        padded_collator=padded,
+        device=device,
+        autocast_dtype=autocast,
+        repeats=rounds,
+        max_tokens_per_micro_batch=step_tokens,
+        desc="Baseline",
+    )
+    return result, note
+
+
+def _trained_tokens(
+    cfg: TrainConfig, log_history: list[dict[str, Any]], summary: dict[str, Any], lengths
+) -> float:
+    """Real tokens the training steps ran on: from the packing metrics of the step logs, else estimated
+    from the token budget (and fill) or the batch size and the mean sample length."""
+    per_step = mean_logged(log_history, "real_tokens_per_step")
+    if not per_step:
+        training = cfg.training
+        budget = getattr(training, "max_tokens_per_batch", None)
+        if budget is not None:
+            per_micro = budget * (summary.get("packing_efficiency") or 1.0)
+        else:
+            per_micro = training.per_device_train_batch_size * float(np.mean(lengths))
+        per_step = per_micro * training.gradient_accumulation_steps
+    return per_step * summary["global_step"]
+
+
+def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
+    """The stream's first samples, until they hold ``tokens`` tokens (or the source ends), read by a fresh
+    pass of their own (the training stream's position is not touched)."""
+    pool, total = [], 0
+    for sample in stream.stream.iterate():
+        pool.append({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])})
+        total += len(sample["input_ids"])
+        if total >= tokens:
+            break
+    return pool

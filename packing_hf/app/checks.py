@@ -1,5 +1,6 @@
-"""Names a ``packing-hf`` config or command refers to, checked before anything loads: model types and
-attention implementations (with the closest valid names, and the package a missing one needs).
+"""What a ``packing-hf`` config refers to and combines, checked before anything loads: model types and
+attention implementations (with the closest valid names, and the package a missing one needs), training
+values transformers would accept and misbehave on, what streaming cannot do, the batching mode.
 
 >>> check_attn_implementation("sdpa")
 'sdpa'
@@ -9,8 +10,14 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
+from typing import Any
 
-__all__ = ["check_attn_implementation", "check_model_type"]
+from .record_stream import STREAM_OVERFLOWS
+
+__all__ = ["check_attn_implementation", "check_model_type", "trl_packs"]
+
+logger = logging.getLogger("packing_hf.app.config")
 
 
 def check_model_type(model_type: str) -> None:
@@ -79,3 +86,135 @@ def check_attn_implementation(name: str) -> str:
                 "flash_attention_2, flex_attention)"
             )
     return resolved
+
+
+def _check_training(training: Any, origin=lambda key: "<config>") -> None:
+    """Values transformers would accept silently and then misbehave on (run zero steps, loop forever).
+    ``origin(key)`` names where a value came from (the YAML file or the command line) for the message."""
+    if training.max_steps == 0 or training.max_steps < -1:
+        raise ValueError(
+            f"{origin('max_steps')}: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got "
+            f"{training.max_steps}"
+        )
+    if training.max_steps == -1 and not training.num_train_epochs > 0:
+        raise ValueError(
+            f"{origin('num_train_epochs')}: num_train_epochs must be > 0 when max_steps is unset, got "
+            f"{training.num_train_epochs}"
+        )
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(training, name) < 1:
+            raise ValueError(f"{origin(name)}: {name} must be >= 1, got {getattr(training, name)}")
+    if training.learning_rate < 0:
+        raise ValueError(
+            f"{origin('learning_rate')}: learning_rate must be >= 0, got {training.learning_rate}"
+        )
+    if training.logging_steps <= 0:
+        raise ValueError(
+            f"{origin('logging_steps')}: logging_steps must be > 0, got {training.logging_steps}"
+        )
+    budget = getattr(training, "max_tokens_per_batch", None)
+    if budget is not None and budget < 1:
+        raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
+
+
+def _check_streaming(cfg: Any) -> None:
+    """Refuse what ``streaming: true`` cannot do: whatever needs the whole dataset up front (its length for
+    the number of steps, a plan of all its lengths), or a setting the stream would ignore."""
+    data, training = cfg.data, cfg.training
+    budget = getattr(training, "max_tokens_per_batch", None)
+    if budget is None:
+        raise ValueError(
+            "streaming: true needs max_tokens_per_batch (records are packed into batches of that many tokens "
+            "as they arrive); set max_tokens_per_batch, e.g. max_tokens_per_batch=4096"
+        )
+    if training.max_steps <= 0:
+        raise ValueError(
+            f"streaming: true needs max_steps > 0, got {training.max_steps}: a stream has no length, so "
+            "num_train_epochs cannot give the number of steps; set max_steps"
+        )
+    if data.overflow not in STREAM_OVERFLOWS:
+        raise ValueError(
+            f"overflow: {data.overflow} is not offered with streaming: true (every record read is handed on "
+            "as one sample); set overflow: truncate or error, or filter the long records out of the file"
+        )
+    if data.dataset_num_proc is not None:
+        raise ValueError(
+            f"dataset_num_proc={data.dataset_num_proc} does not apply with streaming: true (records are "
+            "tokenized in batches in the training process); remove dataset_num_proc"
+        )
+    if training.dataloader_num_workers > 0:
+        raise ValueError(
+            f"dataloader_num_workers={training.dataloader_num_workers} with streaming: true: the stream's "
+            "position and buffer live in the main process (a checkpoint saves them); set dataloader_num_workers=0"
+        )
+    if not getattr(training, "average_tokens_across_devices", True):
+        raise ValueError(
+            "average_tokens_across_devices: false with streaming: true: a process whose shard runs out trains "
+            "on empty padding batches, exact only when the loss is divided by every process's token count; "
+            "set average_tokens_across_devices: true"
+        )
+
+
+def trl_packs(training: Any) -> bool:
+    """Whether TRL flattens batches itself: ``padding_free`` or ``packing`` (bfd rows) in an ``SFTConfig``."""
+    return bool(getattr(training, "padding_free", False) or getattr(training, "packing", False))
+
+
+def _resolve_batching(cfg: Any) -> str:
+    """Turn ``batching`` / ``sample_packing`` / ``max_tokens_per_batch`` into one batching mode."""
+    job, training = cfg.job, cfg.training
+    budget = getattr(training, "max_tokens_per_batch", None)
+    batching = job.batching
+    if job.trainer not in ("trainer", "sft"):  # TRL's preference / RL trainers: always packed
+        if (
+            batching not in ("auto", "multipack" if budget is not None else "padding_free")
+            or job.sample_packing is False
+        ):
+            raise ValueError(
+                f"trainer: {job.trainer} always packs (its pairs, examples or rollouts as packed rows, of at most "
+                f"max_tokens_per_batch tokens when set); remove batching: {batching} / sample_packing"
+            )
+        return "multipack" if budget is not None else "padding_free"
+    if job.sample_packing is not None:
+        implied = "multipack" if job.sample_packing else "padded"
+        if batching not in ("auto", implied):
+            raise ValueError(
+                f"sample_packing: {str(job.sample_packing).lower()} means batching {implied!r}, but batching is "
+                f"{batching!r}; keep one of the two keys"
+            )
+        batching = implied
+    if batching == "auto":
+        if budget is not None:
+            batching = "multipack"
+        elif job.trainer == "sft":
+            # TRL decides: its padding_free / packing (bfd rows) flatten batches, otherwise it pads
+            batching = "padding_free" if trl_packs(training) else "padded"
+        else:
+            batching = "padding_free"
+    if batching == "multipack" and budget is None:
+        budget = cfg.data.max_length * training.per_device_train_batch_size
+        training.max_tokens_per_batch = budget
+        logger.info(
+            "multipack: max_tokens_per_batch = max_length x per_device_train_batch_size = %d x %d = %d",
+            cfg.data.max_length,
+            training.per_device_train_batch_size,
+            budget,
+        )
+    if batching != "multipack" and budget is not None:
+        raise ValueError(
+            f"max_tokens_per_batch={budget} needs multipack batching, but batching is {batching!r}"
+            + (" (sample_packing: false)" if job.sample_packing is False else "")
+            + "; remove max_tokens_per_batch or set batching: multipack"
+        )
+    if budget is not None and budget < cfg.data.max_length:
+        raise ValueError(
+            f"max_tokens_per_batch={budget} is smaller than max_length={cfg.data.max_length}: a sample of "
+            "max_length tokens could never be placed; raise max_tokens_per_batch or lower max_length"
+        )
+    if job.trainer == "sft" and batching == "padding_free" and not trl_packs(training):
+        raise ValueError(
+            "trainer: sft with batching: padding_free needs TRL's padding_free: true (or packing: true)"
+        )
+    if job.trainer == "sft" and batching == "padded" and trl_packs(training):
+        raise ValueError("batching: padded contradicts padding_free / packing: true in the SFT config")
+    return batching

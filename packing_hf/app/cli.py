@@ -60,7 +60,8 @@ def _help_line(f) -> str:
     import dataclasses
 
     default = f.default if f.default is not dataclasses.MISSING else None
-    text = " ".join(str(f.metadata.get("help", "")).split())
+    # transformers escapes % for argparse ("~20%%"); this help is printed directly
+    text = " ".join(str(f.metadata.get("help", "")).replace("%%", "%").split())
     if len(text) > 160:
         text = text[:157] + "..."
     return f"    {f.name} (default {default!r}): {text}"
@@ -88,7 +89,10 @@ def _train_help(every: bool = False) -> str:
             "\n  training (packing_hf.TrainingArguments = transformers.TrainingArguments + packing):"
         )
         lines += [_help_line(training[name]) for name in sorted(training)]
-        lines.append("\n  with trainer: sft, every field of packing_hf.SFTConfig (trl.SFTConfig) as well.")
+        lines.append(
+            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf config "
+            "(SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
+        )
     else:
         lines.append(
             "\n  training, the most used (packing_hf.TrainingArguments: every transformers.TrainingArguments "
@@ -98,6 +102,44 @@ def _train_help(every: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _cached_train_help(every: bool) -> str:
+    """``_train_help``, rendered once per installed packing_hf / transformers / TRL versions and kept in the
+    user's cache folder: listing the training arguments imports transformers and torch (15-40 s on a busy
+    machine), which `train --help` should not wait for twice."""
+    from importlib import metadata
+
+    versions = []
+    for package in ("packing-hf", "transformers", "trl"):
+        try:
+            versions.append(f"{package}-{metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package}-none")
+    root = os.environ.get("PACKING_HF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "packing_hf"
+    )
+    # the source of this file and of the config belong to the key too: an edited checkout shows its own help
+    here = os.path.dirname(os.path.abspath(__file__))
+    stamps = [str(os.stat(os.path.join(here, name)).st_mtime_ns) for name in ("cli.py", "config.py")]
+    import hashlib
+
+    key = hashlib.sha256("|".join([*versions, *stamps, str(every)]).encode()).hexdigest()[:16]
+    path = os.path.join(root, f"train_help-{key}.txt")
+    try:
+        with open(path, encoding="utf-8") as cached:
+            return cached.read()
+    except OSError:
+        pass
+    text = _train_help(every)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # a read-only home: the help is rendered every time
+    return text
+
+
 def _error(command: str, error: BaseException, status: int) -> int:
     print(f"packing-hf {command}: error: {error}", file=sys.stderr)
     return status
@@ -105,10 +147,10 @@ def _error(command: str, error: BaseException, status: int) -> int:
 
 def _train(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(_train_help(every=len(argv) > 1 and argv[1] == "all"))
+        print(_cached_train_help(every=len(argv) > 1 and argv[1] == "all"))
         return 0 if argv else 2
     if "-h" in argv or "--help" in argv:
-        print(_train_help())
+        print(_cached_train_help(every=False))
         return 0
     config, overrides = argv[0], list(argv[1:])
     if config.startswith("-") or "=" in config:
@@ -124,10 +166,10 @@ def _train(argv: Sequence[str]) -> int:
         cfg = load_train_config(config, overrides)
     except (ValueError, TypeError, FileNotFoundError) as error:
         return _error("train", error, 2)
-    from .train import run_training
+    from .trl_job import run_job
 
     try:
-        run_training(cfg)
+        run_job(cfg)
     except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise

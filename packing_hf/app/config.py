@@ -35,18 +35,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..overflow import check_overflow
-from .checks import check_attn_implementation, check_model_type
+from .checks import (
+    _check_streaming,
+    _check_training,
+    _resolve_batching,
+    check_attn_implementation,
+    check_model_type,
+    trl_packs,
+)
 from .data import DATA_OVERFLOWS
-from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
+    "TRAINERS",
+    "TRL_JOB_TRAINERS",
+    "TRAINERS",
+    "TRL_JOB_TRAINERS",
     "DataArguments",
     "JobArguments",
     "ModelArguments",
     "TrainConfig",
+    "check_model",
     "load_train_config",
     "parse_overrides",
     "read_yaml",
+    "trl_packs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +70,21 @@ def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -
         raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
+_MAPPING_KEYS = ("model_config", "peft", "column_mapping")  # the keys whose value is a mapping
+
+
+def _mapping(name: str, value: Any) -> dict | None:
+    """A mapping key of the config: the YAML mapping itself, or its JSON given on the command line."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} must be a mapping or its JSON, got {value!r} ({error.msg})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class ModelArguments:
     """What to fine-tune.
@@ -66,6 +93,13 @@ class ModelArguments:
     {'hidden_size': 64}
     """
 
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Your model in one line: a local folder, a Hub id, or a .gguf file (de-quantized on load). "
+            "Given on the command line it replaces the config's model (its gguf_*, model_type, model_config)."
+        },
+    )
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A local model folder or a Hub model id (default: the folder of gguf_package)."},
@@ -107,17 +141,29 @@ class ModelArguments:
         },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+    peft: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Train a PEFT adapter instead of every weight: a mapping (or its JSON) of peft.LoraConfig "
+            "keys, e.g. {r: 16, lora_alpha: 32, target_modules: all-linear}; peft_type picks another "
+            "weight-space method (default LORA). Prompt-learning methods are refused (not exact when packed)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        if isinstance(self.model_config, str):
-            try:
-                self.model_config = json.loads(self.model_config)
-            except json.JSONDecodeError as error:
+        if self.model is not None:
+            if self.model_name_or_path is not None and self.model_name_or_path != self.model:
                 raise ValueError(
-                    f"model_config must be a mapping or its JSON, got {self.model_config!r} ({error.msg})"
-                ) from None
-        if self.model_config is not None and not isinstance(self.model_config, dict):
-            raise ValueError(f"model_config must be a mapping, got {type(self.model_config).__name__}")
+                    f"model={self.model!r} and model_name_or_path={self.model_name_or_path!r} both name the model; "
+                    "keep one of the two keys"
+                )
+            if self.model.lower().endswith(".gguf"):
+                gguf = Path(self.model).expanduser()
+                self.model_name_or_path, self.gguf_file = str(gguf.parent), gguf.name
+            else:
+                self.model_name_or_path = self.model
+        self.peft = _mapping("peft", self.peft)
+        self.model_config = _mapping("model_config", self.model_config)
         if self.model_config and self.model_type is None:
             raise ValueError("model_config only applies to a model built from config: set model_type too")
         if self.gguf_package is not None and self.gguf_file is None:
@@ -180,6 +226,13 @@ class DataArguments:
         },
     )
 
+    column_mapping: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Rename the dataset's columns to the names the trainer reads, {your name: trl name}, e.g. "
+            "{question: prompt, good: chosen, bad: rejected} (trainer: dpo | kto | reward | orpo | cpo | grpo | rloo)."
+        },
+    )
     stream_check_records: int = field(
         default=1000,
         metadata={
@@ -190,10 +243,14 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
+        self.column_mapping = _mapping("column_mapping", self.column_mapping)
         if self.stream_check_records < 0:
             raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
-            "DataArguments", "prompt_format", self.prompt_format, ("auto", "chat", "alpaca", "text")
+            "DataArguments",
+            "prompt_format",
+            self.prompt_format,
+            ("auto", "chat", "alpaca", "text"),
         )
         self.overflow = check_overflow(self.overflow, "DataArguments.overflow", DATA_OVERFLOWS)
         if self.max_length < 1:
@@ -216,10 +273,12 @@ class JobArguments:
     'trainer'
     """
 
-    trainer: Literal["trainer", "sft"] = field(
+    trainer: Literal["trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo"] = field(
         default="trainer",
         metadata={
-            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig)."
+            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig); "
+            "dpo | kto | reward | orpo | cpo | grpo | rloo = packing_hf's packed TRL trainer of that name (+ its "
+            "config), on TRL's data formats (conversational or standard; column_mapping renames)."
         },
     )
     batching: Literal["auto", "multipack", "padding_free", "padded"] = field(
@@ -257,9 +316,17 @@ class JobArguments:
         },
     )
     save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
+    reward_funcs: str | None = field(
+        default=None,
+        metadata={
+            "help": "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "
+            "TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in answer match "
+            "of the embedded GSM8K data; the default for dataset embedded)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        _check_choice("JobArguments", "trainer", self.trainer, ("trainer", "sft"))
+        _check_choice("JobArguments", "trainer", self.trainer, TRAINERS)
         _check_choice(
             "JobArguments", "batching", self.batching, ("auto", "multipack", "padding_free", "padded")
         )
@@ -324,7 +391,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
     for key, value in data.items():
-        if isinstance(value, dict) and key != "model_config":
+        if isinstance(value, dict) and key not in _MAPPING_KEYS:
             raise ValueError(
                 f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
                 "write its entries at the top level"
@@ -365,17 +432,19 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
     return overrides
 
 
+TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo")
+# the trainers whose job is `packing_hf.app.trl_job` (TRL's data formats, TRL's own evaluation)
+TRL_JOB_TRAINERS = TRAINERS[2:]
+
+
 def _training_class(trainer: str):
     """packing_hf's training-arguments class for ``trainer`` (imported lazily: it pulls transformers/TRL)."""
-    if trainer == "sft":
-        from ..integrations import SFTConfig
+    from .. import integrations
 
-        return SFTConfig
-    if trainer == "trainer":
-        from ..integrations import TrainingArguments
-
-        return TrainingArguments
-    raise ValueError(f"trainer must be 'trainer' or 'sft', got {trainer!r}")
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {trainer!r}")
+    name = "TrainingArguments" if trainer == "trainer" else f"{trainer.upper()}Config"
+    return getattr(integrations, {"REWARDConfig": "RewardConfig"}.get(name, name))
 
 
 def _field_names(cls) -> list[str]:
@@ -395,35 +464,6 @@ def _unknown_key_error(key: str, source: str, groups: dict[str, list[str]]) -> V
     return ValueError(
         f"unknown config key {key!r} in {source}.{hint} `packing-hf train --help` lists the keys"
     )
-
-
-def _check_training(training: Any, origin=lambda key: "<config>") -> None:
-    """Values transformers would accept silently and then misbehave on (run zero steps, loop forever).
-    ``origin(key)`` names where a value came from (the YAML file or the command line) for the message."""
-    if training.max_steps == 0 or training.max_steps < -1:
-        raise ValueError(
-            f"{origin('max_steps')}: max_steps must be >= 1 (or -1 to train num_train_epochs epochs), got "
-            f"{training.max_steps}"
-        )
-    if training.max_steps == -1 and not training.num_train_epochs > 0:
-        raise ValueError(
-            f"{origin('num_train_epochs')}: num_train_epochs must be > 0 when max_steps is unset, got "
-            f"{training.num_train_epochs}"
-        )
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if getattr(training, name) < 1:
-            raise ValueError(f"{origin(name)}: {name} must be >= 1, got {getattr(training, name)}")
-    if training.learning_rate < 0:
-        raise ValueError(
-            f"{origin('learning_rate')}: learning_rate must be >= 0, got {training.learning_rate}"
-        )
-    if training.logging_steps <= 0:
-        raise ValueError(
-            f"{origin('logging_steps')}: logging_steps must be > 0, got {training.logging_steps}"
-        )
-    budget = getattr(training, "max_tokens_per_batch", None)
-    if budget is not None and budget < 1:
-        raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
 
 
 def _make_parser(cls):
@@ -511,8 +551,11 @@ def load_train_config(
         if tokens in (["null"], ["None"]):  # `key=null` unsets a YAML value (argparse cannot type None)
             del cli[key]
             values[key] = None
+    if "model_type" in values and values["model_type"] is None and "model_config" not in cli:
+        values.pop("model_config", None)  # model_type=null: the config's tiny-model settings go with it
 
     _rename_deprecated(values, cli, training_cls)
+    _own_model(values, cli, source)
 
     import torch
 
@@ -552,6 +595,22 @@ def load_train_config(
     return result
 
 
+_MODEL_KEYS = ("gguf_file", "gguf_package", "model_type", "model_config")
+
+
+def _own_model(values: dict[str, Any], cli: Mapping[str, list[str]], source: str) -> None:
+    """``model=...`` (or ``model_name_or_path=...``) on the command line replaces the config's model: the
+    config's GGUF file, tiny ``model_type`` and its ``model_config`` are dropped unless given there too, so
+    your own model is one override (``packing-hf train configs/tiny_cpu.yaml model=my/model``)."""
+    if not any(key in cli for key in ("model", "model_name_or_path")):
+        return
+    for key in _MODEL_KEYS:
+        if key not in cli:
+            values.pop(key, None)
+    if "model" in cli:
+        values.pop("model_name_or_path", None)
+
+
 def _own_output_dir(cfg: TrainConfig, values: Mapping[str, Any], cli: Mapping[str, list[str]]) -> None:
     """A dataset given on the command line gets its own ``output_dir`` (``<the config's output_dir
     folder>/<dataset name>``) unless ``output_dir`` is given there too: running a config on your own data
@@ -566,44 +625,6 @@ def _own_output_dir(cfg: TrainConfig, values: Mapping[str, Any], cli: Mapping[st
         f"output_dir: {cfg.training.output_dir} (named after the dataset, so {configured} is kept; set "
         "output_dir=... to choose)"
     )
-
-
-def _check_streaming(cfg: TrainConfig) -> None:
-    """Refuse what ``streaming: true`` cannot do: whatever needs the whole dataset up front (its length for
-    the number of steps, a plan of all its lengths), or a setting the stream would ignore."""
-    data, training = cfg.data, cfg.training
-    budget = getattr(training, "max_tokens_per_batch", None)
-    if budget is None:
-        raise ValueError(
-            "streaming: true needs max_tokens_per_batch (records are packed into batches of that many tokens "
-            "as they arrive); set max_tokens_per_batch, e.g. max_tokens_per_batch=4096"
-        )
-    if training.max_steps <= 0:
-        raise ValueError(
-            f"streaming: true needs max_steps > 0, got {training.max_steps}: a stream has no length, so "
-            "num_train_epochs cannot give the number of steps; set max_steps"
-        )
-    if data.overflow not in STREAM_OVERFLOWS:
-        raise ValueError(
-            f"overflow: {data.overflow} is not offered with streaming: true (every record read is handed on "
-            "as one sample); set overflow: truncate or error, or filter the long records out of the file"
-        )
-    if data.dataset_num_proc is not None:
-        raise ValueError(
-            f"dataset_num_proc={data.dataset_num_proc} does not apply with streaming: true (records are "
-            "tokenized in batches in the training process); remove dataset_num_proc"
-        )
-    if training.dataloader_num_workers > 0:
-        raise ValueError(
-            f"dataloader_num_workers={training.dataloader_num_workers} with streaming: true: the stream's "
-            "position and buffer live in the main process (a checkpoint saves them); set dataloader_num_workers=0"
-        )
-    if not getattr(training, "average_tokens_across_devices", True):
-        raise ValueError(
-            "average_tokens_across_devices: false with streaming: true: a process whose shard runs out trains "
-            "on empty padding batches, exact only when the loss is divided by every process's token count; "
-            "set average_tokens_across_devices: true"
-        )
 
 
 def _rename_deprecated(values: dict[str, Any], cli: dict[str, list[str]], training_cls) -> None:
@@ -628,56 +649,23 @@ def _rename_deprecated(values: dict[str, Any], cli: dict[str, list[str]], traini
             values[new] = default
 
 
-def trl_packs(training: Any) -> bool:
-    """Whether TRL flattens batches itself: ``padding_free`` or ``packing`` (bfd rows) in an ``SFTConfig``."""
-    return bool(getattr(training, "padding_free", False) or getattr(training, "packing", False))
+def check_model(model_args: ModelArguments, source: str) -> None:
+    """A config names a model, and a model built from ``model_type`` has a tokenizer to come from: checked
+    when a job starts (a config without a model parses, for ``stats`` and tests).
 
-
-def _resolve_batching(cfg: TrainConfig) -> str:
-    """Turn ``batching`` / ``sample_packing`` / ``max_tokens_per_batch`` into one batching mode."""
-    job, training = cfg.job, cfg.training
-    budget = getattr(training, "max_tokens_per_batch", None)
-    batching = job.batching
-    if job.sample_packing is not None:
-        implied = "multipack" if job.sample_packing else "padded"
-        if batching not in ("auto", implied):
+    >>> check_model(ModelArguments(), "my.yaml")
+    Traceback (most recent call last):
+    ...
+    ValueError: my.yaml: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on the command line); model_type: llama builds a random tiny model for smoke tests instead
+    """
+    if model_args.model_name_or_path is None and model_args.gguf_package is None:
+        if model_args.model_type is None:
             raise ValueError(
-                f"sample_packing: {str(job.sample_packing).lower()} means batching {implied!r}, but batching is "
-                f"{batching!r}; keep one of the two keys"
+                f"{source}: no model: add `model: <folder, Hub id or .gguf file>` to the config (or model=... on "
+                "the command line); model_type: llama builds a random tiny model for smoke tests instead"
             )
-        batching = implied
-    if batching == "auto":
-        if budget is not None:
-            batching = "multipack"
-        elif job.trainer == "sft":
-            # TRL decides: its padding_free / packing (bfd rows) flatten batches, otherwise it pads
-            batching = "padding_free" if trl_packs(training) else "padded"
-        else:
-            batching = "padding_free"
-    if batching == "multipack" and budget is None:
-        budget = cfg.data.max_length * training.per_device_train_batch_size
-        training.max_tokens_per_batch = budget
-        logger.info(
-            "multipack: max_tokens_per_batch = max_length x per_device_train_batch_size = %d x %d = %d",
-            cfg.data.max_length,
-            training.per_device_train_batch_size,
-            budget,
-        )
-    if batching != "multipack" and budget is not None:
-        raise ValueError(
-            f"max_tokens_per_batch={budget} needs multipack batching, but batching is {batching!r}"
-            + (" (sample_packing: false)" if job.sample_packing is False else "")
-            + "; remove max_tokens_per_batch or set batching: multipack"
-        )
-    if budget is not None and budget < cfg.data.max_length:
-        raise ValueError(
-            f"max_tokens_per_batch={budget} is smaller than max_length={cfg.data.max_length}: a sample of "
-            "max_length tokens could never be placed; raise max_tokens_per_batch or lower max_length"
-        )
-    if job.trainer == "sft" and batching == "padding_free" and not trl_packs(training):
-        raise ValueError(
-            "trainer: sft with batching: padding_free needs TRL's padding_free: true (or packing: true)"
-        )
-    if job.trainer == "sft" and batching == "padded" and trl_packs(training):
-        raise ValueError("batching: padded contradicts padding_free / packing: true in the SFT config")
-    return batching
+        if model_args.tokenizer_name_or_path is None:
+            raise ValueError(
+                f"{source}: model_type={model_args.model_type!r} builds a model from config, which has no tokenizer "
+                "of its own; set tokenizer_name_or_path (a folder or Hub id)"
+            )

@@ -10,7 +10,10 @@ A folder or Hub id, a GGUF file shipped inside a Python package (the demo's Smol
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,17 @@ import torch
 
 from .config import ModelArguments
 
-__all__ = ["load_model", "load_tokenizer", "model_source", "resolve_model_source"]
+__all__ = [
+    "cache_dir",
+    "file_digest",
+    "load_model",
+    "load_tokenizer",
+    "model_source",
+    "peft_config_from",
+    "resolve_model_source",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_source(model_args: ModelArguments) -> tuple[str | None, str | None]:
@@ -59,7 +72,7 @@ def model_source(model_args: ModelArguments) -> str:
         return f"a randomly initialised {model_args.model_type} (from config)"
     if model_args.gguf_file is not None:
         where = model_args.gguf_package or model_args.model_name_or_path
-        return f"{model_args.gguf_file} in {where} (GGUF, de-quantized to fp32)"
+        return f"{model_args.gguf_file} in {where} (GGUF, de-quantized to fp32; the conversion is cached)"
     return str(model_args.model_name_or_path)
 
 
@@ -93,15 +106,18 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
-def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
-    """The causal LM to fine-tune, in fp32 (mixed precision is the Trainer's job, via ``bf16``).
+def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0, head: str = "causal"):
+    """The causal LM to fine-tune, in fp32 (mixed precision is the Trainer's job, via ``bf16``); with
+    ``head="score"`` a one-label sequence classifier instead (a reward model: ``trainer: reward``).
 
     GGUF weights are de-quantized by transformers on load; the leftover quantization marker is
     removed, since it would make ``Trainer`` refuse full fine-tuning and ``save_pretrained`` refuse to
     save, although every weight is an ordinary fp32 tensor by then.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    labels = {"num_labels": 1} if head == "score" else {}
     attn = {}
     if model_args.attn_implementation:
         from .checks import check_attn_implementation
@@ -109,20 +125,113 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0):
         # packing_hf / packing_hf_varlen: registered with transformers, then named by its registered name
         attn["attn_implementation"] = check_attn_implementation(model_args.attn_implementation)
     if model_args.model_type is not None:
-        overrides = {"vocab_size": len(tokenizer), **(model_args.model_config or {})}
+        overrides = {"vocab_size": len(tokenizer), **labels, **(model_args.model_config or {})}
         if tokenizer.pad_token_id is not None:
             overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
         config = AutoConfig.for_model(model_args.model_type, **overrides)
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+        return auto.from_config(config, dtype=torch.float32, **attn)
     path, gguf_file = resolve_model_source(model_args)
     if path is None:
         raise ValueError("no model: set model_name_or_path, gguf_package (with gguf_file) or model_type")
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code, **attn, **kwargs
-    )
-    quantizer = getattr(model, "hf_quantizer", None)
-    if gguf_file and quantizer is not None:
-        quantizer.remove_quantization_config(model)
+    common = dict(dtype=torch.float32, trust_remote_code=model_args.trust_remote_code, **attn, **labels)
+    if gguf_file:
+        model = _load_gguf(auto, path, gguf_file, head, common)
+    else:
+        model = auto.from_pretrained(path, **common)
+    if head == "score" and model.config.pad_token_id is None:
+        model.config.pad_token_id = (
+            tokenizer.pad_token_id
+        )  # the classifier finds each sequence's last token by it
     return model
+
+
+def cache_dir() -> Path:
+    """packing_hf's cache folder: ``$PACKING_HF_CACHE``, else ``$XDG_CACHE_HOME/packing_hf`` (``~/.cache``)."""
+    root = os.environ.get("PACKING_HF_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packing_hf"
+
+
+def file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    """The SHA-256 of a file's bytes (read in 1 MiB chunks), as hex.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile(delete=False) as f:
+    ...     _ = f.write(b"abc")
+    >>> file_digest(Path(f.name))[:12]
+    'ba7816bf8f01'
+    """
+    digest = hashlib.sha256()
+    with path.open("rb") as data:
+        while block := data.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _load_gguf(auto, path: str, gguf_file: str, head: str, common: dict[str, Any]):
+    """A GGUF model, de-quantized to fp32 once: the first load converts it (1-3 min for SmolLM2-135M on 2 CPU
+    cores) and saves the result under ``<cache_dir>/gguf/<SHA-256 of the file>-<head>``; later runs load that
+    folder (seconds). The key is the file's content, so a changed file is converted again. Without a
+    writable cache folder, the file is converted every time."""
+    source = Path(path) / gguf_file if Path(path).is_dir() else None
+    folder = None
+    if source is not None and source.is_file():
+        folder = cache_dir() / "gguf" / f"{file_digest(source)[:24]}-{head}"
+        if (folder / "config.json").is_file():
+            logger.info("GGUF %s: loading its conversion cached in %s", gguf_file, folder)
+            return auto.from_pretrained(folder, **common)
+    model = auto.from_pretrained(path, gguf_file=gguf_file, **common)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if folder is not None:
+        try:
+            partial = folder.with_name(folder.name + ".partial")
+            model.save_pretrained(partial)
+            partial.replace(folder)
+            logger.info("GGUF %s: conversion cached in %s (the next run loads it)", gguf_file, folder)
+        except OSError as error:
+            logger.warning("GGUF %s: could not cache the conversion in %s (%s)", gguf_file, folder, error)
+    return model
+
+
+def peft_config_from(values: dict[str, Any] | None, task_type: str = "CAUSAL_LM"):
+    """The ``peft:`` block of a config as a ``peft.PeftConfig`` (None without one): its keys are the fields of
+    the method's config (``peft_type``, default ``LORA``: ``r``, ``lora_alpha``, ``target_modules``, ...).
+
+    >>> peft_config_from({"r": 8, "target_modules": "all-linear"}).r
+    8
+    >>> peft_config_from({"peft_type": "lora", "lora_alhpa": 8})
+    Traceback (most recent call last):
+    ...
+    ValueError: peft: LoraConfig has no key 'lora_alhpa' (did you mean 'lora_alpha'?); see peft.LoraConfig for its keys
+    """
+    if values is None:
+        return None
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError(
+            f"peft: needs PEFT ({error}); install it with `pip install 'packing-hf[peft]'`"
+        ) from None
+    import dataclasses
+    import difflib
+
+    values = dict(values)
+    method = str(values.pop("peft_type", "LORA")).upper()
+    mapping = peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING
+    if method not in mapping:
+        raise ValueError(f"peft: unknown peft_type {method!r}; one of {', '.join(sorted(mapping))}")
+    cls = mapping[method]
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"peft: {cls.__name__} has no key {key!r}{hint}; see peft.{cls.__name__} for its keys"
+            )
+    values.setdefault("task_type", task_type)
+    return cls(**values)

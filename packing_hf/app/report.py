@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-__all__ = ["print_summary"]
+__all__ = ["plot_losses", "print_summary"]
 
 
 def _plural(count: int, word: str, plural: str | None = None) -> str:
@@ -78,6 +79,10 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
     if summary.get("stream"):
         lines.append(f"data         {summary['records']}")
         lines.append(f"             {_describe_stream(summary['stream'])}")
+    elif summary.get("records") and "num_samples" not in summary:
+        lines.append(f"data         {summary['records']}")
+    if summary.get("reference"):
+        lines.append(f"reference    {summary['reference']}")
     if "num_samples" in summary:
         lines.append(
             f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
@@ -90,6 +95,11 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
         f"training     {batching}: {_plural(summary['global_step'], 'step')} in {summary['train_runtime']:.1f} s"
         + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
     )
+    rewards = summary.get("rewards") or []
+    if rewards:
+        lines.append(
+            f"reward       {rewards[0]:.4f} (first step) -> {rewards[-1]:.4f} (last step), mean per logged step"
+        )
     lines.append("-" * 90)
     lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
     base = summary.get("baseline")
@@ -151,3 +161,40 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
         )
     lines.append(rule)
     print_fn("\n".join(lines))
+
+
+def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
+    """Draw the logged training losses (and eval losses, if any) against the step into ``path`` (a PNG);
+    return its path, or None when matplotlib is missing (the curve is optional: nothing else needs it).
+
+    >>> import tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp()) / "loss.png"
+    >>> plot_losses([{"loss": 2.0, "step": 1}, {"loss": 1.5, "step": 2}], out) in (str(out), None)
+    True
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
+        points = [
+            (entry.get("step", i + 1), float(entry[key]))
+            for i, entry in enumerate(log_history)
+            if key in entry
+        ]
+        if points:
+            steps = [step for step, _ in points]
+            values = [value for _, value in points]
+            axes.plot(steps, values, marker="o" if len(points) < 30 else None, label=label)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return str(path)

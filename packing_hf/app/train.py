@@ -24,6 +24,7 @@ Steps, in order, each announced before it starts and with a progress bar where i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -37,26 +38,28 @@ import torch
 
 from ..collator import PaddingFreeCollator
 from .baseline import (
-    baseline_groups,
     evaluate_loss,
-    measure_throughput,
+    mean_logged,
     padded_collator,
     padded_efficiency,
-    plan_baseline,
+    run_baseline,
+    samples_of,
 )
-from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
+from .config import ModelArguments, TrainConfig, check_model, load_train_config, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
-from .report import _describe_stream, _fmt_seconds, _plural, print_summary
+from .report import _describe_stream, _plural, plot_losses, print_summary
+from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "packing_summary.json"
+LOSS_CURVE_NAME = "loss_curve.png"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,11 +69,6 @@ SUMMARY_NAME = "packing_summary.json"
 
 def _loss_history(log_history: list[dict[str, Any]]) -> list[float]:
     return [float(entry["loss"]) for entry in log_history if "loss" in entry]
-
-
-def _mean_logged(log_history: list[dict[str, Any]], key: str) -> float | None:
-    values = [float(entry[key]) for entry in log_history if key in entry]
-    return float(np.mean(values)) if values else None
 
 
 def _describe_model(model_args: ModelArguments, model) -> str:
@@ -114,18 +112,26 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
     return records, eval_records
 
 
-def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str) -> PreparedDataset:
+def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:
+    """Tokenized with loss masks, or loaded from the tokenized-dataset cache (same records, tokenizer and
+    settings: :mod:`packing_hf.app.token_cache`)."""
     data = cfg.data
-    return prepare_dataset(
-        records,
-        tokenizer,
-        max_length=data.max_length,
-        overflow=data.overflow,
-        prompt_format=data.prompt_format,
-        completion_only_loss=data.completion_only_loss,
-        num_proc=data.dataset_num_proc,
-        desc=desc,
-    )
+    settings = {
+        "max_length": data.max_length,
+        "overflow": data.overflow,
+        "prompt_format": data.prompt_format,
+        "completion_only_loss": data.completion_only_loss,
+    }
+
+    def prepare() -> PreparedDataset:
+        return prepare_dataset(records, tokenizer, num_proc=data.dataset_num_proc, desc=desc, **settings)
+
+    prepared, folder = cached_prepare(records, tokenizer, settings, prepare)
+    if folder is not None and say is not None:
+        say(
+            f"{desc.lower()}: loaded from the tokenized-dataset cache {folder} (same records, tokenizer, settings)"
+        )
+    return prepared
 
 
 def _stream(cfg: TrainConfig, tokenizer) -> RecordStream:
@@ -201,10 +207,6 @@ def _padded_batch_size(cfg: TrainConfig, lengths: np.ndarray) -> int:
     if cfg.batching == "multipack":
         return max(1, round(training.max_tokens_per_batch / float(lengths.mean())))
     return training.per_device_train_batch_size
-
-
-def _samples(dataset) -> list[dict[str, Any]]:
-    return dataset.select_columns(["input_ids", "labels"]).with_format(None).to_list()
 
 
 def _step_tokens(cfg: TrainConfig, lengths: np.ndarray | None) -> int:
@@ -304,8 +306,14 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     def say(message: str) -> None:
         print_fn(f"[packing-hf] {message}")
 
+    if cfg.job.trainer not in ("trainer", "sft"):
+        raise ValueError(
+            f"run_training runs trainer: trainer | sft; trainer: {cfg.job.trainer} is run by "
+            "packing_hf.app.trl_job.run_job"
+        )
     phases = _Phases()
     training = cfg.training
+    check_model(cfg.model, cfg.source)
     set_seed(training.seed)
     sft = cfg.job.trainer == "sft"
 
@@ -336,9 +344,9 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         phases.start("tokenize")
         if records is not None:
             say(f"tokenizing {len(records.records):,} records")
-            prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
+            prepared = _prepare(cfg, records, tokenizer, "Tokenizing", say)
         if eval_records is not None:
-            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records")
+            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records", say)
 
     phases.start("load")
     say(f"loading the model: {model_source(cfg.model)}")
@@ -387,7 +395,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
     padded = padded_collator(tokenizer)
     step_tokens = _step_tokens(cfg, lengths)
-    eval_samples = _samples(eval_prepared.dataset) if eval_prepared is not None else None
+    eval_samples = samples_of(eval_prepared.dataset) if eval_prepared is not None else None
     if eval_samples is not None:
         phases.start("eval")
         say(f"eval loss before training: {len(eval_samples)} held-out samples of {cfg.data.eval_dataset}")
@@ -428,7 +436,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         train_runtime=train_runtime,
         train_loss=float(train_result.training_loss),
         losses=losses,
-        logged_packing_efficiency=_mean_logged(trainer.state.log_history, "packing_efficiency"),
+        logged_packing_efficiency=mean_logged(trainer.state.log_history, "packing_efficiency"),
         attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
     )
     _free_optimizer(trainer)
@@ -445,7 +453,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         }
         summary["records"] = stream.describe()
         summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-        summary["padded_efficiency"] = _mean_logged(trainer.state.log_history, "padded_batch_efficiency")
+        summary["padded_efficiency"] = mean_logged(trainer.state.log_history, "padded_batch_efficiency")
         say(stream.describe())
         say(_describe_stream(summary["stream"]))
     elif prepared is not None:
@@ -470,144 +478,91 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
             autocast_dtype=autocast,
             desc="Eval after",
         )
-
-    summary["baseline"] = None
-    if not sft and cfg.job.baseline_batches > 0 and (prepared is not None or stream is not None):
-        phases.start("baseline")
-        summary["baseline"], summary["baseline_note"] = _run_baseline(
-            cfg,
-            trainer,
-            tokenizer,
-            prepared,
-            stream,
-            lengths,
-            summary,
-            padded,
-            step_tokens,
-            device,
-            autocast,
-            say,
+        say(
+            f"eval loss after training: {summary['eval_loss_after']:.4f} "
+            f"(before: {summary['eval_loss_before']:.4f})"
         )
 
+    # the trained model and its summary are saved before any optional diagnostic: one that fails after
+    # training (the padded baseline on a model whose kernels refuse padded or packed batches) says why, and
+    # the run keeps its model
     output_dir = Path(training.output_dir)
     _restore_user_config(trainer.model, user_use_cache, user_attention)
+    summary["output_dir"] = None
+    summary["baseline"] = None
     if cfg.job.save_model:
         phases.start("save")
         say(f"saving the model to {output_dir}")
         trainer.save_model(str(output_dir))
         summary["output_dir"] = str(output_dir)
-    else:
-        summary["output_dir"] = None
+        _write_summary(summary, phases, trainer, output_dir, say)
+
+    if not sft and cfg.job.baseline_batches > 0 and (prepared is not None or stream is not None):
+        phases.start("baseline")
+        try:
+            with _prepared_as_trained(trainer):
+                summary["baseline"], summary["baseline_note"] = run_baseline(
+                    cfg,
+                    trainer,
+                    tokenizer,
+                    prepared,
+                    stream,
+                    lengths,
+                    summary,
+                    padded,
+                    step_tokens,
+                    device,
+                    autocast,
+                    say,
+                )
+        except Exception as error:  # a diagnostic: it must never cost the trained model
+            summary["baseline"] = None
+            summary["baseline_note"] = (
+                f"padded baseline failed ({type(error).__name__}: {error}); the training result stands"
+                + (f" and is saved in {output_dir}" if cfg.job.save_model else "")
+                + "; baseline_batches=0 skips it"
+            )
+            say(summary["baseline_note"])
     phases.stop()
-    summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
-    summary["peak_rss_gb"] = phases.peak_rss_gb
-    summary["total_seconds"] = phases.total
-    summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
-    summary["total_cpu_seconds"] = phases.total_cpu
-    print_summary(summary, print_fn)
-    if cfg.job.save_model and trainer.is_world_process_zero():
-        (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print_summary(_finish_summary(summary, phases), print_fn)
+    if cfg.job.save_model:
+        _write_summary(summary, phases, trainer, output_dir, say)
     return summary
 
 
-def _run_baseline(
-    cfg: TrainConfig,
-    trainer,
-    tokenizer,
-    prepared,
-    stream,
-    lengths,
-    summary,
-    padded,
-    step_tokens,
-    device,
-    autocast,
-    say,
-) -> tuple[dict[str, Any] | None, str]:
-    """The padded baseline, sized to fit ``baseline_time_share`` of the training time: ``(the measurement
-    or None when skipped, what was decided and why)``."""
-    training = cfg.training
-    count = cfg.job.baseline_batches
-    pool = None
-    if stream is not None:
-        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
-        pool = _stream_pool(stream, 2 * count * training.max_tokens_per_batch)
-        lengths = np.array([len(sample["input_ids"]) for sample in pool], dtype=np.int64)
-    order, groups = baseline_groups(cfg, lengths, count)
-    trained_tokens = _trained_tokens(cfg, trainer.state.log_history, summary, lengths)
-    train_seconds = summary["train_runtime"]
-    share = cfg.baseline_time_share
-    if not trained_tokens or not train_seconds > 0:
-        return None, "padded baseline skipped: the training steps gave no speed to size it by"
-    per_token = train_seconds / trained_tokens
-    by_position = lengths[np.asarray(order, dtype=np.int64)]
-    batches, rounds, cost, allowed = plan_baseline(share, by_position, groups, train_seconds, per_token)
-    limit = f"baseline_time_share={share:g} of the training's {_fmt_seconds(train_seconds)}"
-    if batches == 0:
-        note = (
-            f"padded baseline skipped: one batch packed and padded would take ~{_fmt_seconds(cost)}, more than "
-            f"{limit}; raise baseline_time_share to measure it (baseline_batches=0 skips it quietly)"
-        )
-        say(note)
-        return None, note
-    groups = groups[:batches]
-    used = sum(len(group) for group in groups)
-    order = order[:used]
-    shrunk = batches < len(groups) or batches < count or rounds < 2
-    note = (
-        f"padded baseline: {_plural(batches, 'batch', 'batches')} of random samples"
-        + (f" (of baseline_batches={count})" if batches < count else "")
-        + f", each timed packed and padded to its longest, {_plural(rounds, 'round')}: ~{_fmt_seconds(cost)} "
-        f"estimated, within {limit}"
-        + (" (shrunk to fit)" if shrunk else "")
-        + "; micro-batches of at most the token budget, so no more memory than a training step"
-    )
-    say(note)
-    samples = [pool[i] for i in order] if pool is not None else _samples(prepared.dataset.select(order))
-    # timed after training, on the model exactly as it was trained (attention included)
-    result = measure_throughput(
-        trainer.model,
-        samples,
-        groups,
-        padded_batch_size=None,
-        packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
-        padded_collator=padded,
-        device=device,
-        autocast_dtype=autocast,
-        repeats=rounds,
-        max_tokens_per_micro_batch=step_tokens,
-        desc="Baseline",
-    )
-    return result, note
+def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
+    summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
+    summary["peak_rss_gb"] = dict(phases.peak_rss_gb)
+    summary["total_seconds"] = phases.total
+    summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
+    summary["total_cpu_seconds"] = phases.total_cpu
+    return summary
 
 
-def _trained_tokens(
-    cfg: TrainConfig, log_history: list[dict[str, Any]], summary: dict[str, Any], lengths
-) -> float:
-    """Real tokens the training steps ran on: from the packing metrics of the step logs, else estimated
-    from the token budget (and fill) or the batch size and the mean sample length."""
-    per_step = _mean_logged(log_history, "real_tokens_per_step")
-    if not per_step:
-        training = cfg.training
-        budget = getattr(training, "max_tokens_per_batch", None)
-        if budget is not None:
-            per_micro = budget * (summary.get("packing_efficiency") or 1.0)
-        else:
-            per_micro = training.per_device_train_batch_size * float(np.mean(lengths))
-        per_step = per_micro * training.gradient_accumulation_steps
-    return per_step * summary["global_step"]
+def _write_summary(summary: dict[str, Any], phases: _Phases, trainer, output_dir: Path, say) -> None:
+    """``packing_summary.json`` and the loss curve (``loss_curve.png``, when matplotlib is installed) beside
+    the saved model; written once right after the save and again when the diagnostics are done."""
+    if not trainer.is_world_process_zero():
+        return
+    _finish_summary(summary, phases)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if "loss_curve" not in summary:
+        summary["loss_curve"] = plot_losses(trainer.state.log_history, output_dir / LOSS_CURVE_NAME)
+        if summary["loss_curve"] is None:
+            say("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")
 
 
-def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
-    """The stream's first samples, until they hold ``tokens`` tokens (or the source ends), read by a fresh
-    pass of their own (the training stream's position is not touched)."""
-    pool, total = [], 0
-    for sample in stream.stream.iterate():
-        pool.append({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])})
-        total += len(sample["input_ids"])
-        if total >= tokens:
-            break
-    return pool
+@contextlib.contextmanager
+def _prepared_as_trained(trainer):
+    """The model prepared for packed batches as during training (its pre-flight mode: the same attention,
+    per-sample masks and token mixers), then given back: the baseline times the model as it trained, and a
+    hybrid model's packed forward runs its mixers per sample instead of refusing."""
+    if not trainer._packs():
+        yield
+        return
+    with trainer._packing_model(trainer.model):
+        yield
 
 
 def train_from_config(

@@ -61,6 +61,7 @@ from .callbacks import STATS_KEY, PackingMetrics
 from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
+from .peft_models import apply_peft
 from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
 from .sequence_parallel import PackingSequenceParallelMixin
@@ -235,7 +236,9 @@ class PackingTrainerMixin(
 class Trainer(PackingTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with multipack batches, exact resume, a packing pre-flight check and metrics.
 
-    Takes the same arguments as ``transformers.Trainer``; ``args`` must be a
+    Takes the same arguments as ``transformers.Trainer``, plus ``peft_config`` (a ``peft.PeftConfig``: the
+    model is wrapped with ``peft.get_peft_model``, as TRL's trainers do; prompt-learning methods are refused
+    with packed batches, see :mod:`packing_hf.integrations.adapters`); ``args`` must be a
     :class:`packing_hf.TrainingArguments` (default: one with ``output_dir="tmp_trainer"``). When
     ``max_tokens_per_batch`` is set and no ``data_collator`` is given, a
     :class:`~packing_hf.PaddingFreeCollator` using the tokenizer's pad token is used.
@@ -258,6 +261,10 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
 
     # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
     packing_sequence_parallel = True
+
+    def __init__(self, model: Any = None, *args: Any, peft_config: Any = None, **kwargs: Any) -> None:
+        # transformers.Trainer takes no peft_config: the model is wrapped here, as TRL's trainers do
+        super().__init__(apply_peft(model, peft_config), *args, **kwargs)
 
     def _packing_config(self, args: Any, model: Any) -> Any:
         return TrainingArguments(output_dir="tmp_trainer") if args is None else args

@@ -132,8 +132,7 @@ def _jsonl(path: Path, first: int, every: int, phase: int):
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(
-                    f"{path}:{line_number}: malformed JSON ({error.msg} at column {error.colno}); fix or remove "
-                    "the line"
+                    f"{path}:{line_number}: malformed JSON ({_json_problem(error)}); fix or remove the line"
                 ) from None
             if not isinstance(record, dict):
                 raise ValueError(
@@ -147,9 +146,7 @@ def _json_list(path: Path) -> list[Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{path}:{error.lineno}: malformed JSON ({error.msg} at column {error.colno})"
-        ) from None
+        raise ValueError(f"{path}:{error.lineno}: malformed JSON ({_json_problem(error)})") from None
     if isinstance(data, dict):
         # {"train": [...], ...} or {"data": [...]}: the usual wrappers around a list of records
         lists = {key: value for key, value in data.items() if isinstance(value, list)}
@@ -186,3 +183,8 @@ def _parquet(path: Path, first: int, every: int, phase: int, batch_size: int):
             row0 += table.num_rows
         group_start = group_stop
     return group_start
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """``json``'s message and column; some messages end in "at" already ("Invalid control character at")."""
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"

@@ -1,0 +1,228 @@
+"""The ``packing-hf train`` job of the TRL trainers: ``trainer: dpo | kto | reward | orpo | cpo | grpo | rloo``.
+
+One YAML per run, as with ``trl dpo --config ...`` or axolotl's ``rl: dpo``: the data in TRL's formats
+(:mod:`packing_hf.app.trl_data`, ``column_mapping`` for other names), the model (``model:``, a GGUF file or a
+tiny ``model_type``), an optional ``peft:`` adapter, and the packed trainer of that name from
+:mod:`packing_hf.integrations` with its config (every TRL option is a key). Steps: data, tokenizer, model,
+reference model, train, save (model, ``packing_summary.json``, loss curve), one summary table.
+
+The reference model (DPO, KTO; GRPO / RLOO when ``beta > 0``) is handled as TRL does, with the one case TRL
+cannot load fixed: with a ``peft:`` adapter there is none (TRL disables the adapter for reference log-probs);
+otherwise TRL loads a second copy from the policy's ``_name_or_path``, which a model built from config (an
+empty name: TRL's ``OSError: Repo id must use alphanumeric chars``) or a GGUF file (no ``gguf_file`` passed) do
+not have. DPO and KTO get a frozen copy of the policy as ``ref_model`` instead (what TRL would load); GRPO /
+RLOO, which take no ``ref_model``, get the initial policy saved to ``<output_dir>/reference_model`` for TRL to
+load.
+
+>>> from packing_hf.app.trl_job import reference_plan
+>>> reference_plan("orpo", peft=False, beta=0.1, loadable=False)
+'none: orpo has no reference model'
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from .baseline import mean_logged
+from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
+from .modeling import load_model, load_tokenizer, model_source, peft_config_from
+from .report import print_summary
+from .rewards import resolve_reward_funcs
+from .train import SUMMARY_NAME, _Phases, _restore_user_config, _write_summary, run_training
+from .trl_data import FORMATS, load_trl_dataset
+
+__all__ = ["reference_plan", "run_job", "run_trl_training"]
+
+logger = logging.getLogger(__name__)
+
+_CLASSES = {
+    "dpo": "DPOTrainer",
+    "kto": "KTOTrainer",
+    "reward": "RewardTrainer",
+    "orpo": "ORPOTrainer",
+    "cpo": "CPOTrainer",
+    "grpo": "GRPOTrainer",
+    "rloo": "RLOOTrainer",
+}
+
+
+def run_job(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+    """The job of ``cfg.job.trainer``: :func:`run_trl_training` for the TRL trainers, else
+    :func:`packing_hf.app.train.run_training`."""
+    if cfg.job.trainer in TRL_JOB_TRAINERS:
+        return run_trl_training(cfg, print_fn=print_fn)
+    return run_training(cfg, print_fn=print_fn)
+
+
+def reference_plan(trainer: str, *, peft: bool, beta: float | None, loadable: bool) -> str:
+    """How the reference model of ``trainer`` is made: ``"none: ..."``, ``"adapter: ..."``, ``"copy: ..."``,
+    ``"trl: ..."`` (TRL loads it from the policy's name) or ``"saved: ..."`` (see the module docstring)."""
+    if trainer in ("reward", "orpo", "cpo"):
+        return f"none: {trainer} has no reference model"
+    if trainer in ("grpo", "rloo") and not beta:
+        return f"none: beta={beta or 0:g}, no KL term"
+    if peft:
+        return "adapter: the policy with its adapter disabled (TRL, no second model)"
+    if trainer in ("dpo", "kto"):
+        return "copy: a frozen copy of the policy as it starts (ref_model)"
+    if loadable:
+        return "trl: TRL loads the policy's checkpoint a second time"
+    return "saved: the initial policy saved to <output_dir>/reference_model, loaded by TRL"
+
+
+def _loadable(model) -> bool:
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    return bool(name) and (Path(name) / "config.json").is_file()
+
+
+def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+    """Run the job of a TRL trainer for a parsed config; print progress and the summary, return it.
+
+    The summary holds the model and data description, ``trainer``, ``batching``, ``reference`` (how the
+    reference model was made), ``peft`` (the adapter, or None), ``global_step``, ``train_runtime``, ``losses``
+    (every logged training loss), ``rewards`` (GRPO / RLOO: every logged mean reward), ``seconds`` and
+    ``output_dir``.
+    """
+    from transformers import set_seed
+
+    from .. import integrations
+
+    def say(message: str) -> None:
+        print_fn(f"[packing-hf] {message}")
+
+    trainer_name, data, training = cfg.job.trainer, cfg.data, cfg.training
+    check_model(cfg.model, cfg.source)
+    phases = _Phases()
+    set_seed(training.seed)
+    for note in cfg.notes:
+        say(note)
+
+    phases.start("read")
+    kind = FORMATS[trainer_name][0]
+    say(f"reading {data.dataset} as TRL's {kind} format for trainer: {trainer_name}")
+    dataset = load_trl_dataset(
+        trainer_name,
+        data.dataset,
+        split=data.dataset_split,
+        config_name=data.dataset_config,
+        limit=data.num_samples,
+        column_mapping=data.column_mapping,
+    )
+    records = f"{data.dataset}: {len(dataset):,} records, columns {dataset.column_names}"
+    if data.dataset == "embedded":
+        records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
+    say(records)
+    if data.eval_dataset is not None:
+        say(f"eval_dataset {data.eval_dataset} is not used with trainer: {trainer_name} (no held-out loss)")
+
+    phases.start("load")
+    say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
+    tokenizer = load_tokenizer(cfg.model)
+    say(f"loading the model: {model_source(cfg.model)}")
+    model = load_model(
+        cfg.model, tokenizer, seed=training.seed, head="score" if trainer_name == "reward" else "causal"
+    )
+    user_use_cache = model.config.use_cache
+    user_attention = getattr(model.config, "_attn_implementation", None)
+    peft_config = peft_config_from(cfg.model.peft, "SEQ_CLS" if trainer_name == "reward" else "CAUSAL_LM")
+    plan = reference_plan(
+        trainer_name,
+        peft=peft_config is not None,
+        beta=getattr(training, "beta", None),
+        loadable=_loadable(model),
+    )
+    say(f"reference model: {plan}")
+    kwargs: dict[str, Any] = {"peft_config": peft_config} if peft_config is not None else {}
+    if plan.startswith("copy"):
+        kwargs["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
+    elif plan.startswith("saved"):
+        folder = Path(training.output_dir) / "reference_model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        model.config._name_or_path = str(folder)
+    if trainer_name in ("grpo", "rloo"):
+        spec = cfg.job.reward_funcs or ("gsm8k" if data.dataset == "embedded" else None)
+        if spec is None:
+            raise ValueError(
+                f"trainer: {trainer_name} needs reward_funcs (comma-separated import paths, module:function); "
+                "the built-in gsm8k applies to the embedded data (or a dataset with an answer column)"
+            )
+        kwargs["reward_funcs"] = resolve_reward_funcs(spec)
+        say(f"reward functions: {', '.join(f.__name__ for f in kwargs['reward_funcs'])}")
+
+    phases.start("plan")
+    cls = getattr(integrations, _CLASSES[trainer_name])
+    trainer = cls(model=model, args=training, train_dataset=dataset, processing_class=tokenizer, **kwargs)
+    device = training.device
+    precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+    summary: dict[str, Any] = {
+        "config": cfg.source,
+        "model": _describe(cfg, trainer.model),
+        "device": str(device),
+        "precision": precision,
+        "trainer": trainer_name,
+        "batching": cfg.batching,
+        "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
+        "dataset": data.dataset,
+        "records": records,
+        "reference": plan,
+        "peft": cfg.model.peft,
+        "baseline": None,
+        "baseline_note": f"no padded baseline with trainer: {trainer_name} (benchmarks/ compares it with TRL's padded trainer)",
+    }
+    say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
+
+    phases.start("train")
+    say(
+        f"training ({_CLASSES[trainer_name]}): {training.max_steps if training.max_steps > 0 else 'all'} steps"
+    )
+    started = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    history = trainer.state.log_history
+    summary.update(
+        global_step=int(trainer.state.global_step),
+        train_runtime=float(result.metrics.get("train_runtime", time.perf_counter() - started)),
+        train_loss=float(result.training_loss),
+        losses=[float(e["loss"]) for e in history if "loss" in e],
+        rewards=[float(e["reward"]) for e in history if "reward" in e] or None,
+        logged_packing_efficiency=mean_logged(history, "packing_efficiency"),
+        attn_implementation=getattr(getattr(trainer.model, "config", None), "_attn_implementation", None),
+    )
+    summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+    if summary["rewards"]:
+        say(f"mean reward per logged step: {', '.join(f'{r:.3f}' for r in summary['rewards'])}")
+
+    output_dir = Path(training.output_dir)
+    _restore_user_config(model, user_use_cache, user_attention)
+    summary["output_dir"] = None
+    if cfg.job.save_model:
+        phases.start("save")
+        say(f"saving the {'adapter' if peft_config is not None else 'model'} to {output_dir}")
+        trainer.save_model(str(output_dir))
+        summary["output_dir"] = str(output_dir)
+    phases.stop()
+    if cfg.job.save_model:
+        _write_summary(summary, phases, trainer, output_dir, say)
+    else:
+        from .train import _finish_summary
+
+        _finish_summary(summary, phases)
+    print_summary(summary, print_fn)
+    logger.debug("summary written to %s", output_dir / SUMMARY_NAME)
+    return summary
+
+
+def _describe(cfg: TrainConfig, model) -> str:
+    name = (
+        f"randomly initialised {cfg.model.model_type} (from config)"
+        if cfg.model.model_type is not None
+        else cfg.model.gguf_file or cfg.model.model_name_or_path
+    )
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
+    return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"

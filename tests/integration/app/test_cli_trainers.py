@@ -1,0 +1,69 @@
+"""Every shipped trainer config (`configs/tiny_<trainer>.yaml`) runs from the command line's job: one step,
+a smaller tiny model, the real SmolLM2 tokenizer and the embedded GSM8K rows; the model and its summary
+saved, the reference model made as TRL would (without TRL's reload of a model it cannot name)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from packing_hf.app.config import load_train_config
+from packing_hf.app.train import LOSS_CURVE_NAME, SUMMARY_NAME
+from packing_hf.app.trl_job import run_job
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}'
+REFERENCE = {
+    "dpo": "adapter",  # run with a LoRA adapter (peft:): TRL disables it for the reference log-probs
+    "kto": "copy",
+    "reward": "none",
+    "orpo": "none",
+    "cpo": "none",
+    "grpo": "none",
+    "rloo": "saved",
+}
+
+
+def cheap(data_dir: Path, out: Path, trainer: str) -> list[str]:
+    overrides = [
+        f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+        "gguf_file=null",
+        "gguf_package=null",
+        f"model_config={SMALL}",
+        "num_samples=4",
+        "max_length=384",
+        "max_steps=1",
+        f"per_device_train_batch_size={2 if trainer in ('kto', 'grpo', 'rloo') else 1}",
+        f"output_dir={out}",
+        "disable_tqdm=true",
+    ]
+    if trainer in ("grpo", "rloo"):
+        overrides += ["num_generations=2", "max_completion_length=8"]
+    if trainer == "dpo":
+        overrides.append('peft={"r": 4, "target_modules": ["q_proj", "v_proj"]}')
+    return overrides
+
+
+@pytest.mark.parametrize("trainer", list(REFERENCE))
+def test_shipped_trainer_config_runs_and_saves(trainer, data_dir, tmp_path):
+    out = tmp_path / trainer
+    cfg = load_train_config(ROOT / "configs" / f"tiny_{trainer}.yaml", cheap(data_dir, out, trainer))
+    assert cfg.job.trainer == trainer
+    printed: list[str] = []
+    summary = run_job(cfg, print_fn=printed.append)
+    assert summary["global_step"] == 1 and summary["trainer"] == trainer
+    assert summary["losses"] and all(math.isfinite(loss) for loss in summary["losses"])
+    assert summary["reference"].startswith(REFERENCE[trainer])
+    if trainer == "dpo":  # the adapter alone is saved, and only it trained
+        assert (out / "adapter_model.safetensors").is_file() and "trained (adapter)" in summary["model"]
+    else:
+        assert (out / "model.safetensors").is_file()
+    assert json.loads((out / SUMMARY_NAME).read_text())["global_step"] == 1
+    assert (out / LOSS_CURVE_NAME).is_file() or "no loss curve drawn" in "\n".join(printed)
+    if trainer in ("grpo", "rloo"):
+        assert summary["rewards"] is not None and all(0.0 <= r <= 1.0 for r in summary["rewards"])
+    if REFERENCE[trainer] == "saved":
+        assert (out / "reference_model" / "config.json").is_file()
