@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CostModel", "default_cost_cache", "fit_cost_model", "rank_cost_spread"]
+__all__ = ["CostModel", "default_cost_cache", "fit_cost_model", "rank_cost_spread", "resolve_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -324,4 +324,36 @@ def fit_cost_model(
         tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(stored, indent=1) + "\n")
         os.replace(tmp, path)  # atomic: ranks fitting at once never leave a torn file
+    return fitted
+
+
+def resolve_cost_model(spec: str | CostModel | None, model: Any, max_tokens: int) -> CostModel | None:
+    """The cost model a training argument names, identical on every rank.
+
+    Args:
+        spec: ``None`` (none: token balance), a :class:`CostModel`, ``"flops"``
+            (:meth:`CostModel.from_config` of ``model.config``), ``"fit"`` (:func:`fit_cost_model`, cached),
+            or ``"LINEAR,QUADRATIC"``.
+        model: the model being trained (read for ``"flops"`` and ``"fit"``).
+        max_tokens: the token budget of a batch.
+
+    With ``"fit"`` under ``torch.distributed`` every rank measures (or reads its cache) and the
+    coefficients are averaged over the ranks once, so every rank plans the same steps.
+
+    >>> resolve_cost_model("2,1", None, 64)
+    CostModel(linear=2.0, quadratic=1.0, source='given')
+    """
+    if spec is None or isinstance(spec, CostModel):
+        return spec
+    if spec == "flops":
+        return CostModel.from_config(getattr(model, "config", None))
+    if spec != "fit":
+        return CostModel.parse(spec)
+    fitted = fit_cost_model(model, max_tokens)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = next(model.parameters()).device
+        both = torch.tensor([fitted.linear, fitted.quadratic], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(both)  # the ranks' fits differ by timing noise: one plan needs one model
+        linear, quadratic = (v / torch.distributed.get_world_size() for v in both.tolist())
+        fitted = CostModel(linear, quadratic, source="fitted")
     return fitted
