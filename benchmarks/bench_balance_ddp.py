@@ -10,10 +10,12 @@ the plan balances the time this model really takes.
    interleaved epoch by epoch (``--epochs``, each cut to ``--steps`` steps). Per step every rank times its
    forward + backward (its compute), then the gradients are all-reduced and AdamW steps. Reported per balance:
    the slowest rank's lead per step (``max - min`` of the ranks' compute: what the faster rank waits),
-   as a mean in ms and as a share of the step, and real tokens/s of the whole run (wall clock, all ranks).
+   as a mean in ms and as a share of the step, by the wall clock and by CPU time (one thread per rank: the
+   CPU time is the work itself, which a shared machine's load does not inflate), and real tokens/s of the
+   whole run (wall clock, all ranks).
 2. *8 ranks, simulated*: every batch of one epoch of the 8-rank plan is timed on its own (forward + backward,
-   fastest of two), then both plans (the same batches, grouped into steps by tokens or by cost) are
-   replayed from those times: the epoch lasts ``sum over steps of the slowest rank's time``.
+   one thread, CPU time, fastest of two), then both plans (the same batches, grouped into steps by tokens or
+   by cost) are replayed from those times: the epoch lasts ``sum over steps of the slowest rank's time``.
 
     python benchmarks/bench_balance_ddp.py            # ~6 min on 2 busy CPU cores
     python benchmarks/bench_balance_ddp.py --quick
@@ -55,10 +57,11 @@ def token_ids(lengths: np.ndarray, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, VOCAB, int(n)).tolist() for n in lengths]
 
 
-def compute_seconds(model, batch) -> float:
-    start = time.perf_counter()
+def compute_seconds(model, batch) -> tuple[float, float]:
+    """Wall and CPU seconds of a forward + backward (one thread: the CPU time is the work, whatever the load)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     model(**batch).loss.backward()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def worker(rank: int, world: int, init_file: str, lengths, budget, cost, epochs, steps, queue) -> None:
@@ -92,7 +95,7 @@ def worker(rank: int, world: int, init_file: str, lengths, budget, cost, epochs,
                 optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             walls[balance] += time.perf_counter() - start
-    table = torch.tensor([computes[b] for b in BALANCES], dtype=torch.float64)  # (2, steps)
+    table = torch.tensor([computes[b] for b in BALANCES], dtype=torch.float64)  # (2, steps, wall / cpu)
     gathered = [torch.zeros_like(table) for _ in range(world)]
     dist.all_gather(gathered, table)
     if rank == 0:
@@ -114,7 +117,7 @@ def two_processes(lengths, budget, cost, epochs, steps) -> list[dict]:
         result = queue.get(timeout=3600)
         for p in procs:
             p.join()
-    computes = result["computes"]  # (ranks, balances, steps)
+    computes = result["computes"]  # (ranks, balances, steps, wall / cpu)
     rows = []
     for index, balance in enumerate(BALANCES):
         # every rank's batches of the steps run (shard=False: step-major, batch i is rank i % 2's)
@@ -125,15 +128,16 @@ def two_processes(lengths, budget, cost, epochs, steps) -> list[dict]:
         for epoch in range(epochs):
             everything.set_epoch(epoch)
             real_tokens += sum(int(lengths[b].sum()) for i, b in enumerate(everything) if i < 2 * steps)
-        times = computes[:, index, :].T  # (steps, ranks)
-        lead = times.max(axis=1) - times.min(axis=1)
+        row = {"balance": balance, "steps": int(computes.shape[2])}
+        for clock, which in (("wall", 0), ("cpu", 1)):
+            times = computes[:, index, :, which].T  # (steps, ranks)
+            lead = times.max(axis=1) - times.min(axis=1)
+            row[f"lead_ms_{clock}"] = 1e3 * float(lead.mean())
+            row[f"lead_share_{clock}"] = float(lead.sum() / times.max(axis=1).sum())
+            row[f"max_over_mean_{clock}"] = rank_cost_spread(times)
         rows.append(
             {
-                "balance": balance,
-                "steps": int(times.shape[0]),
-                "slowest_lead_ms": 1e3 * float(lead.mean()),
-                "lead_share_of_step": float(lead.sum() / times.max(axis=1).sum()),
-                "compute_max_over_mean": rank_cost_spread(times),
+                **row,
                 "wall_s": result["walls"][balance],
                 "real_tokens": real_tokens,
                 "tokens_per_s": real_tokens / result["walls"][balance],
@@ -143,6 +147,7 @@ def two_processes(lengths, budget, cost, epochs, steps) -> list[dict]:
 
 
 def simulated(lengths, budget, cost, ranks: int) -> dict:
+    torch.set_num_threads(1)  # CPU time of one thread: the work of a batch, steady under load
     model = tiny_model()
     ids = token_ids(lengths)
     collate = PaddingFreeCollator()
@@ -156,7 +161,7 @@ def simulated(lengths, budget, cost, ranks: int) -> dict:
     for batch_ids in plans["tokens"]:  # the batches of both plans are the same
         key = frozenset(batch_ids)
         batch = collate([{"input_ids": ids[j]} for j in batch_ids])
-        seconds[key] = min(compute_seconds(model, batch) for _ in range(2))
+        seconds[key] = min(compute_seconds(model, batch)[1] for _ in range(2))
         model.zero_grad(set_to_none=True)
     out = {"ranks": ranks, "batches": len(seconds)}
     for balance, plan in plans.items():
@@ -194,7 +199,7 @@ def main() -> None:
     print(
         f"\n== 2 processes (gloo, 1 thread each), {args.epochs} epoch(s) x {args.steps} steps, interleaved =="
     )
-    print_table(rows, ["balance", "steps", "slowest_lead_ms", "lead_share_of_step", "compute_max_over_mean", "real_tokens", "wall_s", "tokens_per_s"])  # fmt: skip
+    print_table(rows, ["balance", "steps", "lead_ms_wall", "lead_share_wall", "lead_ms_cpu", "lead_share_cpu", "max_over_mean_cpu", "real_tokens", "wall_s", "tokens_per_s"])  # fmt: skip
     print(
         f"tokens/s cost-balanced vs token-balanced: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x"
     )
