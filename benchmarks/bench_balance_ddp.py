@@ -14,7 +14,7 @@ the plan balances the time this model really takes.
    CPU time is the work itself, which a shared machine's load does not inflate), and real tokens/s of the
    whole run (wall clock, all ranks).
 2. *8 ranks, simulated*: every batch of one epoch of the 8-rank plan is timed on its own (forward + backward,
-   one thread, CPU time, fastest of two), then both plans (the same batches, grouped into steps by tokens or
+   one thread, CPU time, fastest of two; one with ``--quick``), then both plans (the same batches, grouped into steps by tokens or
    by cost) are replayed from those times: the epoch lasts ``sum over steps of the slowest rank's time``.
 
     python benchmarks/bench_balance_ddp.py            # ~6 min on 2 busy CPU cores
@@ -146,7 +146,7 @@ def two_processes(lengths, budget, cost, epochs, steps) -> list[dict]:
     return rows
 
 
-def simulated(lengths, budget, cost, ranks: int) -> dict:
+def simulated(lengths, budget, cost, ranks: int, passes: int) -> dict:
     torch.set_num_threads(1)  # CPU time of one thread: the work of a batch, steady under load
     model = tiny_model()
     ids = token_ids(lengths)
@@ -161,7 +161,7 @@ def simulated(lengths, budget, cost, ranks: int) -> dict:
     for batch_ids in plans["tokens"]:  # the batches of both plans are the same
         key = frozenset(batch_ids)
         batch = collate([{"input_ids": ids[j]} for j in batch_ids])
-        seconds[key] = min(compute_seconds(model, batch)[1] for _ in range(2))
+        seconds[key] = min(compute_seconds(model, batch)[1] for _ in range(passes))
         model.zero_grad(set_to_none=True)
     out = {"ranks": ranks, "batches": len(seconds)}
     for balance, plan in plans.items():
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="steps per epoch of the 2-process run")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.epochs, args.steps = 150, 1, 15
+        args.samples, args.epochs, args.steps = 120, 1, 12
     from bench_cost import long_tail_lengths, real_turn_lengths
 
     lengths = np.minimum(long_tail_lengths(real_turn_lengths(), args.samples, seed=3), args.budget)
@@ -193,7 +193,7 @@ def main() -> None:
         f"mean {lengths.mean():.0f}, at the cap {(lengths == args.budget).sum()}"
     )
     start = time.perf_counter()
-    cost = fit_cost_model(tiny_model(), args.budget, repeats=3, cache=False)
+    cost = fit_cost_model(tiny_model(), args.budget, repeats=1 if args.quick else 3, cache=False)
     print(f"fitted in {time.perf_counter() - start:.1f} s: {cost}")
     rows = two_processes(lengths, args.budget, cost, args.epochs, args.steps)
     print(
@@ -203,7 +203,7 @@ def main() -> None:
     print(
         f"tokens/s cost-balanced vs token-balanced: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x"
     )
-    sim = simulated(lengths, args.budget, cost, 8)
+    sim = simulated(lengths, args.budget, cost, 8, passes=1 if args.quick else 2)
     print("\n== 8 ranks simulated from the measured time of every batch of an epoch ==")
     print_table([sim], list(sim))
     write_json(
