@@ -217,7 +217,7 @@ def few_shapes(long_tail: np.ndarray, quick: bool) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     budget = 1024
-    lengths = np.minimum(long_tail[: 300 if quick else 1500], budget)
+    lengths = np.minimum(long_tail[: 150 if quick else 1500], budget)
     sampler = MultipackBatchSampler(lengths, budget, seed=0)
     rng = np.random.default_rng(0)
     ids = [rng.integers(1, 128, int(n)).tolist() for n in lengths]
