@@ -40,6 +40,8 @@ _LAZY: dict[str, str] = {
     # sampler.py
     "MultipackBatchSampler": "sampler",
     "lengths_from_dataset": "sampler",
+    "CostModel": "cost",
+    "fit_cost_model": "cost",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
     "PaddingFreeRewardCollator": "preference",
@@ -193,6 +195,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
         shard_packed_batch,
     )
     from .collator import PaddingFreeCollator
+    from .cost import CostModel, fit_cost_model
     from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import (
         CPOConfig,

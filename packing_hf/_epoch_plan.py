@@ -3,7 +3,7 @@
 ``_EpochPlan`` is the part of the sampler that turns its packed items into an epoch's batches; the
 sampler class itself (:mod:`packing_hf.sampler`) holds the arguments, the ``Sampler`` protocol, resume
 and reporting. It reads the sampler's attributes (``_item_lengths``, ``_keys``, ``max_tokens_per_batch``,
-``num_replicas``, ``seed``, ``shuffle``, ``drop_last``, ``mixing``, ``balance``, ``epoch``) and caches the
+``num_replicas``, ``seed``, ``shuffle``, ``drop_last``, ``mixing``, ``balance``, ``cost_model``, ``epoch``) and caches the
 epoch-independent template and the current epoch's plan on it.
 """
 
@@ -199,7 +199,10 @@ class _EpochPlan:
             if rng is not None:
                 rng = np.random.default_rng([self.seed, epoch, _DRAWS])  # apart from the draws' streams
         squares = np.add.reduceat(lengths[items].astype(np.float64) ** 2, offsets[:-1])  # (n_bins,)
-        cost = bin_tokens.astype(np.float64) if self.balance == "tokens" else squares
+        if self.balance == "cost":
+            cost = self.cost_model.bin_costs(bin_tokens, squares)  # (n_bins,) predicted compute cost
+        else:
+            cost = bin_tokens.astype(np.float64) if self.balance == "tokens" else squares
 
         bins = np.arange(n_bins)
         n_drop = n_bins % replicas if self.drop_last else 0

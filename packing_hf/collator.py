@@ -17,6 +17,7 @@ the keys they share the output is identical, and it adds TRL's loss masks, offli
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +32,33 @@ from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, 
 from .overflow import check_overflow
 from .varlen import check_int32_tokens
 
-__all__ = ["PaddingFreeCollator"]
+__all__ = ["MAX_LENGTH_BUCKETS", "PaddingFreeCollator", "length_buckets"]
+
+#: most row lengths ``length_buckets=`` accepts: every one is a shape a compiled graph may specialize on
+MAX_LENGTH_BUCKETS = 8
+
+
+def length_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS, multiple: int = 64) -> tuple[int, ...]:
+    """``count`` evenly spaced row lengths up to ``max_tokens`` (rounded up to ``multiple``), the last one it.
+
+    Multipack rows are nearly full, so most land in the last bucket and the padding stays small; the
+    smaller buckets catch the last, partly filled batches and split ones.
+
+    >>> length_buckets(4096)
+    (512, 1024, 1536, 2048, 2560, 3072, 3584, 4096)
+    >>> length_buckets(1000, count=3)
+    (384, 704, 1000)
+    """
+    check_int(max_tokens, "max_tokens", minimum=1, int32=True)
+    check_int(count, "count", minimum=1)
+    check_int(multiple, "multiple", minimum=1)
+    if count > MAX_LENGTH_BUCKETS:
+        raise ValueError(f"count={count}: at most {MAX_LENGTH_BUCKETS} buckets (each is a compiled shape)")
+    sizes = {
+        min(max_tokens, -(-(max_tokens * k // count) // multiple) * multiple) for k in range(1, count + 1)
+    }
+    return tuple(sorted(sizes))
+
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +197,10 @@ class PaddingFreeCollator:
         pad_to_multiple_of: pad ``T`` up to a multiple of this. The padding forms its own segment
             (own ``cu_seqlens`` entry, positions restarting, labels ``label_pad_id``, ids
             ``pad_token_id``), so it never merges into a real sample.
+        length_buckets: round ``T`` up to the smallest of these row lengths (at most
+            :data:`MAX_LENGTH_BUCKETS`; see :func:`length_buckets`), so a compiled model sees few shapes. The
+            padding is its own segment, as with ``pad_to_multiple_of`` (which it replaces); a batch longer
+            than the largest bucket raises a ``ValueError`` (make the largest ``max_tokens_per_batch``).
         pad_token_id: input id of padding tokens.
         label_pad_id: label of untrained tokens (first token of a segment, masked tokens, padding).
         position_ids_start: first position of every segment (2 for RoBERTa-like models).
@@ -200,6 +231,7 @@ class PaddingFreeCollator:
     max_length: int | None = None
     overflow: Literal["error", "truncate", "split"] = "error"
     pad_to_multiple_of: int | None = None
+    length_buckets: tuple[int, ...] | None = None
     pad_token_id: int = 0
     label_pad_id: int = -100
     position_ids_start: int = 0
@@ -224,6 +256,18 @@ class PaddingFreeCollator:
     def __post_init__(self) -> None:
         check_int(self.max_length, "max_length", minimum=1, optional=True, int32=True)
         check_int(self.pad_to_multiple_of, "pad_to_multiple_of", minimum=1, optional=True, int32=True)
+        if self.length_buckets is not None:
+            buckets = tuple(self.length_buckets) if not isinstance(self.length_buckets, str | int) else ()
+            for bucket in buckets:
+                check_int(bucket, "length_buckets[...]", minimum=1, int32=True)
+            if not 1 <= len(set(buckets)) <= MAX_LENGTH_BUCKETS:
+                raise ValueError(
+                    f"length_buckets={self.length_buckets!r}: give 1 to {MAX_LENGTH_BUCKETS} row lengths, e.g. "
+                    "packing_hf.collator.length_buckets(max_tokens_per_batch)"
+                )
+            if self.pad_to_multiple_of is not None:
+                raise ValueError("length_buckets and pad_to_multiple_of both decide the row length; pass one")
+            self.length_buckets = tuple(sorted(set(buckets)))
         check_int(self.position_ids_start, "position_ids_start", minimum=0, int32=True)
         check_int(self.label_pad_id, "label_pad_id", minimum=None, int32=True)
         if self.pad_token_id is None:
@@ -250,6 +294,16 @@ class PaddingFreeCollator:
                 "return_position_ids=False with return_flash_attn_kwargs=False leaves the model no way to "
                 "see sample boundaries, so packed samples would attend to each other; enable one of them"
             )
+
+    def _bucket_padding(self, n_tokens: int) -> int:
+        """Tokens to add so the row is the smallest bucket that holds ``n_tokens``."""
+        index = bisect.bisect_left(self.length_buckets, n_tokens)
+        if index == len(self.length_buckets):
+            raise ValueError(
+                f"the batch has {n_tokens} tokens, more than the largest of length_buckets={self.length_buckets}; "
+                "make the largest bucket max_tokens_per_batch (packing_hf.collator.length_buckets(budget))"
+            )
+        return self.length_buckets[index] - n_tokens
 
     @classmethod
     def for_tokenizer(cls, processing_class: Any, **kwargs: Any) -> PaddingFreeCollator:
@@ -309,6 +363,8 @@ class PaddingFreeCollator:
         )
         n_tokens = ids.size
         n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        if self.length_buckets is not None:
+            n_pad = self._bucket_padding(n_tokens)
         if n_pad:
             ids, labels, seg_lengths, weights = self._pad(n_pad, ids, labels, seg_lengths, weights)
         cu = _cu_seqlens(seg_lengths)  # (n + 1,)

@@ -28,8 +28,10 @@ How an epoch is planned (identical on every rank, no communication):
    until there are exactly the fixed number; which bins are dropped (``drop_last=True`` only); the
    order in which steps are visited (uniformly random); which rank takes which bin of a step.
 3. *Steps*: with several ranks, bins are grouped ``num_replicas`` at a time into steps of similar cost
-   (tokens, or the sum of squared lengths with ``balance="attention"``), so ranks wait on each other
-   as little as possible; rank ``r`` yields the bin it was given in every step.
+   (the predicted compute cost ``sum(linear * L + quadratic * L**2)`` when a ``cost_model`` is given,
+   else tokens, or the sum of squared lengths with ``balance="attention"``), so ranks wait on each
+   other as little as possible; rank ``r`` yields the bin it was given in every step. Every step is
+   balanced on its own, so under gradient accumulation every micro-batch is too.
 
 >>> sampler = MultipackBatchSampler([3, 5, 2, 6, 4], max_tokens_per_batch=10, seed=0)
 >>> len(sampler), sorted(i for batch in sampler for i in batch)
@@ -50,17 +52,18 @@ from torch.utils.data import Dataset, Sampler
 from . import _binpack
 from ._epoch_plan import _EpochPlan, _mean_length_spread
 from ._limits import check_int
+from .cost import CostModel, rank_cost_spread
 from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
 
 __all__ = ["MIXINGS", "OVERFLOW_POLICIES", "MultipackBatchSampler", "OverflowView", "lengths_from_dataset"]
 
 logger = logging.getLogger(__name__)
 
-Balance = Literal["tokens", "attention"]
+Balance = Literal["tokens", "attention", "cost"]
 Mixing = Literal["random", "sorted"]
 #: what ``mixing=`` accepts
 MIXINGS: tuple[str, ...] = ("random", "sorted")
-_BALANCES = ("tokens", "attention")
+_BALANCES = ("tokens", "attention", "cost")
 _STATE_KEYS = ("epoch", "batches_consumed")
 # configuration that fixes the plan: a state saved under one cannot resume under another
 _PLAN_KEYS = (
@@ -73,6 +76,8 @@ _PLAN_KEYS = (
     "overflow",
     "mixing",
     "lengths_sha1",
+    "balance",
+    "cost_model",
 )
 
 
@@ -184,10 +189,16 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             must get ``sampler.wrap_dataset(dataset)`` (the :class:`OverflowView` that cuts them and serves
             the pieces), and iterating before ``wrap_dataset`` was called raises, since the batches would
             exceed the budget or index past the dataset. ``"drop"`` leaves it out. All of them are counted in :meth:`stats` and logged once.
-        balance: how steps are formed from bins when ``num_replicas > 1``: ``"tokens"`` (default) puts
-            bins of similar token counts in the same step; ``"attention"`` uses the sum of squared
-            sample lengths (the cost of attention), for long-context data where a bin holding one long
-            sample costs far more than one holding many short ones.
+        balance: how steps are formed from bins when ``num_replicas > 1``: ``"cost"`` (the default when
+            ``cost_model`` is given) puts bins of similar predicted cost in the same step; ``"tokens"``
+            (the default without one) bins of similar token counts; ``"attention"`` uses the sum of
+            squared sample lengths (the cost of attention alone). Costs matter on long-tail data, where a
+            bin holding one long sample costs far more than one holding many short ones.
+        cost_model: a :class:`~packing_hf.CostModel` (``cost(L) = linear * L + quadratic * L**2``,
+            given, from :meth:`~packing_hf.CostModel.from_config` or measured by
+            :func:`~packing_hf.fit_cost_model`): predicts every batch's cost for ``balance="cost"`` and
+            for :meth:`stats` (``rank_cost_max_over_mean``). The batches themselves (which samples share
+            one) and ``len()`` do not depend on it.
         shard: ``True`` (default): yield this rank's batches only. ``False``: yield the batches of
             every rank, interleaved step by step (batch ``i`` belongs to rank ``i % num_replicas``), for
             a wrapper that shards batches itself the same way, such as accelerate's
@@ -243,16 +254,29 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         rank: int | None = None,
         drop_last: bool = False,
         overflow: OverflowPolicy = "error",
-        balance: Balance = "tokens",
+        balance: Balance | None = None,
         shard: bool = True,
         mixing: Mixing = "random",
+        cost_model: CostModel | None = None,
     ) -> None:
         super().__init__()
         self.max_tokens_per_batch = check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
         _binpack.check_budget(self.max_tokens_per_batch, "max_tokens_per_batch")  # the int32 limit
         overflow = check_overflow(overflow, "MultipackBatchSampler(overflow=...)")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(
+                f"cost_model must be a packing_hf.CostModel, got {type(cost_model).__name__}; build one with "
+                "CostModel(linear, quadratic), CostModel.from_config(model.config) or fit_cost_model(model, budget)"
+            )
+        if balance is None:
+            balance = "tokens" if cost_model is None else "cost"
         if balance not in _BALANCES:
             raise ValueError(f"balance must be one of {_BALANCES}, got {balance!r}")
+        if balance == "cost" and cost_model is None:
+            raise ValueError(
+                "balance='cost' needs a cost_model (CostModel(linear, quadratic), CostModel.from_config(config) "
+                "or fit_cost_model(model, budget)); or use balance='tokens'"
+            )
         if mixing not in MIXINGS:
             raise ValueError(
                 f"mixing must be one of {MIXINGS}, got {mixing!r}: 'random' (default) mixes lengths in "
@@ -266,6 +290,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         self.balance: Balance = balance
         self.shard = bool(shard)
         self.mixing: Mixing = mixing
+        self.cost_model = cost_model
         self.column = column
         self.batch_size = None
         self.epoch = 0
@@ -411,6 +436,11 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             "mixing": self.mixing,
             # the plan depends on every length, not only on their count
             "lengths_sha1": hashlib.sha1(np.ascontiguousarray(self.lengths).tobytes()).hexdigest(),
+            # which bins share a step (a state saved before these existed is checked without them)
+            "balance": self.balance,
+            "cost_model": None
+            if self.cost_model is None
+            else [self.cost_model.linear, self.cost_model.quadratic],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -493,7 +523,9 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         ``overflow_dropped_samples`` / ``overflow_dropped_tokens`` (``overflow="drop"``),
         ``dropped_samples`` / ``dropped_tokens`` (``drop_last``), ``step_token_spread`` and
         ``step_attention_spread`` (mean over steps of ``(max - min) / max`` across ranks: 0 is perfectly
-        balanced).
+        balanced); with a ``cost_model``, ``rank_cost_max_over_mean``: ``sum over steps of the slowest
+        rank's predicted cost / sum of the mean`` (1.0: no rank ever waits; see
+        :func:`~packing_hf.cost.rank_cost_spread`).
         """
         plan = self._plan(epoch)
         template = self._get_template()
@@ -536,6 +568,11 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             "dropped_tokens": int(plan["bin_tokens"][dropped].sum()),
             "step_token_spread": spread(tokens),
             "step_attention_spread": spread(squares),
+            **(
+                {}
+                if self.cost_model is None
+                else {"rank_cost_max_over_mean": rank_cost_spread(self.cost_model.bin_costs(tokens, squares))}
+            ),
         }
 
     def __repr__(self) -> str:
@@ -543,7 +580,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             f"{type(self).__name__}(num_samples={self.lengths.size}, max_tokens_per_batch={self.max_tokens_per_batch}, "
             f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, seed={self.seed}, "
             f"shuffle={self.shuffle}, drop_last={self.drop_last}, overflow={self.overflow!r}, "
-            f"balance={self.balance!r}, shard={self.shard}, mixing={self.mixing!r})"
+            f"balance={self.balance!r}, shard={self.shard}, mixing={self.mixing!r}, cost_model={self.cost_model!r})"
         )
 
 

@@ -27,10 +27,12 @@ from typing import Any
 import numpy as np
 
 from .. import _binpack
+from ..cost import CostModel
 from ..strategies import compare_strategies
 
 __all__ = [
     "apply_max_length",
+    "balance_spread",
     "compute_stats",
     "format_table",
     "load_default_tokenizer",
@@ -153,6 +155,42 @@ def compute_stats(
         "padded_to_longest_efficiency": float(lengths.mean() / lengths.max()),
         "strategies": [s.as_dict() for s in strategies],
     }
+
+
+def balance_spread(
+    lengths: Sequence[int] | np.ndarray,
+    max_tokens_per_batch: int,
+    world_size: int,
+    cost_model: CostModel,
+    *,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How long the ranks of a multipack plan wait on each other, token-balanced vs cost-balanced.
+
+    Both plans have the same batches (epoch 0 of :class:`~packing_hf.MultipackBatchSampler` with
+    ``seed``); they differ in which batches share a step. The figure is ``rank_cost_max_over_mean``: the
+    sum over steps of the slowest rank's predicted cost over the sum of the ranks' mean (1.0: nobody waits).
+
+    >>> spread = balance_spread([4000, 90, 100, 3900, 60, 50, 40, 30] * 4, 4096, 2, CostModel(1.0, 1.0))
+    >>> spread["cost_balanced"] <= spread["token_balanced"]
+    True
+    """
+    from ..sampler import MultipackBatchSampler
+
+    kept = np.minimum(_binpack.as_lengths(lengths), max_tokens_per_batch)
+    figures = {"world_size": int(world_size)}
+    for name, balance in (("token_balanced", "tokens"), ("cost_balanced", "cost")):
+        sampler = MultipackBatchSampler(
+            kept,
+            max_tokens_per_batch,
+            num_replicas=world_size,
+            rank=0,
+            seed=seed,
+            balance=balance,
+            cost_model=cost_model,
+        )
+        figures[name] = sampler.stats()["rank_cost_max_over_mean"]
+    return figures
 
 
 def format_table(stats: dict[str, Any]) -> str:
@@ -393,6 +431,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PNG",
         help="write one PNG: the sample-length histogram and the fill of every batch per budget",
     )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="also report how long N data-parallel ranks wait on each other per multipack step, "
+        "token-balanced vs cost-balanced (see --cost-model)",
+    )
+    parser.add_argument(
+        "--cost-model",
+        default="24576,1",
+        metavar="LINEAR,QUADRATIC",
+        help="the cost of a sample of L tokens, LINEAR * L + QUADRATIC * L**2, for --world-size (default: "
+        "verl's 24576,1; the FLOPs of a model: 6 x its matmul weights, 6 x layers x heads x head_dim)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     return parser
 
@@ -447,6 +501,13 @@ def stats_main(argv: Sequence[str]) -> int:
             parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if any(n < 1 for n in args.world_size or ()):
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    try:
+        cost_model = CostModel.parse(args.cost_model)
+    except ValueError as error:
+        print(f"packing-hf stats: error: --cost-model: {error}", file=sys.stderr)
+        return 2
     from .data import prepare_dataset
     from .records import read_records
 
@@ -480,9 +541,23 @@ def stats_main(argv: Sequence[str]) -> int:
     results = []
     for budget in args.max_tokens_per_batch:
         stats = compute_stats(lengths, budget, batch_size=args.batch_size, seed=args.seed)
-        results.append(stats)
         print()
         print(format_table(stats))
+        spreads = []
+        for world_size in args.world_size or ():
+            try:
+                spreads.append(balance_spread(lengths, budget, world_size, cost_model, seed=args.seed))
+            except ValueError as error:  # too few batches for that many ranks
+                print(f"  {world_size} ranks: {error}")
+        for spread in spreads:
+            print(
+                f"  {spread['world_size']} ranks, slowest rank / mean predicted cost per step "
+                f"({args.cost_model}): token-balanced {spread['token_balanced']:.3f}, "
+                f"cost-balanced {spread['cost_balanced']:.3f}"
+            )
+        if spreads:
+            stats["rank_spread"] = spreads
+        results.append(stats)
     if args.plot is not None:
         written = plot_stats(
             lengths,

@@ -71,6 +71,15 @@ class PackingArguments:
             "worse loss in the issue's measurements). See docs/multipack.md."
         },
     )
+    multipack_cost_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "With max_tokens_per_batch and several ranks: balance every step by predicted compute cost "
+            "sum(LINEAR * L + QUADRATIC * L**2) instead of tokens. 'flops': counted from the model config; "
+            "'fit': measured on the model (a few timed forward + backward passes, cached per model/device/"
+            "attention); 'LINEAR,QUADRATIC': given. Default None: token balance. See docs/multipack.md."
+        },
+    )
     packing_eval: bool = field(
         default=True,
         metadata={
@@ -112,6 +121,13 @@ class PackingArguments:
         self.loss_normalization = check_loss_normalization(self.loss_normalization)
         if self.multipack_mixing not in MIXINGS:
             raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
+        if self.multipack_cost_model not in (None, "flops", "fit"):
+            from ..cost import CostModel
+
+            try:
+                CostModel.parse(self.multipack_cost_model)
+            except ValueError as error:
+                raise ValueError(f"multipack_cost_model: {error}; or 'flops' / 'fit' / None") from None
         for name in ("packing_eval", "packing_metrics"):
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:

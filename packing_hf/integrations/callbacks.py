@@ -17,6 +17,15 @@ Metrics (summed over data-parallel ranks, averaged over the optimizer steps sinc
   (``samples x longest - emitted``) per optimizer step;
 - ``padded_batch_efficiency``: real tokens / (samples x longest), what padding the same batches would give.
 
+Per micro-batch and rank (gathered from every rank at logging time; 1.0 on one process):
+
+- ``rank_cost_max_over_mean``: with a cost model (``multipack_cost_model``), the slowest rank's predicted
+  cost over the ranks' mean, summed over the micro-batches since the last log (1.0: no rank waits);
+- ``rank_forward_time_max_over_mean`` and ``forward_seconds_max``: the same for the measured time of the
+  forward pass + loss on every rank, and the slowest rank's mean forward time. The forward is timed, not the
+  whole step, because under DDP the backward ends with the gradient all-reduce, where a fast rank waits for
+  the slowest: its step time would hide the imbalance.
+
 >>> from packing_hf import PaddingFreeCollator
 >>> collate = PackingStatsCollator(PaddingFreeCollator())
 >>> batch = collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
@@ -30,17 +39,19 @@ Metrics (summed over data-parallel ranks, averaged over the optimizer steps sinc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["STATS_KEY", "PackingMetrics", "PackingStatsCollator"]
+__all__ = ["COST_KEY", "STATS_KEY", "PackingMetrics", "PackingStatsCollator"]
 
 # Batch key carrying the counts from the collator to training_step, where it is popped.
 STATS_KEY = "packing_hf_stats"
 _FIELDS = ("real_tokens", "emitted_tokens", "samples", "padded_tokens")
+COST_KEY = "predicted_cost"  # optional entry of the counts: the batch's cost under the cost model
 
 
 def _segment_lengths(feature: Mapping[str, Any]) -> list[int]:
@@ -63,6 +74,8 @@ class PackingStatsCollator:
 
     Args:
         collator: the collator to wrap; called as ``collator(features)``.
+        cost_model: a :class:`~packing_hf.CostModel`: the counts also carry the batch's predicted cost
+            (:data:`COST_KEY`, a float).
 
     >>> from packing_hf import PaddingFreeCollator
     >>> out = PackingStatsCollator(PaddingFreeCollator(pad_to_multiple_of=8))([{"input_ids": [1, 2, 3]}])
@@ -70,8 +83,9 @@ class PackingStatsCollator:
     (3, 8)
     """
 
-    def __init__(self, collator: Callable[[list[dict]], dict]) -> None:
+    def __init__(self, collator: Callable[[list[dict]], dict], cost_model: Any = None) -> None:
         self.collator = collator
+        self.cost_model = cost_model
 
     @property
     def input_columns(self) -> tuple[str, ...]:
@@ -99,6 +113,8 @@ class PackingStatsCollator:
             "samples": int(samples),
             "padded_tokens": int(samples * max(lengths, default=0)),
         }
+        if self.cost_model is not None:
+            batch[STATS_KEY][COST_KEY] = self.cost_model.batch_cost(lengths)
         return batch
 
 
@@ -123,24 +139,58 @@ class PackingMetrics:
         """Forget everything accumulated since the last :meth:`compute`."""
         self.totals = dict.fromkeys(_FIELDS, 0)
         self.micro_batches = 0
+        self.per_batch: list[list[float]] = []  # [predicted cost (nan: none), forward seconds (nan: none)]
 
     def update(self, counts: Mapping[str, int]) -> None:
         """Add one micro-batch's counts (a dict built by :class:`PackingStatsCollator`)."""
         for key in _FIELDS:
             self.totals[key] += int(counts[key])
         self.micro_batches += 1
+        self.per_batch.append([float(counts.get(COST_KEY, math.nan)), math.nan])
+
+    def record_time(self, seconds: float) -> None:
+        """The measured forward time of the micro-batch last given to :meth:`update`."""
+        if self.per_batch:
+            self.per_batch[-1][1] = float(seconds)
+
+    def rank_table(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``(micro_batches, 2)`` float64: every micro-batch's predicted cost and forward seconds, to gather."""
+        return torch.tensor(self.per_batch, dtype=torch.float64, device=device).reshape(-1, 2)
+
+    @staticmethod
+    def rank_metrics(tables: torch.Tensor) -> dict[str, float]:
+        """Spread across ranks from the gathered ``(num_ranks, micro_batches, 2)`` tables (rows of nan: none).
+
+        >>> tables = torch.tensor([[[3.0, 0.2], [1.0, 0.1]], [[1.0, 0.1], [1.0, 0.1]]], dtype=torch.float64)
+        >>> PackingMetrics.rank_metrics(tables)
+        {'rank_cost_max_over_mean': 1.3333, 'rank_forward_time_max_over_mean': 1.2, 'forward_seconds_max': 0.15}
+        """
+        out = {}
+        tables = tables.detach().double().cpu()
+        for index, name in ((0, "rank_cost_max_over_mean"), (1, "rank_forward_time_max_over_mean")):
+            values = tables[:, :, index]  # (num_ranks, micro_batches)
+            values = values[:, ~torch.isnan(values).any(dim=0)]
+            if values.numel() and float(values.mean(dim=0).sum()) > 0:
+                out[name] = round(float(values.max(dim=0).values.sum() / values.mean(dim=0).sum()), 4)
+                if index == 1:
+                    out["forward_seconds_max"] = round(float(values.max(dim=0).values.mean()), 4)
+        return out
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``(5,)`` float64: the totals and the micro-batch count, for an all-reduce across ranks."""
         values = [self.totals[key] for key in _FIELDS] + [self.micro_batches]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
-    def compute(self, num_steps: int, totals: torch.Tensor | None = None) -> dict[str, float]:
+    def compute(
+        self, num_steps: int, totals: torch.Tensor | None = None, tables: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """Metrics over the last ``num_steps`` optimizer steps, then :meth:`reset`.
 
         Args:
             num_steps: optimizer steps since the previous call (> 0).
             totals: the :meth:`as_tensor` vector summed over ranks; default: this process's own.
+            tables: the :meth:`rank_table` of every rank, stacked ``(num_ranks, micro_batches, 2)``; default:
+                this process's own (the rank metrics are then 1.0).
 
         Returns:
             ``{}`` when no batch was seen, else the four metrics of the module docstring (rounded to 4
@@ -148,6 +198,7 @@ class PackingMetrics:
         """
         vector = self.as_tensor() if totals is None else totals.detach().double().cpu()
         real, emitted, samples, padded, micro_batches = (float(v) for v in vector.tolist())
+        rank_metrics = self.rank_metrics(self.rank_table()[None] if tables is None else tables)
         self.reset()
         if micro_batches == 0 or num_steps <= 0:
             return {}
@@ -157,4 +208,5 @@ class PackingMetrics:
             "real_tokens_per_step": round(real / num_steps, 4),
             "padding_avoided_per_step": round(max(padded - emitted, 0.0) / num_steps, 4),
             "padded_batch_efficiency": round(real / padded, 4) if padded else 0.0,
+            **rank_metrics,
         }

@@ -149,11 +149,27 @@ class PackingDataMixin(PackingStreamMixin):
             drop_last=args.dataloader_drop_last,
             overflow=args.packing_overflow,
             mixing=args.multipack_mixing,
+            cost_model=self._multipack_cost_model(),
         )
+
+    def _multipack_cost_model(self):
+        """The cost model ``multipack_cost_model`` names (resolved once: a fit times the model)."""
+        from ..cost import resolve_cost_model
+
+        spec = self.args.multipack_cost_model
+        cached = getattr(self, "_packing_cost", None)
+        if cached is None or cached[0] != spec:
+            cached = self._packing_cost = (
+                spec,
+                resolve_cost_model(spec, self.model, self.args.max_tokens_per_batch),
+            )
+        return cached[1]
 
     def _wrap_train_collator(self, collator: Any) -> Any:
         return (
-            PackingStatsCollator(collator)
+            PackingStatsCollator(
+                collator, cost_model=self._multipack_cost_model() if self.args.max_tokens_per_batch else None
+            )
             if self.args.packing_metrics and is_packing_collator(collator)
             else collator
         )

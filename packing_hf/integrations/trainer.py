@@ -47,6 +47,8 @@ by :mod:`packing_hf.integrations.loss`, with the same invariance (``docs/loss.md
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any
 
 import transformers
@@ -221,15 +223,27 @@ class PackingTrainerMixin(
             self._packing_metrics.update(counts)
         return super().training_step(model, inputs, *args, **kwargs)
 
+    def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        # the forward + loss time of this rank's micro-batch (packing metrics: how long ranks wait)
+        start = time.perf_counter()
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        if model.training:
+            self._packing_metrics.record_time(time.perf_counter() - start)
+        return result
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        # Training logs (they carry "loss") are emitted on every rank, so the all-reduce below is matched.
+        # Training logs (they carry "loss") are emitted on every rank, so the collectives below are matched.
         if self.args.packing_metrics and "loss" in logs:
             totals = self._packing_metrics.as_tensor(self.args.device)
+            tables = self._packing_metrics.rank_table(self.args.device)[None]  # (1, micro_batches, 2)
             if self.accelerator.num_processes > 1:
                 totals = self.accelerator.reduce(totals, reduction="sum")
+                # ranks may have seen different micro-batch counts (a stream's last step): pad with nan rows
+                tables = self.accelerator.pad_across_processes(tables, dim=1, pad_index=math.nan)
+                tables = self.accelerator.gather(tables)  # (num_ranks, micro_batches, 2)
             steps = self.state.global_step - self._packing_last_logged_step
             self._packing_last_logged_step = self.state.global_step
-            logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals))
+            logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals, tables=tables))
         super().log(logs, *args, **kwargs)
 
 

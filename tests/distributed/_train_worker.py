@@ -113,6 +113,7 @@ def main(out_dir: str) -> None:
             ddp_timeout=120,
             ddp_find_unused_parameters=False,
             disable_tqdm=True,
+            multipack_cost_model="1,1",  # steps balanced by sum(L + L**2); the spread is logged per step
         )
         values.update(overrides)
         return packing_hf.TrainingArguments(output_dir, **values)

@@ -78,6 +78,19 @@ def _check_run(worker, records: list[dict], right_padded_batch) -> None:
     # packing metrics are summed over ranks: every real token is counted once per epoch
     logged = sum(h["real_tokens_per_step"] for h in r0["logs"])
     assert logged == worker.EPOCHS * sum(lengths)
+    # the per-rank spread is gathered from both ranks: the same on both, and the first step's is the plan's
+    assert [h["rank_cost_max_over_mean"] for h in r0["logs"]] == [
+        h["rank_cost_max_over_mean"] for h in r1["logs"]
+    ]
+    assert all(
+        h["rank_forward_time_max_over_mean"] >= 1.0 and h["forward_seconds_max"] > 0 for h in r0["logs"]
+    )
+    first = [
+        [sum(n + n * n for n in (lengths[i] for i in rec["batches"][m])) for rec in records]
+        for m in range(gas)
+    ]
+    want = sum(max(c) for c in first) / sum(sum(c) / 2 for c in first)
+    assert r0["logs"][0]["rank_cost_max_over_mean"] == round(want, 4)
 
     # resumed mid-epoch 1 on both ranks: each rank consumes exactly the batches it had left
     steps_per_epoch = math.ceil(per_epoch / gas)

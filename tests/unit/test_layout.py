@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.fixed",
             "packing_hf.sampler",
             "packing_hf._epoch_plan",
+            "packing_hf.cost",
             "packing_hf.preference",
             "packing_hf.pair_rows",
             "packing_hf.unpaired",

@@ -91,6 +91,11 @@ def test_stats_on_real_data_prints_the_table_and_writes_plot_and_json(tmp_path, 
             "--mixed-formats",
             "--json",
             str(report),
+            "--world-size",
+            "2",
+            "4",
+            "--cost-model",
+            "100,1",
         ]
     )
     assert status == 0
@@ -104,12 +109,18 @@ def test_stats_on_real_data_prints_the_table_and_writes_plot_and_json(tmp_path, 
     assert len({row["real_tokens"] for row in rows.values()}) == 1  # nothing truncated at this budget
     assert rows["multipack"]["steps"] >= result["lower_bound_l2"]
     assert rows["multipack"]["efficiency"] > rows["online"]["efficiency"] > rows["padded"]["efficiency"]
+    # the ranks' wait per step, token-balanced vs cost-balanced, for every world size asked
+    assert [s["world_size"] for s in result["rank_spread"]] == [2, 4]
+    assert all(1.0 <= s["cost_balanced"] <= s["token_balanced"] for s in result["rank_spread"])
+    assert "4 ranks, slowest rank / mean predicted cost per step (100,1): token-balanced" in printed
 
 
 def test_stats_bad_input(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "none.jsonl"), "--max-tokens-per-batch", "64"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["stats", "x.jsonl"]) == 2  # --max-tokens-per-batch is required
+    assert main(["stats", "x.jsonl", "--max-tokens-per-batch", "64", "--cost-model", "a,b"]) == 2
+    assert "--cost-model: cost model 'a,b': expected two numbers" in capsys.readouterr().err
 
 
 def test_verify_is_dispatched(capsys):

@@ -164,7 +164,12 @@ def test_multipack_max_steps_spans_epochs(gsm8k_tokenized, tiny_llama, tmp_path)
     trainer = packing_hf.Trainer(
         model=tiny_llama(vocab_size=128),
         args=_args(
-            tmp_path, max_tokens_per_batch=600, max_steps=5, learning_rate=1e-3, per_device_eval_batch_size=3
+            tmp_path,
+            max_tokens_per_batch=600,
+            max_steps=5,
+            learning_rate=1e-3,
+            per_device_eval_batch_size=3,
+            multipack_cost_model="flops",
         ),
         train_dataset=dataset,
         eval_dataset=dataset,
@@ -176,6 +181,12 @@ def test_multipack_max_steps_spans_epochs(gsm8k_tokenized, tiny_llama, tmp_path)
     assert result.global_step == 5
     assert trainer.lr_scheduler.get_last_lr()[0] == 0.0
     assert trainer.state.epoch == pytest.approx(5 / per_epoch)
+    # a cost model: the sampler balances by cost; every log has the (single-rank) spread and forward time
+    assert trainer._multipack_sampler.balance == "cost"
+    assert trainer._multipack_sampler.cost_model == packing_hf.CostModel.from_config(trainer.model.config)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["rank_cost_max_over_mean"] == h["rank_forward_time_max_over_mean"] == 1.0 for h in logs)
+    assert all(h["forward_seconds_max"] > 0 for h in logs)
     # evaluation keeps stock's loader (per_device_eval_batch_size samples flattened per batch)
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_loss"]) and "packing_efficiency" not in metrics
@@ -186,6 +197,8 @@ def test_bad_packing_arguments(gsm8k_tokenized, tiny_llama, tmp_path):
         _args(tmp_path, max_tokens_per_batch=0)
     with pytest.raises(ValueError, match="packing_preflight='maybe'"):
         _args(tmp_path, packing_preflight="maybe")
+    with pytest.raises(ValueError, match="multipack_cost_model: cost model 'quadratic'"):
+        _args(tmp_path, multipack_cost_model="quadratic")
     with pytest.raises(ValueError, match="does not flatten batches"):
         packing_hf.Trainer(
             model=tiny_llama(),
