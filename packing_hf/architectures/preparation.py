@@ -30,6 +30,7 @@ from ..attention import ATTENTION_NAME
 from ..attention.guards import check_forward_call
 from ..attention.host import remember_host_values
 from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
+from ..padding import PackedLayout
 from ..registry import (
     IMAGE_BLOCK_MASK,
     ArchitectureSupport,
@@ -43,7 +44,6 @@ from .mixers import (
     PACKED_ONLY_ARGUMENTS,
     SCOPE_ATTRIBUTE,
     MixerRepacking,
-    PackedLayout,
     forward_names,
     takes_kwargs,
     unpad_outputs,
