@@ -28,7 +28,6 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from .baseline import (
     padded_efficiency,
     plan_baseline,
 )
-from .config import ModelArguments, TrainConfig, load_train_config, trl_packs
+from .config import ModelArguments, TrainConfig, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
@@ -52,7 +51,7 @@ from .records import RecordSet, read_records
 from .render import trl_records
 from .report import _describe_stream, _fmt_seconds, _plural, print_summary
 
-__all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
+__all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -285,8 +284,339 @@ class _Phases:
         return time.process_time() - self._started[1]
 
 
+class TrainJob:
+    """The ``packing-hf train`` job for a parsed config, one method per phase, run in order by :meth:`run`:
+
+    :meth:`read` (records) -> :meth:`load_tokenizer` (and the stream) -> :meth:`tokenize` -> :meth:`load_model`
+    -> :meth:`plan` (the Trainer) -> :meth:`eval_before` -> :meth:`train` -> :meth:`eval_after` ->
+    :meth:`baseline` (the padded baseline) -> :meth:`save` -> :meth:`finish` (the table and
+    ``packing_summary.json``). Each phase reads what the earlier ones left on the job and adds to
+    :attr:`summary`.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, print_fn=print) -> None:
+        self.cfg = cfg
+        self.print_fn = print_fn
+        self.phases = _Phases()
+        self.training = cfg.training
+        self.sft = cfg.job.trainer == "sft"
+        self.summary: dict[str, Any] = {}
+        self.records: RecordSet | None = None
+        self.eval_records: RecordSet | None = None
+        self.tokenizer = None
+        self.prepared: PreparedDataset | None = None
+        self.eval_prepared: PreparedDataset | None = None
+        self.stream: RecordStream | None = None
+        self.model = None
+        self.lengths: np.ndarray | None = None
+        self.trainer = None
+        self.eval_samples: list[dict[str, Any]] | None = None
+
+    def say(self, message: str) -> None:
+        self.print_fn(f"[packing-hf] {message}")
+
+    def run(self) -> dict[str, Any]:
+        """Every phase in order; returns the summary (see :func:`run_training`)."""
+        from transformers import set_seed
+
+        set_seed(self.training.seed)
+        for note in self.cfg.notes:
+            self.say(note)
+        self.read()
+        self.load_tokenizer()
+        self.tokenize()
+        self.load_model()
+        self.plan()
+        self.eval_before()
+        self.train()
+        self.eval_after()
+        self.baseline()
+        self.save()
+        return self.finish()
+
+    def read(self) -> None:
+        self.phases.start("read")
+        self.records, self.eval_records = _read(self.cfg, self.say)
+
+    def load_tokenizer(self) -> None:
+        """The tokenizer; with ``streaming: true`` the record stream, its first records checked."""
+        cfg, say = self.cfg, self.say
+        self.phases.start("load")
+        say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
+        self.tokenizer = load_tokenizer(cfg.model)
+        if not cfg.data.streaming:
+            return
+        self.stream = _stream(cfg, self.tokenizer)
+        if cfg.data.stream_check_records:
+            say(
+                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
+                "model loads (stream_check_records; the rest are checked as training reads them)"
+            )
+            checked = self.stream.check_first(cfg.data.stream_check_records)
+            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
+        say(
+            f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
+            f"(no total up front), packed online into batches of at most {self.training.max_tokens_per_batch} "
+            f"tokens, for {self.training.max_steps} steps"
+        )
+
+    def tokenize(self) -> None:
+        """The training and eval records tokenized with loss masks (``trainer: sft``: TRL tokenizes)."""
+        if self.sft:
+            return
+        self.phases.start("tokenize")
+        if self.records is not None:
+            self.say(f"tokenizing {len(self.records.records):,} records")
+            self.prepared = _prepare(self.cfg, self.records, self.tokenizer, "Tokenizing")
+        if self.eval_records is not None:
+            self.eval_prepared = _prepare(
+                self.cfg, self.eval_records, self.tokenizer, "Tokenizing the eval records"
+            )
+
+    def load_model(self) -> None:
+        """The model, the user's config as loaded (restored before saving) and the summary's description."""
+        cfg, training = self.cfg, self.training
+        self.phases.start("load")
+        self.say(f"loading the model: {model_source(cfg.model)}")
+        model = self.model = load_model(cfg.model, self.tokenizer, seed=training.seed)
+        self.user_use_cache = model.config.use_cache
+        self.user_attention = getattr(model.config, "_attn_implementation", None)
+        self.device = training.device
+        precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+        self.summary = summary = {
+            "config": cfg.source,
+            "model": _describe_model(cfg.model, model),
+            "device": str(self.device),
+            "precision": precision,
+            "trainer": cfg.job.trainer,
+            "batching": cfg.batching,
+            "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
+            "dataset": cfg.data.dataset,
+            "streaming": cfg.data.streaming,
+            "records": self.records.describe() if self.records is not None else None,
+            "eval_dataset": cfg.data.eval_dataset if self.eval_prepared is not None else None,
+        }
+        self.say(f"model: {summary['model']} on {self.device}, {precision}, attention {self.user_attention}")
+        prepared = self.prepared
+        if prepared is None:
+            return
+        lengths = self.lengths = prepared.lengths
+        summary.update(
+            num_samples=int(lengths.size),
+            num_tokens=int(lengths.sum()),
+            num_truncated=prepared.num_truncated,
+            num_dropped=prepared.num_dropped,
+            prompt_format=prepared.prompt_format,
+        )
+        self.say(
+            f"data: {lengths.size:,} samples, {int(lengths.sum()):,} tokens (length min/mean/max "
+            f"{lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), {prepared.prompt_format} format"
+            + (f", {prepared.num_truncated} truncated" if prepared.num_truncated else "")
+            + (f", {prepared.num_dropped} dropped" if prepared.num_dropped else "")
+        )
+
+    def plan(self) -> None:
+        """The Trainer (its sampler plans the batches), and what the eval and the baseline run with."""
+        cfg, training = self.cfg, self.training
+        self.phases.start("plan")
+        self.say(f"planning {cfg.batching} batches")
+        self.trainer = _build_trainer(
+            cfg, self.model, self.tokenizer, self.records, self.prepared, self.stream
+        )
+        self.autocast = None
+        if torch.device(self.device).type == "cuda":
+            self.autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
+        self.padded = padded_collator(self.tokenizer)
+        self.step_tokens = _step_tokens(cfg, self.lengths)
+        self.eval_samples = _samples(self.eval_prepared.dataset) if self.eval_prepared is not None else None
+
+    def _eval_loss(self, desc: str) -> float:
+        return evaluate_loss(
+            self.trainer.model,
+            self.eval_samples,
+            collator=self.padded,
+            max_tokens_per_batch=self.step_tokens,
+            device=self.device,
+            autocast_dtype=self.autocast,
+            desc=desc,
+        )
+
+    def eval_before(self) -> None:
+        samples, summary = self.eval_samples, self.summary
+        if samples is None:
+            return
+        self.phases.start("eval")
+        self.say(
+            f"eval loss before training: {len(samples)} held-out samples of {self.cfg.data.eval_dataset}"
+        )
+        summary["eval_samples"] = len(samples)
+        summary["eval_tokens"] = int(sum(sum(t != -100 for t in s["labels"][1:]) for s in samples))
+        summary["eval_loss_before"] = self._eval_loss("Eval before")
+        self.say(f"eval loss before training: {summary['eval_loss_before']:.4f}")
+
+    def train(self) -> None:
+        """Training, then its figures: losses, steps, the fill of the batches (of the stream's steps with
+        ``streaming``) and the padded fill of the same data."""
+        training, trainer, summary, say = self.training, self.trainer, self.summary, self.say
+        self.phases.start("train")
+        say(
+            "training: "
+            + (
+                _plural(training.max_steps, "step")
+                if training.max_steps > 0
+                else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
+            )
+        )
+        resume = training.resume_from_checkpoint
+        if resume is not None:
+            # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
+            resume = True if str(resume).lower() in ("true", "last") else resume
+            say(
+                f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
+            )
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
+        losses = _loss_history(trainer.state.log_history)
+        summary.update(
+            global_step=int(trainer.state.global_step),
+            train_runtime=train_runtime,
+            train_loss=float(train_result.training_loss),
+            losses=losses,
+            logged_packing_efficiency=_mean_logged(trainer.state.log_history, "packing_efficiency"),
+            attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
+        )
+        _free_optimizer(trainer)
+
+        if self.stream is not None:
+            # the packer's counters run ahead of training (the loader fetches batches before the steps use
+            # them): the fill and batches of the steps themselves come from the step logs
+            stats = trainer.packing_stream.stats()
+            summary["stream"] = {
+                **stats,
+                "steps": summary["global_step"],
+                "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
+                "fill_trained": summary["logged_packing_efficiency"],
+            }
+            summary["records"] = self.stream.describe()
+            summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+            summary["padded_efficiency"] = _mean_logged(trainer.state.log_history, "padded_batch_efficiency")
+            say(self.stream.describe())
+            say(_describe_stream(summary["stream"]))
+        elif self.prepared is not None:
+            lengths = self.lengths
+            sampler = getattr(trainer, "_multipack_sampler", None)
+            summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
+            padded_size = _padded_batch_size(self.cfg, lengths)
+            summary["padded_batch_size"] = padded_size
+            summary["padded_efficiency"] = padded_efficiency(lengths, padded_size, seed=training.seed)
+            summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
+        else:
+            summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+
+    def eval_after(self) -> None:
+        if self.eval_samples is None:
+            return
+        self.phases.start("eval")
+        self.say("eval loss after training")
+        self.summary["eval_loss_after"] = self._eval_loss("Eval after")
+
+    def baseline(self) -> None:
+        """The padded baseline, sized to fit ``baseline_time_share`` of the training time: the measurement
+        (None when skipped) and what was decided and why (``baseline_note``)."""
+        cfg, summary = self.cfg, self.summary
+        summary["baseline"] = None
+        if self.sft or cfg.job.baseline_batches <= 0 or (self.prepared is None and self.stream is None):
+            return
+        self.phases.start("baseline")
+        summary["baseline"], summary["baseline_note"] = self._measure_baseline()
+
+    def _measure_baseline(self) -> tuple[dict[str, Any] | None, str]:
+        cfg, training, summary, say = self.cfg, self.training, self.summary, self.say
+        count = cfg.job.baseline_batches
+        lengths, pool = self.lengths, None
+        if self.stream is not None:
+            # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
+            pool = _stream_pool(self.stream, 2 * count * training.max_tokens_per_batch)
+            lengths = np.array([len(sample["input_ids"]) for sample in pool], dtype=np.int64)
+        order, groups = baseline_groups(cfg, lengths, count)
+        trained_tokens = _trained_tokens(cfg, self.trainer.state.log_history, summary, lengths)
+        train_seconds = summary["train_runtime"]
+        share = cfg.baseline_time_share
+        if not trained_tokens or not train_seconds > 0:
+            return None, "padded baseline skipped: the training steps gave no speed to size it by"
+        per_token = train_seconds / trained_tokens
+        by_position = lengths[np.asarray(order, dtype=np.int64)]
+        batches, rounds, cost, allowed = plan_baseline(share, by_position, groups, train_seconds, per_token)
+        limit = f"baseline_time_share={share:g} of the training's {_fmt_seconds(train_seconds)}"
+        if batches == 0:
+            note = (
+                f"padded baseline skipped: one batch packed and padded would take ~{_fmt_seconds(cost)}, more "
+                f"than {limit}; raise baseline_time_share to measure it (baseline_batches=0 skips it quietly)"
+            )
+            say(note)
+            return None, note
+        groups = groups[:batches]
+        used = sum(len(group) for group in groups)
+        order = order[:used]
+        shrunk = batches < len(groups) or batches < count or rounds < 2
+        note = (
+            f"padded baseline: {_plural(batches, 'batch', 'batches')} of random samples"
+            + (f" (of baseline_batches={count})" if batches < count else "")
+            + f", each timed packed and padded to its longest, {_plural(rounds, 'round')}: ~{_fmt_seconds(cost)} "
+            f"estimated, within {limit}"
+            + (" (shrunk to fit)" if shrunk else "")
+            + "; micro-batches of at most the token budget, so no more memory than a training step"
+        )
+        say(note)
+        samples = (
+            [pool[i] for i in order] if pool is not None else _samples(self.prepared.dataset.select(order))
+        )
+        # timed after training, on the model exactly as it was trained (attention included)
+        result = measure_throughput(
+            self.trainer.model,
+            samples,
+            groups,
+            padded_batch_size=None,
+            packed_collator=PaddingFreeCollator.for_tokenizer(self.tokenizer),
+            padded_collator=self.padded,
+            device=self.device,
+            autocast_dtype=self.autocast,
+            repeats=rounds,
+            max_tokens_per_micro_batch=self.step_tokens,
+            desc="Baseline",
+        )
+        return result, note
+
+    def save(self) -> None:
+        """The model with the user's config (``use_cache``, attention) restored, unless ``save_model: false``."""
+        self.output_dir = Path(self.training.output_dir)
+        _restore_user_config(self.trainer.model, self.user_use_cache, self.user_attention)
+        if not self.cfg.job.save_model:
+            self.summary["output_dir"] = None
+            return
+        self.phases.start("save")
+        self.say(f"saving the model to {self.output_dir}")
+        self.trainer.save_model(str(self.output_dir))
+        self.summary["output_dir"] = str(self.output_dir)
+
+    def finish(self) -> dict[str, Any]:
+        """Where the time and memory went, the final table, ``packing_summary.json``; returns the summary."""
+        phases, summary = self.phases, self.summary
+        phases.stop()
+        summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
+        summary["peak_rss_gb"] = phases.peak_rss_gb
+        summary["total_seconds"] = phases.total
+        summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
+        summary["total_cpu_seconds"] = phases.total_cpu
+        print_summary(summary, self.print_fn)
+        if self.cfg.job.save_model and self.trainer.is_world_process_zero():
+            (self.output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return summary
+
+
 def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
-    """Run the whole job for a parsed config; print progress and the final table, return the summary.
+    """Run the whole job for a parsed config (:class:`TrainJob`); print progress and the final table, return
+    the summary.
 
     The summary holds: the model and data description, ``batching``, ``packing_efficiency`` (real tokens
     / token capacity of the batches; None without a budget), ``padded_efficiency`` (the same data in
@@ -299,286 +629,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     ``records`` (what was read, skipped and truncated), ``packing_efficiency`` the pass's fill, no sample
     count and no padded fill; the padded baseline draws its samples from the stream's first ones.
     """
-    from transformers import set_seed
-
-    def say(message: str) -> None:
-        print_fn(f"[packing-hf] {message}")
-
-    phases = _Phases()
-    training = cfg.training
-    set_seed(training.seed)
-    sft = cfg.job.trainer == "sft"
-
-    for note in cfg.notes:
-        say(note)
-    phases.start("read")
-    records, eval_records = _read(cfg, say)
-
-    phases.start("load")
-    say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
-    tokenizer = load_tokenizer(cfg.model)
-    prepared = eval_prepared = stream = None
-    if cfg.data.streaming:
-        stream = _stream(cfg, tokenizer)
-        if cfg.data.stream_check_records:
-            say(
-                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
-                "model loads (stream_check_records; the rest are checked as training reads them)"
-            )
-            checked = stream.check_first(cfg.data.stream_check_records)
-            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
-        say(
-            f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
-            f"(no total up front), packed online into batches of at most {training.max_tokens_per_batch} "
-            f"tokens, for {training.max_steps} steps"
-        )
-    if not sft:
-        phases.start("tokenize")
-        if records is not None:
-            say(f"tokenizing {len(records.records):,} records")
-            prepared = _prepare(cfg, records, tokenizer, "Tokenizing")
-        if eval_records is not None:
-            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records")
-
-    phases.start("load")
-    say(f"loading the model: {model_source(cfg.model)}")
-    model = load_model(cfg.model, tokenizer, seed=training.seed)
-    user_use_cache = model.config.use_cache
-    user_attention = getattr(model.config, "_attn_implementation", None)
-    device = training.device
-    precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
-    summary: dict[str, Any] = {
-        "config": cfg.source,
-        "model": _describe_model(cfg.model, model),
-        "device": str(device),
-        "precision": precision,
-        "trainer": cfg.job.trainer,
-        "batching": cfg.batching,
-        "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
-        "dataset": cfg.data.dataset,
-        "streaming": cfg.data.streaming,
-        "records": records.describe() if records is not None else None,
-        "eval_dataset": cfg.data.eval_dataset if eval_prepared is not None else None,
-    }
-    say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
-
-    lengths = prepared.lengths if prepared is not None else None
-    if prepared is not None:
-        summary.update(
-            num_samples=int(lengths.size),
-            num_tokens=int(lengths.sum()),
-            num_truncated=prepared.num_truncated,
-            num_dropped=prepared.num_dropped,
-            prompt_format=prepared.prompt_format,
-        )
-        say(
-            f"data: {lengths.size:,} samples, {int(lengths.sum()):,} tokens (length min/mean/max "
-            f"{lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), {prepared.prompt_format} format"
-            + (f", {prepared.num_truncated} truncated" if prepared.num_truncated else "")
-            + (f", {prepared.num_dropped} dropped" if prepared.num_dropped else "")
-        )
-
-    phases.start("plan")
-    say(f"planning {cfg.batching} batches")
-    trainer = _build_trainer(cfg, model, tokenizer, records, prepared, stream)
-
-    autocast = None
-    if torch.device(device).type == "cuda":
-        autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
-    padded = padded_collator(tokenizer)
-    step_tokens = _step_tokens(cfg, lengths)
-    eval_samples = _samples(eval_prepared.dataset) if eval_prepared is not None else None
-    if eval_samples is not None:
-        phases.start("eval")
-        say(f"eval loss before training: {len(eval_samples)} held-out samples of {cfg.data.eval_dataset}")
-        summary["eval_samples"] = len(eval_samples)
-        summary["eval_tokens"] = int(sum(sum(t != -100 for t in s["labels"][1:]) for s in eval_samples))
-        summary["eval_loss_before"] = evaluate_loss(
-            trainer.model,
-            eval_samples,
-            collator=padded,
-            max_tokens_per_batch=step_tokens,
-            device=device,
-            autocast_dtype=autocast,
-            desc="Eval before",
-        )
-        say(f"eval loss before training: {summary['eval_loss_before']:.4f}")
-
-    phases.start("train")
-    say(
-        "training: "
-        + (
-            _plural(training.max_steps, "step")
-            if training.max_steps > 0
-            else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
-        )
-    )
-    resume = training.resume_from_checkpoint
-    if resume is not None:
-        # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
-        resume = True if str(resume).lower() in ("true", "last") else resume
-        say(
-            f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
-        )
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
-    losses = _loss_history(trainer.state.log_history)
-    summary.update(
-        global_step=int(trainer.state.global_step),
-        train_runtime=train_runtime,
-        train_loss=float(train_result.training_loss),
-        losses=losses,
-        logged_packing_efficiency=_mean_logged(trainer.state.log_history, "packing_efficiency"),
-        attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
-    )
-    _free_optimizer(trainer)
-
-    if stream is not None:
-        # the packer's counters run ahead of training (the loader fetches batches before the steps use them):
-        # the fill and batches of the steps themselves come from the step logs
-        stats = trainer.packing_stream.stats()
-        summary["stream"] = {
-            **stats,
-            "steps": summary["global_step"],
-            "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
-            "fill_trained": summary["logged_packing_efficiency"],
-        }
-        summary["records"] = stream.describe()
-        summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-        summary["padded_efficiency"] = _mean_logged(trainer.state.log_history, "padded_batch_efficiency")
-        say(stream.describe())
-        say(_describe_stream(summary["stream"]))
-    elif prepared is not None:
-        sampler = getattr(trainer, "_multipack_sampler", None)
-        summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
-        padded_size = _padded_batch_size(cfg, lengths)
-        summary["padded_batch_size"] = padded_size
-        summary["padded_efficiency"] = padded_efficiency(lengths, padded_size, seed=training.seed)
-        summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
-    else:
-        summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-
-    if eval_samples is not None:
-        phases.start("eval")
-        say("eval loss after training")
-        summary["eval_loss_after"] = evaluate_loss(
-            trainer.model,
-            eval_samples,
-            collator=padded,
-            max_tokens_per_batch=step_tokens,
-            device=device,
-            autocast_dtype=autocast,
-            desc="Eval after",
-        )
-
-    summary["baseline"] = None
-    if not sft and cfg.job.baseline_batches > 0 and (prepared is not None or stream is not None):
-        phases.start("baseline")
-        summary["baseline"], summary["baseline_note"] = _run_baseline(
-            cfg,
-            trainer,
-            tokenizer,
-            prepared,
-            stream,
-            lengths,
-            summary,
-            padded,
-            step_tokens,
-            device,
-            autocast,
-            say,
-        )
-
-    output_dir = Path(training.output_dir)
-    _restore_user_config(trainer.model, user_use_cache, user_attention)
-    if cfg.job.save_model:
-        phases.start("save")
-        say(f"saving the model to {output_dir}")
-        trainer.save_model(str(output_dir))
-        summary["output_dir"] = str(output_dir)
-    else:
-        summary["output_dir"] = None
-    phases.stop()
-    summary["seconds"] = {name: round(value, 1) for name, value in phases.seconds.items()}
-    summary["peak_rss_gb"] = phases.peak_rss_gb
-    summary["total_seconds"] = phases.total
-    summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
-    summary["total_cpu_seconds"] = phases.total_cpu
-    print_summary(summary, print_fn)
-    if cfg.job.save_model and trainer.is_world_process_zero():
-        (output_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return summary
-
-
-def _run_baseline(
-    cfg: TrainConfig,
-    trainer,
-    tokenizer,
-    prepared,
-    stream,
-    lengths,
-    summary,
-    padded,
-    step_tokens,
-    device,
-    autocast,
-    say,
-) -> tuple[dict[str, Any] | None, str]:
-    """The padded baseline, sized to fit ``baseline_time_share`` of the training time: ``(the measurement
-    or None when skipped, what was decided and why)``."""
-    training = cfg.training
-    count = cfg.job.baseline_batches
-    pool = None
-    if stream is not None:
-        # no lengths of the whole stream: the baseline draws its samples from the stream's first ones
-        pool = _stream_pool(stream, 2 * count * training.max_tokens_per_batch)
-        lengths = np.array([len(sample["input_ids"]) for sample in pool], dtype=np.int64)
-    order, groups = baseline_groups(cfg, lengths, count)
-    trained_tokens = _trained_tokens(cfg, trainer.state.log_history, summary, lengths)
-    train_seconds = summary["train_runtime"]
-    share = cfg.baseline_time_share
-    if not trained_tokens or not train_seconds > 0:
-        return None, "padded baseline skipped: the training steps gave no speed to size it by"
-    per_token = train_seconds / trained_tokens
-    by_position = lengths[np.asarray(order, dtype=np.int64)]
-    batches, rounds, cost, allowed = plan_baseline(share, by_position, groups, train_seconds, per_token)
-    limit = f"baseline_time_share={share:g} of the training's {_fmt_seconds(train_seconds)}"
-    if batches == 0:
-        note = (
-            f"padded baseline skipped: one batch packed and padded would take ~{_fmt_seconds(cost)}, more than "
-            f"{limit}; raise baseline_time_share to measure it (baseline_batches=0 skips it quietly)"
-        )
-        say(note)
-        return None, note
-    groups = groups[:batches]
-    used = sum(len(group) for group in groups)
-    order = order[:used]
-    shrunk = batches < len(groups) or batches < count or rounds < 2
-    note = (
-        f"padded baseline: {_plural(batches, 'batch', 'batches')} of random samples"
-        + (f" (of baseline_batches={count})" if batches < count else "")
-        + f", each timed packed and padded to its longest, {_plural(rounds, 'round')}: ~{_fmt_seconds(cost)} "
-        f"estimated, within {limit}"
-        + (" (shrunk to fit)" if shrunk else "")
-        + "; micro-batches of at most the token budget, so no more memory than a training step"
-    )
-    say(note)
-    samples = [pool[i] for i in order] if pool is not None else _samples(prepared.dataset.select(order))
-    # timed after training, on the model exactly as it was trained (attention included)
-    result = measure_throughput(
-        trainer.model,
-        samples,
-        groups,
-        padded_batch_size=None,
-        packed_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
-        padded_collator=padded,
-        device=device,
-        autocast_dtype=autocast,
-        repeats=rounds,
-        max_tokens_per_micro_batch=step_tokens,
-        desc="Baseline",
-    )
-    return result, note
+    return TrainJob(cfg, print_fn=print_fn).run()
 
 
 def _trained_tokens(
@@ -608,10 +659,3 @@ def _stream_pool(stream: RecordStream, tokens: int) -> list[dict[str, Any]]:
         if total >= tokens:
             break
     return pool
-
-
-def train_from_config(
-    config: str | Path | dict | None, overrides: Sequence[str] = (), *, print_fn=print
-) -> dict[str, Any]:
-    """Parse ``config`` + ``overrides`` (see :func:`packing_hf.app.config.load_train_config`) and run the job."""
-    return run_training(load_train_config(config, overrides), print_fn=print_fn)
