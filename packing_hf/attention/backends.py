@@ -284,10 +284,10 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
     values = host_values(cu) if host.reads_are_free(cu) else cached_host_values(cu)
     entry = host_cache_entry(cu) if values is not None else None
     # flash_attn_varlen_func's contract: empty segments allowed, trailing tokens may lie outside every one.
-    if values is not None and (entry is None or total not in entry[3]):
+    if values is not None and (entry is None or total not in entry[1]):
         check_cu_seqlens(values, name, total=total, allow_empty=True, exact_total=False)
         if entry is not None:
-            entry[3].add(total)
+            entry[1].add(total)
     return cu.to(torch.int32), values
 
 

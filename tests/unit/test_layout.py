@@ -31,6 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
             "packing_hf.shared_prefix",
+            # the padded <-> packed layout, used by the data layer, the attention and the architectures
+            "packing_hf.padding",
+            # values derived from tensors, cached per tensor object and version (attention, architectures)
+            "packing_hf._cache",
         ),
     ),
     (
