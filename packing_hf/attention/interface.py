@@ -368,7 +368,7 @@ def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, t
             f"cu_seq_lens_q ends at token {bounds[-1]} but the packed row has {total} tokens: "
             f"{'the last ' + str(total - bounds[-1]) + ' tokens would be in no sample' if bounds[-1] < total else 'it points past the row'}. "
             "Build the boundaries from the samples of this row (packing_hf.PaddingFreeCollator, or "
-            "packing_hf.lengths_to_cu_seqlens)"
+            "packing_hf.varlen.lengths_to_cu_seqlens)"
         )
     if position_ids is not None and position_ids.shape[0] == 1:
         restarts = position_restarts(position_ids.reshape(-1))  # (T,) bool
@@ -643,7 +643,7 @@ def register_attention(backend: str = "auto") -> str:
 
     Args:
         backend: the :func:`packing_hf.varlen_attention` backend every layer uses (``"auto"``: the fastest
-            installed one supporting the layer's features; see :func:`packing_hf.select_backend`).
+            installed one supporting the layer's features; see :func:`packing_hf.attention.select_backend`).
 
     Returns:
         :data:`ATTENTION_NAME`.
