@@ -85,27 +85,25 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
     """The checked training and eval records (no training records with ``streaming``: they are read as
     training consumes them)."""
     data = cfg.data
+
+    def read(source: str, limit: int | None) -> RecordSet:
+        return read_records(
+            source,
+            split=data.dataset_split,
+            config_name=data.dataset_config,
+            limit=limit,
+            mixed_formats=data.mixed_formats,
+        )
+
     records = None
     if not data.streaming:
         say(f"reading and checking the records of {data.dataset}")
-        records = read_records(
-            data.dataset,
-            split=data.dataset_split,
-            config_name=data.dataset_config,
-            limit=data.num_samples,
-            mixed_formats=data.mixed_formats,
-        )
+        records = read(data.dataset, data.num_samples)
         say(records.describe())
     eval_records = None
     if data.eval_dataset is not None and cfg.job.trainer != "sft":
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
-        eval_records = read_records(
-            data.eval_dataset,
-            split=data.dataset_split,
-            config_name=data.dataset_config,
-            limit=data.eval_num_samples,
-            mixed_formats=data.mixed_formats,
-        )
+        eval_records = read(data.eval_dataset, data.eval_num_samples)
         eval_records.limit_key = "eval_num_samples"
         say(eval_records.describe())
     elif data.eval_dataset is not None:
