@@ -165,6 +165,11 @@ class PackedLayout:
 
         Differentiable in ``padded``; same dtype and device.
         """
+        if tuple(padded.shape[:2]) != (self.rows, self.width):
+            raise ValueError(
+                f"expected a padded tensor of shape ({self.rows}, {self.width}, ...), got {tuple(padded.shape)}: "
+                "it does not come from the batch this layout was built for"
+            )
         rest = padded.shape[2:]
         flat = padded.reshape(self.rows * self.width, *rest)
         index = self.index.to(flat.device)
@@ -181,6 +186,11 @@ class PackedLayout:
         """``(*packed_shape, ...)`` packed -> ``(rows, width, ...)`` padded with ``fill``; tokens without a slot
         are left out. Differentiable in ``packed``; same dtype and device.
         """
+        if not self.matches(packed):
+            raise ValueError(
+                f"expected a packed tensor of shape ({', '.join(map(str, self.packed_shape))}, ...), got "
+                f"{tuple(packed.shape)}: it does not come from the batch this layout was built for"
+            )
         rest = packed.shape[len(self.packed_shape) :]
         flat = packed.reshape(-1, *rest)
         index = self.index.to(flat.device)

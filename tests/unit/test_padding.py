@@ -208,6 +208,14 @@ def test_from_index_names_a_foreign_index_and_a_wrong_shape():
         PackedLayout.from_index(torch.tensor([0, 1]), rows=2, width=2, packed_shape=(1, 3))
 
 
+def test_pad_and_unpad_name_a_tensor_of_another_batch():
+    layout = PackedLayout.from_cu_seqlens(torch.tensor([0, 2, 5]), width=3, packed_shape=(1, 5))
+    with pytest.raises(ValueError, match=r"expected a packed tensor of shape \(1, 5, ...\), got \(1, 4\)"):
+        layout.pad(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"expected a padded tensor of shape \(2, 3, ...\), got \(2, 2\)"):
+        layout.unpad(torch.zeros(2, 2))
+
+
 def test_an_empty_grid_unpads_to_fill():
     layout = PackedLayout.from_index(torch.tensor([0, 0]), rows=0, width=3)
     assert layout.unpad(torch.zeros(0, 3, 2), fill=5).tolist() == [[5, 5], [5, 5]]
