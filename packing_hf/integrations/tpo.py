@@ -285,9 +285,8 @@ class PackedTripleForward:
                 f"the packed row ({packed_ids.shape[1]} tokens, {cu.numel() - 1} segments) does not match the "
                 f"padded layout ({rows} sequences): the batch did not come from one PaddingFreeTripleCollator call"
             )
-        layout = PackedLayout.from_cu_seqlens(
-            cu, width, packed_shape=tuple(packed_ids.shape)
-        )  # segment s: row s
+        # segment s is row s of the padded layout
+        layout = PackedLayout.from_cu_seqlens(cu, width, packed_shape=tuple(packed_ids.shape))
         output["logits"] = layout.pad(logits)  # (S, L, V)
         return output
 
