@@ -295,10 +295,8 @@ def _run_sdpa_padded(call: _Call) -> torch.Tensor:
     same = call.cu_k is call.cu_q
     layout_k = layout_q if same else PackedLayout.from_cu_seqlens(call.cu_k, call.max_k, (k.shape[0],))
     qp = layout_q.pad(q).transpose(1, 2)  # (n, Hq, Lq, D)
-    kp, vp = (
-        layout_k.pad(k).transpose(1, 2),
-        layout_k.pad(v).transpose(1, 2),
-    )  # (n, Hkv, Lk, D), (n, Hkv, Lk, Dv)
+    kp = layout_k.pad(k).transpose(1, 2)  # (n, Hkv, Lk, D)
+    vp = layout_k.pad(v).transpose(1, 2)  # (n, Hkv, Lk, Dv)
     lq, lk = qp.shape[-2], kp.shape[-2]
     gqa = hq != kp.shape[1]
     plain_window = call.window[0] < 0 and (call.causal or call.window[1] < 0)
