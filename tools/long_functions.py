@@ -1,9 +1,6 @@
-"""List the functions longer than a number of lines (default 80) in a package.
+"""Functions longer than a limit in a package: total lines, and lines without the docstring.
 
-Usage: ``python tools/long_functions.py [--max-lines 80] [package_dir ...]``; prints
-``path:line name lines`` for each, longest first, then the count. A function's length is
-``end_lineno - lineno + 1`` of its ``def`` (decorators and docstring included); nested
-functions count on their own and inside their parent.
+python tools/long_functions.py packing_hf --over 80
 """
 
 from __future__ import annotations
@@ -13,36 +10,37 @@ import ast
 from pathlib import Path
 
 
-def long_functions(root: Path, max_lines: int) -> list[tuple[int, str, str]]:
-    """``(lines, "path:line", qualified name)`` of every function over ``max_lines`` below ``root``."""
-    found = []
+def long_functions(root: Path, over: int) -> list[tuple[int, int, str]]:
+    """``(lines, lines without the docstring, "path:line name")`` of every function longer than ``over`` lines
+    either way, longest first."""
+    rows = []
     for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        stack: list[tuple[ast.AST, str]] = [(tree, "")]
-        while stack:
-            node, prefix = stack.pop()
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    name = f"{prefix}{child.name}"
-                    if not isinstance(child, ast.ClassDef):
-                        lines = child.end_lineno - child.lineno + 1
-                        if lines > max_lines:
-                            found.append((lines, f"{path}:{child.lineno}", name))
-                    stack.append((child, f"{name}."))
-                else:
-                    stack.append((child, prefix))
-    return sorted(found, reverse=True)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            total = node.end_lineno - node.lineno + 1
+            code = total
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
+                if isinstance(first.value.value, str):
+                    code -= first.end_lineno - first.lineno + 1
+            if total > over:
+                rows.append((total, code, f"{path}:{node.lineno} {node.name}"))
+    return sorted(rows, reverse=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("roots", nargs="*", default=["packing_hf"])
-    parser.add_argument("--max-lines", type=int, default=80)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--over", type=int, default=80)
     args = parser.parse_args()
-    found = [f for root in args.roots for f in long_functions(Path(root), args.max_lines)]
-    for lines, where, name in found:
-        print(f"{where} {name} {lines}")
-    print(f"{len(found)} functions over {args.max_lines} lines")
+    rows = long_functions(args.root, args.over)
+    for total, code, where in rows:
+        print(f"{total:4d} {code:4d}  {where}")
+    print(
+        f"{len(rows)} functions over {args.over} lines; {sum(code > args.over for _, code, _ in rows)} without docstrings"
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._loss",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
+            # the refusal exception, its reason as data (raised by the attention and the trainers)
+            "packing_hf.errors",
             "packing_hf.shared_prefix",
             # the padded <-> packed layout, used by the data layer, the attention and the architectures
             "packing_hf.padding",
@@ -46,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.sampler",
             "packing_hf._epoch_plan",
             "packing_hf.preference",
+            "packing_hf.pair_rows",
             "packing_hf.unpaired",
             "packing_hf.multimodal",
             "packing_hf.rollouts",
@@ -236,15 +239,14 @@ PATCHING_ALLOWED: dict[str, tuple[str, int | None]] = {
     "packing_hf.app": ("objects the app itself loaded", None),
     # check_packing restores the train/eval flags it changed (a context manager), on the model it checks
     "packing_hf.verify": ("train/eval flags restored in a finally", 1),
-    # Today's sites in integrations/ (issue 30: they move to one integrations module the architecture doc
-    # names). Counted, so that no new site is added next to them.
-    "packing_hf.integrations.dataloaders": ("accelerator.gather replaced, accelerate's batch shard made a "
-                                            "pass-through", 4),
-    "packing_hf.integrations.dpo": ("forward hooks on the user's model, attention switched and back", 5),
-    "packing_hf.integrations.preflight": ("the pre-flight's attention switch", 1),
-    "packing_hf.integrations.reward": ("forward hooks on the user's model and its score head", 3),
-    "packing_hf.integrations.rl": ("the attention switched for packed rollouts and back", 3),
-    "packing_hf.integrations.trainer": ("the user's attention and use_cache given back", 4),
+    # the integrations modules the architecture doc names: a trainer's model switched to packing_hf's attention
+    # and given back (the session, the pre-flight), forward hooks translating a packed batch and the trainer's
+    # accelerator gather (the adapters)
+    "packing_hf.integrations.session": ("the attention switch and use_cache, given back", None),
+    "packing_hf.integrations.preflight": ("the pre-flight's attention switch", None),
+    "packing_hf.integrations.adapters": ("model adapters: forward hooks, the accelerator's gather", None),
+    # Today's site elsewhere in integrations/ (to move), counted so that no new site is added next to it.
+    "packing_hf.integrations.dataloaders": ("accelerate's batch shard made a pass-through", 2),
 }  # fmt: skip
 
 

@@ -266,7 +266,8 @@ def test_rollout_outputs_equal_the_old_copy():
 
 
 def test_tpo_logits_equal_the_old_scatter():
-    from packing_hf.integrations.tpo import PackedTripleForward, PaddingFreeTripleCollator
+    from packing_hf.integrations.tpo import PackedTripleForward
+    from packing_hf.pair_rows import PaddingFreeTripleCollator
 
     class Echo(torch.nn.Module):  # logits: a random function of the token and its position
         def forward(self, input_ids, position_ids, **kwargs):
