@@ -83,8 +83,9 @@ def worker(case: str, implementation: str, total: int, n_samples: int, repeat: i
         LlamaRotaryEmbedding,
     )
 
-    from packing_hf import lengths_to_cu_seqlens, lengths_to_position_ids, register_attention
+    from packing_hf import register_attention
     from packing_hf.attention import last_backend
+    from packing_hf.varlen import lengths_to_cu_seqlens, lengths_to_position_ids
 
     name = register_attention() if implementation == "packing_hf" else "sdpa"
     lengths = sample_lengths(total, n_samples)

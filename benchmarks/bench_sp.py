@@ -3,7 +3,7 @@
 One packed row of 16,384 tokens (samples of a few hundred to a few thousand tokens, several cut by shard
 edges), a Llama-shaped model from config (hidden 512, 8 query / 4 key-value heads, the SmolLM2 vocabulary of
 49,152), fp32 on CPU, gloo. Each sp runs in ``sp`` fresh processes (spawned: nothing shared); a step is the
-forward of the rank's shard, :func:`packing_hf.sequence_parallel_loss`, the backward and the gradient
+forward of the rank's shard, :func:`packing_hf.attention.sequence_parallel.sequence_parallel_loss`, the backward and the gradient
 all-reduce DDP would do. sp = 1 is the baseline: the same row on one process through the same code.
 
 Memory is the process's resident set (RSS, Linux ``ru_maxrss``): CPU tensors have no allocator statistics.
@@ -62,7 +62,8 @@ def _rank(rank: int, size: int, port: int, tokens: int, layers: int, steps: int,
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from packing_hf import register_attention, sequence_parallel_loss, shard_packed_batch
+    from packing_hf import register_attention
+from packing_hf.attention.sequence_parallel import sequence_parallel_loss, shard_packed_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)

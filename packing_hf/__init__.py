@@ -5,8 +5,13 @@ resolved lazily on first access. Reading ``packing_hf.ATTENTION_NAME`` registers
 with transformers (it adds a name, replaces nothing), so ``attn_implementation=packing_hf.ATTENTION_NAME``
 works as is; ``patch_flash_attention()`` is the only call that swaps a transformers function, reversibly.
 
+The top level names what users call: the trainers and their configs, the collators, the sampler, the
+streams, the attention (its name and ``varlen_attention``), ``prepare_model_for_packing`` and the checks.
+Everything else stays importable from its module (``packing_hf.varlen.lengths_to_cu_seqlens``,
+``packing_hf.fixed.pack_sequences``, ``packing_hf.attention.patch_flash_attention``, ...).
+
 >>> import packing_hf
->>> packing_hf.lengths_to_cu_seqlens([3, 2]).tolist()
+>>> packing_hf.PaddingFreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])["cu_seq_lens_q"].tolist()
 [0, 3, 5]
 """
 
@@ -19,29 +24,13 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _LAZY: dict[str, str] = {
-    # varlen.py: pure-torch boundary bookkeeping
-    "lengths_to_cu_seqlens": "varlen",
-    "cu_seqlens_to_lengths": "varlen",
-    "lengths_to_position_ids": "varlen",
-    "lengths_to_seq_idx": "varlen",
-    "cu_seqlens_to_position_ids": "varlen",
-    "cu_seqlens_to_seq_idx": "varlen",
-    "position_ids_to_cu_seqlens": "varlen",
-    "seq_lengths_to_cu_seqlens": "varlen",
-    "max_length_from_cu_seqlens": "varlen",
-    # shared_prefix.py: branches attending to a shared prefix segment
-    "shared_prefix_position_ids": "shared_prefix",
-    "shared_prefix_plan": "shared_prefix",
-    "check_prefix_seq_idx": "shared_prefix",
-    # collator.py / fixed.py
+    # collator.py
     "PaddingFreeCollator": "collator",
-    "pack_sequences": "fixed",
-    "concatenate_and_pack": "fixed",
     # sampler.py
     "MultipackBatchSampler": "sampler",
-    "lengths_from_dataset": "sampler",
     "CostModel": "cost",
     "fit_cost_model": "cost",
+    "lengths_from_dataset": "sampler",
     # preference.py: chosen/rejected pairs in one packed row
     "PaddingFreePreferenceCollator": "preference",
     "PaddingFreeRewardCollator": "preference",
@@ -49,9 +38,6 @@ _LAZY: dict[str, str] = {
     "PaddingFreeUnpairedCollator": "unpaired",
     # multimodal.py: image+text samples in one packed row
     "MultimodalCollator": "multimodal",
-    # rollouts.py: online-RL rollouts in packed rows
-    "pack_rollouts": "rollouts",
-    "unpack_rollouts": "rollouts",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -59,29 +45,15 @@ _LAZY: dict[str, str] = {
     # attention/
     "ATTENTION_NAME": "attention",
     "varlen_attention": "attention",
-    "available_backends": "attention",
-    "select_backend": "attention",
-    "patch_flash_attention": "attention",
-    "unpatch_flash_attention": "attention",
-    "flash_attention_patched": "attention",
     "register_attention": "attention",
-    "shared_prefix_attention": "attention",
     "validate_packed_batch": "attention.guards",
-    # attention/sequence_parallel.py: Ulysses sequence parallelism over packed rows
-    "shard_packed_batch": "attention.sequence_parallel",
-    "sequence_parallel_loss": "attention.sequence_parallel",
-    "shard_loss_counts": "attention.sequence_parallel",
-    "sequence_parallel_groups": "attention.sequence_parallel",
-    "check_sequence_parallel_model": "attention.sequence_parallel",
     # verify.py: the packed-vs-alone check
     "check_packing": "verify",
     "PackingReport": "verify",
-    # architectures/: registry, per-model fixes, tiny copies, the sweep
+    # architectures/: preparing a model for packing, the architecture check
     "prepare_model_for_packing": "architectures",
     "revert_model_for_packing": "architectures",
-    "PackingPreparation": "architectures",
     "check_architecture": "architectures",
-    "tiny_config": "architectures",
     # integrations/
     "Trainer": "integrations",
     "TrainingArguments": "integrations",
@@ -168,35 +140,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the real names
-    from .architectures import (
-        PackingPreparation,
-        check_architecture,
-        prepare_model_for_packing,
-        revert_model_for_packing,
-        tiny_config,
-    )
-    from .attention import (
-        ATTENTION_NAME,
-        available_backends,
-        flash_attention_patched,
-        patch_flash_attention,
-        register_attention,
-        select_backend,
-        shared_prefix_attention,
-        unpatch_flash_attention,
-        varlen_attention,
-    )
+    from .architectures import check_architecture, prepare_model_for_packing, revert_model_for_packing
+    from .attention import ATTENTION_NAME, register_attention, varlen_attention
     from .attention.guards import validate_packed_batch
-    from .attention.sequence_parallel import (
-        check_sequence_parallel_model,
-        sequence_parallel_groups,
-        sequence_parallel_loss,
-        shard_loss_counts,
-        shard_packed_batch,
-    )
     from .collator import PaddingFreeCollator
     from .cost import CostModel, fit_cost_model
-    from .fixed import concatenate_and_pack, pack_sequences
     from .integrations import (
         CPOConfig,
         CPOTrainer,
@@ -223,20 +171,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     )
     from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
-    from .rollouts import pack_rollouts, unpack_rollouts
     from .sampler import MultipackBatchSampler, lengths_from_dataset
-    from .shared_prefix import check_prefix_seq_idx, shared_prefix_plan, shared_prefix_position_ids
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .unpaired import PaddingFreeUnpairedCollator
-    from .varlen import (
-        cu_seqlens_to_lengths,
-        cu_seqlens_to_position_ids,
-        cu_seqlens_to_seq_idx,
-        lengths_to_cu_seqlens,
-        lengths_to_position_ids,
-        lengths_to_seq_idx,
-        max_length_from_cu_seqlens,
-        position_ids_to_cu_seqlens,
-        seq_lengths_to_cu_seqlens,
-    )
     from .verify import PackingReport, check_packing

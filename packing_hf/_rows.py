@@ -1,7 +1,7 @@
 """Per-sample fields as flat int64 arrays: the conversions and segment arithmetic shared by the packers.
 
-:class:`~packing_hf.PaddingFreeCollator` (one ``[1, T]`` row per batch) and :func:`~packing_hf.pack_sequences`
-/ :func:`~packing_hf.concatenate_and_pack` (fixed-length rows) both turn a list of samples into one flat
+:class:`~packing_hf.PaddingFreeCollator` (one ``[1, T]`` row per batch) and :func:`~packing_hf.fixed.pack_sequences`
+/ :func:`~packing_hf.fixed.concatenate_and_pack` (fixed-length rows) both turn a list of samples into one flat
 array plus lengths (:func:`flatten_field`, with errors naming the sample and position), and both cut and
 locate tokens inside segments (:func:`split_lengths`, :func:`offsets_in_segments`, :func:`locate`).
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .collator import PaddingFreeCollator
+from .padding import PackedLayout
 from .shared_prefix import PREFIX_KEY
 from .varlen import IGNORE_INDEX, INT32_MAX
 
@@ -576,13 +577,8 @@ def pack_padded_labels(labels: torch.Tensor, packed_index: torch.Tensor) -> torc
     >>> pack_padded_labels(torch.tensor([[-100, 7, -100], [-100, 8, 9]]), torch.tensor([6, 1, 6, 4, 5])).tolist()
     [[-100, 7, -100, 8, 9]]
     """
-    flat = torch.cat([labels.reshape(-1), labels.new_full((1,), IGNORE_INDEX)])
-    if packed_index.numel() and int(packed_index.max()) >= flat.numel():
-        raise ValueError(
-            f"packed_index reaches {int(packed_index.max())} but the padded labels have {labels.shape[0]} x "
-            f"{labels.shape[1]} entries: the labels do not come from the same batch as packed_index"
-        )
-    return flat[packed_index.to(labels.device)][None]
+    layout = PackedLayout.from_index(packed_index, *labels.shape, packed_shape=(1, packed_index.numel()))
+    return layout.unpad(labels, fill=IGNORE_INDEX)
 
 
 def unpack_shifted(
@@ -610,13 +606,8 @@ def unpack_shifted(
             f"expected per-token values of shape (1, {packed_index.numel() - 1}, ...) for a packed row of "
             f"{packed_index.numel()} tokens, got {tuple(values.shape)}"
         )
-    target = packed_index[1:].to(values.device)  # (T - 1,): the token each value predicts
-    valid = target < num_rows * width
-    target = target[valid]
-    dest = (target // width) * (width - 1) + target % width - 1
-    out = values.new_zeros((num_rows * (width - 1), *values.shape[2:]))
-    out = out.index_copy(0, dest, values[0][valid])
-    return out.reshape(num_rows, width - 1, *values.shape[2:])
+    layout = PackedLayout.from_index(packed_index, num_rows, width, packed_shape=(1, packed_index.numel()))
+    return layout.shifted().pad(values)
 
 
 @dataclass

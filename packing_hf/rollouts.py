@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ._binpack import pack_best_fit_decreasing, split_bins
+from .padding import PackedLayout
 from .varlen import IGNORE_INDEX, check_int32_tokens
 
 __all__ = ["RolloutPack", "pack_rollouts", "rollout_spans", "unpack_rollouts"]
@@ -289,14 +290,13 @@ def unpack_rollouts(
     """
     if len(values) != len(packs):
         raise ValueError(f"got {len(values)} outputs for {len(packs)} packs")
-    first = values[0]
-    out = first.new_zeros(batch * width)
     for value, pack in zip(values, packs, strict=True):
         if value.shape != (1, pack.target.numel()):
             raise ValueError(
                 f"a pack of {pack.input_ids.shape[1]} tokens needs outputs of shape (1, {pack.target.numel()}), "
                 f"got {tuple(value.shape)}"
             )
-        keep = pack.target < batch * width
-        out = out.index_put((pack.target[keep],), value[0, keep])
-    return out.view(batch, width)
+    # the packs hold disjoint rows: one layout over all of them, one scatter
+    target = torch.cat([pack.target for pack in packs])
+    layout = PackedLayout(target, (target.numel(),), batch, width)
+    return layout.pad(torch.cat([value[0] for value in values]))

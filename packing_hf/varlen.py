@@ -129,7 +129,7 @@ def check_cu_seqlens(
     >>> check_cu_seqlens([0, 3, 3, 5], allow_empty=False)
     Traceback (most recent call last):
     ...
-    ValueError: cu_seqlens must start at 0 and strictly increase, got [0, 3, 3, 5] (an empty segment ends at cu_seqlens[2] = 3); build it with packing_hf.lengths_to_cu_seqlens
+    ValueError: cu_seqlens must start at 0 and strictly increase, got [0, 3, 3, 5] (an empty segment ends at cu_seqlens[2] = 3); build it with packing_hf.varlen.lengths_to_cu_seqlens
     """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype in (
@@ -141,7 +141,7 @@ def check_cu_seqlens(
         if cu_seqlens.dim() != 1:
             raise ValueError(
                 f"{name} must be a 1-D tensor [0, l0, l0 + l1, ...], got shape {tuple(cu_seqlens.shape)}; "
-                "build it with packing_hf.lengths_to_cu_seqlens"
+                "build it with packing_hf.varlen.lengths_to_cu_seqlens"
             )
         values = cu_seqlens.tolist()
     else:
@@ -150,7 +150,7 @@ def check_cu_seqlens(
     if not values or values[0] != 0:
         raise ValueError(
             f"{name} must start at 0 and have n + 1 entries, got {shown}; "
-            "build it with packing_hf.lengths_to_cu_seqlens"
+            "build it with packing_hf.varlen.lengths_to_cu_seqlens"
         )
     for i in range(1, len(values)):
         if values[i] < values[i - 1] or (values[i] == values[i - 1] and not allow_empty):
@@ -158,7 +158,7 @@ def check_cu_seqlens(
             kind = "an empty segment" if values[i] == values[i - 1] else "a negative length"
             raise ValueError(
                 f"{name} must start at 0 and {what}, got {shown} ({kind} ends at {name}[{i}] = {values[i]}); "
-                "build it with packing_hf.lengths_to_cu_seqlens"
+                "build it with packing_hf.varlen.lengths_to_cu_seqlens"
             )
     check_int32_tokens(values[-1])
     if total is not None and (values[-1] > total or (exact_total and values[-1] != total)):

@@ -43,7 +43,7 @@ def tokenize_records(
     Every record becomes one sample; nothing is truncated here (see :func:`prepare_dataset`).
 
     Args:
-        records: a :class:`RecordSet`, a list of :class:`Record`, or :func:`load_records`' dataset.
+        records: a :class:`RecordSet` or a list of :class:`Record`.
         tokenizer: a fast Hugging Face tokenizer (character offsets locate the trained spans).
         prompt_format: ``"auto"`` (chat template when the tokenizer has one, else Alpaca; plain text
             for ``text`` records), ``"chat"``, ``"alpaca"`` or ``"text"``.
@@ -66,23 +66,15 @@ def tokenize_records(
     >>> ds[0]["input_ids"], ds[0]["labels"]
     ([1, 3], [1, 3])
     """
-    import datasets
-
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"{type(tokenizer).__name__} is a slow tokenizer; character offsets need a fast one "
             "(AutoTokenizer.from_pretrained(..., use_fast=True))"
         )
-    if isinstance(records, datasets.Dataset):
-        dataset = records
-        parsed = [Record.from_json(text) for text in dataset["record"]]
-        formats = {record.format for record in parsed}
-        weighted = has_turn_weights(parsed)
-    else:
-        dataset = _records_dataset(records)
-        items = records.records if isinstance(records, RecordSet) else records
-        formats = {record.format for record in items}
-        weighted = has_turn_weights(items)
+    dataset = _records_dataset(records)
+    items = records.records if isinstance(records, RecordSet) else records
+    formats = {record.format for record in items}
+    weighted = has_turn_weights(items)
     resolved = _resolve_prompt_format(prompt_format, formats, tokenizer)
 
     def tokenize_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:

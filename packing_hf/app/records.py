@@ -54,7 +54,6 @@ __all__ = [
     "Record",
     "RecordSet",
     "detect_format",
-    "load_records",
     "normalise_record",
     "read_records",
 ]
@@ -541,25 +540,6 @@ def read_records(
             " but to stop at once" if reason == "empty answer" else "",
         )
     return result
-
-
-def load_records(
-    source: str | Path,
-    *,
-    split: str = "train",
-    config_name: str | None = None,
-    limit: int | None = None,
-    mixed_formats: bool = False,
-):
-    """The checked records of a source as a ``datasets.Dataset`` with one column, ``record`` (each a
-    :class:`Record` as JSON: no schema is shared between records, so no field is lost).
-
-    >>> load_records("embedded", limit=3).num_rows
-    3
-    """
-    return _records_dataset(
-        read_records(source, split=split, config_name=config_name, limit=limit, mixed_formats=mixed_formats)
-    )
 
 
 def _records_dataset(records: RecordSet | Sequence[Record]):

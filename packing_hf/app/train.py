@@ -45,7 +45,7 @@ from .baseline import (
     run_baseline,
     samples_of,
 )
-from .config import ModelArguments, TrainConfig, check_model, load_train_config, trl_packs
+from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
@@ -54,7 +54,7 @@ from .render import trl_records
 from .report import _describe_stream, _plural, plot_losses, print_summary
 from .token_cache import cached_prepare
 
-__all__ = ["SUMMARY_NAME", "run_training", "train_from_config"]
+__all__ = ["SUMMARY_NAME", "run_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -563,10 +563,3 @@ def _prepared_as_trained(trainer):
         return
     with trainer._packing_model(trainer.model):
         yield
-
-
-def train_from_config(
-    config: str | Path | dict | None, overrides: Sequence[str] = (), *, print_fn=print
-) -> dict[str, Any]:
-    """Parse ``config`` + ``overrides`` (see :func:`packing_hf.app.config.load_train_config`) and run the job."""
-    return run_training(load_train_config(config, overrides), print_fn=print_fn)

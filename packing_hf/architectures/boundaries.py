@@ -29,11 +29,12 @@ True
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from .._cache import IdentityCache
 
 __all__ = ["LAYOUT_KEY", "call_starts", "derived"]
 
@@ -41,10 +42,8 @@ __all__ = ["LAYOUT_KEY", "call_starts", "derived"]
 # packed row it runs on (see packing_hf.architectures.mixers); checkpointing saves it with the layer's call
 LAYOUT_KEY = "packing_hf_layout"
 
-# (weakref to the source tensor, its version, what was derived, the derived value); a few entries suffice:
-# every layer of one forward reads the same position_ids / cu_seq_lens_q object
-_DERIVED: list[tuple[weakref.ref, int, str, Any]] = []
-_DERIVED_SIZE = 8
+# every layer of one forward reads the same position_ids / cu_seq_lens_q object: a few entries suffice
+_DERIVED = IdentityCache(size=8)
 
 
 def derived(source: torch.Tensor, kind: str, compute: Callable[[], Any]) -> Any:
@@ -54,15 +53,7 @@ def derived(source: torch.Tensor, kind: str, compute: Callable[[], Any]) -> Any:
     >>> derived(cu, "doc", lambda: cu.diff()) is derived(cu, "doc", lambda: None)  # the second call is a hit
     True
     """
-    if torch.compiler.is_compiling():
-        return compute()
-    for ref, version, entry_kind, value in _DERIVED:
-        if ref() is source and version == source._version and entry_kind == kind:
-            return value
-    value = compute()
-    _DERIVED.insert(0, (weakref.ref(source), source._version, kind, value))
-    del _DERIVED[_DERIVED_SIZE:]
-    return value
+    return _DERIVED.derive((source,), compute, data=kind)
 
 
 def _starts_from_cu(cu: torch.Tensor, tokens: int) -> torch.Tensor:

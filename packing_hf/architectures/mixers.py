@@ -16,7 +16,7 @@ arguments); padded batches and ``generate()`` pass through untouched.
 
 >>> starts = torch.tensor([[True, False, False, True, False]])  # samples of 3 and 2 tokens
 >>> layout = PackedLayout.from_starts(starts)
->>> layout.samples, layout.longest, layout.index.tolist()
+>>> layout.rows, layout.width, layout.index.tolist()  # 2 samples, the longest of 3 tokens
 (2, 3, [0, 1, 2, 3, 4])
 >>> x = torch.arange(5.0).reshape(1, 5, 1)
 >>> layout.pad(x)[..., 0].tolist()
@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..padding import PackedLayout
 from .boundaries import LAYOUT_KEY
 
 __all__ = [
     "MASK_ARGUMENTS",
     "PACKED_ONLY_ARGUMENTS",
     "MixerRepacking",
-    "PackedLayout",
     "find_mixers",
     "forward_names",
     "takes_kwargs",
@@ -61,63 +60,6 @@ PACKED_ONLY_ARGUMENTS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class PackedLayout:
-    """Where every token of packed rows goes in the right-padded batch of their samples.
-
-    Attributes:
-        rows: ``B``, packed rows in the batch.
-        tokens: ``T``, tokens per packed row.
-        samples: ``n``, samples over all rows.
-        longest: ``L``, tokens of the longest sample.
-        index: ``(B * T,)`` int64: the flat slot ``sample * L + offset`` of every packed token.
-    """
-
-    rows: int
-    tokens: int
-    samples: int
-    longest: int
-    index: torch.Tensor
-
-    @classmethod
-    def from_starts(cls, starts: torch.Tensor) -> PackedLayout:
-        """The layout of packed rows from their ``(B, T)`` bool sample starts (one host sync).
-
-        Every row starts a sample at its first token, marked or not.
-        """
-        rows, tokens = starts.shape
-        first = starts.clone()
-        first[:, 0] = True
-        flat = first.reshape(-1)
-        sample = torch.cumsum(flat.long(), dim=0) - 1  # (B*T,) sample of every token
-        begin = torch.nonzero(flat).reshape(-1)  # (n,) flat index of every sample's first token
-        lengths = torch.diff(begin, append=begin.new_tensor([flat.numel()]))
-        longest = int(lengths.max())
-        offset = torch.arange(flat.numel(), device=flat.device) - begin[sample]
-        return cls(rows, tokens, int(begin.numel()), longest, sample * longest + offset)
-
-    def matches(self, tensor: Any) -> bool:
-        """Whether ``tensor`` is laid out as the packed rows: ``(B, T, ...)``."""
-        return (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dim() >= 2
-            and tuple(tensor.shape[:2]) == (self.rows, self.tokens)
-        )
-
-    def pad(self, packed: torch.Tensor) -> torch.Tensor:
-        """``(B, T, ...)`` packed -> ``(n, L, ...)`` right-padded with zeros (differentiable)."""
-        rest = packed.shape[2:]
-        flat = packed.reshape(self.rows * self.tokens, *rest)
-        padded = flat.new_zeros(self.samples * self.longest, *rest).index_copy(0, self.index, flat)
-        return padded.reshape(self.samples, self.longest, *rest)
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """``(n, L, ...)`` right-padded -> ``(B, T, ...)`` packed: the real tokens, in row order."""
-        rest = padded.shape[2:]
-        flat = padded.reshape(self.samples * self.longest, *rest).index_select(0, self.index)
-        return flat.reshape(self.rows, self.tokens, *rest)
-
-
 def _repack(value: Any, layout: PackedLayout | None) -> Any:
     """Pad every tensor of ``value`` laid out as the packed rows (tuples of them too, e.g. cos/sin)."""
     if layout is None:
@@ -128,10 +70,10 @@ def _repack(value: Any, layout: PackedLayout | None) -> Any:
         isinstance(value, torch.Tensor)
         and value.dim() >= 2
         and value.shape[0] == 1
-        and layout.rows > 1
-        and value.shape[1] == layout.tokens
+        and layout.packed_shape[0] > 1
+        and value.shape[1] == layout.packed_shape[1]
     ):  # shared by every row (rotary tables, positions): one copy per row first
-        return layout.pad(value.expand(layout.rows, *value.shape[1:]))
+        return layout.pad(value.expand(layout.packed_shape[0], *value.shape[1:]))
     if isinstance(value, tuple | list) and any(isinstance(v, torch.Tensor) for v in value):
         return type(value)(_repack(v, layout) for v in value)
     return value
@@ -147,11 +89,7 @@ def unpad_outputs(value: Any, layout: PackedLayout) -> Any:
     if (
         isinstance(value, torch.Tensor)
         and value.dim() >= 2
-        and tuple(value.shape[:2])
-        == (
-            layout.samples,
-            layout.longest,
-        )
+        and tuple(value.shape[:2]) == (layout.rows, layout.width)
     ):
         return layout.unpad(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):

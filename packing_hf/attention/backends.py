@@ -244,7 +244,7 @@ def check_backend_name(backend: str) -> str:
     """``backend`` if it is ``"auto"`` or a known backend name, else a ``ValueError`` listing them.
 
     The one backend-name check: :func:`varlen_attention`, :func:`packing_hf.register_attention` and
-    :func:`packing_hf.patch_flash_attention` all use it.
+    :func:`packing_hf.attention.patch_flash_attention` all use it.
 
     >>> check_backend_name("sdpa")
     'sdpa'
@@ -271,7 +271,7 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
         shape = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(
             f"{name} must be a 1-D tensor [0, l0, l0 + l1, ...] (n + 1 entries), got {shape}; "
-            "build it with packing_hf.lengths_to_cu_seqlens"
+            "build it with packing_hf.varlen.lengths_to_cu_seqlens"
         )
     if cu.dtype.is_floating_point or cu.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers (int32), got {cu.dtype}")
@@ -284,10 +284,10 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
     values = host_values(cu) if host.reads_are_free(cu) else cached_host_values(cu)
     entry = host_cache_entry(cu) if values is not None else None
     # flash_attn_varlen_func's contract: empty segments allowed, trailing tokens may lie outside every one.
-    if values is not None and (entry is None or total not in entry[3]):
+    if values is not None and (entry is None or total not in entry[1]):
         check_cu_seqlens(values, name, total=total, allow_empty=True, exact_total=False)
         if entry is not None:
-            entry[3].add(total)
+            entry[1].add(total)
     return cu.to(torch.int32), values
 
 
@@ -308,7 +308,7 @@ def _check_max_seqlen(value, name: str, host: list[int] | None):
         if value < longest:
             raise ValueError(
                 f"{name} = {value} but the longest segment has {longest} tokens; the kernels would skip the "
-                "tokens past it. Use packing_hf.max_length_from_cu_seqlens(cu_seqlens)"
+                "tokens past it. Use packing_hf.varlen.max_length_from_cu_seqlens(cu_seqlens)"
             )
     return value
 

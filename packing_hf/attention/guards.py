@@ -56,9 +56,7 @@ from .ulysses import SHARD_KEY
 
 __all__ = ["IGNORE_INDEX", "find_packed_boundaries", "packed_forward_pre_hook", "validate_packed_batch"]
 
-_FIX_POSITIONS = (
-    "build position_ids with packing_hf.lengths_to_position_ids (or use packing_hf.PaddingFreeCollator)"
-)
+_FIX_POSITIONS = "build position_ids with packing_hf.varlen.lengths_to_position_ids (or use packing_hf.PaddingFreeCollator)"
 
 
 def _first_true(mask: torch.Tensor) -> int:
@@ -162,7 +160,7 @@ def _check_packed_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: i
         if value is not None and int(value) < longest:
             raise ValueError(
                 f"{key} = {int(value)} but the longest sample in cu_seq_lens_q has {longest} tokens; varlen "
-                f"kernels would read past it. Use packing_hf.max_length_from_cu_seqlens(cu_seq_lens_q)"
+                f"kernels would read past it. Use packing_hf.varlen.max_length_from_cu_seqlens(cu_seq_lens_q)"
             )
     return host
 

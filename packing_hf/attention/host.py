@@ -11,19 +11,19 @@ all read ``cu_seqlens`` through here, so a forward reads each boundary tensor at
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from .._cache import IdentityCache
 
 __all__ = ["cached_host_values", "host_cache_entry", "host_values", "reads_are_free", "remember_host_values"]
 
 # The per-segment loop needs the boundaries as Python ints. Every layer of a model receives the very same
 # cu_seqlens tensor object from the collator, so the device -> host copy is made once per tensor (per
-# step) instead of once per layer: a tiny cache keyed on the tensor's identity and version. The padded
-# path (``_run_sdpa_padded``) and the flash kernels never read the values at all.
-# An entry also remembers the row lengths its values were checked against, so each layer does not check again.
-_HOST_CACHE: list[tuple[weakref.ref, int, list[int], set[int]]] = []
-_HOST_CACHE_SIZE = 4
+# step) instead of once per layer: keyed on the tensor's identity and version. The padded path
+# (``_run_sdpa_padded``) and the flash kernels never read the values at all.
+# An entry is ``(values, totals)``: the totals (row lengths) its values were checked against, so each layer
+# does not check again.
+_HOST = IdentityCache(size=4)
 
 
 def host_values(tensor: torch.Tensor) -> list[int]:
@@ -38,23 +38,18 @@ def host_values(tensor: torch.Tensor) -> list[int]:
 
 def remember_host_values(tensor: torch.Tensor, values: list[int]) -> None:
     """Record host ``values`` already read from ``tensor`` (by :func:`packing_hf.validate_packed_batch`)."""
-    _HOST_CACHE.insert(0, (weakref.ref(tensor), tensor._version, values, set()))
-    del _HOST_CACHE[_HOST_CACHE_SIZE:]
+    _HOST.put((tensor,), (values, set()))
 
 
 def cached_host_values(tensor: torch.Tensor) -> list[int] | None:
     """Host values only when they were read before (no host read now), else ``None``."""
-    if torch.compiler.is_compiling():  # a traced tensor has no values; dynamo cannot follow weakrefs either
-        return None
     entry = host_cache_entry(tensor)
-    return None if entry is None else entry[2]
+    return None if entry is None else entry[0]
 
 
-def host_cache_entry(tensor: torch.Tensor) -> tuple[weakref.ref, int, list[int], set[int]] | None:
-    for entry in _HOST_CACHE:
-        if entry[0]() is tensor and entry[1] == tensor._version:
-            return entry
-    return None
+def host_cache_entry(tensor: torch.Tensor) -> tuple[list[int], set[int]] | None:
+    """``(values, totals checked)`` of ``tensor`` when its values were read before, else ``None``."""
+    return _HOST.get((tensor,))
 
 
 def reads_are_free(tensor: torch.Tensor) -> bool:

@@ -21,12 +21,12 @@ How a batch is split into independent segments, in order of precedence:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._cache import IdentityCache
 from ..multimodal import refuse_unprepared_media
 from ..varlen import check_int32_tokens, position_restarts
 from . import host
@@ -68,24 +68,8 @@ class _Layout:
 
 
 # Every layer receives the same position_ids / mask tensor objects, so the layout (which needs a host
-# sync when it is derived from values) is computed once per forward: a small identity-keyed cache.
-_LAYOUT_CACHE: list[tuple[tuple, _Layout]] = []
-
-
-def _ref_key(tensor: torch.Tensor | None):
-    return (None, None) if tensor is None else (weakref.ref(tensor), tensor._version)
-
-
-def _same_key(key: tuple, other: tuple) -> bool:
-    if len(key) != len(other):
-        return False
-    for a, b in zip(key, other, strict=True):
-        if isinstance(a, weakref.ref):
-            if not isinstance(b, weakref.ref) or a() is None or a() is not b():
-                return False
-        elif a != b:
-            return False
-    return True
+# sync when it is derived from values) is computed once per forward.
+_LAYOUTS = IdentityCache(size=4)
 
 
 def _uniform_layout(batch: int, tq: int, tk: int, device: torch.device) -> _Layout:
@@ -154,14 +138,11 @@ def _compute_layout(
 
 
 def _layout(batch, tq, tk, device, padding, position_ids) -> _Layout:
-    key = (batch, tq, tk, str(device), *_ref_key(padding), *_ref_key(position_ids))
-    for cached_key, layout in _LAYOUT_CACHE:
-        if _same_key(cached_key, key):
-            return layout
-    layout = _compute_layout(batch, tq, tk, device, padding, position_ids)
-    _LAYOUT_CACHE.insert(0, (key, layout))
-    del _LAYOUT_CACHE[4:]
-    return layout
+    return _LAYOUTS.derive(
+        (padding, position_ids),
+        lambda: _compute_layout(batch, tq, tk, device, padding, position_ids),
+        data=(batch, tq, tk, str(device)),
+    )
 
 
 def _packed_position_ids(position_ids, batch: int, tq: int) -> torch.Tensor | None:
@@ -369,7 +350,7 @@ def _given_layout(
 
 # (cu_seq_lens_q, position_ids) pairs already checked against each other: every layer of a forward gets the
 # same tensor objects, so the check (and its one host read) runs once per forward
-_CHECKED_ROWS: list[tuple] = []
+_CHECKED_ROWS = IdentityCache(size=4)
 
 
 def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, total: int) -> None:
@@ -379,8 +360,7 @@ def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, t
     and :func:`packing_hf.prepare_model_for_packing`'s pre-hook checks the batch once, outside them."""
     if not isinstance(cu, torch.Tensor) or not host.reads_are_free(cu):
         return
-    key = (*_ref_key(cu), *_ref_key(position_ids), total)
-    if any(_same_key(checked, key) for checked in _CHECKED_ROWS):
+    if _CHECKED_ROWS.get((cu, position_ids), data=total):
         return
     bounds = host_values(cu)
     if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds[:-1], bounds[1:], strict=False)):
@@ -390,7 +370,7 @@ def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, t
             f"cu_seq_lens_q ends at token {bounds[-1]} but the packed row has {total} tokens: "
             f"{'the last ' + str(total - bounds[-1]) + ' tokens would be in no sample' if bounds[-1] < total else 'it points past the row'}. "
             "Build the boundaries from the samples of this row (packing_hf.PaddingFreeCollator, or "
-            "packing_hf.lengths_to_cu_seqlens)"
+            "packing_hf.varlen.lengths_to_cu_seqlens)"
         )
     if position_ids is not None and position_ids.shape[0] == 1:
         restarts = position_restarts(position_ids.reshape(-1))  # (T,) bool
@@ -409,8 +389,7 @@ def _check_row_boundaries(cu: torch.Tensor, position_ids: torch.Tensor | None, t
                 "attend to each other (or be cut). Pass the cu_seq_lens_q and position_ids of the same samples "
                 "(packing_hf.PaddingFreeCollator builds both)"
             )
-    _CHECKED_ROWS.insert(0, key)
-    del _CHECKED_ROWS[4:]
+    _CHECKED_ROWS.put((cu, position_ids), True, data=total)
 
 
 def _known_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -442,9 +421,9 @@ def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
 
 _WARNED_ATTENTIONS = False
 
-# id(config) -> (weakref of the config, the fields check_served_config read): one check per model config and
-# state of those fields, so a config changed after the first forward (e.g. layer_types) is checked again
-_SERVED: dict[int, tuple[weakref.ref, tuple]] = {}
+# the configs checked, with the fields check_served_config read: one check per model config and state of
+# those fields, so a config changed after the first forward (e.g. layer_types) is checked again
+_SERVED = IdentityCache(size=16)
 
 
 def _check_served(config: Any) -> None:
@@ -453,12 +432,11 @@ def _check_served(config: Any) -> None:
     if config is None:
         return
     key = served_config_key(config)
-    seen = _SERVED.get(id(config))
-    if seen is not None and seen[0]() is config and seen[1] == key:
+    if _SERVED.get((config,), data=key):
         return
     check_served_config(config)
     # the key holds whether a hybrid's mixers are prepared: a reverted hybrid is checked (and refused) again
-    _SERVED[id(config)] = (weakref.ref(config), key)
+    _SERVED.put((config,), True, data=key)
 
 
 def varlen_attention_forward(
@@ -641,7 +619,7 @@ def register_attention(backend: str = "auto") -> str:
 
     Args:
         backend: the :func:`packing_hf.varlen_attention` backend every layer uses (``"auto"``: the fastest
-            installed one supporting the layer's features; see :func:`packing_hf.select_backend`).
+            installed one supporting the layer's features; see :func:`packing_hf.attention.select_backend`).
 
     Returns:
         :data:`ATTENTION_NAME`.

@@ -24,28 +24,22 @@ True
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
+from .._cache import IdentityCache
 from ..shared_prefix import PREFIX_KEY, SharedPrefixPlan, shared_prefix_plan
 from .backends import varlen_attention
 
 __all__ = ["PREFIX_KEY", "gather_prefix_keys", "shared_prefix_attention"]
 
 # Every layer of a forward receives the same boundary tensors: the plan (a host read) is made once.
-_PLAN_CACHE: list[tuple[tuple, SharedPrefixPlan]] = []
+_PLANS = IdentityCache(size=4)
 
 
 def _plan(cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor) -> SharedPrefixPlan:
-    key = (weakref.ref(cu_seqlens), cu_seqlens._version, weakref.ref(prefix_seq_idx), prefix_seq_idx._version)
-    for cached, plan in _PLAN_CACHE:
-        if cached[0]() is cu_seqlens and cached[2]() is prefix_seq_idx and cached[1::2] == key[1::2]:
-            return plan
-    plan = shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
-    _PLAN_CACHE.insert(0, (key, plan))
-    del _PLAN_CACHE[4:]
-    return plan
+    return _PLANS.derive(
+        (cu_seqlens, prefix_seq_idx), lambda: shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
+    )
 
 
 def gather_prefix_keys(

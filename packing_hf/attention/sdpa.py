@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..padding import PackedLayout
 from . import host
 from .host import host_values
 
@@ -274,15 +275,6 @@ def _run_sdpa_loop(call: _Call) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _padded_index(cu: torch.Tensor, width, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(n, width)`` row of every (segment, offset) slot, clamped into ``[0, total)``, and the ``(n,)`` lengths."""
-    starts = cu[:-1].long()  # (n,)
-    lengths = cu[1:].long() - starts  # (n,)
-    offsets = torch.arange(width, device=cu.device)  # (width,)
-    # slots past a segment's end read some real token (finite values); their outputs are never gathered back
-    return (starts[:, None] + offsets).clamp(max=max(total - 1, 0)), lengths
-
-
 def _run_sdpa_padded(call: _Call) -> torch.Tensor:
     """The segments as one right-padded ``(n, H, max_len, D)`` batch: one SDPA call, no host read.
 
@@ -297,11 +289,14 @@ def _run_sdpa_padded(call: _Call) -> torch.Tensor:
     n = call.cu_q.shape[0] - 1
     if n == 0 or tq == 0 or k.shape[0] == 0 or call.max_q == 0:
         return q.new_zeros(tq, hq, dv)
-    index_q, len_q = _padded_index(call.cu_q, call.max_q, tq)  # (n, Lq), (n,)
+    # segment s as row s of a right-padded batch; padding slots are zeros, never gathered back (no query of
+    # a segment attends to them: the causal flag or the mask below keeps every query inside its segment)
+    layout_q = PackedLayout.from_cu_seqlens(call.cu_q, call.max_q, (tq,))
     same = call.cu_k is call.cu_q
-    index_k, len_k = (index_q, len_q) if same else _padded_index(call.cu_k, call.max_k, k.shape[0])
-    qp = q[index_q].transpose(1, 2)  # (n, Hq, Lq, D)
-    kp, vp = k[index_k].transpose(1, 2), v[index_k].transpose(1, 2)  # (n, Hkv, Lk, D), (n, Hkv, Lk, Dv)
+    layout_k = layout_q if same else PackedLayout.from_cu_seqlens(call.cu_k, call.max_k, (k.shape[0],))
+    qp = layout_q.pad(q).transpose(1, 2)  # (n, Hq, Lq, D)
+    kp = layout_k.pad(k).transpose(1, 2)  # (n, Hkv, Lk, D)
+    vp = layout_k.pad(v).transpose(1, 2)  # (n, Hkv, Lk, Dv)
     lq, lk = qp.shape[-2], kp.shape[-2]
     gqa = hq != kp.shape[1]
     plain_window = call.window[0] < 0 and (call.causal or call.window[1] < 0)
@@ -317,6 +312,7 @@ def _run_sdpa_padded(call: _Call) -> torch.Tensor:
         offsets_q = torch.arange(lq, device=q.device)
         offsets_k = torch.arange(lk, device=q.device)
         # rel = j - i' with i' = i + Lk - Lq (bottom-right alignment per segment): (n, Lq, Lk)
+        len_q, len_k = torch.diff(call.cu_q.long()), torch.diff(call.cu_k.long())  # (n,)
         rel = offsets_k[None, None, :] - offsets_q[None, :, None] - (len_k - len_q)[:, None, None]
         allowed = (offsets_k < len_k[:, None])[:, None, :]  # (n, 1, Lk) keys inside the segment
         left, right = call.window
@@ -348,12 +344,5 @@ def _run_sdpa_padded(call: _Call) -> torch.Tensor:
                 qp, kp, vp, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale, enable_gqa=gqa
             )
         out = out.masked_fill(no_key[:, None, :, None], 0.0)
-    out = out.transpose(1, 2).reshape(n * lq, hq, dv)  # (n * Lq, Hq, Dv)
-    # back to the packed row: token t of segment s sits in slot s * Lq + (t - cu_q[s]); tokens after the
-    # last segment (or in none) get 0
-    tokens = torch.arange(tq, device=q.device)
-    segment = torch.searchsorted(call.cu_q[1:].long(), tokens, right=True)  # (Tq,) in [0, n]
-    inside = segment < n
-    segment = segment.clamp(max=n - 1)
-    slot = segment * lq + (tokens - call.cu_q[:-1].long()[segment])
-    return out[slot.clamp(max=n * lq - 1)] * inside[:, None, None].to(out.dtype)
+    # back to the packed row; tokens after the last segment (or in none) get 0
+    return layout_q.unpad(out.transpose(1, 2))  # (Tq, Hq, Dv)

@@ -101,7 +101,7 @@ class _HeadsToSeq(torch.autograd.Function):
 class SequenceShard:
     """One rank's contiguous shard of a packed ``[1, T]`` row, and what its attention needs of the whole row.
 
-    Built by :func:`packing_hf.shard_packed_batch`; it rides in the batch under :data:`SHARD_KEY`.
+    Built by :func:`packing_hf.attention.sequence_parallel.shard_packed_batch`; it rides in the batch under :data:`SHARD_KEY`.
 
     Args:
         group: the sequence-parallel process group (``None``: the default group).
@@ -182,13 +182,13 @@ class SequenceShard:
             shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else None
             raise ValueError(
                 f"{self!r}: the call's position_ids have shape {shape}, not this shard's {tuple(expected.shape)}; "
-                "pass the batch packing_hf.shard_packed_batch returned, unchanged"
+                "pass the batch packing_hf.attention.sequence_parallel.shard_packed_batch returned, unchanged"
             )
         if not torch.equal(positions.to(expected.device), expected):
             raise ValueError(
                 f"{self!r}: the call's position_ids are not the row's positions {self.offset}.."
                 f"{self.offset + self.length} (rotary embeddings would be offset); pass the batch "
-                "packing_hf.shard_packed_batch returned, unchanged"
+                "packing_hf.attention.sequence_parallel.shard_packed_batch returned, unchanged"
             )
 
     def attention(

@@ -56,7 +56,7 @@ def preflight_packing(model: Any, mode: str = "switch"):
         mode: ``"switch"``, ``"error"`` or ``"off"`` (see the module docstring).
 
     Returns:
-        The :class:`~packing_hf.PackingPreparation` handle of the prepared model
+        The :class:`~packing_hf.architectures.PackingPreparation` handle of the prepared model
         (``handle.revert()`` removes its hooks), or ``None`` for ``mode="off"``.
 
     Raises:

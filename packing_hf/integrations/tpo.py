@@ -52,6 +52,7 @@ import torch
 from trl.experimental.tpo import TPOConfig as _StockTPOConfig
 from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
+from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from .args import PackingArguments
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
@@ -126,17 +127,15 @@ class PackedTripleForward:
         inputs = {k: self.packed[k] for k in _PACKED_INPUTS}
         output = self.model(input_ids=packed_ids, use_cache=False, **inputs)
         logits = output["logits"]  # (1, T, V)
-        cu = self.packed["cu_seq_lens_q"].to(torch.int64)
-        place = self.packed["packed_index"].clone()  # (T,)
-        place[cu[:-1]] = torch.arange(rows, device=cu.device) * width  # segment starts: column 0 of their row
+        cu = self.packed["cu_seq_lens_q"]
         if int(cu[-1]) != packed_ids.shape[1] or cu.numel() != rows + 1:
             raise ValueError(
                 f"the packed row ({packed_ids.shape[1]} tokens, {cu.numel() - 1} segments) does not match the "
                 f"padded layout ({rows} sequences): the batch did not come from one PaddingFreeTripleCollator call"
             )
-        padded = logits.new_zeros((rows * width, logits.shape[-1]))
-        padded = padded.index_copy(0, place.to(logits.device), logits[0])
-        output["logits"] = padded.view(rows, width, -1)
+        # segment s is row s of the padded layout
+        layout = PackedLayout.from_cu_seqlens(cu, width, packed_shape=tuple(packed_ids.shape))
+        output["logits"] = layout.pad(logits)  # (S, L, V)
         return output
 
 

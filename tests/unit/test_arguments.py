@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packing_hf import MultipackBatchSampler, PaddingFreeCollator, concatenate_and_pack, pack_sequences
+from packing_hf import MultipackBatchSampler, PaddingFreeCollator
+from packing_hf.fixed import concatenate_and_pack, pack_sequences
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

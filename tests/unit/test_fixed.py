@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing_hf import concatenate_and_pack, pack_sequences
+from packing_hf.fixed import concatenate_and_pack, pack_sequences
 from packing_hf.varlen import position_ids_to_cu_seqlens
 
 DOC_SEQUENCES = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import packing_hf
 from packing_hf.architectures import tiny_config
 from packing_hf.shared_prefix import shared_prefix_position_ids
+from packing_hf.varlen import cu_seqlens_to_position_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -170,7 +171,7 @@ def test_guards_accept_the_layout_and_refuse_an_attention_that_ignores_it():
         )
         model(**batch)  # the guards accept positions continuing the prefix
         with pytest.raises(ValueError, match="position_ids"):
-            model(**{**batch, "position_ids": packing_hf.cu_seqlens_to_position_ids(cu)[None]})
+            model(**{**batch, "position_ids": cu_seqlens_to_position_ids(cu)[None]})
         model.set_attn_implementation("sdpa")
         with pytest.raises(ValueError, match="ignores: its branches would attend to each other"):
             model(**batch)

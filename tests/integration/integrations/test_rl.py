@@ -27,6 +27,7 @@ from packing_hf.integrations import preflight as preflight_module  # noqa: E402
 from packing_hf.integrations.gmpo import GMPOConfig, GMPOTrainer  # noqa: E402
 from packing_hf.integrations.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from packing_hf.rollouts import RolloutPack  # noqa: E402
+from packing_hf.varlen import cu_seqlens_to_position_ids  # noqa: E402
 
 REL = 1e-5
 G = 2
@@ -275,7 +276,7 @@ def _branches_without_prefix(self):
     """Shared-prefix row without prefix_seq_idx: every branch an ordinary segment that misses its prompt."""
     inputs = ORIGINAL_MODEL_INPUTS(self)
     assert inputs.pop("prefix_seq_idx") is not None
-    inputs["position_ids"] = packing_hf.cu_seqlens_to_position_ids(self.cu_seq_lens)[None]
+    inputs["position_ids"] = cu_seqlens_to_position_ids(self.cu_seq_lens)[None]
     return inputs
 
 

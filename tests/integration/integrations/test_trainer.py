@@ -249,7 +249,7 @@ def test_preflight_refuses_or_switches_a_leaking_attention(gsm8k_tokenized, tiny
 def test_preflight_refuses_dsa_trains_a_hybrid_and_prepares_opt(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from packing_hf import tiny_config
+    from packing_hf.architectures import tiny_config
 
     data = [{"input_ids": list(range(1, n))} for n in (9, 14, 6, 11)]
     dsa = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32"))
