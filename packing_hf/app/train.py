@@ -29,7 +29,6 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

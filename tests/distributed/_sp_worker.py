@@ -109,8 +109,12 @@ def parallel_step(model, rows: list[dict], normalization: str, group, local_only
     import torch
     import torch.distributed as dist
 
-    from packing_hf.attention.sequence_parallel import sequence_parallel_loss, shard_loss_counts, shard_packed_batch
     from packing_hf._loss import step_denominator
+    from packing_hf.attention.sequence_parallel import (
+        sequence_parallel_loss,
+        shard_loss_counts,
+        shard_packed_batch,
+    )
 
     model.zero_grad(set_to_none=True)
     shards = [shard_packed_batch(row, group, local_only=local_only) for row in rows]
@@ -256,7 +260,10 @@ def main(out_dir: str, port: str) -> None:
     import packing_hf.integrations.trainer  # noqa: F401
 
     torch.set_num_threads(1)
-    packing_hf.attention.sequence_parallel.shard_packed_batch, packing_hf.register_attention()  # resolved before the fork too
+    (
+        packing_hf.attention.sequence_parallel.shard_packed_batch,
+        packing_hf.register_attention(),
+    )  # resolved before the fork too
     # fork: the children start with everything imported (spawn would import torch and transformers 4 times)
     mp.start_processes(run, args=(out_dir, port, 4), nprocs=4, start_method="fork")
     # packing_hf.Trainer with ParallelismConfig(sp_size=2) on 2 processes, then on this one without
