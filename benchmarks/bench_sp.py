@@ -63,7 +63,7 @@ def _rank(rank: int, size: int, port: int, tokens: int, layers: int, steps: int,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from packing_hf import register_attention
-from packing_hf.attention.sequence_parallel import sequence_parallel_loss, shard_packed_batch
+    from packing_hf.attention.sequence_parallel import sequence_parallel_loss, shard_packed_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
