@@ -53,7 +53,7 @@ from .render import trl_records
 from .report import _describe_stream, _plural, plot_losses, print_summary
 from .token_cache import cached_prepare
 
-__all__ = ["SUMMARY_NAME", "run_training"]
+__all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +286,326 @@ class _Phases:
         return time.process_time() - self._started[1]
 
 
+class TrainJob:
+    """The ``packing-hf train`` job for a parsed config, one method per phase, run in order by :meth:`run`:
+
+    :meth:`read` (records) -> :meth:`load_tokenizer` (and the stream) -> :meth:`tokenize` -> :meth:`load_model`
+    -> :meth:`plan` (the Trainer) -> :meth:`eval_before` -> :meth:`train` -> :meth:`eval_after` ->
+    :meth:`save` (the model and ``packing_summary.json``, before any optional diagnostic) -> :meth:`baseline`
+    (the padded baseline; a failure is reported, the trained model stands) -> :meth:`finish` (the table, the
+    summary written again). Each phase reads what the earlier ones left on the job and adds to :attr:`summary`.
+
+    >>> from packing_hf.app.train import TrainJob
+    >>> [name for name in ("read", "plan", "train", "save", "baseline", "finish") if callable(getattr(TrainJob, name))]
+    ['read', 'plan', 'train', 'save', 'baseline', 'finish']
+    """
+
+    def __init__(self, cfg: TrainConfig, *, print_fn=print) -> None:
+        self.cfg = cfg
+        self.print_fn = print_fn
+        self.phases = _Phases()
+        self.training = cfg.training
+        self.sft = cfg.job.trainer == "sft"
+        self.summary: dict[str, Any] = {}
+        self.records: RecordSet | None = None
+        self.eval_records: RecordSet | None = None
+        self.tokenizer = None
+        self.prepared: PreparedDataset | None = None
+        self.eval_prepared: PreparedDataset | None = None
+        self.stream: RecordStream | None = None
+        self.model = None
+        self.lengths: np.ndarray | None = None
+        self.trainer = None
+        self.eval_samples: list[dict[str, Any]] | None = None
+        self.output_dir = Path(self.training.output_dir)
+
+    def say(self, message: str) -> None:
+        self.print_fn(f"[packing-hf] {message}")
+
+    def run(self) -> dict[str, Any]:
+        """Every phase in order; returns the summary (see :func:`run_training`)."""
+        from transformers import set_seed
+
+        cfg = self.cfg
+        if cfg.job.trainer not in ("trainer", "sft"):
+            raise ValueError(
+                f"run_training runs trainer: trainer | sft; trainer: {cfg.job.trainer} is run by "
+                "packing_hf.app.trl_job.run_job"
+            )
+        check_model(cfg.model, cfg.source)
+        set_seed(self.training.seed)
+        for note in cfg.notes:
+            self.say(note)
+        self.read()
+        self.load_tokenizer()
+        self.tokenize()
+        self.load_model()
+        self.plan()
+        self.eval_before()
+        self.train()
+        self.eval_after()
+        self.save()
+        self.baseline()
+        return self.finish()
+
+    def read(self) -> None:
+        """Every record of the training and eval data read and checked (none with ``streaming: true``)."""
+        self.phases.start("read")
+        self.records, self.eval_records = _read(self.cfg, self.say)
+
+    def load_tokenizer(self) -> None:
+        """The tokenizer; with ``streaming: true`` the record stream, its first records checked."""
+        cfg, say = self.cfg, self.say
+        self.phases.start("load")
+        say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
+        self.tokenizer = load_tokenizer(cfg.model)
+        if not cfg.data.streaming:
+            return
+        self.stream = _stream(cfg, self.tokenizer)
+        if cfg.data.stream_check_records:
+            say(
+                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
+                "model loads (stream_check_records; the rest are checked as training reads them)"
+            )
+            checked = self.stream.check_first(cfg.data.stream_check_records)
+            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
+        say(
+            f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
+            f"(no total up front), packed online into batches of at most {self.training.max_tokens_per_batch} "
+            f"tokens, for {self.training.max_steps} steps"
+        )
+
+    def tokenize(self) -> None:
+        """The training and eval records tokenized with loss masks (``trainer: sft``: TRL tokenizes)."""
+        if self.sft:
+            return
+        self.phases.start("tokenize")
+        if self.records is not None:
+            self.say(f"tokenizing {len(self.records.records):,} records")
+            self.prepared = _prepare(self.cfg, self.records, self.tokenizer, "Tokenizing", self.say)
+        if self.eval_records is not None:
+            self.eval_prepared = _prepare(
+                self.cfg, self.eval_records, self.tokenizer, "Tokenizing the eval records", self.say
+            )
+
+    def load_model(self) -> None:
+        """The model, the user's config as loaded (restored before saving) and the summary's description."""
+        cfg, training = self.cfg, self.training
+        self.phases.start("load")
+        self.say(f"loading the model: {model_source(cfg.model)}")
+        model = self.model = load_model(cfg.model, self.tokenizer, seed=training.seed)
+        self.user_use_cache = model.config.use_cache
+        self.user_attention = getattr(model.config, "_attn_implementation", None)
+        self.device = training.device
+        precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+        self.summary = summary = {
+            "config": cfg.source,
+            "model": _describe_model(cfg.model, model),
+            "device": str(self.device),
+            "precision": precision,
+            "trainer": cfg.job.trainer,
+            "batching": cfg.batching,
+            "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
+            "dataset": cfg.data.dataset,
+            "streaming": cfg.data.streaming,
+            "records": self.records.describe() if self.records is not None else None,
+            "eval_dataset": cfg.data.eval_dataset if self.eval_prepared is not None else None,
+        }
+        self.say(f"model: {summary['model']} on {self.device}, {precision}, attention {self.user_attention}")
+        prepared = self.prepared
+        if prepared is None:
+            return
+        lengths = self.lengths = prepared.lengths
+        summary.update(
+            num_samples=int(lengths.size),
+            num_tokens=int(lengths.sum()),
+            num_truncated=prepared.num_truncated,
+            num_dropped=prepared.num_dropped,
+            prompt_format=prepared.prompt_format,
+        )
+        self.say(
+            f"data: {lengths.size:,} samples, {int(lengths.sum()):,} tokens (length min/mean/max "
+            f"{lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), {prepared.prompt_format} format"
+            + (f", {prepared.num_truncated} truncated" if prepared.num_truncated else "")
+            + (f", {prepared.num_dropped} dropped" if prepared.num_dropped else "")
+        )
+
+    def plan(self) -> None:
+        """The Trainer (its sampler plans the batches), and what the eval and the baseline run with."""
+        cfg, training = self.cfg, self.training
+        self.phases.start("plan")
+        self.say(f"planning {cfg.batching} batches")
+        self.trainer = _build_trainer(
+            cfg, self.model, self.tokenizer, self.records, self.prepared, self.stream
+        )
+        self.autocast = None
+        if torch.device(self.device).type == "cuda":
+            self.autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
+        self.padded = padded_collator(self.tokenizer)
+        self.step_tokens = _step_tokens(cfg, self.lengths)
+        self.eval_samples = samples_of(self.eval_prepared.dataset) if self.eval_prepared is not None else None
+
+    def _eval_loss(self, desc: str) -> float:
+        return evaluate_loss(
+            self.trainer.model,
+            self.eval_samples,
+            collator=self.padded,
+            max_tokens_per_batch=self.step_tokens,
+            device=self.device,
+            autocast_dtype=self.autocast,
+            desc=desc,
+        )
+
+    def eval_before(self) -> None:
+        """The held-out eval loss before training (without ``eval_dataset``: nothing)."""
+        samples, summary = self.eval_samples, self.summary
+        if samples is None:
+            return
+        self.phases.start("eval")
+        self.say(
+            f"eval loss before training: {len(samples)} held-out samples of {self.cfg.data.eval_dataset}"
+        )
+        summary["eval_samples"] = len(samples)
+        summary["eval_tokens"] = int(sum(sum(t != -100 for t in s["labels"][1:]) for s in samples))
+        summary["eval_loss_before"] = self._eval_loss("Eval before")
+        self.say(f"eval loss before training: {summary['eval_loss_before']:.4f}")
+
+    def train(self) -> None:
+        """Training, then its figures: losses, steps, the fill of the batches (of the stream's steps with
+        ``streaming``) and the padded fill of the same data."""
+        training, trainer, summary, say = self.training, self.trainer, self.summary, self.say
+        self.phases.start("train")
+        say(
+            "training: "
+            + (
+                _plural(training.max_steps, "step")
+                if training.max_steps > 0
+                else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
+            )
+        )
+        resume = training.resume_from_checkpoint
+        if resume is not None:
+            # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
+            resume = True if str(resume).lower() in ("true", "last") else resume
+            say(
+                f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
+            )
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
+        losses = _loss_history(trainer.state.log_history)
+        summary.update(
+            global_step=int(trainer.state.global_step),
+            train_runtime=train_runtime,
+            train_loss=float(train_result.training_loss),
+            losses=losses,
+            logged_packing_efficiency=mean_logged(trainer.state.log_history, "packing_efficiency"),
+            attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
+        )
+        _free_optimizer(trainer)
+
+        if self.stream is not None:
+            # the packer's counters run ahead of training (the loader fetches batches before the steps use
+            # them): the fill and batches of the steps themselves come from the step logs
+            stats = trainer.packing_stream.stats()
+            summary["stream"] = {
+                **stats,
+                "steps": summary["global_step"],
+                "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
+                "fill_trained": summary["logged_packing_efficiency"],
+            }
+            summary["records"] = self.stream.describe()
+            summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+            summary["padded_efficiency"] = mean_logged(trainer.state.log_history, "padded_batch_efficiency")
+            say(self.stream.describe())
+            say(_describe_stream(summary["stream"]))
+        elif self.prepared is not None:
+            lengths = self.lengths
+            sampler = getattr(trainer, "_multipack_sampler", None)
+            summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
+            padded_size = _padded_batch_size(self.cfg, lengths)
+            summary["padded_batch_size"] = padded_size
+            summary["padded_efficiency"] = padded_efficiency(lengths, padded_size, seed=training.seed)
+            summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
+        else:
+            summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+
+    def eval_after(self) -> None:
+        """The held-out eval loss after training, printed beside the loss before."""
+        if self.eval_samples is None:
+            return
+        summary = self.summary
+        self.phases.start("eval")
+        self.say("eval loss after training")
+        summary["eval_loss_after"] = self._eval_loss("Eval after")
+        self.say(
+            f"eval loss after training: {summary['eval_loss_after']:.4f} "
+            f"(before: {summary['eval_loss_before']:.4f})"
+        )
+
+    def save(self) -> None:
+        """The model with the user's config (``use_cache``, attention) restored and ``packing_summary.json``
+        beside it, unless ``save_model: false``.
+
+        Saved before any optional diagnostic: one that fails after training (the padded baseline on a model
+        whose kernels refuse padded or packed batches) says why, and the run keeps its model."""
+        summary = self.summary
+        _restore_user_config(self.trainer.model, self.user_use_cache, self.user_attention)
+        summary["output_dir"] = None
+        summary["baseline"] = None
+        if not self.cfg.job.save_model:
+            return
+        self.phases.start("save")
+        self.say(f"saving the model to {self.output_dir}")
+        self.trainer.save_model(str(self.output_dir))
+        summary["output_dir"] = str(self.output_dir)
+        _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
+
+    def baseline(self) -> None:
+        """The padded baseline (:func:`packing_hf.app.baseline.run_baseline`; not for ``trainer: sft`` or
+        ``baseline_batches: 0``); a failure is reported in ``baseline_note`` and never costs the trained model."""
+        cfg, summary = self.cfg, self.summary
+        if self.sft or cfg.job.baseline_batches <= 0 or (self.prepared is None and self.stream is None):
+            return
+        self.phases.start("baseline")
+        try:
+            with _prepared_as_trained(self.trainer):
+                summary["baseline"], summary["baseline_note"] = run_baseline(
+                    cfg,
+                    self.trainer,
+                    self.tokenizer,
+                    self.prepared,
+                    self.stream,
+                    self.lengths,
+                    summary,
+                    self.padded,
+                    self.step_tokens,
+                    self.device,
+                    self.autocast,
+                    self.say,
+                )
+        except Exception as error:  # a diagnostic: it must never cost the trained model
+            summary["baseline"] = None
+            summary["baseline_note"] = (
+                f"padded baseline failed ({type(error).__name__}: {error}); the training result stands"
+                + (f" and is saved in {self.output_dir}" if cfg.job.save_model else "")
+                + "; baseline_batches=0 skips it"
+            )
+            self.say(summary["baseline_note"])
+
+    def finish(self) -> dict[str, Any]:
+        """Where the time and memory went, the final table, ``packing_summary.json`` written again; returns
+        the summary."""
+        phases, summary = self.phases, self.summary
+        phases.stop()
+        print_summary(_finish_summary(summary, phases), self.print_fn)
+        if self.cfg.job.save_model:
+            _write_summary(summary, phases, self.trainer, self.output_dir, self.say)
+        return summary
+
+
 def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
-    """Run the whole job for a parsed config; print progress and the final table, return the summary.
+    """Run the whole job for a parsed config (:class:`TrainJob`); print progress and the final table, return
+    the summary.
 
     The summary holds: the model and data description, ``batching``, ``packing_efficiency`` (real tokens
     / token capacity of the batches; None without a budget), ``padded_efficiency`` (the same data in
@@ -300,233 +618,7 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     ``records`` (what was read, skipped and truncated), ``packing_efficiency`` the pass's fill, no sample
     count and no padded fill; the padded baseline draws its samples from the stream's first ones.
     """
-    from transformers import set_seed
-
-    def say(message: str) -> None:
-        print_fn(f"[packing-hf] {message}")
-
-    if cfg.job.trainer not in ("trainer", "sft"):
-        raise ValueError(
-            f"run_training runs trainer: trainer | sft; trainer: {cfg.job.trainer} is run by "
-            "packing_hf.app.trl_job.run_job"
-        )
-    phases = _Phases()
-    training = cfg.training
-    check_model(cfg.model, cfg.source)
-    set_seed(training.seed)
-    sft = cfg.job.trainer == "sft"
-
-    for note in cfg.notes:
-        say(note)
-    phases.start("read")
-    records, eval_records = _read(cfg, say)
-
-    phases.start("load")
-    say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
-    tokenizer = load_tokenizer(cfg.model)
-    prepared = eval_prepared = stream = None
-    if cfg.data.streaming:
-        stream = _stream(cfg, tokenizer)
-        if cfg.data.stream_check_records:
-            say(
-                f"checking the first {cfg.data.stream_check_records:,} records of {cfg.data.dataset} before the "
-                "model loads (stream_check_records; the rest are checked as training reads them)"
-            )
-            checked = stream.check_first(cfg.data.stream_check_records)
-            say(f"{_plural(checked, 'record')} read, checked and tokenized: fine")
-        say(
-            f"streaming {cfg.data.dataset}: records are read, checked and tokenized as training consumes them "
-            f"(no total up front), packed online into batches of at most {training.max_tokens_per_batch} "
-            f"tokens, for {training.max_steps} steps"
-        )
-    if not sft:
-        phases.start("tokenize")
-        if records is not None:
-            say(f"tokenizing {len(records.records):,} records")
-            prepared = _prepare(cfg, records, tokenizer, "Tokenizing", say)
-        if eval_records is not None:
-            eval_prepared = _prepare(cfg, eval_records, tokenizer, "Tokenizing the eval records", say)
-
-    phases.start("load")
-    say(f"loading the model: {model_source(cfg.model)}")
-    model = load_model(cfg.model, tokenizer, seed=training.seed)
-    user_use_cache = model.config.use_cache
-    user_attention = getattr(model.config, "_attn_implementation", None)
-    device = training.device
-    precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
-    summary: dict[str, Any] = {
-        "config": cfg.source,
-        "model": _describe_model(cfg.model, model),
-        "device": str(device),
-        "precision": precision,
-        "trainer": cfg.job.trainer,
-        "batching": cfg.batching,
-        "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
-        "dataset": cfg.data.dataset,
-        "streaming": cfg.data.streaming,
-        "records": records.describe() if records is not None else None,
-        "eval_dataset": cfg.data.eval_dataset if eval_prepared is not None else None,
-    }
-    say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
-
-    lengths = prepared.lengths if prepared is not None else None
-    if prepared is not None:
-        summary.update(
-            num_samples=int(lengths.size),
-            num_tokens=int(lengths.sum()),
-            num_truncated=prepared.num_truncated,
-            num_dropped=prepared.num_dropped,
-            prompt_format=prepared.prompt_format,
-        )
-        say(
-            f"data: {lengths.size:,} samples, {int(lengths.sum()):,} tokens (length min/mean/max "
-            f"{lengths.min()}/{lengths.mean():.0f}/{lengths.max()}), {prepared.prompt_format} format"
-            + (f", {prepared.num_truncated} truncated" if prepared.num_truncated else "")
-            + (f", {prepared.num_dropped} dropped" if prepared.num_dropped else "")
-        )
-
-    phases.start("plan")
-    say(f"planning {cfg.batching} batches")
-    trainer = _build_trainer(cfg, model, tokenizer, records, prepared, stream)
-
-    autocast = None
-    if torch.device(device).type == "cuda":
-        autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
-    padded = padded_collator(tokenizer)
-    step_tokens = _step_tokens(cfg, lengths)
-    eval_samples = samples_of(eval_prepared.dataset) if eval_prepared is not None else None
-    if eval_samples is not None:
-        phases.start("eval")
-        say(f"eval loss before training: {len(eval_samples)} held-out samples of {cfg.data.eval_dataset}")
-        summary["eval_samples"] = len(eval_samples)
-        summary["eval_tokens"] = int(sum(sum(t != -100 for t in s["labels"][1:]) for s in eval_samples))
-        summary["eval_loss_before"] = evaluate_loss(
-            trainer.model,
-            eval_samples,
-            collator=padded,
-            max_tokens_per_batch=step_tokens,
-            device=device,
-            autocast_dtype=autocast,
-            desc="Eval before",
-        )
-        say(f"eval loss before training: {summary['eval_loss_before']:.4f}")
-
-    phases.start("train")
-    say(
-        "training: "
-        + (
-            _plural(training.max_steps, "step")
-            if training.max_steps > 0
-            else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
-        )
-    )
-    resume = training.resume_from_checkpoint
-    if resume is not None:
-        # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
-        resume = True if str(resume).lower() in ("true", "last") else resume
-        say(
-            f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
-        )
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
-    losses = _loss_history(trainer.state.log_history)
-    summary.update(
-        global_step=int(trainer.state.global_step),
-        train_runtime=train_runtime,
-        train_loss=float(train_result.training_loss),
-        losses=losses,
-        logged_packing_efficiency=mean_logged(trainer.state.log_history, "packing_efficiency"),
-        attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
-    )
-    _free_optimizer(trainer)
-
-    if stream is not None:
-        # the packer's counters run ahead of training (the loader fetches batches before the steps use them):
-        # the fill and batches of the steps themselves come from the step logs
-        stats = trainer.packing_stream.stats()
-        summary["stream"] = {
-            **stats,
-            "steps": summary["global_step"],
-            "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
-            "fill_trained": summary["logged_packing_efficiency"],
-        }
-        summary["records"] = stream.describe()
-        summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-        summary["padded_efficiency"] = mean_logged(trainer.state.log_history, "padded_batch_efficiency")
-        say(stream.describe())
-        say(_describe_stream(summary["stream"]))
-    elif prepared is not None:
-        sampler = getattr(trainer, "_multipack_sampler", None)
-        summary["packing_efficiency"] = float(sampler.efficiency()) if sampler is not None else None
-        padded_size = _padded_batch_size(cfg, lengths)
-        summary["padded_batch_size"] = padded_size
-        summary["padded_efficiency"] = padded_efficiency(lengths, padded_size, seed=training.seed)
-        summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
-    else:
-        summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-
-    if eval_samples is not None:
-        phases.start("eval")
-        say("eval loss after training")
-        summary["eval_loss_after"] = evaluate_loss(
-            trainer.model,
-            eval_samples,
-            collator=padded,
-            max_tokens_per_batch=step_tokens,
-            device=device,
-            autocast_dtype=autocast,
-            desc="Eval after",
-        )
-        say(
-            f"eval loss after training: {summary['eval_loss_after']:.4f} "
-            f"(before: {summary['eval_loss_before']:.4f})"
-        )
-
-    # the trained model and its summary are saved before any optional diagnostic: one that fails after
-    # training (the padded baseline on a model whose kernels refuse padded or packed batches) says why, and
-    # the run keeps its model
-    output_dir = Path(training.output_dir)
-    _restore_user_config(trainer.model, user_use_cache, user_attention)
-    summary["output_dir"] = None
-    summary["baseline"] = None
-    if cfg.job.save_model:
-        phases.start("save")
-        say(f"saving the model to {output_dir}")
-        trainer.save_model(str(output_dir))
-        summary["output_dir"] = str(output_dir)
-        _write_summary(summary, phases, trainer, output_dir, say)
-
-    if not sft and cfg.job.baseline_batches > 0 and (prepared is not None or stream is not None):
-        phases.start("baseline")
-        try:
-            with _prepared_as_trained(trainer):
-                summary["baseline"], summary["baseline_note"] = run_baseline(
-                    cfg,
-                    trainer,
-                    tokenizer,
-                    prepared,
-                    stream,
-                    lengths,
-                    summary,
-                    padded,
-                    step_tokens,
-                    device,
-                    autocast,
-                    say,
-                )
-        except Exception as error:  # a diagnostic: it must never cost the trained model
-            summary["baseline"] = None
-            summary["baseline_note"] = (
-                f"padded baseline failed ({type(error).__name__}: {error}); the training result stands"
-                + (f" and is saved in {output_dir}" if cfg.job.save_model else "")
-                + "; baseline_batches=0 skips it"
-            )
-            say(summary["baseline_note"])
-    phases.stop()
-    print_summary(_finish_summary(summary, phases), print_fn)
-    if cfg.job.save_model:
-        _write_summary(summary, phases, trainer, output_dir, say)
-    return summary
+    return TrainJob(cfg, print_fn=print_fn).run()
 
 
 def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
