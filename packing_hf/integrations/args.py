@@ -90,6 +90,16 @@ class PackingArguments:
             "See docs/loss.md."
         },
     )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the training and evaluation loss (and SFT's entropy / token-accuracy metrics) from the "
+            "model's final hidden states in chunks of tokens, so the (tokens x vocabulary) logits never exist whole: "
+            "the same loss and gradients, a fraction of the memory (packing_hf.loss_head). A model whose LM head "
+            "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
+            "logits and loss."
+        },
+    )
     packing_metrics: bool = field(
         default=True,
         metadata={
@@ -112,7 +122,7 @@ class PackingArguments:
         self.loss_normalization = check_loss_normalization(self.loss_normalization)
         if self.multipack_mixing not in MIXINGS:
             raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
-        for name in ("packing_eval", "packing_metrics"):
+        for name in ("packing_eval", "packing_metrics", "chunked_loss"):
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
