@@ -142,6 +142,12 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tens
     return chunk_size
 
 
+def _chunks(n: int, size: int):
+    """``(start, end)`` of every chunk of ``size`` tokens covering ``0..n`` (the last one shorter)."""
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
 def _chunk_logits(hidden, weight, bias, head: LogitHead) -> torch.Tensor:
     """``(c, V)`` fp32 logits of one chunk (the projection in the weight's dtype, as the model's own head)."""
     return head.apply(F.linear(hidden, weight, bias).float())
@@ -159,8 +165,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = start + chunk_size
+        for start, end in _chunks(hidden.shape[0], chunk_size):
             h, t, k = hidden[start:end], targets[start:end], coefficients[start:end]
             valid = t != _IGNORE
             index = t.clamp(min=0)[:, None]
@@ -216,8 +221,7 @@ class _TokenLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         logps = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            end = start + chunk_size
+        for start, end in _chunks(n, chunk_size):
             t = targets[start:end]
             logits = _chunk_logits(hidden[start:end], weight, bias, head)
             log_z = torch.logsumexp(logits, dim=-1)
@@ -238,8 +242,7 @@ class _TokenLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
         use_entropy = grad_entropy is not None and entropy.numel() > 0
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = start + ctx.chunk_size
+        for start, end in _chunks(hidden.shape[0], ctx.chunk_size):
             h, t = hidden[start:end], targets[start:end]
             logits = _chunk_logits(h, weight, bias, ctx.head)
             log_p = torch.log_softmax(logits, dim=-1)  # (c, V)
@@ -251,8 +254,9 @@ class _TokenLogProbs(torch.autograd.Function):
                 grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
             if use_entropy:
                 g = grad_entropy[start:end].float()
-                # d H / d z_j = -p_j (log p_j + H)
-                grad.addcmul_(probs * (log_p + entropy[start:end, None]), -g[:, None])
+                # d H / d z_j = -p_j (log p_j + H), H from this chunk's own log p (consistent rounding)
+                chunk_entropy = -(probs * log_p).sum(-1, keepdim=True)
+                grad.addcmul_(probs * (log_p + chunk_entropy), -g[:, None])
             grad = ctx.head.chain(grad, logits).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
