@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._loss import _target_weights, check_loss_normalization, target_segments
+from . import _loss
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -138,7 +138,9 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tens
     if chunk_size is None:
         return chunk_size_for(weight.shape[0])
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r}: it must be a positive number of tokens (or None: automatic)")
+        raise ValueError(
+            f"chunk_size={chunk_size!r}: it must be a positive number of tokens (or None: automatic)"
+        )
     return chunk_size
 
 
@@ -325,7 +327,9 @@ def linear_cross_entropy(
         coefficients = valid.float()
     else:
         if weights.shape != targets.shape:
-            raise ValueError(f"weights must be (tokens,) = {tuple(targets.shape)}, got {tuple(weights.shape)}")
+            raise ValueError(
+                f"weights must be (tokens,) = {tuple(targets.shape)}, got {tuple(weights.shape)}"
+            )
         coefficients = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
     loss, entropy, hits = _LinearCrossEntropy.apply(hidden, weight, bias, targets, coefficients, head, chunk)
     if reduction == "mean":
@@ -358,7 +362,9 @@ def token_logprobs(
     ([-1.3863, 0.0], [1.3863, 1.3863])
     """
     chunk = _check(hidden, weight, bias, targets, chunk_size)
-    logps, entropies = _TokenLogProbs.apply(hidden, weight, bias, targets, head or LogitHead(), chunk, entropy)
+    logps, entropies = _TokenLogProbs.apply(
+        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy
+    )
     return logps, (entropies if entropy else None)
 
 
@@ -379,11 +385,11 @@ def target_coefficients(
     >>> target_coefficients(labels, "sample", position_ids=torch.tensor([[0, 1, 2, 0, 1]])).tolist()
     [[0.5, 0.5, 0.0, 1.0]]
     """
-    check_loss_normalization(normalization, "normalization")
-    weights = _target_weights(labels, loss_weights)  # (B, T - 1)
+    _loss.check_loss_normalization(normalization, "normalization")
+    weights = _loss._target_weights(labels, loss_weights)  # (B, T - 1)
     if normalization != "sample":
         return weights
-    segments = target_segments(labels, position_ids, cu_seq_lens)
+    segments = _loss.target_segments(labels, position_ids, cu_seq_lens)
     sample_weight = torch.zeros(labels.numel(), dtype=weights.dtype, device=weights.device)
     sample_weight.index_add_(0, segments.flatten(), weights.flatten())
     per_target = sample_weight[segments]

@@ -70,7 +70,9 @@ def _processing_of(cls: type) -> str:
         return f"{cls.__name__}.forward has no `loss = None` after its head"
     between = tuple(lines[heads[0] + 1 : end])
     if between not in _PROCESSINGS:
-        return f"{cls.__name__}.forward processes its logits in a way packing_hf does not know ({between[0]!r})"
+        return (
+            f"{cls.__name__}.forward processes its logits in a way packing_hf does not know ({between[0]!r})"
+        )
     return _PROCESSINGS[between]
 
 
@@ -85,7 +87,9 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
     if head is None or get is None or get() is not head:
         return f"{type(inner).__name__} has no `lm_head` output embeddings"
     if type(head) is not torch.nn.Linear:
-        return f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
+        return (
+            f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
+        )
     config = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "output_router_logits", False):
