@@ -84,11 +84,19 @@ class LogitHead:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def chain(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The gradient with respect to ``raw`` from the one with respect to ``logits = apply(raw)`` (in place)."""
-        if self.softcap is not None:
-            capped = logits / self.softcap  # tanh(.)
-            grad.mul_(1.0 - capped * capped)
+    def derivative(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``d logits / d raw`` elementwise where it is not a constant (soft-capping: ``scale / divisor x
+        (1 - tanh^2)``), else ``None``."""
+        if self.softcap is None:
+            return None
+        capped = logits / self.softcap  # tanh(.)
+        return capped.mul_(capped).neg_().add_(1.0)
+
+    def chain(self, grad: torch.Tensor, derivative: torch.Tensor | None) -> torch.Tensor:
+        """The gradient with respect to ``raw`` from the one with respect to ``logits = apply(raw)`` (in place),
+        ``derivative`` being :meth:`derivative` of the logits."""
+        if derivative is not None:
+            grad.mul_(derivative)
         if self.scale != 1.0:
             grad.mul_(self.scale)
         if self.divisor != 1.0:
@@ -99,10 +107,11 @@ class LogitHead:
 @dataclass(frozen=True)
 class LogitStats:
     """TRL's SFT metrics over the labelled targets, detached: ``entropy`` (sum of the entropies of their
-    next-token distributions), ``hits`` (top-1 predictions equal to the target) and ``count`` (targets)."""
+    next-token distributions) and ``hits`` (top-1 predictions equal to the target), ``None`` unless asked for
+    (``metrics=True``: an extra pass over each chunk), and ``count`` (targets)."""
 
-    entropy: torch.Tensor
-    hits: torch.Tensor
+    entropy: torch.Tensor | None
+    hits: torch.Tensor | None
     count: torch.Tensor
 
 
@@ -159,32 +168,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """``sum_i coefficient_i * CE_i`` with its gradients computed in forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, coefficients, head, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, coefficients, head, chunk_size, stats):
         needs = ctx.needs_input_grad
         grad_hidden = torch.zeros_like(hidden) if needs[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
+        any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
         for start, end in _chunks(hidden.shape[0], chunk_size):
-            h, t, k = hidden[start:end], targets[start:end], coefficients[start:end]
+            h, t = hidden[start:end], targets[start:end]
             valid = t != _IGNORE
+            k = torch.where(valid, coefficients[start:end], torch.zeros_like(coefficients[start:end]))
             index = t.clamp(min=0)[:, None]
-            logits = _chunk_logits(h, weight, bias, head)  # (c, V) fp32
+            logits = _chunk_logits(h, weight, bias, head)  # (c, V) fp32: the one chunk-sized tensor
             log_z = torch.logsumexp(logits, dim=-1)  # (c,)
             per_token = log_z - logits.gather(1, index)[:, 0]
-            loss += torch.where(valid & (k != 0), per_token * k, torch.zeros_like(k)).sum()
-            probs = torch.exp(logits - log_z[:, None])  # (c, V)
-            # TRL's metrics over the labelled targets: entropy = log Z - sum p z, top-1 hits
-            entropy += torch.where(valid, log_z - (probs * logits).sum(-1), torch.zeros_like(log_z)).sum()
-            hits += (valid & (logits.argmax(-1) == t)).sum()
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
+            loss += torch.where(k != 0, per_token * k, torch.zeros_like(k)).sum()
+            if stats:  # TRL's metrics over the labelled targets: top-1 hits, entropy
+                hits += (valid & (logits.argmax(-1) == t)).sum()
+            derivative = head.derivative(logits) if any_grad else None
+            log_p = logits.sub_(log_z[:, None])  # in place: log p
+            if stats:
+                plogp = (log_p.exp() * log_p).sum(-1)
+                entropy -= torch.where(valid, plogp, torch.zeros_like(plogp)).sum()
+            if not any_grad:
                 continue
-            kk = torch.where(valid, k, torch.zeros_like(k))
-            grad = probs.mul_(kk[:, None])  # d loss / d logits = k (p - onehot), in place of p
-            grad.scatter_add_(1, index, -kk[:, None])
-            grad = head.chain(grad, logits).to(hidden.dtype)  # (c, V) d loss / d raw
+            grad = log_p.exp_().mul_(k[:, None])  # d loss / d logits = k (p - onehot), in place
+            grad.scatter_add_(1, index, -k[:, None])
+            grad = head.chain(grad, derivative).to(hidden.dtype)  # (c, V) d loss / d raw
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
             if grad_weight is not None:
@@ -208,6 +221,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             (grad_hidden * grad_loss.to(grad_hidden.dtype)) if has_hidden else None,
             (grad_weight * grad_loss).to(ctx.dtypes[0]) if has_weight else None,
             (grad_bias * grad_loss).to(ctx.dtypes[1]) if has_bias else None,
+            None,
             None,
             None,
             None,
@@ -259,7 +273,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 # d H / d z_j = -p_j (log p_j + H), H from this chunk's own log p (consistent rounding)
                 chunk_entropy = -(probs * log_p).sum(-1, keepdim=True)
                 grad.addcmul_(probs * (log_p + chunk_entropy), -g[:, None])
-            grad = ctx.head.chain(grad, logits).to(hidden.dtype)
+            grad = ctx.head.chain(grad, ctx.head.derivative(logits)).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
             if grad_weight is not None:
@@ -287,6 +301,7 @@ def linear_cross_entropy(
     reduction: str = "sum",
     head: LogitHead | None = None,
     chunk_size: int | None = None,
+    metrics: bool = False,
 ) -> tuple[torch.Tensor, LogitStats]:
     """The cross-entropy of ``targets`` under the logits ``head.apply(hidden @ weight.T + bias)``, chunk by chunk.
 
@@ -301,12 +316,13 @@ def linear_cross_entropy(
             0 where not a target, gradients through :func:`token_logprobs`).
         head: the model's logit processing (default: none).
         chunk_size: tokens per chunk (default: :func:`chunk_size_for` the vocabulary).
+        metrics: also compute the entropy sum and top-1 hits of the labelled targets (:class:`LogitStats`).
 
     Returns:
         ``(loss, stats)``: the loss (fp32, scalar or ``(N,)``) and the labelled targets' :class:`LogitStats`.
 
     >>> hidden, weight = torch.eye(3), torch.eye(3) * 5
-    >>> loss, stats = linear_cross_entropy(hidden, weight, torch.tensor([0, 2, -100]), chunk_size=2)
+    >>> loss, stats = linear_cross_entropy(hidden, weight, torch.tensor([0, 2, -100]), chunk_size=2, metrics=True)
     >>> round(float(loss), 4), int(stats.hits), int(stats.count)
     (5.0268, 1, 2)
     """
@@ -320,8 +336,12 @@ def linear_cross_entropy(
         per_token = -logps
         if weights is not None:
             per_token = per_token * weights.to(per_token)
+        if not metrics:
+            return per_token, LogitStats(entropy=None, hits=None, count=valid.sum())
         with torch.no_grad():
-            _, stats = linear_cross_entropy(hidden, weight, targets, bias, head=head, chunk_size=chunk)
+            _, stats = linear_cross_entropy(
+                hidden, weight, targets, bias, head=head, chunk_size=chunk, metrics=True
+            )
         return per_token, stats
     if weights is None:
         coefficients = valid.float()
@@ -331,9 +351,13 @@ def linear_cross_entropy(
                 f"weights must be (tokens,) = {tuple(targets.shape)}, got {tuple(weights.shape)}"
             )
         coefficients = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
-    loss, entropy, hits = _LinearCrossEntropy.apply(hidden, weight, bias, targets, coefficients, head, chunk)
+    loss, entropy, hits = _LinearCrossEntropy.apply(
+        hidden, weight, bias, targets, coefficients, head, chunk, metrics
+    )
     if reduction == "mean":
         loss = loss / coefficients.sum()
+    if not metrics:
+        entropy = hits = None
     return loss, LogitStats(entropy=entropy, hits=hits, count=valid.sum())
 
 

@@ -142,6 +142,7 @@ def causal_lm_loss(
     coefficients: torch.Tensor | None = None,
     resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
     chunk_size: int | None = None,
+    metrics: bool = False,
 ) -> tuple[torch.Tensor, LogitStats, Any]:
     """The summed causal-LM cross-entropy of a batch, chunked: ``(loss, stats, outputs)``.
 
@@ -153,6 +154,7 @@ def causal_lm_loss(
             (:func:`packing_hf.loss_head.target_coefficients`), or ``None`` (1 per target).
         resolved: :func:`resolve_head` of the model (looked up when ``None``).
         chunk_size: tokens per chunk (default: automatic).
+        metrics: also the labelled targets' entropy sum and top-1 hits (TRL's SFT metrics).
 
     Returns:
         the fp32 sum ``sum c * CE`` over the targets, the labelled targets' :class:`LogitStats`, and the model's
@@ -180,6 +182,7 @@ def causal_lm_loss(
         weights=weights,
         head=logit_head,
         chunk_size=chunk_size,
+        metrics=metrics,
     )
     return loss, stats, outputs
 

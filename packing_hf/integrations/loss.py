@@ -181,13 +181,20 @@ class PackingLossMixin:
         return False
 
     def _chunked_stock_loss(
-        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any, resolved: Any
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any,
+        resolved: Any,
+        metrics: bool = False,
     ) -> tuple[torch.Tensor, Any, Any]:
         """Stock's loss (the model's causal-LM loss, scaled as ``transformers.Trainer.compute_loss`` scales it)
         from the chunked head: ``(loss, LogitStats, outputs)``."""
         labels = _causal_labels(inputs)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        total, stats, outputs = causal_lm_loss(model, model_inputs, labels, resolved=resolved)
+        total, stats, outputs = causal_lm_loss(
+            model, model_inputs, labels, resolved=resolved, metrics=metrics
+        )
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
             if self.args.average_tokens_across_devices:

@@ -281,7 +281,9 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         resolved = self._chunked_head(model)
         if resolved is not None:
             # the same loss from the chunked head; the metrics from its chunks, at the labelled tokens
-            loss, stats, _ = self._chunked_stock_loss(model, inputs, num_items_in_batch, resolved)
+            loss, stats, _ = self._chunked_stock_loss(
+                model, inputs, num_items_in_batch, resolved, metrics=True
+            )
             entropy_sum, num_correct, num_valid = stats.entropy, stats.hits, stats.count
         else:
             # transformers.Trainer's compute_loss (skipping TRL's): the model's own loss, num_items_in_batch applied

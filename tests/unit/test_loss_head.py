@@ -95,7 +95,7 @@ def test_a_chunk_boundary_that_drops_a_token_is_caught(reduction, assert_close, 
 def test_stats_are_the_labelled_tokens_entropy_and_top1(assert_close):
     hidden, weight, _, targets, _ = _inputs(bias=False)
     with torch.no_grad():
-        _, stats = linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK)
+        _, stats = linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK, metrics=True)
         logits = hidden @ weight.T
     mask = targets != -100
     log_p = logits[mask].log_softmax(-1)
