@@ -104,7 +104,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each contender per size")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="packed row lengths")
-    parser.add_argument("--vocabs", nargs="+", default=list(VOCABS), choices=list(VOCABS), help="vocabularies")
+    parser.add_argument(
+        "--vocabs", nargs="+", default=list(VOCABS), choices=list(VOCABS), help="vocabularies"
+    )
     parser.add_argument(
         "--worker", nargs=4, metavar=("MODE", "VOCAB", "TOKENS", "STEPS"), help=argparse_hide()
     )

@@ -29,6 +29,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LogitHead",
     "LogitStats",
+    "TokenLogProbs",
     "chunk_size_for",
     "linear_cross_entropy",
     "target_coefficients",
@@ -233,10 +235,11 @@ class _TokenLogProbs(torch.autograd.Function):
     """Per-token ``log p(target)`` and entropy; each chunk's logits are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean):
         n = hidden.shape[0]
         logps = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        means = torch.zeros(n if with_mean else 0, dtype=torch.float32, device=hidden.device)
         for start, end in _chunks(n, chunk_size):
             t = targets[start:end]
             logits = _chunk_logits(hidden[start:end], weight, bias, head)
@@ -245,12 +248,15 @@ class _TokenLogProbs(torch.autograd.Function):
             logps[start:end] = torch.where(t != _IGNORE, picked, torch.zeros_like(picked))
             if with_entropy:
                 entropy[start:end] = log_z - (torch.softmax(logits, -1) * logits).sum(-1)
+            if with_mean:
+                means[start:end] = logits.mean(-1)
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, entropy)
         ctx.head, ctx.chunk_size, ctx.has_bias = head, chunk_size, bias is not None
-        return logps, entropy
+        ctx.mark_non_differentiable(means)
+        return logps, entropy, means
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
+    def backward(ctx, grad_logps, grad_entropy, _means):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         needs = ctx.needs_input_grad
@@ -284,6 +290,7 @@ class _TokenLogProbs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -332,7 +339,7 @@ def linear_cross_entropy(
     head = head or LogitHead()
     valid = targets != _IGNORE
     if reduction == "none":
-        logps, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False)
+        logps, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False)
         per_token = -logps
         if weights is not None:
             per_token = per_token * weights.to(per_token)
@@ -361,6 +368,16 @@ def linear_cross_entropy(
     return loss, LogitStats(entropy=entropy, hits=hits, count=valid.sum())
 
 
+class TokenLogProbs(NamedTuple):
+    """What :func:`token_logprobs` returns: ``logps`` ``(N,)`` (differentiable), ``entropy`` ``(N,)``
+    (differentiable) or ``None``, ``mean_logits`` ``(N,)`` (detached: every position's mean logit, what TRL's
+    ``logits/*`` metrics average) or ``None``."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+    mean_logits: torch.Tensor | None
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -370,26 +387,28 @@ def token_logprobs(
     head: LogitHead | None = None,
     chunk_size: int | None = None,
     entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    mean_logits: bool = False,
+) -> TokenLogProbs:
     """Per-token ``log p(targets[i] | hidden[i])`` under ``head.apply(hidden @ weight.T + bias)``, and the entropy
     of every position's distribution, chunk by chunk, with gradients (the chunk's logits recomputed in backward).
 
     Args:
         hidden, weight, targets, bias, head, chunk_size: as in :func:`linear_cross_entropy`.
         entropy: also return the ``(N,)`` entropies (differentiable).
+        mean_logits: also return every position's mean logit (detached).
 
     Returns:
-        ``(logps, entropies)``: ``(N,)`` fp32 log-probs, 0 where ``targets`` is -100; entropies or ``None``.
+        :class:`TokenLogProbs`: ``(N,)`` fp32 log-probs, 0 where ``targets`` is -100; the entropies, the mean logits.
 
-    >>> logps, ent = token_logprobs(torch.zeros(2, 3), torch.ones(4, 3), torch.tensor([1, -100]), entropy=True)
-    >>> [round(x, 4) for x in logps.tolist()], [round(x, 4) for x in ent.tolist()]
-    ([-1.3863, 0.0], [1.3863, 1.3863])
+    >>> out = token_logprobs(torch.zeros(2, 3), torch.ones(4, 3), torch.tensor([1, -100]), entropy=True)
+    >>> [round(x, 4) for x in out.logps.tolist()], [round(x, 4) for x in out.entropy.tolist()], out.mean_logits
+    ([-1.3863, 0.0], [1.3863, 1.3863], None)
     """
     chunk = _check(hidden, weight, bias, targets, chunk_size)
-    logps, entropies = _TokenLogProbs.apply(
-        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy
+    logps, entropies, means = _TokenLogProbs.apply(
+        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits
     )
-    return logps, (entropies if entropy else None)
+    return TokenLogProbs(logps, entropies if entropy else None, means if mean_logits else None)
 
 
 def target_coefficients(

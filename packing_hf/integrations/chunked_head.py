@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..loss_head import LogitHead, LogitStats, linear_cross_entropy, token_logprobs
+from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entropy, token_logprobs
 from .preflight import base_model
 
 __all__ = ["causal_lm_loss", "head_inputs", "model_token_logprobs", "resolve_head"]
@@ -193,19 +193,20 @@ def model_token_logprobs(
     targets: torch.Tensor,
     resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
     entropy: bool = False,
+    mean_logits: bool = False,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Per-token log-probs of ``targets`` under the model, chunked: ``(logps, entropies, outputs)`` for the
-    preference and RL trainers (what ``selective_log_softmax(model(**inputs).logits, targets)`` gives).
+) -> tuple[TokenLogProbs, Any]:
+    """Per-token log-probs of ``targets`` under the model, chunked, for the preference and RL trainers (what
+    ``selective_log_softmax(model(**inputs).logits, targets)`` gives): ``(TokenLogProbs, outputs)``.
 
     Args:
         model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss`.
         targets: ``(B, T)`` int64, the token scored at every position (already shifted: position ``t`` scores
             ``targets[:, t]``), -100 = not scored (log-prob 0).
-        entropy: also return the ``(B, T)`` entropies of every position's distribution.
+        entropy, mean_logits: also the ``(B, T)`` entropies / mean logits of every position.
 
     Returns:
-        ``(B, T)`` fp32 log-probs (differentiable), the entropies or ``None``, the model's outputs.
+        :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
     """
     if resolved is None:
         resolved = resolve_head(model)
@@ -213,15 +214,15 @@ def model_token_logprobs(
             raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
     head, logit_head = resolved
     hidden, outputs = _hidden_states(model, head, inputs)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    logps, entropies = token_logprobs(
-        flat,
+    out = token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
         targets.reshape(-1).to(hidden.device),
         head.bias,
         head=logit_head,
         entropy=entropy,
+        mean_logits=mean_logits,
         chunk_size=chunk_size,
     )
     shape = hidden.shape[:-1]
-    return logps.view(shape), (entropies.view(shape) if entropies is not None else None), outputs
+    return TokenLogProbs(*(None if x is None else x.view(shape) for x in out)), outputs
