@@ -358,6 +358,9 @@ def linear_cross_entropy(
                 f"weights must be (tokens,) = {tuple(targets.shape)}, got {tuple(weights.shape)}"
             )
         coefficients = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
+    if not torch.is_grad_enabled():  # evaluation: no gradient to compute in the forward
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = None if bias is None else bias.detach()
     loss, entropy, hits = _LinearCrossEntropy.apply(
         hidden, weight, bias, targets, coefficients, head, chunk, metrics
     )
