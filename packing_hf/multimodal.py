@@ -37,6 +37,7 @@ from .collator import PaddingFreeCollator
 from .varlen import cu_seqlens_to_position_ids
 
 __all__ = [
+    "VisionSFTCollator",
     "IMAGE_KEYS",
     "PACKED_MEDIA_KEY",
     "TOKEN_KEYS",
@@ -419,3 +420,41 @@ class MultimodalCollator:
             if key in out:
                 out[key] = _flat_tokens(out[key])
         return out
+
+
+class VisionSFTCollator(MultimodalCollator):
+    """TRL's vision-language SFT collation, one sample at a time, packed into one row by
+    :class:`~packing_hf.MultimodalCollator`.
+
+    TRL processes ``messages`` + ``images`` (or ``prompt`` / ``completion``, ``text``) samples at batch time:
+    its ``DataCollatorForVisionLanguageModeling`` applies the chat template, expands the image placeholders,
+    computes the pixels and the labels (assistant-only masks included) for a right-padded batch. Here it gets
+    every sample alone (a batch of one: nothing padded, the same ids, labels and pixels the sample has in
+    TRL's padded batch), and the samples are then packed with their images and image metadata.
+
+    Args:
+        processor_collator: TRL's ``DataCollatorForVisionLanguageModeling`` (what ``trl.SFTTrainer`` builds
+            for a vision dataset).
+        **kwargs: passed to :class:`~packing_hf.MultimodalCollator`.
+
+    >>> class Stand_in:  # a processor collator: one sample in, a batch of one out
+    ...     def __call__(self, examples):
+    ...         ids = torch.tensor([examples[0]["ids"]])
+    ...         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    >>> batch = VisionSFTCollator(Stand_in())([{"ids": [5, 6]}, {"ids": [7]}])
+    >>> batch["input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
+    ([[5, 6, 7]], [0, 2, 3])
+    """
+
+    def __init__(self, processor_collator: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.processor_collator = processor_collator
+
+    def process(self, example: Any) -> dict[str, Any]:
+        """One sample as TRL's collator makes it: ``input_ids`` / ``labels`` ``(1, L)``, pixels and metadata."""
+        out = dict(self.processor_collator([dict(example)]))  # a copy: TRL's collator rewrites the example
+        out.pop("attention_mask", None)  # a batch of one: all ones
+        return out
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        return super().__call__([self.process(f) for f in features])

@@ -1,4 +1,5 @@
-"""The architecture registry: how packing works for every causal-LM ``model_type`` (data, no hooks).
+"""The architecture registry: how packing works for every causal-LM ``model_type`` (data only: what the
+attention admits, and the process state of prepared models, live in :mod:`packing_hf.attention.admission`).
 
 Every causal-LM architecture falls in one of four classes (measured by the architecture sweep,
 :mod:`packing_hf.architectures.sweep`, and written to ``docs/architectures.md`` by ``tools/gen_arch_table.py``):
@@ -26,7 +27,6 @@ Every causal-LM architecture falls in one of four classes (measured by the archi
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -41,19 +41,9 @@ __all__ = [
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
     "Status",
-    "bidirectional_attention",
-    "check_served_config",
-    "served_config_key",
     "iter_sweep",
-    "mark_mask_prepared",
-    "mark_mixers_prepared",
-    "mask_prepared",
-    "mixer_free",
-    "mixers_prepared",
     "multimodal_refusal",
-    "needs_preparation",
     "support",
-    "unsupported_layers",
     "wrapper_text_config",
 ]
 
@@ -450,9 +440,6 @@ def iter_sweep() -> Iterator[ArchitectureSupport]:
 # can see them. Listed in the docs; the architecture test keeps this set exact.
 UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "openai-gpt", "rwkv", "xlstm"})
 
-# layer kinds (config.layer_types values) that are plain softmax attention over the sample
-_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
-
 # "mixers" models that build a token mixer only at the layers whose config.layer_types entry is not attention:
 # a config whose layers are all attention has no mixer and packs like an "exact" one (read the layers, not the
 # type). tests/unit/architectures/test_registry.py builds every one attention-only and finds no mixer module;
@@ -462,239 +449,3 @@ MIXERS_BY_LAYER_TYPE = frozenset(
     "bailing_hybrid kimi_linear lara_mini lfm2 lfm2_moe lfm3 minimax olmo_hybrid qwen3_5_moe_text qwen3_5_text "
     "qwen3_next".split()
 )
-_CHUNKED = (
-    "chunked local attention (attention_chunk_size) without config.layer_types: which layers are chunked is not "
-    "known, so packing_hf's varlen attention cannot split them into chunks; load it with "
-    "attn_implementation='sdpa' or 'eager'"
-)
-
-
-def unsupported_layers(config: Any) -> str | None:
-    """Why the layers of this *config* cannot keep packed samples apart, whatever its registry entry says.
-
-    Reads ``config.layer_types``: any layer that is not softmax attention (``"conv"``, ``"mamba"``,
-    ``"linear_attention"``, ``"hybrid"``, ...) carries information along the row. LFM2 is the example: its
-    registry entry is exact for an all-attention config, but real LFM2 checkpoints interleave short
-    convolutions. ``None`` when every layer is attention.
-
-    >>> from types import SimpleNamespace
-    >>> unsupported_layers(SimpleNamespace(layer_types=["conv", "full_attention"]))
-    "layer types ['conv'] carry state or mix tokens along the row, across sample boundaries"
-    """
-    layer_types = getattr(config, "layer_types", None)
-    if not isinstance(layer_types, list | tuple):
-        return None
-    other = sorted({str(t) for t in layer_types} - _ATTENTION_LAYERS - {"chunked_attention"})
-    if other:
-        return f"layer types {other} carry state or mix tokens along the row, across sample boundaries"
-    return None
-
-
-def mixer_free(config: Any) -> bool:
-    """Whether a ``"mixers"`` model of this *config* has no mixer: its type is in ``MIXERS_BY_LAYER_TYPE`` and
-    every ``config.layer_types`` entry is attention (an attention-only LFM2, say).
-
-    >>> from types import SimpleNamespace
-    >>> mixer_free(SimpleNamespace(model_type="lfm2_moe", layer_types=["full_attention", "full_attention"]))
-    True
-    >>> mixer_free(SimpleNamespace(model_type="lfm2_moe", layer_types=["conv", "full_attention"]))
-    False
-    """
-    layer_types = getattr(config, "layer_types", None)
-    return (
-        str(getattr(config, "model_type", "")) in MIXERS_BY_LAYER_TYPE
-        and isinstance(layer_types, list | tuple)
-        and len(layer_types) > 0
-        and unsupported_layers(config) is None
-    )
-
-
-def bidirectional_attention(config: Any) -> str | None:
-    """Why a config's attention is not causal (``use_bidirectional_attention``), else ``None``.
-
-    Such a decoder (PaliGemma's Gemma, embedding variants) lets every token see the whole row, the next
-    samples of a packed row included, and no position or mask fix changes that.
-
-    >>> from types import SimpleNamespace
-    >>> bidirectional_attention(SimpleNamespace(use_bidirectional_attention=True)) is not None
-    True
-    """
-    if getattr(config, "use_bidirectional_attention", None) is True:
-        return (
-            "its attention is bidirectional (use_bidirectional_attention=True): every token attends to the "
-            "whole row, the other packed samples included"
-        )
-    return None
-
-
-class _ConfigMarks:
-    """Configs marked by :func:`packing_hf.prepare_model_for_packing` (unmarked by its ``revert()``), as
-    ``id(config) -> weakref``: a config is not hashable, and nothing is written on it (a saved model stays stock)."""
-
-    def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref] = {}
-
-    def set(self, config: Any, marked: bool) -> None:
-        key = id(config)
-        if marked:
-            self._refs[key] = weakref.ref(config, lambda _: self._refs.pop(key, None))
-        else:
-            self._refs.pop(key, None)
-
-    def __contains__(self, config: Any) -> bool:
-        return (seen := self._refs.get(id(config))) is not None and seen() is config
-
-
-# mixers run per sample; decoder layers get per-sample masks (status "mask", or a hybrid's mask_fix)
-_PREPARED_MIXERS, _PREPARED_MASKS = _ConfigMarks(), _ConfigMarks()
-
-
-def mark_mixers_prepared(config: Any, prepared: bool) -> None:
-    """Record that the model of ``config`` has (``True``) or no longer has its mixers split per sample.
-
-    Written by :func:`packing_hf.prepare_model_for_packing` and its ``revert()``; read by
-    :func:`check_served_config`, so that the attention name serves a prepared hybrid and still refuses an
-    unprepared one.
-
-    >>> from transformers import AutoConfig
-    >>> config = AutoConfig.for_model("bamba")
-    >>> mark_mixers_prepared(config, True)
-    >>> mixers_prepared(config)
-    True
-    >>> mark_mixers_prepared(config, False)
-    >>> mixers_prepared(config)
-    False
-    """
-    _PREPARED_MIXERS.set(config, prepared)
-
-
-def mixers_prepared(config: Any) -> bool:
-    """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
-    return config in _PREPARED_MIXERS
-
-
-def mark_mask_prepared(config: Any, prepared: bool) -> None:
-    """Record that the model of ``config`` has (``True``) or no longer has per-sample masks in its decoder layers.
-
-    The marker of :func:`mark_mixers_prepared` for registry status ``"mask"``: read by :func:`needs_preparation`
-    (and so by :func:`packing_hf.validate_packed_batch`).
-
-    >>> from transformers import AutoConfig
-    >>> config = AutoConfig.for_model("opt")
-    >>> mark_mask_prepared(config, True)
-    >>> mask_prepared(config)
-    True
-    >>> mark_mask_prepared(config, False)
-    >>> mask_prepared(config)
-    False
-    """
-    _PREPARED_MASKS.set(config, prepared)
-
-
-def mask_prepared(config: Any) -> bool:
-    """Whether :func:`mark_mask_prepared` marked ``config`` (and it is still the same object)."""
-    return config in _PREPARED_MASKS
-
-
-def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
-    """Why the model of ``config``, as loaded, lets packed samples see each other until
-    :func:`packing_hf.prepare_model_for_packing` prepares it; ``None`` when it needs nothing or is prepared.
-
-    Reads the registry entry of the config (of a multimodal wrapper's language model when the wrapper is not
-    registered itself) and its layers:
-
-    - ``"mixers"``: its mixers carry state across the row unless they are split per sample
-      (:func:`mixers_prepared`), or the config has no mixer (:func:`mixer_free`);
-    - ``"mask"`` (or a hybrid's ``mask_fix``): its mask ignores ``position_ids`` unless its layers get per-sample
-      masks (:func:`mask_prepared`), or it runs packing_hf's varlen attention (``varlen=True``: the config's
-      ``_attn_implementation`` is ``packing_hf.ATTENTION_NAME``), which keeps the samples apart itself (and
-      refuses a model computing attention in its own code).
-
-    Other statuses say ``None`` here: ``"refused"`` and ``"unknown"`` are decided by
-    :func:`check_served_config` and ``prepare_model_for_packing``.
-
-    >>> from transformers import AutoConfig
-    >>> needs_preparation(AutoConfig.for_model("llama")) is None
-    True
-    >>> needs_preparation(AutoConfig.for_model("bamba"))[:6]
-    'Mamba2'
-    """
-    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
-    text = wrapper_text_config(config) if model_type not in REGISTRY else None
-    rules = config if text is None else text
-    entry = support(str(getattr(rules, "model_type", model_type)))
-    marked = (config, rules)
-    if entry.status == "mixers" and not any(mixers_prepared(c) for c in marked) and not mixer_free(rules):
-        return entry.reason
-    mixers_split = entry.status == "mixers" and any(mixers_prepared(c) for c in marked)
-    if entry.status == "mask" or (entry.mask_fix and not mixers_split):
-        if not (varlen and not entry.own_attention) and not any(mask_prepared(c) for c in marked):
-            return entry.reason
-    return None
-
-
-def served_config_key(config: Any) -> tuple:
-    """The config fields :func:`check_served_config` reads, as a hashable value: the attention checks a config
-    again when this changes (a ``layer_types`` or ``attention_chunk_size`` set after the first forward).
-
-    >>> from types import SimpleNamespace
-    >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
-    ('llama', ('full_attention',), None, False)
-    """
-    layer_types = getattr(config, "layer_types", None)
-    return (
-        str(getattr(config, "model_type", "") or type(config).__name__),
-        tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
-        getattr(config, "attention_chunk_size", None),
-        mixers_prepared(config),
-    )
-
-
-def check_served_config(config: Any) -> None:
-    """Refuse a model that packing_hf's varlen attention (the registered name) cannot keep exact.
-
-    Run by the attention itself, once per model config, on the first call: it is the only place that sees
-    every model loaded with ``attn_implementation=packing_hf.ATTENTION_NAME``, prepared or not. Refuses
-    registry entries marked ``refused``, models that compute attention themselves (the name would be
-    accepted and ignored), configs with non-attention layers (:func:`unsupported_layers`) unless
-    :func:`packing_hf.prepare_model_for_packing` split their mixers per sample (the attention cannot reach
-    the mixers), and chunked local attention whose chunked layers are not named by ``layer_types``, each with
-    the reason and what to do instead.
-
-    Raises:
-        ValueError: naming the architecture and the reason.
-
-    >>> from transformers import AutoConfig
-    >>> check_served_config(AutoConfig.for_model("llama"))
-    >>> check_served_config(AutoConfig.for_model("bamba"))
-    Traceback (most recent call last):
-    ...
-    ValueError: bamba cannot be packed exactly with attn_implementation='packing_hf_varlen' alone: Mamba2 layers carry their scan state and convolution window across the row (transformers' torch path takes no seq_idx), which the attention cannot reach; call packing_hf.prepare_model_for_packing(model) (packing_hf.Trainer does), which runs those layers per sample
-    """
-    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
-    entry = support(model_type)
-    head = f"{model_type} cannot be packed exactly with attn_implementation='packing_hf_varlen': "
-    if entry.status == "refused":
-        raise ValueError(head + entry.reason + "; train it without packing (padded batches)")
-    # an attention-only config of a type whose mixers follow layer_types has nothing to prepare
-    prepared = entry.status == "mixers" and (mixers_prepared(config) or mixer_free(config))
-    if entry.status == "mixers" and not prepared:
-        raise ValueError(
-            head[:-2] + " alone: " + entry.reason + ", which the attention cannot reach; call "
-            "packing_hf.prepare_model_for_packing(model) (packing_hf.Trainer does), which runs those layers "
-            "per sample"
-        )
-    if entry.own_attention:
-        raise ValueError(
-            head + "it computes attention itself instead of calling the registered attention, so the name "
-            "would be accepted and ignored; load it with attn_implementation='eager' and call "
-            "packing_hf.prepare_model_for_packing(model) (or use packing_hf.Trainer, which does)"
-        )
-    layers = None if prepared else unsupported_layers(config)
-    if layers is not None:
-        raise ValueError(head + layers + "; train it without packing (padded batches)")
-    layer_types = getattr(config, "layer_types", None) or ()
-    # chunked layers named by layer_types are split into chunks counted from every sample's start by the
-    # attention itself (packing_hf.attention.interface); without layer_types it cannot tell which layers
-    if getattr(config, "attention_chunk_size", None) and not layer_types:
-        raise ValueError(head + _CHUNKED)

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ATTENTION_NAME, last_backend
+from .attention.admission import mark_mixers_prepared, mixers_prepared
 from .collator import PaddingFreeCollator
-from .registry import mark_mixers_prepared, mixers_prepared
+from .errors import PackingRefused
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -102,6 +103,7 @@ class PackingReport:
     worst_parameter: tuple[str, ...]
     error: str | None = None
     notes: tuple[str, ...] = field(default=())
+    refusal: str | None = None  # the .reason of a PackingRefused raised by the packed forward
     logits_noise: tuple[float, ...] = field(default=())
     grads_noise: tuple[float, ...] = field(default=())
 
@@ -175,6 +177,7 @@ class PackingReport:
             "grads_max_abs_diff": list(self.grads_max_abs_diff),
             "worst_parameter": list(self.worst_parameter),
             "error": self.error,
+            "refusal": self.refusal,
             "notes": list(self.notes),
             "logits_noise": list(self.logits_noise),
             "grads_noise": list(self.grads_noise),
@@ -338,7 +341,9 @@ def check_packing(
     def grads_of(loss: torch.Tensor, retain: bool) -> list[torch.Tensor | None]:
         return list(torch.autograd.grad(loss, tensors, retain_graph=retain, allow_unused=True))
 
-    def report(logits_diffs=(), grads_diffs=(), worst=(), error: str | None = None, noise=((), ())):
+    def report(
+        logits_diffs=(), grads_diffs=(), worst=(), error: str | None = None, noise=((), ()), refusal=None
+    ):
         return PackingReport(
             str(getattr(config, "model_type", type(model).__name__)),
             attn_implementation,
@@ -350,6 +355,7 @@ def check_packing(
             tuple(worst),
             error=error,
             notes=tuple(notes),
+            refusal=refusal,
             logits_noise=tuple(noise[0]),
             grads_noise=tuple(noise[1]),
         )
@@ -370,7 +376,8 @@ def check_packing(
         try:
             packed_logits = _logits(model(**batch))[0]  # (T, V)
         except Exception as exc:  # any failure of the packed path is a finding, not a crash of the check
-            return report(error=f"{type(exc).__name__}: {exc}"[:500])
+            refusal = exc.reason if isinstance(exc, PackingRefused) else None
+            return report(error=f"{type(exc).__name__}: {exc}"[:500], refusal=refusal)
         start = 0
         for i, sample in enumerate(samples):
             end = start + lengths[i]

@@ -157,16 +157,9 @@ def result_dict(result: ArchitectureResult) -> dict:
     }
 
 
-_SERVED_REFUSAL = "cannot be packed exactly with attn_implementation="
-
-
 def _refused_by_attention(result: ArchitectureResult) -> str | None:
     """The reason packing_hf's attention gave when it refused the unprepared model at its first forward."""
-    error = result.stock.error if result.stock is not None else None
-    if not error or _SERVED_REFUSAL not in error:
-        return None
-    after_name = error.split(_SERVED_REFUSAL, 1)[1].split("': ", 1)[-1]  # past "...='packing_hf_varlen': "
-    return after_name.split(";")[0].strip()
+    return result.stock.refusal if result.stock is not None else None
 
 
 def _cell(result: ArchitectureResult) -> str:

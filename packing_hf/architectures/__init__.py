@@ -18,14 +18,8 @@ Everything here builds on :func:`packing_hf.check_packing` (:mod:`packing_hf.ver
 
 from __future__ import annotations
 
-from ..registry import (
-    REGISTRY,
-    UNSEEN_BY_ATTENTION,
-    ArchitectureSupport,
-    check_served_config,
-    iter_sweep,
-    support,
-)
+from ..attention.admission import check_served_config
+from ..registry import REGISTRY, UNSEEN_BY_ATTENTION, ArchitectureSupport, iter_sweep, support
 from .kernels import check_fla_triton, fla_triton_problem
 from .prepare import (
     PackingPreparation,

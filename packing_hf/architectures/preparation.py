@@ -27,17 +27,11 @@ from typing import Any
 import torch
 
 from ..attention import ATTENTION_NAME
+from ..attention.admission import mark_mask_prepared, mark_mixers_prepared
 from ..attention.guards import check_forward_call
 from ..attention.host import remember_host_values
 from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
-from ..registry import (
-    IMAGE_BLOCK_MASK,
-    ArchitectureSupport,
-    mark_mask_prepared,
-    mark_mixers_prepared,
-    multimodal_refusal,
-    wrapper_text_config,
-)
+from ..registry import IMAGE_BLOCK_MASK, ArchitectureSupport, multimodal_refusal, wrapper_text_config
 from .boundaries import LAYOUT_KEY, call_starts, derived
 from .mixers import (
     PACKED_ONLY_ARGUMENTS,

@@ -23,15 +23,13 @@ from typing import Any
 import torch
 
 from ..attention import ATTENTION_NAME, resolve_attn_implementation
-from ..registry import (
-    REGISTRY,
+from ..attention.admission import (
     bidirectional_attention,
     check_served_config,
     mark_mixers_prepared,
-    support,
     unsupported_layers,
-    wrapper_text_config,
 )
+from ..registry import REGISTRY, support, wrapper_text_config
 from ..verify import DEFAULT_TOLERANCE, PackingReport, check_packing
 from .kernels import check_fla_triton
 from .mixers import find_mixers

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from ..multimodal import PACKED_MEDIA_KEY
-from ..registry import needs_preparation
 from ..shared_prefix import shared_prefix_position_ids
 from ..varlen import (
     IGNORE_INDEX,
@@ -49,6 +48,7 @@ from ..varlen import (
     cu_seqlens_to_position_ids,
     position_restarts,
 )
+from .admission import needs_preparation
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
@@ -187,7 +187,7 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
         config: the model config (optional); its ``use_cache`` decides whether ``use_cache=False`` must be
             added, and a packed batch is refused for a model that leaks until
             :func:`packing_hf.prepare_model_for_packing` prepares it (a hybrid's mixers, a mask built without
-            ``position_ids``: :func:`packing_hf.registry.needs_preparation`): pass ``model.config`` after
+            ``position_ids``: :func:`packing_hf.attention.admission.needs_preparation`): pass ``model.config`` after
             preparing.
 
     Returns:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ..multimodal import refuse_unprepared_media
-from ..registry import check_served_config, served_config_key
 from ..varlen import check_int32_tokens, cu_seqlens_to_position_ids, position_restarts
 from . import host
+from .admission import check_served_config, served_config_key
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .host import cached_host_values, host_values
 from .prefix import PREFIX_KEY, gather_prefix_keys

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from ..streaming import PackedStream
 from .args import PackingArguments
-from .dataloaders import is_stream
+from .stream_data import is_stream
 
 __all__ = ["PackingEvalMixin"]
 

@@ -51,9 +51,10 @@ class GMPOTrainer(PackedRolloutsMixin, _StockGMPOTrainer):
     ``TrainingArguments`` / TRL config (its values kept, ``epsilon`` included). Generation, rewards and
     GMPO's loss are TRL's; only the log-prob forwards run on packed rows (see the module docstring).
 
-    >>> GMPOTrainer.__mro__[1].__name__, GMPOTrainer.__mro__[2].__module__
-    ('PackedRolloutsMixin', 'trl.experimental.gmpo.gmpo_trainer')
+    >>> GMPOTrainer.__mro__[1].__name__, GMPOTrainer.stock
+    ('PackedRolloutsMixin', 'trl.experimental.gmpo.GMPOTrainer')
     """
 
-    _algorithm = "GMPO"
-    _config_class = GMPOConfig
+    algorithm = "GMPO"
+    config_class = GMPOConfig
+    stock = "trl.experimental.gmpo.GMPOTrainer"

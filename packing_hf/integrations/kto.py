@@ -5,7 +5,7 @@ a mismatched completion taken from a neighbouring example, each in a forward ove
 ``(B, L)`` batch: the policy and the reference model run both. This subclass gives each of the two
 forwards a packed row instead (:class:`~packing_hf.unpaired.PaddingFreeUnpairedCollator`: ``B`` segments with
 ``cu_seq_lens`` and restarting positions) and leaves TRL's loss code untouched: the
-:class:`~packing_hf.integrations.dpo.PackedPreferenceForward` hooks move TRL's labels onto the packed row and
+:class:`~packing_hf.integrations.adapters.PackedPreferenceForward` hooks move TRL's labels onto the packed row and
 scatter the per-token ``log_probs`` / ``entropy`` / ``mean_logits`` of TRL's fused LM head back into the
 padded layout, so the per-sample completion log-probs, the KL log-probs, the KL estimate, every
 ``loss_type`` (``"kto"``, ``"apo_zero_unpaired"``), the weights and the metrics are those of stock TRL up
@@ -40,13 +40,8 @@ import numpy as np
 import trl
 
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
-from .args import PackingArguments, as_config
-from .dpo import (
-    PackedForwardsMixin,
-    _check_vocabulary,
-    _pad_token_id,
-    check_whole_sequence_options,
-)
+from .args import PackingArguments
+from .preference_kit import PackedForwardsMixin, check_vocabulary, pad_token_id
 from .trainer import PackingTrainerMixin
 
 __all__ = ["KTOConfig", "KTOTrainer"]
@@ -64,40 +59,6 @@ class KTOConfig(PackingArguments, trl.KTOConfig):
     """
 
 
-def _check_options(args: KTOConfig, data_collator: Any, train_dataset: Any, model: Any, kwargs: dict) -> None:
-    """Refuse, before TRL does any work, every option a packed KTO batch cannot reproduce exactly."""
-    if data_collator is not None and not isinstance(data_collator, PaddingFreeUnpairedCollator):
-        raise ValueError(
-            f"data_collator={type(data_collator).__name__} does not pack KTO examples; leave it unset (a "
-            "PaddingFreeUnpairedCollator is built from the config) or pass a PaddingFreeUnpairedCollator"
-        )
-    if kwargs.get("compute_metrics") is not None:
-        raise ValueError(
-            "compute_metrics needs the padded logits of every position (deprecated in TRL); a packed batch only "
-            "yields per-token log-probs of real tokens. Unset compute_metrics (TRL's KTO metrics are logged "
-            "anyway) or use trl.KTOTrainer"
-        )
-    if args.pad_to_multiple_of:
-        raise ValueError(
-            f"pad_to_multiple_of={args.pad_to_multiple_of} pads TRL's padded batches; packed rows need none. "
-            "Unset it, or use trl.KTOTrainer"
-        )
-    if args.use_liger_kernel:
-        raise ValueError(
-            "use_liger_kernel=True swaps in Liger's layer kernels, which are not checked against packed rows "
-            "(positions restart per segment); unset it, or use trl.KTOTrainer"
-        )
-    check_whole_sequence_options(
-        args,
-        model,
-        train_dataset,
-        kwargs,
-        unit="an example, whose sequences",
-        what="KTO",
-        stock="trl.KTOTrainer",
-    )
-
-
 class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     """``trl.KTOTrainer`` on packed rows: same per-sample and KL log-probs, losses, gradients and metrics.
 
@@ -109,11 +70,10 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     verifies it for the policy and the reference model while they train or evaluate.
 
     >>> import datasets
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "completion": ["2", "6"],
     ...     "label": [True, False]})
     >>> args = KTOConfig("/tmp/packing_hf_kto_doctest", per_device_train_batch_size=2, max_steps=1,
@@ -126,48 +86,36 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     1
     """
 
-    def __init__(
-        self,
-        model: Any,
-        ref_model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, KTOConfig, "KTO")
-        _check_options(args, data_collator, train_dataset, model, kwargs)
-        _check_vocabulary(processing_class, model)
-        if data_collator is None:
-            data_collator = PaddingFreeUnpairedCollator(
+    config_class = KTOConfig
+    algorithm = "KTO"
+    stock = "trl.KTOTrainer"
+    packing_collator = PaddingFreeUnpairedCollator
+    packing_refusals = (
+        "collator",
+        "compute_metrics",
+        "pad_to_multiple_of",
+        "liger",
+        "cut_overflow",
+        "vision_data",
+        "prompt_learning",
+        "sequence_parallelism",
+    )
+    packed_unit = "KTO examples"
+    packed_batches = "KTO batches"
+    whole_unit = "an example, whose sequences"
+    loss_term = "example"
+    own_loss = True
+
+    def _before_stock_init(self, call: dict[str, Any]) -> None:
+        check_vocabulary(call["processing_class"], call["model"])
+        if call["data_collator"] is None:
+            args = call["args"]
+            call["data_collator"] = PaddingFreeUnpairedCollator(
                 max_length=args.max_length,
                 overflow="truncate" if args.max_length is not None else "error",
-                pad_token_id=_pad_token_id(processing_class),
+                pad_token_id=pad_token_id(call["processing_class"]),
             )
-        # Set before TRL's __init__, which may already run forwards (precompute_ref_log_probs).
-        self._packed_forwards = {}
-        self._reference_prepared = False
-        self._kl_rows: dict[str, Any] | None = None
-        super().__init__(
-            model,
-            ref_model=ref_model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise ValueError(
-                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
-                    "a packed row does not support; unset it or use trl.KTOTrainer"
-                )
-        self._packing_setup()
+        self._kl_rows: dict[str, Any] | None = None  # TRL's __init__ may already run forwards
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None

@@ -63,9 +63,9 @@ class PackingLossMixin:
     def _check_own_loss(self, what: str) -> None:
         args = self.args
         conflicts = []
-        if any(base.__name__ == "DPOTrainer" for base in type(self).__mro__):
+        if self.own_loss:  # declared by the trainer class (PackingTrainerMixin)
             conflicts.append(
-                "DPO, whose loss is one term per preference pair: leave loss_normalization='token'"
+                f"{self.stock}, whose loss is one term per {self.loss_term}: leave loss_normalization='token'"
             )
         if self.compute_loss_func is not None:
             conflicts.append("a compute_loss_func (it would replace the normalised loss): drop it")

@@ -41,7 +41,6 @@ padded ones), ``generate_during_eval`` (it needs padded prompts), ``loss_normali
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -53,24 +52,16 @@ from trl.experimental.orpo import ORPOConfig as _StockORPOConfig
 from trl.experimental.orpo import ORPOTrainer as _StockORPOTrainer
 from trl.trainer.utils import selective_log_softmax
 
-from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths, unpack_shifted
+from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
+from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
-from .args import PackingArguments, as_config
+from .args import PackingArguments
 from .chunked_head import model_token_logprobs
-from .dpo import (
-    PreferenceStatsCollator,
-    _check_dataset,
-    _check_vocabulary,
-    _pad_token_id,
-    check_whole_sequence_options,
-)
-from .preflight import base_model
+from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
 from .trainer import PackingTrainerMixin
 
-__all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer", "PaddingFreePairCollator"]
+__all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer"]
 
-LABELS_KEY = "concatenated_labels"
-_SEQUENCE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 _PADDING_FREE_HELP = (
     "Packed pairs, no padding computed: what this trainer always does (None or True). False is refused: use "
     "TRL's own trainer for padded batches."
@@ -105,93 +96,6 @@ class CPOConfig(PackingArguments, _StockCPOConfig):
     padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
 
 
-@dataclass
-class PaddingFreePairCollator(PaddingFreePreferenceCollator):
-    """Collate rows tokenized by TRL's ORPO / CPO trainers into one packed row of ``2B`` segments.
-
-    Input: ``B`` feature dicts with ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
-    ``rejected_labels`` (lists of ints; a sequence's labels are its own tokens, ``-100`` where not trained);
-    other keys are ignored. Output (``S = 2B``, chosen first; ``L`` the longest; ``T`` the packed tokens): the
-    keys of :class:`~packing_hf.preference.PaddingFreePreferenceCollator` for prompt-less pairs
-    (``packed_input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``packed_index``, and
-    the padded ``input_ids`` / ``attention_mask`` ``(S, L)``), plus ``concatenated_labels`` ``(S, L)`` int64:
-    the labels in TRL's padded layout (``-100`` on padding).
-
-    >>> batch = PaddingFreePairCollator()([{"chosen_input_ids": [1, 2, 3], "chosen_labels": [-100, 2, 3],
-    ...     "rejected_input_ids": [1, 4], "rejected_labels": [-100, 4]}])
-    >>> batch["packed_input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
-    ([[1, 2, 3, 1, 4]], [0, 3, 5])
-    >>> batch["concatenated_labels"].tolist()
-    [[-100, 2, 3], [-100, 4, -100]]
-    """
-
-    input_columns: ClassVar[tuple[str, ...]] = _SEQUENCE_KEYS
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.shared_prompt:
-            raise ValueError(
-                "TRL's ORPO / CPO rows hold the prompt inside both sequences; leave shared_prompt=False"
-            )
-        if self.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={self.pad_to_multiple_of}: packed ORPO / CPO rows take no padding segment; "
-                "leave it unset"
-            )
-
-    def __call__(
-        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
-    ) -> dict[str, Any]:
-        features, return_tensors = self._batch_arguments(features, return_tensors, "one pair")
-        missing = [k for k in _SEQUENCE_KEYS if any(k not in f for f in features)]
-        if missing:
-            raise ValueError(
-                f"a feature lacks {missing} (keys: {sorted(features[0])}): PaddingFreePairCollator takes rows "
-                "tokenized by TRL's ORPO / CPO trainers"
-            )
-        sides = ("chosen", "rejected")
-        ids = [np.asarray(f[f"{side}_input_ids"], dtype=np.int64) for side in sides for f in features]
-        labels = [np.asarray(f[f"{side}_labels"], dtype=np.int64) for side in sides for f in features]
-        for s, (i, lab) in enumerate(zip(ids, labels, strict=True)):
-            trained = lab != IGNORE_INDEX
-            if lab.shape != i.shape or (lab[trained] != i[trained]).any():
-                side = sides[s // len(features)]
-                raise ValueError(
-                    f"pair {s % len(features)}: {side}_labels must be {side}_input_ids with -100 on untrained "
-                    f"tokens (got {lab.size} labels for {i.size} tokens, or labels that are other tokens)"
-                )
-        pairs = [
-            {"prompt_ids": [], "chosen_ids": c, "rejected_ids": r}
-            for c, r in zip(ids[: len(features)], ids[len(features) :], strict=True)
-        ]
-        batch = super().__call__(pairs, "np")
-        del batch["completion_mask"]  # prompt-less pairs: all ones, and TRL's labels say what is trained
-        padded = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int64)
-        padded[batch["attention_mask"].astype(bool)] = np.concatenate(labels)  # row-major: sequence order
-        batch[LABELS_KEY] = padded
-        if return_tensors == "pt":
-            batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-        return batch
-
-
-def _check_model(model: Any, stock: str) -> None:
-    """Refuse the models whose packed forward cannot reproduce stock's padded one."""
-    if isinstance(model, str) or model is None:
-        return
-    config = getattr(base_model(model), "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(base_model(model)).__name__} is an encoder-decoder model: its answers run through the "
-            f"decoder as padded labels, which packing_hf does not pack. Use {stock} for encoder-decoder models"
-        )
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits=True: the router's auxiliary loss would be computed over the packed "
-            "tokens, not over stock's padded batch, so the loss would differ. Set "
-            f"model.config.output_router_logits=False (no auxiliary loss) or use {stock}"
-        )
-
-
 class PackedPairsMixin:
     """The packed ``concatenated_forward`` shared by :class:`ORPOTrainer` and :class:`CPOTrainer`.
 
@@ -203,93 +107,41 @@ class PackedPairsMixin:
     (True, False)
     """
 
-    _stock_name: ClassVar[str]
-    _algorithm: ClassVar[str]
-    _config_class: ClassVar[type]
+    packing_collator = PaddingFreePairCollator
+    packing_refusals = (
+        "padding_free_false",
+        "collator",
+        "own_loss",
+        "generate_during_eval",
+        "encoder_decoder",
+        "router_loss",
+        "cut_overflow",
+        "vision_data",
+        "prompt_learning",
+        "sequence_parallelism",
+    )
+    packed_unit = "pairs"
+    packed_batches = "preference batches"
+    whole_unit = "a preference pair, whose two sequences"
+    loss_term = "pair plus its own NLL mean"
+    own_loss = True
     _logits_drop_last: ClassVar[bool]
 
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, self._config_class, self._algorithm)
-        data_collator = self._packed_init(
-            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
-        )
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packed_setup(model)
+    def _before_stock_init(self, call: dict[str, Any]) -> None:
+        check_preference_dataset(call["train_dataset"], "train_dataset")
+        check_preference_dataset(call["eval_dataset"], "eval_dataset")
+        check_vocabulary(call["processing_class"], call["model"])
+        if call["data_collator"] is None:
+            call["data_collator"] = PaddingFreePairCollator(
+                pad_token_id=pad_token_id(call["processing_class"])
+            )
+        call[
+            "args"
+        ].remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns
 
-    def _packed_init(self, model: Any, args: Any, data_collator: Any, train_dataset: Any,
-                     eval_dataset: Any, processing_class: Any, kwargs: dict) -> Any:  # fmt: skip
-        """Every refusal before TRL tokenizes anything; returns the collator to use."""
-        stock = self._stock_name
-        if args.padding_free is False:
-            raise ValueError(
-                f"padding_free=False asks for padded batches, which packing_hf's trainer never runs; use {stock}"
-            )
-        if data_collator is not None and not isinstance(data_collator, PaddingFreePairCollator):
-            raise ValueError(
-                f"data_collator={type(data_collator).__name__} does not pack pairs; leave it unset (a "
-                "PaddingFreePairCollator is built) or pass a PaddingFreePairCollator"
-            )
-        if args.loss_normalization != "token":
-            raise ValueError(
-                f"loss_normalization={args.loss_normalization!r}: the loss of {stock} is one term per pair plus "
-                "its own NLL mean; leave loss_normalization='token'"
-            )
-        if args.generate_during_eval:
-            raise ValueError(
-                "generate_during_eval=True generates from padded prompts, which packed batches do not carry; "
-                f"unset it or use {stock}"
-            )
-        if args.is_encoder_decoder:
-            raise ValueError(f"is_encoder_decoder=True: encoder-decoder models are not packed; use {stock}")
-        _check_model(model, stock)
-        check_whole_sequence_options(
-            args,
-            model,
-            train_dataset,
-            kwargs,
-            unit="a preference pair, whose two sequences",
-            what="preference",
-            stock=stock,
-        )
-        _check_dataset(train_dataset, "train_dataset")
-        _check_dataset(eval_dataset, "eval_dataset")
-        _check_vocabulary(processing_class, model)
-        if data_collator is None:
-            data_collator = PaddingFreePairCollator(pad_token_id=_pad_token_id(processing_class))
-        args.remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns
-        return data_collator
-
-    def _packed_setup(self, model: Any) -> None:
-        """After TRL's ``__init__``: the checks that need the loaded model, then the packing set-up."""
-        if isinstance(model, str):
-            _check_model(self.model, self._stock_name)
+    def _after_stock_init(self, call: dict[str, Any]) -> None:
         # stock's prediction_step warns on any collator but its own: this one is exact
         self.use_dpo_data_collator = True
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise ValueError(
-                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
-                    f"a packed row does not support; unset it or use {self._stock_name}"
-                )
-        self._packing_setup()
 
     def _average_log_prob(self) -> bool:
         raise NotImplementedError
@@ -383,11 +235,10 @@ class ORPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockORPOTrainer):
     ``logits/rejected`` are means over real positions (see the module docstring).
 
     >>> import datasets
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "chosen": ["2", "5"], "rejected": ["3", "6"]})
     >>> args = ORPOConfig("/tmp/packing_hf_orpo_doctest", max_tokens_per_batch=64, max_length=32, max_steps=1,
     ...     report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
@@ -397,9 +248,9 @@ class ORPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockORPOTrainer):
     1
     """
 
-    _stock_name = "trl.experimental.orpo.ORPOTrainer"
-    _algorithm = "ORPO"
-    _config_class = ORPOConfig
+    stock = "trl.experimental.orpo.ORPOTrainer"
+    algorithm = "ORPO"
+    config_class = ORPOConfig
     _logits_drop_last = True
 
     def _average_log_prob(self) -> bool:
@@ -419,11 +270,10 @@ class CPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockCPOTrainer):
     ``logits/chosen`` and ``logits/rejected`` are means over real positions (see the module docstring).
 
     >>> import datasets
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "chosen": ["2", "5"], "rejected": ["3", "6"]})
     >>> args = CPOConfig("/tmp/packing_hf_cpo_doctest", loss_type="simpo", max_length=32, max_steps=1,
     ...     per_device_train_batch_size=2, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
@@ -435,9 +285,9 @@ class CPOTrainer(PackedPairsMixin, PackingTrainerMixin, _StockCPOTrainer):
     1
     """
 
-    _stock_name = "trl.experimental.cpo.CPOTrainer"
-    _algorithm = "CPO"
-    _config_class = CPOConfig
+    stock = "trl.experimental.cpo.CPOTrainer"
+    algorithm = "CPO"
+    config_class = CPOConfig
     _logits_drop_last = False
 
     def _average_log_prob(self) -> bool:

@@ -35,10 +35,8 @@ metrics then run unchanged on the same numbers.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import trl
@@ -46,8 +44,8 @@ import trl
 from .._limits import check_bool, check_int
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
-from .args import PREFLIGHT_MODES, as_config
-from .preflight import base_model, preflight_packing
+from .args import PREFLIGHT_MODES
+from .skeleton import PackedTrainerSkeleton
 
 __all__ = [
     "GRPOConfig",
@@ -121,38 +119,7 @@ class RLOOConfig(RolloutPackingArguments, trl.RLOOConfig):
     """
 
 
-_VISION_KEYS = ("image", "images")
-
-
-def _check_options(args: Any, model: Any, train_dataset: Any, peft_config: Any) -> None:
-    """Refuse, before TRL does any work, what packed rollouts cannot reproduce exactly."""
-    if args.use_liger_kernel:
-        raise ValueError(
-            "use_liger_kernel=True: Liger's kernels replace the model's layers and are not verified on packed "
-            "rollouts (and are deprecated in TRL); unset it, or use the stock TRL trainer"
-        )
-    try:
-        row = next(iter(train_dataset)) if train_dataset is not None else None
-    except (StopIteration, TypeError):
-        row = None
-    if isinstance(row, Mapping) and any(key in row for key in _VISION_KEYS):
-        raise ValueError(
-            "the training dataset has 'image'/'images' columns: vision-language rollouts are not packed (image "
-            "features are tied to padded rows); use the stock TRL trainer for vision data"
-        )
-    configs = (
-        [peft_config, *(getattr(model, "peft_config", {}) or {}).values()]
-        if not isinstance(model, str)
-        else [peft_config]
-    )
-    if any(getattr(c, "is_prompt_learning", False) for c in configs if c is not None):
-        raise ValueError(
-            "prompt-learning PEFT (prefix / prompt tuning) prepends virtual tokens to every sequence, which a "
-            "packed row cannot hold per segment; use LoRA-style adapters or the stock TRL trainer"
-        )
-
-
-class PackedRolloutsMixin:
+class PackedRolloutsMixin(PackedTrainerSkeleton):
     """The packed ``_get_per_token_logps_and_entropies`` of :class:`GRPOTrainer` / :class:`RLOOTrainer`.
 
     Put it first in the bases of a TRL online trainer whose log-prob method has TRL 1.x's signature. After a
@@ -161,50 +128,16 @@ class PackedRolloutsMixin:
     ``shared_prompts`` (prompt segments computed once for several rollouts); ``rank_sync_forwards`` counts
     the forwards added (by splitting rows) so that every data-parallel rank runs as many.
 
-    A trainer class sets ``_config_class`` (its packing config, to which ``args`` is converted) and
-    ``_algorithm`` (the name used in messages); the arguments are the TRL trainer's.
+    A trainer class declares ``config_class`` (its packing config, to which ``args`` is converted),
+    ``algorithm`` and ``stock`` (:class:`~packing_hf.integrations.skeleton.PackedTrainerSkeleton`); the
+    arguments are the TRL trainer's.
     """
 
-    _algorithm: ClassVar[str]
-    _config_class: ClassVar[type]
+    packing_refusals = ("liger", "vision_data", "prompt_learning", "sequence_parallelism", "router_aux_loss")
+    packed_unit = "rollouts"
+    packed_batches = "rollouts"
 
-    def __init__(
-        self,
-        model: Any,
-        reward_funcs: Any = None,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, self._config_class, self._algorithm)
-        _check_options(args, model, train_dataset, kwargs.get("peft_config"))
-        super().__init__(
-            model,
-            reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._packing_init()
-
-    def _packing_init(self) -> None:
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise ValueError(
-                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
-                    "packed rollouts do not support; unset it or use the stock TRL trainer"
-                )
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                "the model returns a router load-balancing loss (output_router_logits=True, router_aux_loss_coef="
-                f"{self.args.router_aux_loss_coef}): TRL computes it over the padded rows of each forward, which "
-                "packed rows do not reproduce; set router_aux_loss_coef=0.0 or use the stock TRL trainer"
-            )
+    def _packing_setup(self) -> None:
         self.packing_stats = {
             "forwards": 0,
             "packed_tokens": 0,
@@ -212,53 +145,29 @@ class PackedRolloutsMixin:
             "shared_prompts": 0,
             "rank_sync_forwards": 0,
         }
-        self._prepared: dict[int, Any] = {}
 
     # ---- models prepared for packed rows -----------------------------------------------------------
 
+    def _packing_attention(self) -> str | None:
+        # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
+        return register_attention() if self.args.share_prompt else None
+
     def _prepare_for_packing(self, model: Any) -> None:
-        """Run the pre-flight check on ``model`` before its first packed forward (once, until released)."""
-        base = base_model(self.accelerator.unwrap_model(model))
-        if id(base) in self._prepared:
-            return
-        attn_implementation = getattr(base.config, "_attn_implementation", None)
-        if self.args.share_prompt and attn_implementation != register_attention():
-            # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
-            base.set_attn_implementation(register_attention())
-        try:
-            preparation = preflight_packing(base, self.args.packing_preflight)
-        except ValueError:
-            if base.config._attn_implementation != attn_implementation:
-                base.set_attn_implementation(attn_implementation)
-            raise
-        self._prepared[id(base)] = (base, attn_implementation, preparation)
+        """The pre-flight check on ``model`` before its first packed forward (once, until given back)."""
+        self.packing_session.acquire(
+            self.accelerator.unwrap_model(model), attention=self._packing_attention()
+        )
 
     def remove_packing_hooks(self) -> None:
         """Give every model prepared for packed rows back as it was (hooks removed, attention restored)."""
-        for base, attn_implementation, preparation in self._prepared.values():
-            if preparation is not None:
-                preparation.revert()
-            if attn_implementation is not None and base.config._attn_implementation != attn_implementation:
-                base.set_attn_implementation(attn_implementation)
-        self._prepared.clear()
-
-    @contextlib.contextmanager
-    def _packing_session(self) -> Iterator[None]:
-        outermost = not getattr(self, "_in_packing_session", False)
-        self._in_packing_session = True
-        try:
-            yield
-        finally:
-            if outermost:
-                self._in_packing_session = False
-                self.remove_packing_hooks()
+        self.packing_session.release()
 
     def train(self, *args: Any, **kwargs: Any):
-        with self._packing_session():
+        with self.packing_session.open():
             return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any):
-        with self._packing_session():
+        with self.packing_session.open():
             return super().evaluate(*args, **kwargs)
 
     # ---- the packed forward ------------------------------------------------------------------------
@@ -311,7 +220,7 @@ class PackedRolloutsMixin:
             )
         if compute_aux_loss:
             raise ValueError(
-                "the router load-balancing loss cannot be computed on packed rows (see _packing_init)"
+                "the router load-balancing loss cannot be computed on packed rows (refused as 'router_aux_loss')"
             )
         self._prepare_for_packing(model)
         rows, width = input_ids.shape
@@ -344,11 +253,10 @@ class GRPOTrainer(PackedRolloutsMixin, trl.GRPOTrainer):
     forwards run on packed rows (see the module docstring).
 
     >>> import datasets
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="]})
     >>> args = GRPOConfig("/tmp/packing_hf_grpo_doctest", num_generations=2, per_device_train_batch_size=2,
     ...     max_completion_length=4, max_steps=1, report_to="none", save_strategy="no", use_cpu=True,
@@ -361,8 +269,9 @@ class GRPOTrainer(PackedRolloutsMixin, trl.GRPOTrainer):
     (1, True)
     """
 
-    _algorithm = "GRPO"
-    _config_class = GRPOConfig
+    algorithm = "GRPO"
+    config_class = GRPOConfig
+    stock = "trl.GRPOTrainer"
 
 
 class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
@@ -371,9 +280,10 @@ class RLOOTrainer(PackedRolloutsMixin, trl.RLOOTrainer):
     Same arguments as ``trl.RLOOTrainer``; ``args`` is converted to :class:`RLOOConfig` if it is a plain
     ``TrainingArguments`` / ``trl.RLOOConfig``.
 
-    >>> RLOOTrainer.__mro__[1].__name__, RLOOTrainer.__mro__[2].__module__
-    ('PackedRolloutsMixin', 'trl.trainer.rloo_trainer')
+    >>> RLOOTrainer.__mro__[1].__name__, RLOOTrainer.stock
+    ('PackedRolloutsMixin', 'trl.RLOOTrainer')
     """
 
-    _algorithm = "RLOO"
-    _config_class = RLOOConfig
+    algorithm = "RLOO"
+    config_class = RLOOConfig
+    stock = "trl.RLOOTrainer"

@@ -43,12 +43,12 @@ import trl
 
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
-from ..multimodal import MultimodalCollator
+from ..multimodal import MultimodalCollator, VisionSFTCollator
 from .args import PackingArguments
-from .dataloaders import _is_hf_iterable, is_stream
+from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
-__all__ = ["SFTConfig", "SFTTrainer", "VisionSFTCollator"]
+__all__ = ["SFTConfig", "SFTTrainer"]
 
 
 @dataclass
@@ -106,44 +106,6 @@ def _labelled_logit_metrics(
     return entropy, hits, mask.sum()
 
 
-class VisionSFTCollator(MultimodalCollator):
-    """TRL's vision-language SFT collation, one sample at a time, packed into one row by
-    :class:`~packing_hf.MultimodalCollator`.
-
-    TRL processes ``messages`` + ``images`` (or ``prompt`` / ``completion``, ``text``) samples at batch time:
-    its ``DataCollatorForVisionLanguageModeling`` applies the chat template, expands the image placeholders,
-    computes the pixels and the labels (assistant-only masks included) for a right-padded batch. Here it gets
-    every sample alone (a batch of one: nothing padded, the same ids, labels and pixels the sample has in
-    TRL's padded batch), and the samples are then packed with their images and image metadata.
-
-    Args:
-        processor_collator: TRL's ``DataCollatorForVisionLanguageModeling`` (what ``trl.SFTTrainer`` builds
-            for a vision dataset).
-        **kwargs: passed to :class:`~packing_hf.MultimodalCollator`.
-
-    >>> class Stand_in:  # a processor collator: one sample in, a batch of one out
-    ...     def __call__(self, examples):
-    ...         ids = torch.tensor([examples[0]["ids"]])
-    ...         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    >>> batch = VisionSFTCollator(Stand_in())([{"ids": [5, 6]}, {"ids": [7]}])
-    >>> batch["input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
-    ([[5, 6, 7]], [0, 2, 3])
-    """
-
-    def __init__(self, processor_collator: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.processor_collator = processor_collator
-
-    def process(self, example: Any) -> dict[str, Any]:
-        """One sample as TRL's collator makes it: ``input_ids`` / ``labels`` ``(1, L)``, pixels and metadata."""
-        out = dict(self.processor_collator([dict(example)]))  # a copy: TRL's collator rewrites the example
-        out.pop("attention_mask", None)  # a batch of one: all ones
-        return out
-
-    def __call__(self, features: list[Any]) -> dict[str, Any]:
-        return super().__call__([self.process(f) for f in features])
-
-
 def _as_packing_config(args: Any, model: Any) -> SFTConfig:
     """``args`` as a packing_hf ``SFTConfig`` (TRL would convert a plain TrainingArguments to *its* SFTConfig)."""
     if isinstance(args, SFTConfig):
@@ -168,11 +130,10 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     ``TrainingArguments`` / ``trl.SFTConfig``.
 
     >>> import datasets, torch
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")  # any tokenizer folder
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "completion": ["2", "5"]})
     >>> args = SFTConfig("/tmp/packing_hf_sft_doctest", packing=True, padding_free=True, max_length=64,
     ...     max_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
@@ -186,19 +147,17 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     1
     """
 
-    def __init__(
-        self,
-        model: Any,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
-        self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
-        if is_stream(train_dataset) and not _is_hf_iterable(train_dataset):
+    config_class = SFTConfig
+    algorithm = "SFT"
+    stock = "trl.SFTTrainer"
+    packing_collator = (PaddingFreeCollator, MultimodalCollator)
+
+    def _packing_config(self, args: Any, model: Any) -> SFTConfig:
+        return _as_packing_config(args, model)
+
+    def _before_stock_init(self, call: dict[str, Any]) -> None:
+        train_dataset = call.get("train_dataset")
+        if is_stream(train_dataset) and not is_hf_iterable(train_dataset):
             # TRL accepts datasets.Dataset / IterableDataset only (it tokenizes them itself)
             raise TypeError(
                 f"SFTTrainer tokenizes its dataset itself and takes a datasets.IterableDataset for streaming "
@@ -206,29 +165,25 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
                 "already tokenized samples (PackedStream, TokenizedStream, a torch IterableDataset) use "
                 "packing_hf.Trainer with max_tokens_per_batch"
             )
-        args = _as_packing_config(args, model)
+        args = call["args"]
         padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.
-        install_after = padding_free or args.max_tokens_per_batch is not None
-        super().__init__(
-            model,
-            args=args,
-            data_collator=None if install_after else data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        if install_after:
-            if data_collator is None and getattr(self, "_is_vision_dataset", False):
-                # TRL's own vision-language collation (chat template, images, labels), sample by sample, packed
-                data_collator = VisionSFTCollator(self.data_collator)
-            elif data_collator is None:
-                data_collator = PaddingFreeCollator.for_tokenizer(
-                    self._tokenizer, pad_to_multiple_of=args.pad_to_multiple_of
-                )
-            self.data_collator = data_collator
-        self._packing_setup()
+        self._collator_after = padding_free or args.max_tokens_per_batch is not None
+        if self._collator_after:
+            self._user_collator, call["data_collator"] = call.get("data_collator"), None
+
+    def _after_stock_init(self, call: dict[str, Any]) -> None:
+        if not self._collator_after:
+            return
+        data_collator = self._user_collator
+        if data_collator is None and getattr(self, "_is_vision_dataset", False):
+            # TRL's own vision-language collation (chat template, images, labels), sample by sample, packed
+            data_collator = VisionSFTCollator(self.data_collator)
+        elif data_collator is None:
+            data_collator = PaddingFreeCollator.for_tokenizer(
+                self._tokenizer, pad_to_multiple_of=call["args"].pad_to_multiple_of
+            )
+        self.data_collator = data_collator
 
     def _multipack_lengths_of(self, dataset: Any) -> Any:
         """Sample lengths for the multipack sampler; a vision dataset's are its processed lengths (image

@@ -43,7 +43,7 @@ enters its loss, and the packed forward routes every token as the padded one doe
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -52,25 +52,16 @@ import torch
 from trl.experimental.tpo import TPOConfig as _StockTPOConfig
 from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
-from ..preference import PaddingFreePreferenceCollator, _ids_array
-from ..varlen import INT32_MAX
-from .args import PackingArguments, as_config
-from .dpo import (
-    PreferenceStatsCollator,
-    _check_dataset,
-    _check_vocabulary,
-    _pad_token_id,
-    check_whole_sequence_options,
-)
-from .preflight import base_model
+from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
+from .args import PackingArguments
+from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
 from .trainer import PackingTrainerMixin
 
-__all__ = ["PackedTripleForward", "PaddingFreeTripleCollator", "TPOConfig", "TPOTrainer"]
+__all__ = ["PackedTripleForward", "TPOConfig", "TPOTrainer"]
 
 logger = logging.getLogger(__name__)
 
 _STOCK = "trl.experimental.tpo.TPOTrainer"
-_BRANCHES = ("chosen", "rejected", "reference")
 _PACKED_INPUTS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -94,149 +85,6 @@ class TPOConfig(PackingArguments, _StockTPOConfig):
     )
 
 
-@dataclass
-class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
-    """Collate rows tokenized by TRL's ``TPOTrainer`` into one packed row of ``S`` segments.
-
-    Input: ``B`` feature dicts with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` and (when
-    ``include_reference``) ``reference_ids``, lists / arrays / tensors of ints; other keys are ignored. The
-    sequences are ``prompt + answer``, in TRL's order: the ``B`` chosen ones, the ``B`` rejected ones, then the
-    ``B`` reference ones (``S = 3B``; ``S = 2B`` without reference). Output (``L`` the longest sequence, ``T``
-    the packed tokens): ``packed_input_ids`` ``(1, T)`` int64, ``position_ids`` ``(1, T)`` int64,
-    ``cu_seq_lens_q/k`` ``(S + 1,)`` int32, ``max_length_q/k`` int, ``packed_index`` ``(T,)`` int64 (as
-    :class:`~packing_hf.preference.PaddingFreePreferenceCollator`'s: flat index into ``(S, L)`` of every token
-    that is a prediction target, ``S * L`` for segment starts), and TRL's right-padded ``input_ids``,
-    ``attention_mask``, ``completion_mask`` ``(S, L)`` int64.
-
-    Args:
-        include_reference: pack the reference sequences (TRL drops them when ``tpo_alpha=0``).
-        max_length, overflow, truncation_mode: a sequence longer than ``max_length``: ``"error"`` (default)
-            raises; ``"truncate"`` cuts it as TRL's ``DataCollatorForTriplePreference`` does, counted in
-            :attr:`stats`. Other arguments as :class:`~packing_hf.preference.PaddingFreePreferenceCollator`;
-            ``shared_prompt`` and ``pad_to_multiple_of`` are refused.
-
-    >>> collator = PaddingFreeTripleCollator()
-    >>> batch = collator([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3, 4], "reference_ids": [5]}])
-    >>> batch["packed_input_ids"].tolist(), batch["cu_seq_lens_q"].tolist()
-    ([[1, 2, 1, 3, 4, 1, 5]], [0, 2, 5, 7])
-    >>> batch["completion_mask"].tolist()
-    [[0, 1, 0], [0, 1, 1], [0, 1, 0]]
-    """
-
-    include_reference: bool = True
-
-    input_columns: ClassVar[tuple[str, ...]] = ("prompt_ids", "chosen_ids", "rejected_ids", "reference_ids")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.shared_prompt:
-            raise ValueError("PaddingFreeTripleCollator does not share prompts; leave shared_prompt=False")
-        if self.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={self.pad_to_multiple_of}: packed TPO rows take no padding; leave it unset"
-            )
-        if not (self.return_flash_attn_kwargs and self.return_position_ids):
-            raise ValueError(
-                "PaddingFreeTripleCollator needs return_flash_attn_kwargs=True and return_position_ids=True: "
-                "the segment boundaries are what keeps the sequences apart"
-            )
-
-    def __call__(
-        self, features: Iterable[Mapping[str, Any]], return_tensors: str | None = None
-    ) -> dict[str, Any]:
-        features, return_tensors = self._batch_arguments(features, return_tensors, "one example")
-        branches = _BRANCHES if self.include_reference else _BRANCHES[:2]
-        keys = ("prompt_ids", *(f"{b}_ids" for b in branches))
-        missing = [k for k in keys if any(k not in f for f in features)]
-        if missing:
-            raise ValueError(
-                f"a feature lacks {missing} (keys: {sorted(features[0])}): PaddingFreeTripleCollator takes rows "
-                "tokenized by TRL's TPOTrainer"
-            )
-        n = len(features)
-        prompts = [_ids_array(f["prompt_ids"], i, "prompt_ids") for i, f in enumerate(features)]
-        sequences, completions = [], []  # TRL's row order: branch by branch
-        for branch in branches:
-            for i, f in enumerate(features):
-                answer = _ids_array(f[f"{branch}_ids"], i, f"{branch}_ids")
-                sequences.append(np.concatenate([prompts[i], answer]))
-                completions.append(
-                    np.repeat(np.array([0, 1], dtype=np.int64), [prompts[i].size, answer.size])
-                )
-        seq_len = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-        if (seq_len == 0).any():
-            s = int(np.argmax(seq_len == 0))
-            raise ValueError(f"example {s % n}: prompt + {branches[s // n]} is empty; drop empty examples")
-        sequences, completions, seq_len = self._truncate(sequences, completions, seq_len, branches, n)
-        n_seq, width = seq_len.size, int(seq_len.max())
-        cu = np.zeros(n_seq + 1, dtype=np.int64)
-        np.cumsum(seq_len, out=cu[1:])
-        if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
-            raise ValueError(
-                f"the batch holds {int(cu[-1])} tokens ({n_seq} x {width} padded), more than int32 offsets can "
-                f"address ({INT32_MAX}); use fewer examples per batch"
-            )
-        row = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len)  # (T,) sequence of every packed token
-        offsets = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], seq_len)  # (T,) its position
-        flat = row * width + offsets  # (T,) its place in the padded layout
-        packed_index = flat.copy()
-        packed_index[cu[:-1]] = n_seq * width  # segment starts are never prediction targets
-        ids = np.concatenate(sequences)
-        padded = {
-            "input_ids": np.full(n_seq * width, self.pad_token_id, dtype=np.int64),
-            "attention_mask": np.zeros(n_seq * width, dtype=np.int64),
-            "completion_mask": np.zeros(n_seq * width, dtype=np.int64),
-        }
-        padded["input_ids"][flat] = ids
-        padded["attention_mask"][flat] = 1
-        padded["completion_mask"][flat] = np.concatenate(completions)
-
-        self.stats["batches"] += 1
-        self.stats["pairs"] += n
-        self.stats["samples"] += n_seq
-        self.stats["tokens"] += int(cu[-1])
-        self.stats["padded_layout_tokens"] += n_seq * width
-        batch: dict[str, Any] = {
-            "packed_input_ids": ids[None],
-            "packed_index": packed_index,
-            "position_ids": (offsets + self.position_ids_start)[None],
-            "cu_seq_lens_q": cu.astype(np.int32),
-            "cu_seq_lens_k": cu.astype(np.int32),
-            **{k: v.reshape(n_seq, width) for k, v in padded.items()},
-        }
-        if return_tensors == "pt":
-            batch = {k: torch.from_numpy(v) for k, v in batch.items()}
-        batch["max_length_q"] = batch["max_length_k"] = width
-        return batch
-
-    def _truncate(
-        self, sequences: list, completions: list, seq_len: np.ndarray, branches: tuple, n: int
-    ) -> tuple[list, list, np.ndarray]:
-        """``max_length`` on every sequence: raise, or cut as TRL's collator does (``truncation_mode``)."""
-        m = self.max_length
-        if m is None or not (too_long := seq_len > m).any():
-            return sequences, completions, seq_len
-        if self.overflow == "error":
-            s = int(np.argmax(too_long))
-            raise ValueError(
-                f"example {s % n}: prompt + {branches[s // n]} has {int(seq_len[s])} tokens > max_length={m}; set "
-                f"overflow='truncate' (TRL's truncation, truncation_mode={self.truncation_mode!r}), raise "
-                "max_length, or filter long examples out of the dataset"
-            )
-        cut = slice(None, m) if self.truncation_mode == "keep_start" else slice(-m, None)
-        dropped = int((seq_len - m)[too_long].sum())
-        self.stats["truncated_samples"] += int(too_long.sum())
-        self.stats["truncated_tokens"] += dropped
-        if not self._warned_overflow:
-            self._warned_overflow = True
-            logger.warning(
-                "PaddingFreeTripleCollator truncated %d sequence(s) to max_length=%d (%s), dropping %d tokens; "
-                "further cases are only counted in collator.stats",
-                int(too_long.sum()), m, self.truncation_mode, dropped,
-            )  # fmt: skip
-        return [s[cut] for s in sequences], [c[cut] for c in completions], np.minimum(seq_len, m)
-
-
 class PackedTripleForward:
     """The model as TRL's ``TPOTrainer._compute_loss`` calls it, running one packed row instead.
 
@@ -249,7 +97,7 @@ class PackedTripleForward:
         packed: the packed keys of a :class:`PaddingFreeTripleCollator` batch (``packed_input_ids``,
             ``packed_index``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``).
 
-    >>> from packing_hf.integrations.tpo import PaddingFreeTripleCollator
+    >>> from packing_hf.pair_rows import PaddingFreeTripleCollator
     >>> class Echo(torch.nn.Module):  # logits: the token id, once per "vocabulary" entry
     ...     def forward(self, input_ids, **kwargs):
     ...         return {"logits": input_ids[..., None].float().expand(-1, -1, 2)}
@@ -292,17 +140,6 @@ class PackedTripleForward:
         return output
 
 
-def _check_model(model: Any) -> None:
-    if isinstance(model, str) or model is None:
-        return
-    config = getattr(base_model(model), "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(base_model(model)).__name__} is an encoder-decoder model: TPO scores causal language models, "
-            f"and packing_hf packs only those; use a causal LM (or {_STOCK})"
-        )
-
-
 class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
     """``trl.experimental.tpo.TPOTrainer`` on packed rows: same log-probs, loss, gradients and metrics.
 
@@ -313,11 +150,10 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
     ``packing_hf.register_attention()``); the pre-flight check verifies it while training.
 
     >>> import datasets
-    >>> from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from packing_hf.architectures.tiny import tiny_config
     >>> tokenizer = AutoTokenizer.from_pretrained(SHARED_DATA / "smollm2_tokenizer")
-    >>> config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
     >>> data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3="], "chosen": ["2", "5"], "rejected": ["3", "6"],
     ...     "reference": ["2", "5"]})
     >>> args = TPOConfig("/tmp/packing_hf_tpo_doctest", max_tokens_per_batch=64, max_length=32, max_steps=1,
@@ -330,95 +166,46 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
     1
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = as_config(args, model, TPOConfig, "TPO")
-        data_collator = self._packed_init(
-            model, args, data_collator, train_dataset, eval_dataset, processing_class, kwargs
-        )
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        if isinstance(model, str):
-            _check_model(self.model)
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise ValueError(
-                    f"{name}={getattr(parallelism, name)}: context/sequence parallelism shards sequences, which "
-                    f"a packed row does not support; unset it or use {_STOCK}"
-                )
-        self._packing_setup()
+    config_class = TPOConfig
+    algorithm = "TPO"
+    stock = _STOCK
+    packing_collator = PaddingFreeTripleCollator
+    packing_refusals = (
+        "padding_free_false",
+        "collator",
+        "pad_to_multiple_of",
+        "compute_metrics",
+        "own_loss",
+        "encoder_decoder",
+        "cut_overflow",
+        "vision_data",
+        "prompt_learning",
+        "sequence_parallelism",
+    )
+    packed_unit = "TPO rows"
+    packed_batches = "preference batches"
+    whole_unit = "a TPO example, whose sequences"
+    loss_term = "example plus its own NLL mean"
+    own_loss = True
 
-    @staticmethod
-    def _packed_init(model: Any, args: Any, data_collator: Any, train_dataset: Any, eval_dataset: Any,
-                     processing_class: Any, kwargs: dict) -> PaddingFreeTripleCollator:  # fmt: skip
-        """Every refusal before TRL tokenizes anything; returns the collator to use."""
-        if args.padding_free is False:
-            raise ValueError(
-                f"padding_free=False asks for padded batches, which packing_hf's trainer never runs; use {_STOCK}"
-            )
-        if data_collator is not None and not isinstance(data_collator, PaddingFreeTripleCollator):
-            raise ValueError(
-                f"data_collator={type(data_collator).__name__} does not pack TPO rows; leave it unset (a "
-                "PaddingFreeTripleCollator is built) or pass a PaddingFreeTripleCollator"
-            )
-        if args.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={args.pad_to_multiple_of} pads TRL's padded batches; a packed row has no "
-                "padding. Leave it unset"
-            )
-        if kwargs.get("compute_metrics") is not None:
-            raise ValueError(
-                "compute_metrics reads the logits of every position, padding included, which a packed row does "
-                f"not compute. Unset it (TRL's TPO metrics are logged anyway) or use {_STOCK}"
-            )
-        if args.loss_normalization != "token":
-            raise ValueError(
-                f"loss_normalization={args.loss_normalization!r}: the loss of {_STOCK} is one term per example "
-                "plus its own NLL mean; leave loss_normalization='token'"
-            )
-        _check_model(model)
-        check_whole_sequence_options(
-            args,
-            model,
-            train_dataset,
-            kwargs,
-            unit="a TPO example, whose sequences",
-            what="preference",
-            stock=_STOCK,
-        )
-        _check_dataset(train_dataset, "train_dataset", needs=_BRANCHES)
-        _check_dataset(eval_dataset, "eval_dataset", needs=_BRANCHES)
-        _check_vocabulary(processing_class, model)
-        if data_collator is None:
-            data_collator = PaddingFreeTripleCollator(
+    def _before_stock_init(self, call: dict[str, Any]) -> None:
+        args, collator, processing_class = call["args"], call["data_collator"], call["processing_class"]
+        check_preference_dataset(call["train_dataset"], "train_dataset", needs=TRIPLE_BRANCHES)
+        check_preference_dataset(call["eval_dataset"], "eval_dataset", needs=TRIPLE_BRANCHES)
+        check_vocabulary(processing_class, call["model"])
+        if collator is None:
+            call["data_collator"] = PaddingFreeTripleCollator(
                 max_length=args.max_length,
                 overflow="truncate",
                 truncation_mode=args.truncation_mode,
                 include_reference=args.tpo_alpha != 0.0,
-                pad_token_id=_pad_token_id(processing_class),
+                pad_token_id=pad_token_id(processing_class),
             )
-        elif data_collator.include_reference != (args.tpo_alpha != 0.0):
+        elif collator.include_reference != (args.tpo_alpha != 0.0):
             raise ValueError(
-                f"data_collator.include_reference={data_collator.include_reference} but tpo_alpha="
+                f"data_collator.include_reference={collator.include_reference} but tpo_alpha="
                 f"{args.tpo_alpha}: TRL reads reference rows exactly when tpo_alpha != 0"
             )
-        return data_collator
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
         """Stock's loss and metrics, the model running the packed row (:class:`PackedTripleForward`)."""
@@ -436,7 +223,7 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
         from .dataloaders import column_lengths
 
         collator = self.data_collator
-        branches = _BRANCHES if collator.include_reference else _BRANCHES[:2]
+        branches = TRIPLE_BRANCHES if collator.include_reference else TRIPLE_BRANCHES[:2]
         columns = ("prompt_ids", *(f"{b}_ids" for b in branches))
         prompt, *answers = column_lengths(dataset, columns, "example", "let TPOTrainer tokenize it")
         limit = collator.max_length if collator.overflow == "truncate" else None

@@ -46,7 +46,6 @@ by :mod:`packing_hf.integrations.loss`, with the same invariance (``docs/loss.md
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -56,13 +55,16 @@ from transformers.trainer_utils import get_last_checkpoint
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
+from .adapters import gather_uneven_rows
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics
-from .dataloaders import PackingDataMixin, gather_uneven_rows, is_packing_collator, is_stream
+from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
-from .preflight import base_model, preflight_packing
+from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
+from .skeleton import PackedTrainerSkeleton
+from .stream_data import is_stream
 
 __all__ = [
     "SAMPLER_STATE_NAME",
@@ -77,12 +79,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin):
-    """What ``packing_hf.Trainer`` and ``packing_hf.SFTTrainer`` add to their Hugging Face base class.
+class PackingTrainerMixin(
+    PackedTrainerSkeleton, PackingLossMixin, PackingEvalMixin, PackingDataMixin, PackingResumeMixin
+):
+    """What ``packing_hf.Trainer``, ``SFTTrainer`` and the preference trainers add to their Hugging Face base
+    class: multipack data, evaluation, resume, the loss contract and metrics (see the module docstring).
 
-    Put it first in the bases (``class Trainer(PackingTrainerMixin, transformers.Trainer)``); ``args`` must be
-    a :class:`~packing_hf.integrations.args.PackingArguments` subclass. See the module docstring. The data
-    (:mod:`~packing_hf.integrations.dataloaders`), evaluation (:mod:`~packing_hf.integrations.evaluation`) and
+    Put it first in the bases (``class Trainer(PackingTrainerMixin, transformers.Trainer)``). The ``__init__``
+    template, the declarations and the packing session come from
+    :class:`~packing_hf.integrations.skeleton.PackedTrainerSkeleton`; the data
+    (:mod:`~packing_hf.integrations.dataloaders`), evaluation (:mod:`~packing_hf.integrations.evaluation`),
     resume (:mod:`~packing_hf.integrations.resume`) and loss (:mod:`~packing_hf.integrations.loss`) parts live
     in their own modules.
     """
@@ -105,9 +111,6 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
         # of its batches the training loop used, all passes together: what a checkpoint's position is
         self.packing_stream: PackedStream | None = None
         self._stream_batches_consumed = 0
-        # handle of prepare_model_for_packing on the model while it trains or evaluates (None otherwise)
-        self.packing_preparation = None
-        self._packing_depth = 0  # nested train -> evaluate: prepare once, give the model back once
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         self._loss_setup()
@@ -136,9 +139,10 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
         parallelism = getattr(self.accelerator, "parallelism_config", None)
         for name in ("tp_size", "cp_size", "sp_size"):
             if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise ValueError(
+                raise PackingRefused(
+                    "multipack_parallelism",
                     f"max_tokens_per_batch does not support {name}={getattr(parallelism, name)}: multipack shards "
-                    "batches over data-parallel ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch."
+                    "batches over data-parallel ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch.",
                 )
         if is_stream(self.train_dataset):
             self._check_stream_settings(self.train_dataset)
@@ -188,67 +192,18 @@ class PackingTrainerMixin(PackingLossMixin, PackingEvalMixin, PackingDataMixin, 
 
     def call_model_init(self, trial: Any = None):
         model = super().call_model_init(trial)
-        if self._packing_depth and model is not None and self._packs():
-            self._packing_give_back()  # a new model per trial: the previous one goes back as it was
-            self._packing_remember(model)
-            self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
+        if self.packing_session.active and model is not None and self._packs():
+            self.packing_session.release()  # a new model per trial: the previous one goes back as it was
+            self.packing_session.acquire(model, use_cache=self.packing_session.user_use_cache)
         return model
 
     def _packs(self) -> bool:
         return self.args.max_tokens_per_batch is not None or is_packing_collator(self.data_collator)
 
-    def _packing_remember(self, model: Any) -> None:
-        """What the user's model looked like before packing_hf touched it (given back after train/evaluate)."""
-        config = getattr(base_model(model), "config", None)
-        self._packing_user = (
-            base_model(model),
-            getattr(config, "_attn_implementation", None),
-            getattr(self, "_packing_user_use_cache", getattr(config, "use_cache", None)),
-        )
-
-    @contextlib.contextmanager
-    def _packing_model(self, model: Any):
-        """The model prepared for packed batches for the duration (pre-flight check, guards, per-sample masks),
-        then given back as the user passed it: hooks removed, attention implementation and ``use_cache`` as
-        they were, so ``generate`` on padded batches, padded evaluation and ``save_pretrained`` behave as
-        stock. Nested calls (evaluation during training) prepare once."""
-        self._packing_depth += 1
-        try:
-            if self._packing_depth == 1 and model is not None and self._packs():
-                self._packing_remember(model)
-                self.packing_preparation = preflight_packing(model, mode=self.args.packing_preflight)
-            yield
-        finally:
-            self._packing_depth -= 1
-            if self._packing_depth == 0:
-                self._packing_give_back()
-
-    def _packing_give_back(self) -> None:
-        if self.packing_preparation is not None:
-            self.packing_preparation.revert()
-            self.packing_preparation = None
-        user = getattr(self, "_packing_user", None)
-        if user is None:
-            return
-        model, attn_implementation, use_cache = user
-        current = getattr(model.config, "_attn_implementation", None)
-        if attn_implementation is not None and current != attn_implementation:
-            model.set_attn_implementation(attn_implementation)  # the pre-flight switched it for training
-        if use_cache is not None:
-            model.config.use_cache = use_cache  # stock Trainer sets args.use_cache (False) on the model
-        self._packing_user = None
-
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Stock ``_save``, with the config as the user had it (``use_cache``), not as training set it."""
-        config = getattr(base_model(self.model), "config", None)
-        use_cache = getattr(self, "_packing_user_use_cache", None)
-        if config is None or use_cache is None or config.use_cache == use_cache:
+        with self.packing_session.as_given(self.model):
             return super()._save(output_dir, state_dict)
-        training_value, config.use_cache = config.use_cache, use_cache
-        try:
-            return super()._save(output_dir, state_dict)
-        finally:
-            config.use_cache = training_value
 
     # ---- steps and logs --------------------------------------------------------------------------
 
@@ -294,19 +249,12 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
     2
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        args: TrainingArguments | None = None,
-        data_collator: Any = None,
-        *a: Any,
-        **kw: Any,
-    ):
-        if args is None:
-            args = TrainingArguments(output_dir="tmp_trainer")
-        if data_collator is None and getattr(args, "max_tokens_per_batch", None) is not None:
-            data_collator = PaddingFreeCollator.for_tokenizer(kw.get("processing_class"))
-        # stock __init__ sets model.config.use_cache = args.use_cache; the user's value is given back later
-        self._packing_user_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
-        super().__init__(model, args, data_collator, *a, **kw)
-        self._packing_setup()
+    def _packing_config(self, args: Any, model: Any) -> Any:
+        return TrainingArguments(output_dir="tmp_trainer") if args is None else args
+
+    def _before_stock_init(self, call: dict[str, Any]) -> None:
+        if (
+            call.get("data_collator") is None
+            and getattr(call["args"], "max_tokens_per_batch", None) is not None
+        ):
+            call["data_collator"] = PaddingFreeCollator.for_tokenizer(call.get("processing_class"))

@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.loss_head",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
+            # the refusal exception, its reason as data (raised by the attention and the trainers)
+            "packing_hf.errors",
             "packing_hf.shared_prefix",
         ),
     ),
@@ -44,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.sampler",
             "packing_hf._epoch_plan",
             "packing_hf.preference",
+            "packing_hf.pair_rows",
             "packing_hf.unpaired",
             "packing_hf.multimodal",
             "packing_hf.rollouts",

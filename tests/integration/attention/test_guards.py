@@ -8,7 +8,7 @@ import torch
 
 import packing_hf
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing
-from packing_hf.registry import mark_mask_prepared
+from packing_hf.attention.admission import mark_mask_prepared
 from packing_hf.verify import build_packed_batch, check_packing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,7 +20,8 @@ from transformers import TrainerCallback
 trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
-from packing_hf.integrations.dpo import DPOConfig, DPOTrainer, PackedPreferenceForward  # noqa: E402
+from packing_hf.integrations.adapters import PackedPreferenceForward  # noqa: E402
+from packing_hf.integrations.dpo import DPOConfig, DPOTrainer  # noqa: E402
 from packing_hf.preference import PaddingFreePreferenceCollator, preference_pair_lengths  # noqa: E402
 
 REL = 1e-5

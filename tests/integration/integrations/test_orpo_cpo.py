@@ -26,8 +26,8 @@ from packing_hf.integrations.orpo import (  # noqa: E402
     CPOTrainer,
     ORPOConfig,
     ORPOTrainer,
-    PaddingFreePairCollator,
 )
+from packing_hf.pair_rows import PaddingFreePairCollator  # noqa: E402
 
 REL = 1e-5
 

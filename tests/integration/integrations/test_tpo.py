@@ -21,10 +21,10 @@ from trl.experimental.tpo import TPOTrainer as StockTPOTrainer  # noqa: E402
 import packing_hf  # noqa: E402
 from packing_hf.integrations.tpo import (  # noqa: E402
     PackedTripleForward,
-    PaddingFreeTripleCollator,
     TPOConfig,
     TPOTrainer,
 )
+from packing_hf.pair_rows import PaddingFreeTripleCollator  # noqa: E402
 
 REL = 1e-5
 

@@ -86,7 +86,7 @@ def test_sft_trainer_packs_vlm_messages_and_images_exactly_like_trl_padded(data_
     import trl
 
     import packing_hf
-    from packing_hf.integrations.sft import VisionSFTCollator
+    from packing_hf.multimodal import VisionSFTCollator
 
     processor = _processor(data_dir / "smollm2_tokenizer")
     dataset = _dataset(gsm8k_rows(4))

@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import packing_hf
 from packing_hf.architectures import check_served_config, prepare_model_for_packing, tiny_config
 from packing_hf.architectures.mixers import find_mixers
-from packing_hf.registry import MIXERS_BY_LAYER_TYPE, mixer_free, support, unsupported_layers
+from packing_hf.attention.admission import mixer_free, unsupported_layers
+from packing_hf.registry import MIXERS_BY_LAYER_TYPE, support
 from packing_hf.verify import build_packed_batch, check_packing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

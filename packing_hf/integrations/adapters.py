@@ -1,0 +1,276 @@
+"""Model adapters: forward hooks that let a model take a trainer's packed batch while the trainer's own code
+keeps working in the padded layout it was written for.
+
+This is the one integrations module that hooks the user's model (``docs/architecture.md``; the layout test
+checks it). Each adapter is installed once per model by the trainer's
+:class:`~packing_hf.integrations.session.PackingSession` (``session.adapter(model, Adapter)``), acts only on
+calls that carry its packed keys (every other call passes untouched) and is removed by ``remove()``:
+
+- :class:`PackedPreferenceForward` (DPO, KTO): packed preference rows in, per-token outputs of TRL's fused LM
+  head scattered back to the padded ``(2B, L - 1)`` layout;
+- :class:`PackedRewardForward` (reward): packed pairs in, the score head's output read at each sequence's
+  pooled token, as stock's ``(2B, num_labels)`` scores.
+
+and one adapter of the trainer's own accelerator: :func:`gather_uneven_rows` (ranks' packed batches hold
+different numbers of rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import ATTENTION_NAME
+from ..preference import pack_padded_labels, unpack_shifted
+from ..shared_prefix import PREFIX_KEY
+from .preflight import base_model
+
+__all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows"]
+
+
+class PackedPreferenceForward:
+    """Forward hooks letting ``model`` take a packed preference batch while its caller works in the padded layout.
+
+    A call is rewritten only when its keyword arguments hold ``packed_index`` (the batches of
+    :class:`~packing_hf.preference.PaddingFreePreferenceCollator`); every other call passes untouched.
+    Before the forward: ``input_ids`` (padded ``(S, L)``) and ``attention_mask`` are dropped,
+    ``packed_input_ids`` ``(1, T)`` becomes ``input_ids`` and the padded ``labels`` ``(S, L)`` are moved to
+    the packed row (:func:`~packing_hf.preference.pack_padded_labels`). After it: every per-token output of
+    shape ``(1, T - 1, ...)`` is scattered to ``(S, L - 1, ...)``
+    (:func:`~packing_hf.preference.unpack_shifted`). Only TRL's fused LM head (``fused_lm_head=True``) is
+    accepted: plain logits of padding positions do not exist in a packed batch.
+
+    Args:
+        model: the ``nn.Module`` the trainer calls (a ``PreTrainedModel`` or a PEFT model; not a DDP wrapper,
+            whose inner module is called with the same arguments).
+
+    >>> import torch
+    >>> from packing_hf.preference import PaddingFreePreferenceCollator
+    >>> class Scorer(torch.nn.Module):  # stands for a model with TRL's fused LM head
+    ...     def forward(self, input_ids, labels, fused_lm_head=False, **kwargs):
+    ...         return {"log_probs": (labels[:, 1:] != -100).float() * input_ids[:, 1:]}
+    >>> model = Scorer()
+    >>> hooks = PackedPreferenceForward(model)
+    >>> batch = PaddingFreePreferenceCollator()([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3, 4]}])
+    >>> labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    >>> model(**batch, labels=labels, fused_lm_head=True)["log_probs"].tolist()  # padded (2, 2)
+    [[2.0, 0.0], [3.0, 4.0]]
+    >>> hooks.remove()
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._layout: tuple[torch.Tensor, int, int] | None = None
+        # prepend: the rewrite must come before packing_hf's own guards, which check the packed inputs
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        """Remove both hooks (the model is as before)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._layout = None  # a forward that raised must not leave its layout to the next call
+        if "packed_index" not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        index = kwargs.pop("packed_index")
+        packed_ids = kwargs.pop("packed_input_ids", None)
+        if args or packed_ids is None:
+            raise ValueError(
+                "a packed preference batch must be passed as keyword arguments with 'packed_input_ids' "
+                f"(got {len(args)} positional argument(s), keys {sorted(kwargs)})"
+            )
+        if not kwargs.get("fused_lm_head"):
+            raise ValueError(
+                "a packed preference batch was passed to the model without fused_lm_head=True: only TRL's fused "
+                "LM head (per-token log-probs) can be mapped back to the padded layout; logits of padding "
+                "positions do not exist in a packed row. Call it the way trl.DPOTrainer does, or collate with "
+                "trl's DataCollatorForPreference for padded logits"
+            )
+        if kwargs.get("shift_labels") is not None or kwargs.get("inputs_embeds") is not None:
+            raise ValueError(
+                "shift_labels / inputs_embeds cannot be combined with a packed preference batch (context "
+                "parallelism and embedding inputs are not supported); use trl.DPOTrainer for them"
+            )
+        labels = kwargs.get("labels")
+        padded_ids = kwargs.pop("input_ids", None)
+        if not isinstance(labels, torch.Tensor) or not isinstance(padded_ids, torch.Tensor):
+            raise ValueError(
+                "a packed preference batch needs the padded 'input_ids' and 'labels' of shape (2B, L) next to "
+                "'packed_input_ids' (TRL's DPOTrainer derives labels from input_ids and completion_mask)"
+            )
+        kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+        if kwargs.get(PREFIX_KEY) is not None:
+            implementation = getattr(
+                getattr(base_model(module), "config", None), "_attn_implementation", None
+            )
+            if implementation != ATTENTION_NAME:
+                raise ValueError(
+                    f"a shared-prompt preference batch (prefix_seq_idx) reached a model running attn_implementation="
+                    f"{implementation!r}, which ignores the layout (chosen and rejected would see each other). Run "
+                    "it inside trainer.train()/evaluate() (which switch the attention), load the model with "
+                    "attn_implementation=packing_hf.register_attention(), or set shared_prompt=False"
+                )
+        kwargs["input_ids"] = packed_ids
+        kwargs["labels"] = pack_padded_labels(labels, index)
+        self._layout = (index, padded_ids.shape[0], padded_ids.shape[1])
+        return args, kwargs
+
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        layout, self._layout = self._layout, None
+        if layout is None:
+            return None
+        index, rows, width = layout
+        shifted = (1, index.numel() - 1)
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == shifted:
+                output[key] = unpack_shifted(value, index, rows, width)
+        return output
+
+
+class PackedRewardForward:
+    """Hooks letting a sequence-classification ``model`` take a packed pair batch and return per-sequence scores.
+
+    Acts only on calls holding ``packed_index`` (batches of
+    :class:`~packing_hf.preference.PaddingFreeRewardCollator`). Before the forward the padded ``input_ids``
+    ``(S, L)`` give the token every sequence is scored at (stock's rule: the last token that is neither
+    padding nor ``config.pad_token_id``) and are swapped for the packed row; a hook on the ``score`` head
+    keeps its per-token output ``(1, T, num_labels)``; after the forward ``logits`` become that output at
+    those tokens, ``(S, num_labels)``.
+
+    Args:
+        model: the ``nn.Module`` the trainer calls (a ``PreTrainedModel`` or PEFT model with a ``score`` head).
+
+    >>> import torch
+    >>> class Scorer(torch.nn.Module):  # stands for a sequence-classification model
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.config = type("C", (), {"pad_token_id": 0})()
+    ...         self.score = torch.nn.Identity()
+    ...     def forward(self, input_ids, **kwargs):
+    ...         return {"logits": self.score(input_ids[..., None].float())[:, -1]}
+    >>> from packing_hf.preference import PaddingFreeRewardCollator
+    >>> model = Scorer()
+    >>> hooks = PackedRewardForward(model)
+    >>> batch = PaddingFreeRewardCollator()([{"chosen_ids": [5, 6], "rejected_ids": [7, 8, 9]}])
+    >>> model(**batch)["logits"].tolist()  # each sequence's last token
+    [[6.0], [9.0]]
+    >>> hooks.remove()
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        head = getattr(base_model(model), "score", None)
+        if not isinstance(head, torch.nn.Module):
+            raise ValueError(
+                f"{type(base_model(model)).__name__} has no `score` head: packed reward scores are read from the "
+                "score head's per-token output before pooling. Use an AutoModelForSequenceClassification whose "
+                "head is `score` (llama, qwen2, mistral, ...) or trl.RewardTrainer"
+            )
+        self._ends: torch.Tensor | None = None
+        self._scores: torch.Tensor | None = None
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            head.register_forward_hook(self._capture),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        """Remove the hooks (the model is as before)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._ends, self._scores = None, None
+        if "packed_index" not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        kwargs.pop("packed_index")
+        kwargs.pop("completion_mask", None)
+        packed_ids = kwargs.pop("packed_input_ids", None)
+        padded_ids = kwargs.pop("input_ids", None)
+        mask = kwargs.pop("attention_mask", None)
+        if args or packed_ids is None or padded_ids is None or kwargs.get("cu_seq_lens_q") is None:
+            raise ValueError(
+                "a packed reward batch must be passed as keyword arguments with packed_input_ids, input_ids and "
+                "cu_seq_lens_q (build it with PaddingFreeRewardCollator)"
+            )
+        pad = getattr(base_model(module).config, "pad_token_id", None)
+        if pad is None:
+            raise ValueError(
+                "config.pad_token_id is None: stock cannot score a padded batch without it (it pools at the last "
+                "non-padding token); set model.config.pad_token_id = tokenizer.pad_token_id"
+            )
+        rows, width = padded_ids.shape
+        real = padded_ids != pad
+        if mask is not None:
+            real &= mask.bool()
+        # stock's pooling: the rightmost token that is not the pad id (0 if there is none)
+        last = (torch.arange(width, device=real.device) * real).argmax(-1)  # (S,)
+        starts = kwargs["cu_seq_lens_q"][:rows].to(last.device).long()  # sequences are segments, in order
+        self._ends = starts + last
+        kwargs["input_ids"] = packed_ids
+        return args, kwargs
+
+    def _capture(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if self._ends is not None:
+            self._scores = output
+
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        ends, scores = self._ends, self._scores
+        self._ends, self._scores = None, None
+        if ends is None:
+            return None
+        if scores is None or scores.dim() != 3 or scores.shape[0] != 1:
+            raise ValueError(
+                "the score head did not run on the packed row (expected its (1, T, num_labels) output)"
+            )
+        output["logits"] = scores[0].index_select(0, ends.to(scores.device))  # (S, num_labels)
+        return output
+
+
+def gather_uneven_rows(accelerator: Any) -> None:
+    """Let ``accelerator.gather`` (and ``gather_for_metrics``, which calls it) take tensors whose first dimension
+    differs between the processes; a no-op with one process.
+
+    Multipack gives every rank its own batches, so in the same step the ranks hold different numbers of
+    samples, pairs or examples, and the per-row tensors that Transformers and TRL gather for their metrics
+    (TRL's per-pair rewards and log-probs, the reward model's scores) differ in length: a plain all-gather
+    aborts the process on gloo and may hang on NCCL. Each tensor is padded to the longest rank's rows,
+    gathered and the padding dropped: every rank's rows in rank order, as a plain gather returns them when
+    the lengths agree. Scalars, and the tensors inside tuples, lists and dicts, are handled alike; anything
+    else goes to the plain gather. Installed once per accelerator by the packing trainers.
+
+    >>> from accelerate import Accelerator
+    >>> accelerator = Accelerator(cpu=True)
+    >>> gather_uneven_rows(accelerator)  # one process: accelerate's own gather is kept
+    >>> accelerator.gather(torch.tensor([1, 2])).tolist()
+    [1, 2]
+    """
+    if accelerator.num_processes == 1 or getattr(accelerator, "_packing_uneven_gather", False):
+        return
+    plain = accelerator.gather
+
+    def gather(data: Any) -> Any:
+        if isinstance(data, (tuple, list)):
+            return type(data)(gather(d) for d in data)
+        if isinstance(data, dict):
+            return type(data)({k: gather(v) for k, v in data.items()})
+        if not isinstance(data, torch.Tensor) or data.dim() == 0:
+            return plain(data)
+        rows = plain(torch.tensor([data.shape[0]], device=data.device)).tolist()  # (num_processes,)
+        if len(set(rows)) == 1:
+            return plain(data)
+        padded = accelerator.pad_across_processes(data, dim=0)
+        blocks = plain(padded).split(padded.shape[0])
+        return torch.cat([block[:n] for block, n in zip(blocks, rows, strict=True)])
+
+    accelerator.gather = gather
+    accelerator._packing_uneven_gather = True

@@ -1,0 +1,203 @@
+"""The preference kit: what every packed trainer scoring whole sequences shares (DPO, KTO, ORPO, CPO, TPO,
+reward).
+
+- :class:`PackedForwardsMixin`: the policy and the reference model run packed rows through
+  :class:`~packing_hf.integrations.adapters.PackedPreferenceForward` adapters, both prepared by the trainer's
+  :class:`~packing_hf.integrations.session.PackingSession` while it trains, evaluates or precomputes
+  reference log-probs;
+- :class:`PreferenceStatsCollator`: the packing metrics of preference batches;
+- the input checks that name a problem before TRL fails on it (:func:`check_preference_dataset`,
+  :func:`check_vocabulary`), :func:`pad_token_id`, and whether the shared-prompt layout is exact for given
+  models (:func:`shared_prompt_is_exact`).
+
+>>> from packing_hf.preference import PaddingFreePreferenceCollator
+>>> out = PreferenceStatsCollator(PaddingFreePreferenceCollator())(
+...     [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6]}])
+>>> out[STATS_KEY]
+{'real_tokens': 8, 'emitted_tokens': 8, 'samples': 2, 'padded_tokens': 10}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..architectures import check_architecture
+from ..attention import register_attention
+from .adapters import PackedPreferenceForward
+from .callbacks import STATS_KEY, PackingStatsCollator
+from .preflight import base_model
+from .refusals import PackingRefused, first_row
+
+__all__ = [
+    "PackedForwardsMixin",
+    "PreferenceStatsCollator",
+    "check_preference_dataset",
+    "check_vocabulary",
+    "pad_token_id",
+    "refuse_shared_prompt_where_inexact",
+    "shared_prompt_is_exact",
+]
+
+
+class PreferenceStatsCollator(PackingStatsCollator):
+    """:class:`~packing_hf.integrations.callbacks.PackingStatsCollator` for preference batches.
+
+    Counts sequences (two per pair) as samples and ``2B x longest`` (the right-padded batch TRL would run)
+    as ``padded_tokens``, all read from the wrapped collator's ``stats``.
+
+    >>> from packing_hf.preference import PaddingFreePreferenceCollator
+    >>> out = PreferenceStatsCollator(PaddingFreePreferenceCollator())(
+    ...     [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6]}])
+    >>> out[STATS_KEY]
+    {'real_tokens': 8, 'emitted_tokens': 8, 'samples': 2, 'padded_tokens': 10}
+    """
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict:
+        before = dict(self.collator.stats)
+        batch = self.collator(list(features))
+        after = self.collator.stats
+        batch[STATS_KEY] = {
+            "real_tokens": after["tokens"] - before["tokens"],
+            "emitted_tokens": int(batch["packed_input_ids"].numel()),
+            "samples": after["samples"] - before["samples"],
+            "padded_tokens": after["padded_layout_tokens"] - before["padded_layout_tokens"],
+        }
+        return batch
+
+
+def shared_prompt_is_exact(models: list[Any]) -> bool:
+    """Whether packing_hf's varlen attention keeps every given model exact (cached per architecture)."""
+    name = register_attention()
+    for model in models:
+        if model is None or isinstance(model, str):
+            continue
+        config = getattr(base_model(model), "config", None)
+        if config is None or check_architecture(config, name).leaked:
+            return False
+    return True
+
+
+def refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
+    """Refuse ``shared_prompt=True`` where packing_hf's attention does not keep every model exact."""
+    if not shared_prompt_is_exact(models):
+        types = sorted({getattr(base_model(m).config, "model_type", "?") for m in models if m is not None})
+        raise PackingRefused(
+            "shared_prompt",
+            f"shared_prompt=True: packing_hf's varlen attention does not keep {types} exact, and only it reads "
+            "the shared-prompt layout; set shared_prompt=False (packed pairs without sharing stay exact)",
+        )
+
+
+def check_preference_dataset(
+    dataset: Any, name: str, needs: tuple[str, ...] = ("chosen", "rejected")
+) -> None:
+    """A dataset lacking the columns of a preference pair, named before TRL fails on it with a KeyError."""
+    for key, part in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
+        row = first_row(part)
+        if not isinstance(row, Mapping):
+            continue
+        missing = [c for c in needs if c not in row and f"{c}_ids" not in row]
+        if missing:
+            where = name if key is None else f"{name}[{key!r}]"
+            raise ValueError(
+                f"{where} has the columns {sorted(row)} but no {missing}: a preference trainer needs "
+                f"{' and '.join(repr(c) for c in needs)} for every prompt. A prompt-only dataset is for online "
+                "trainers (GRPO, RLOO); unpaired (prompt, completion, label) rows are for trl.KTOTrainer"
+            )
+
+
+def check_vocabulary(processing_class: Any, model: Any) -> None:
+    """A tokenizer with more tokens than the model has embeddings, named before an IndexError in the forward."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is None or isinstance(model, str) or not hasattr(tokenizer, "__len__"):
+        return
+    embeddings = getattr(base_model(model), "get_input_embeddings", lambda: None)()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's input embeddings only {rows} rows: token "
+            f"ids >= {rows} cannot be looked up. Call model.resize_token_embeddings(len(tokenizer)) or use the "
+            "model's own tokenizer"
+        )
+
+
+def pad_token_id(processing_class: Any) -> int:
+    """The id padding positions get in a packed trainer's padded layout (pad, else eos, else 0)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0  # only the embedding lookup of pad_to_multiple_of padding reads it: any valid id is exact
+
+
+class PackedForwardsMixin:
+    """The packed-forward plumbing of the preference trainers scored by TRL's fused LM head (DPO, KTO): put it
+    first in the bases.
+
+    :class:`~packing_hf.integrations.adapters.PackedPreferenceForward` adapters go on the policy and the
+    reference model the first time each is called (they only act on packed batches); the reference model is
+    prepared like the policy while training or evaluating (``_packing_attention`` names the attention both
+    need, if any), then given back as it was.
+    """
+
+    def _packs(self) -> bool:
+        return True  # every batch of these trainers is packed, reference precomputation included
+
+    @property
+    def _packed_forwards(self) -> dict[int, PackedPreferenceForward]:
+        return {
+            id(a.model): a for a in self.packing_session.adapters() if isinstance(a, PackedPreferenceForward)
+        }
+
+    def _install_packed_forward(self, model: Any) -> None:
+        """The packed-forward adapter on ``model`` (once): it stays, and only acts on packed preference batches."""
+        self.packing_session.adapter(self.accelerator.unwrap_model(model), PackedPreferenceForward)
+
+    def _install_packed_forwards(self) -> None:
+        self._install_packed_forward(self.model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+
+    def remove_packing_hooks(self) -> None:
+        """Remove the packed-forward hooks from the policy and the reference model."""
+        self.packing_session.remove_adapters()
+
+    @contextlib.contextmanager
+    def _packing_model(self, model: Any) -> Iterator[None]:
+        """``model`` and the reference model prepared for the duration (nested calls prepare once)."""
+        with self.packing_session.open():
+            attention = self._packing_attention()
+            if model is not None:
+                self.packing_session.acquire(
+                    model, attention=attention, use_cache=self.packing_session.user_use_cache
+                )
+            if getattr(self, "ref_model", None) is not None:
+                self.packing_session.acquire(
+                    self.accelerator.unwrap_model(self.ref_model), attention=attention
+                )
+            yield
+
+    def train(self, *args: Any, **kwargs: Any):
+        self._install_packed_forwards()
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        self._install_packed_forwards()
+        return super().evaluate(*args, **kwargs)
+
+    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]):
+        self._install_packed_forward(model)
+        return super().compute_ref_log_probs(model, inputs)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
+    ):
+        self._install_packed_forward(model)
+        if self.ref_model is not None:
+            self._install_packed_forward(self.ref_model)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
