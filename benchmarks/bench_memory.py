@@ -11,7 +11,8 @@ maximum resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after the s
 just before the first step (model, optimizer-free parameters and the batch already built): what the step adds.
 The contenders alternate (chunked, full, chunked, full, ...), so the machine's load hits both alike; tokens/s is
 the median over the timed steps of every run. A full-logits run whose fp32 logits, their log-softmax and
-gradients (4 x tokens x vocabulary x 4 bytes) would exceed half the available memory is skipped, and said so.
+gradients (4 x tokens x vocabulary x 4 bytes) would exceed half the available memory (``--memory-share``) is
+skipped, and said so.
 
     python benchmarks/bench_memory.py            # 4,096 and 16,384 tokens, both vocabularies
     python benchmarks/bench_memory.py --quick    # 1,024 tokens, smoke run
@@ -125,7 +126,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in ("chunked", "full"):
                     need = 4 * tokens * vocab * 4
-                    if mode == "full" and need > _available_bytes() / 2:
+                    if mode == "full" and need > _available_bytes() * args.memory_share:
                         skipped = f"full logits need ~{need / 2**30:.1f} GiB, {_available_bytes() / 2**30:.1f} available"
                         continue
                     command = [
