@@ -106,6 +106,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="packed row lengths")
     parser.add_argument(
+        "--memory-share",
+        type=float,
+        default=0.5,
+        help="skip a full-logits run needing more of the available memory",
+    )
+    parser.add_argument(
         "--vocabs", nargs="+", default=list(VOCABS), choices=list(VOCABS), help="vocabularies"
     )
     parser.add_argument(
