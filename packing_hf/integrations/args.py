@@ -99,6 +99,16 @@ class PackingArguments:
             "See docs/loss.md."
         },
     )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the training and evaluation loss (and SFT's entropy / token-accuracy metrics) from the "
+            "model's final hidden states in chunks of tokens, so the (tokens x vocabulary) logits never exist whole: "
+            "the same loss and gradients, a fraction of the memory (packing_hf.loss_head). A model whose LM head "
+            "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
+            "logits and loss."
+        },
+    )
     packing_metrics: bool = field(
         default=True,
         metadata={
@@ -128,7 +138,7 @@ class PackingArguments:
                 CostModel.parse(self.multipack_cost_model)
             except ValueError as error:
                 raise ValueError(f"multipack_cost_model: {error}; or 'flops' / 'fit' / None") from None
-        for name in ("packing_eval", "packing_metrics"):
+        for name in ("packing_eval", "packing_metrics", "chunked_loss"):
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))

@@ -8,21 +8,30 @@ over the ranks, so the denominator of the step is known before the first backwar
 then its own numerator (:func:`packing_hf._loss.loss_numerator`) over that denominator, times the number of
 processes (DDP averages gradients over ranks). The logged ``loss`` is thus the normalised loss of the step.
 
+With ``chunked_loss=True`` (default) both that loss and stock's (the model's own causal-LM loss, in training and
+evaluation) are computed from the model's hidden states in chunks (:mod:`packing_hf.integrations.chunked_head`):
+the same values and gradients without the ``(tokens, vocabulary)`` logits.
+
 >>> PackingLossMixin.__name__
 'PackingLossMixin'
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 
-from .._loss import LOSS_WEIGHTS_KEY, loss_counts, loss_numerator, step_denominator
+from .._loss import LOSS_WEIGHTS_KEY, loss_counts, loss_numerator, step_denominator, target_coefficients
 from .args import PackingArguments
+from .chunked_head import causal_lm_loss, resolve_head
 
 __all__ = ["PackingLossMixin"]
+
+logger = logging.getLogger(__name__)
 
 
 def _causal_labels(batch: dict[str, Any]) -> torch.Tensor | None:
@@ -129,16 +138,112 @@ class PackingLossMixin:
             step_denominator(totals[1:].tolist(), normalization), dtype=torch.float64, device=device
         )
 
+    # ---- the chunked LM head ---------------------------------------------------------------------
+
+    def _chunked_head(self, model: Any) -> Any:
+        """The model's ``(lm_head, LogitHead)`` when its loss can be computed in chunks, else ``None`` (the
+        reason logged once)."""
+        if not getattr(self.args, "chunked_loss", False):
+            return None
+        reason = None
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        if self.compute_loss_func is not None:
+            reason = "a compute_loss_func reads the logits"
+        elif self.label_smoother is not None:
+            reason = f"label_smoothing_factor={self.args.label_smoothing_factor}"
+        elif self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.n_gpu > 1:
+            reason = "FSDP / DeepSpeed / DataParallel hold the head's weight themselves"
+        elif parallelism is not None and any(
+            (getattr(parallelism, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size")
+        ):
+            reason = "tensor / context / sequence parallelism"
+        else:
+            resolved = resolve_head(model)
+            if not isinstance(resolved, str):
+                return resolved
+            reason = resolved
+        logged = self.__dict__.setdefault("_chunked_refusals", set())
+        if reason not in logged:
+            logged.add(reason)
+            logger.warning("chunked_loss: the full logits are computed for the loss, because %s", reason)
+        return None
+
+    def _stock_loss_is_causal_lm(self, inputs: dict[str, Any], return_outputs: bool) -> bool:
+        """Whether stock's ``compute_loss`` would return the model's own causal-LM loss (the next
+        ``compute_loss`` in the class hierarchy is ``transformers.Trainer``'s, the batch has labels, and the
+        outputs' logits are not wanted)."""
+        if return_outputs and not getattr(self, "_packing_loss_only", False):
+            return False
+        if not isinstance(_causal_labels(inputs), torch.Tensor):
+            return False
+        mro = type(self).__mro__
+        for cls in mro[mro.index(PackingLossMixin) + 1 :]:
+            if "compute_loss" in cls.__dict__:
+                return cls is transformers.Trainer
+        return False
+
+    def _chunked_stock_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any,
+        resolved: Any,
+        metrics: bool = False,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Stock's loss (the model's causal-LM loss, scaled as ``transformers.Trainer.compute_loss`` scales it)
+        from the chunked head: ``(loss, LogitStats, outputs)``."""
+        labels = _causal_labels(inputs)
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        total, stats, outputs = causal_lm_loss(
+            model, model_inputs, labels, resolved=resolved, metrics=metrics
+        )
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        else:
+            loss = total / stats.count  # the model's mean over its targets
+        return loss, stats, outputs
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, *args: Any, **kwargs: Any
+    ):
+        # evaluation wants only the loss: the chunked head may answer (its outputs carry no logits)
+        self._packing_loss_only = prediction_loss_only
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
+        finally:
+            self._packing_loss_only = False
+
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """Stock's (``loss_weights`` removed: the model never sees them), or, when this step's loss is packing_hf's,
         this micro-batch's numerator over the step's denominator ``num_items_in_batch``, times the number of
-        processes."""
+        processes; both from the chunked head when ``chunked_loss`` (see the module docstring)."""
         weights = inputs.pop(LOSS_WEIGHTS_KEY, None)
         if getattr(self, "_packing_sp_size", 1) > 1 and model.training:
             return self._sequence_parallel_loss(model, inputs, weights, num_items_in_batch, return_outputs)
-        if not (self._packing_loss_active and model.training and num_items_in_batch is not None):
+        own = self._packing_loss_active and model.training and num_items_in_batch is not None
+        if not own and self._stock_loss_is_causal_lm(inputs, return_outputs):
+            resolved = self._chunked_head(model)
+            if resolved is not None:
+                loss, _, outputs = self._chunked_stock_loss(model, inputs, num_items_in_batch, resolved)
+                return (loss, outputs) if return_outputs else loss
+        resolved = self._chunked_head(model) if own and not return_outputs else None
+        if resolved is not None:
+            labels = _causal_labels(inputs)
+            model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            coefficients = target_coefficients(
+                labels,
+                self.args.loss_normalization,
+                loss_weights=weights,
+                position_ids=inputs.get("position_ids"),
+                cu_seq_lens=inputs.get("cu_seq_lens_q"),
+            )
+            total, _, outputs = causal_lm_loss(model, model_inputs, labels, coefficients, resolved)
+            return total * (self.accelerator.num_processes / float(num_items_in_batch))
+        if not own:
             # evaluation: eval_loss stays the unweighted token mean (see docs/loss.md)
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

@@ -56,6 +56,7 @@ from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments
+from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
 from .trainer import PackingTrainerMixin
 
@@ -167,9 +168,25 @@ class PackedPairsMixin:
             k: batch[k]
             for k in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
         }
-        logits = model(input_ids=packed_ids, use_cache=False, **inputs).logits  # (1, T, V)
-        # log-prob of every packed next token; those crossing into the next segment are dropped by the scatter
-        token_logps = selective_log_softmax(logits[:, :-1], packed_ids[:, 1:].to(logits.device))  # (1, T - 1)
+        resolved = self._chunked_head(model)
+        if resolved is not None:
+            # the chunked LM head: no (T, V) logits; the logits/* metrics average each position's mean logit
+            targets = torch.cat([packed_ids[:, 1:], torch.full_like(packed_ids[:, :1], IGNORE_INDEX)], dim=1)
+            (token_logps, _, logits), _ = model_token_logprobs(
+                model,
+                {"input_ids": packed_ids, "use_cache": False, **inputs},
+                targets,
+                resolved,
+                mean_logits=True,
+            )  # (1, T) each
+            token_logps = token_logps[:, :-1]
+            logits = logits[..., None]  # (1, T, 1): a position's mean logit averages like its V logits
+        else:
+            logits = model(input_ids=packed_ids, use_cache=False, **inputs).logits  # (1, T, V)
+            # log-prob of every packed next token; those crossing into the next segment are dropped by the scatter
+            token_logps = selective_log_softmax(
+                logits[:, :-1], packed_ids[:, 1:].to(logits.device)
+            )  # (1, T - 1)
         per_token = unpack_shifted(token_logps, index, rows, width)  # (S, L - 1), stock's positions
         loss_mask = labels[:, 1:].to(per_token.device) != IGNORE_INDEX
         logps = (per_token * loss_mask).sum(-1)  # the same reduction as stock's get_batch_logps

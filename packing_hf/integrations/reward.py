@@ -11,6 +11,8 @@ with multipack (a pair weighs ``len(chosen) + len(rejected)``; TRL drops pairs o
 prepares the dataset, as stock does). Under DDP the ranks' multipack micro-batches may then hold different
 numbers of pairs: the all-gather of every rank's scores behind TRL's reward metrics takes that
 (:func:`~packing_hf.integrations.adapters.gather_uneven_rows`, installed by every packing trainer).
+Scores need no vocabulary head: the ``score`` head is ``(hidden, num_labels)``, so a reward model builds no
+``(tokens, vocabulary)`` logits and the chunked LM head (:mod:`packing_hf.loss_head`) has nothing to do here.
 
 Refused: a ``data_collator`` that does not pack pairs, a model without a ``score`` head (the per-token
 scores must be read before pooling), and prompt-learning PEFT (virtual tokens per padded row).

@@ -225,7 +225,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         for a small model on CPU. With ``logit_metrics="labelled"`` the loss is the model's own (the same
         value: the summed negative log-likelihood of the labelled tokens over ``num_items_in_batch``), and
         ``entropy`` / ``mean_token_accuracy`` are computed from its logits, detached, at the labelled
-        positions only, where TRL's values are non-zero anyway: the logged numbers mean what TRL's mean.
+        positions only, where TRL's values are non-zero anyway: the logged numbers mean what TRL's mean. With
+        ``chunked_loss`` (default) the loss and both metrics come from the chunked LM head, no logits kept.
         Other losses (packing_hf's ``loss_normalization`` / ``loss_weights``, DFT, label smoothing,
         ``compute_loss_func``, MoE aux loss, sequence parallelism) go down the usual chain: packing_hf's loss
         mixin, then TRL's own ``compute_loss``.
@@ -234,11 +235,19 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
         inputs["use_cache"] = False
-        # transformers.Trainer's compute_loss (skipping TRL's): the model's own loss, num_items_in_batch applied
-        loss, outputs = super(trl.SFTTrainer, self).compute_loss(
-            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
-        entropy_sum, num_correct, num_valid = _labelled_logit_metrics(outputs.logits, inputs["labels"])
+        resolved = self._chunked_head(model)
+        if resolved is not None:
+            # the same loss from the chunked head; the metrics from its chunks, at the labelled tokens
+            loss, stats, _ = self._chunked_stock_loss(
+                model, inputs, num_items_in_batch, resolved, metrics=True
+            )
+            entropy_sum, num_correct, num_valid = stats.entropy, stats.hits, stats.count
+        else:
+            # transformers.Trainer's compute_loss (skipping TRL's): the model's own loss, num_items_in_batch applied
+            loss, outputs = super(trl.SFTTrainer, self).compute_loss(
+                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
+            entropy_sum, num_correct, num_valid = _labelled_logit_metrics(outputs.logits, inputs["labels"])
         gather = self.accelerator.gather_for_metrics
         num_valid, entropy_sum, num_correct = (gather(x).sum() for x in (num_valid, entropy_sum, num_correct))
         metrics = self._metrics[mode]

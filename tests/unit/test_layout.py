@@ -28,6 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._rows",
             # per-token loss arithmetic of the loss contract (read by the collator and the trainers)
             "packing_hf._loss",
+            # the LM head and its loss in chunks of tokens (pure torch)
+            "packing_hf.loss_head",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
             # the refusal exception, its reason as data (raised by the attention and the trainers)

@@ -1,6 +1,7 @@
 """The loss contract on a tiny fp32 llama: one optimizer step's gradient (and logged ``loss``) is the same, within
 1e-6 relative, for padded batches, packed multipack rows, gradient accumulation 1 vs 4, a stream and samples split
-by ``overflow="split"``, for every ``loss_normalization``, with and without ``loss_weights``.
+by ``overflow="split"``, for every ``loss_normalization``, with and without ``loss_weights``. The padded reference
+uses the model's full logits; the packed settings the chunked LM head (``chunked_loss``, the default).
 
 The harness (data, model, padded collator, gradient capture) is ``tests/distributed/_loss_worker.py``, shared with
 the 2- and 3-process test. Every setting trains one step over the whole data set (every sample once).
@@ -45,8 +46,9 @@ def reference(tmp_path_factory):
 
     def get(normalization: str, weighted: bool):
         if (normalization, weighted) not in cache:
+            # the model's full logits (chunked_loss=False): every packed setting below runs the chunked head
             cache[normalization, weighted] = harness.one_step(
-                out, harness.make_samples(weighted), normalization
+                out, harness.make_samples(weighted), normalization, chunked_loss=False
             )
         return cache[normalization, weighted]
 

@@ -1,0 +1,178 @@
+"""Peak memory and tokens/s of one packed training step (forward + backward) on CPU: the chunked LM head
+(``packing_hf.loss_head``, what the packing trainers use by default) against the model's own full-logits loss.
+
+The model is a small llama (hidden size 256, 2 layers, packing_hf's varlen attention) with the SmolLM2
+vocabulary (49,152) or a Qwen-sized one (151,936), so the head dominates the step as it does on real models.
+One row packs GSM8K samples (SmolLM2 tokenizer) to 4,096 or 16,384 tokens, every sample's first label masked
+as the collator does.
+
+How memory is measured: every (contender, size) runs in a fresh subprocess; the step's peak is the process's
+maximum resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after the steps minus the resident set
+just before the first step (model, optimizer-free parameters and the batch already built): what the step adds.
+The contenders alternate (chunked, full, chunked, full, ...), so the machine's load hits both alike; tokens/s is
+the median over the timed steps of every run. A full-logits run whose fp32 logits, their log-softmax and
+gradients (4 x tokens x vocabulary x 4 bytes) would exceed half the available memory (``--memory-share``) is
+skipped, and said so.
+
+    python benchmarks/bench_memory.py            # 4,096 and 16,384 tokens, both vocabularies
+    python benchmarks/bench_memory.py --quick    # 1,024 tokens, smoke run
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from _common import base_parser, gsm8k_token_ids, print_table, write_json
+
+VOCABS = {"smollm2_49k": 49152, "qwen_152k": 151936}
+HIDDEN, LAYERS = 256, 2
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(mode: str, vocab: int, tokens: int, steps: int) -> dict:
+    """One contender at one size in this process: ``{step_peak_bytes, process_peak_bytes, tokens_per_s}``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import packing_hf
+    from packing_hf.integrations.chunked_head import causal_lm_loss
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=packing_hf.register_attention()
+    ).float()
+    samples, total = [], 0
+    for ids in gsm8k_token_ids(limit=4 * tokens // 100):
+        ids = ids[: tokens - total]
+        samples.append({"input_ids": ids, "labels": list(ids)})
+        total += len(ids)
+        if total == tokens:
+            break
+    if total != tokens:
+        raise ValueError(f"not enough GSM8K tokens for a {tokens}-token row (got {total})")
+    batch = packing_hf.PaddingFreeCollator()(samples)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    labels = batch["labels"]
+
+    def step() -> None:
+        if mode == "full":
+            loss = model(**inputs, labels=labels).loss  # the model's own: (tokens, vocab) logits, upcast
+        else:
+            total, stats, _ = causal_lm_loss(model, inputs, labels)
+            loss = total / stats.count
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    before = _rss_bytes()
+    step()  # warm-up (its peak counts: it is the same step)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {
+        "step_peak_bytes": peak - before,
+        "process_peak_bytes": peak,
+        "tokens_per_s": tokens / statistics.median(times),
+    }
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each contender per size")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="packed row lengths")
+    parser.add_argument(
+        "--memory-share",
+        type=float,
+        default=0.5,
+        help="skip a full-logits run needing more of the available memory",
+    )
+    parser.add_argument(
+        "--vocabs", nargs="+", default=list(VOCABS), choices=list(VOCABS), help="vocabularies"
+    )
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("MODE", "VOCAB", "TOKENS", "STEPS"), help=argparse_hide()
+    )
+    args = parser.parse_args()
+    if args.worker:
+        mode, vocab, tokens, steps = args.worker
+        print(json.dumps(worker(mode, int(vocab), int(tokens), int(steps))))
+        return
+    sizes = [1024] if args.quick else args.tokens
+    rows = []
+    for vocab_name in args.vocabs:
+        vocab = VOCABS[vocab_name]
+        for tokens in sizes:
+            runs: dict[str, list[dict]] = {"chunked": [], "full": []}
+            skipped = None
+            for _ in range(args.rounds):
+                for mode in ("chunked", "full"):
+                    need = 4 * tokens * vocab * 4
+                    if mode == "full" and need > _available_bytes() * args.memory_share:
+                        skipped = f"full logits need ~{need / 2**30:.1f} GiB, {_available_bytes() / 2**30:.1f} available"
+                        continue
+                    command = [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        mode,
+                        str(vocab),
+                        str(tokens),
+                        str(args.steps),
+                    ]
+                    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                    runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+            row = {"vocab": vocab_name, "tokens": tokens}
+            for mode, results in runs.items():
+                if results:
+                    row[f"{mode}_peak_GiB"] = max(r["step_peak_bytes"] for r in results) / 2**30
+                    row[f"{mode}_tok_s"] = statistics.median(r["tokens_per_s"] for r in results)
+            if runs["full"]:
+                row["peak_ratio"] = row["full_peak_GiB"] / row["chunked_peak_GiB"]
+                row["speed_ratio"] = row["chunked_tok_s"] / row["full_tok_s"]
+            if skipped:
+                row["note"] = skipped
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print_table(
+        rows,
+        ["vocab", "tokens", "chunked_peak_GiB", "full_peak_GiB", "peak_ratio", "chunked_tok_s", "full_tok_s",
+         "speed_ratio", "note"],
+    )  # fmt: skip
+    load = os.getloadavg()
+    print(f"load average while running (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    write_json("memory", {"rows": rows, "load_average": load, "hidden_size": HIDDEN, "layers": LAYERS}, args)
+
+
+def argparse_hide() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The chunked LM head on a Hugging Face causal LM: the model's hidden states without its logits, and the loss or
+log-probs of :mod:`packing_hf.loss_head` from them.
+
+The model is called as usual (through DDP / accelerate wrappers, so gradient synchronisation and hooks are
+stock's), with a forward pre-hook on its output embeddings for the duration of the call: the hook keeps the
+head's input (the final hidden states, after the final norm, whatever the architecture) and hands the head an
+empty slice of it, so the model projects nothing. The hook lives only inside :func:`head_inputs`.
+
+A model is chunked only where that is exact: its output embeddings are the ``torch.nn.Linear`` its causal-LM
+``forward`` calls as ``self.lm_head``, and what the ``forward`` does to the logits between the head and the
+loss is one of the known processings (none; Cohere's ``logit_scale``; Granite's ``logits_scaling``; Gemma
+2/3's ``final_logit_softcapping``), read from the ``forward``'s source. Anything else (an unknown class, extra
+logit processing, a LoRA-wrapped or quantized head, an MoE auxiliary loss) keeps the full-logits path; the
+reason is returned so the trainer can say it once.
+
+Reward models score sequences with a ``(hidden, 1)`` head: they build no vocabulary logits and need none of this.
+
+>>> from transformers import AutoConfig, AutoModelForCausalLM
+>>> config = AutoConfig.for_model("gemma2", vocab_size=32, hidden_size=16, intermediate_size=32, head_dim=8,
+...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, final_logit_softcapping=30.0)
+>>> resolve_head(AutoModelForCausalLM.from_config(config))[1]
+LogitHead(scale=1.0, divisor=1.0, softcap=30.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+from typing import Any
+
+import torch
+
+from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entropy, token_logprobs
+from .preflight import base_model
+
+__all__ = ["causal_lm_loss", "head_inputs", "model_token_logprobs", "resolve_head"]
+
+_HEAD_CALL = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)$")
+# what a causal LM's forward may do to the logits between its head and its loss, and what it means
+_PROCESSINGS: dict[tuple[str, ...], str] = {
+    (): "none",
+    ("logits = logits * self.logit_scale",): "scale",
+    ("logits = logits / self.config.logits_scaling",): "divisor",
+    (
+        "if self.config.final_logit_softcapping is not None:",
+        "logits = logits / self.config.final_logit_softcapping",
+        "logits = torch.tanh(logits)",
+        "logits = logits * self.config.final_logit_softcapping",
+    ): "softcap",
+}
+
+
+@functools.cache
+def _processing_of(cls: type) -> str:
+    """The logit processing of ``cls.forward`` (a key of :data:`_PROCESSINGS`' values), or why it is not known."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return f"the source of {cls.__name__}.forward cannot be read"
+    lines = [line.split("#")[0].strip() for line in source.splitlines()]
+    lines = [line for line in lines if line]
+    heads = [i for i, line in enumerate(lines) if line.startswith("logits = self.lm_head(")]
+    if len(heads) != 1 or not _HEAD_CALL.match(lines[heads[0]]):
+        return f"{cls.__name__}.forward does not call its head once as `logits = self.lm_head(hidden_states)`"
+    try:
+        end = lines.index("loss = None", heads[0])
+    except ValueError:
+        return f"{cls.__name__}.forward has no `loss = None` after its head"
+    between = tuple(lines[heads[0] + 1 : end])
+    if between not in _PROCESSINGS:
+        return (
+            f"{cls.__name__}.forward processes its logits in a way packing_hf does not know ({between[0]!r})"
+        )
+    return _PROCESSINGS[between]
+
+
+def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
+    """``(lm_head, LogitHead)`` of a causal LM whose head can be chunked exactly, else why not (a sentence).
+
+    ``model`` may be wrapped (DDP, PEFT): the ``PreTrainedModel`` inside is read.
+    """
+    inner = base_model(model)
+    head = getattr(inner, "lm_head", None)
+    get = getattr(inner, "get_output_embeddings", None)
+    if head is None or get is None or get() is not head:
+        return f"{type(inner).__name__} has no `lm_head` output embeddings"
+    if type(head) is not torch.nn.Linear:
+        return (
+            f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
+        )
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "output_router_logits", False):
+        return "it adds a router auxiliary loss to the model's own loss (output_router_logits=True)"
+    processing = _processing_of(type(inner))
+    if processing == "none":
+        return head, LogitHead()
+    if processing == "scale":
+        return head, LogitHead(scale=float(inner.logit_scale))
+    if processing == "divisor":
+        return head, LogitHead(divisor=float(config.logits_scaling))
+    if processing == "softcap":
+        return head, LogitHead(softcap=config.final_logit_softcapping)
+    return processing
+
+
+@contextlib.contextmanager
+def head_inputs(head: torch.nn.Module):
+    """For the duration, calls of ``head`` project nothing: the list it yields receives each call's input
+    ``(B, T, H)`` and the head gets an empty ``(B, 0, H)`` slice of it (the model returns ``(B, 0, V)`` logits)."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: Any, args: tuple) -> tuple:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _hidden_states(model: Any, head: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """``(hidden (B, T, H), outputs)``: the model called on ``inputs``, its head's input kept, no logits made."""
+    with head_inputs(head) as captured:
+        outputs = model(**inputs)
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"the model called its lm_head {len(captured)} times in one forward; the chunked loss needs one call. "
+            "Set chunked_loss=False"
+        )
+    return captured[0], outputs
+
+
+def causal_lm_loss(
+    model: Any,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    coefficients: torch.Tensor | None = None,
+    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    chunk_size: int | None = None,
+    metrics: bool = False,
+) -> tuple[torch.Tensor, LogitStats, Any]:
+    """The summed causal-LM cross-entropy of a batch, chunked: ``(loss, stats, outputs)``.
+
+    Args:
+        model: the model as the trainer calls it (wrappers included).
+        inputs: its keyword arguments, without ``labels``.
+        labels: ``(B, T)`` int64, unshifted (position ``t`` predicts ``labels[:, t + 1]``), -100 = not a target.
+        coefficients: ``(B, T - 1)`` float, each target's weight in the sum
+            (:func:`packing_hf.loss_head.target_coefficients`), or ``None`` (1 per target).
+        resolved: :func:`resolve_head` of the model (looked up when ``None``).
+        chunk_size: tokens per chunk (default: automatic).
+        metrics: also the labelled targets' entropy sum and top-1 hits (TRL's SFT metrics).
+
+    Returns:
+        the fp32 sum ``sum c * CE`` over the targets, the labelled targets' :class:`LogitStats`, and the model's
+        outputs (their ``logits`` are empty).
+    """
+    if resolved is None:
+        resolved = resolve_head(model)
+        if isinstance(resolved, str):
+            raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
+    head, logit_head = resolved
+    hidden, outputs = _hidden_states(model, head, inputs)
+    targets = labels[:, 1:].to(hidden.device)
+    mask = targets != -100
+    if coefficients is not None:
+        coefficients = coefficients.to(hidden.device)
+        weights = coefficients[mask]
+    else:
+        weights = None
+    # only the targets are projected: prompt tokens and sample boundaries cost nothing
+    loss, stats = linear_cross_entropy(
+        hidden[:, :-1][mask],
+        head.weight,
+        targets[mask],
+        head.bias,
+        weights=weights,
+        head=logit_head,
+        chunk_size=chunk_size,
+        metrics=metrics,
+    )
+    return loss, stats, outputs
+
+
+def model_token_logprobs(
+    model: Any,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    entropy: bool = False,
+    mean_logits: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[TokenLogProbs, Any]:
+    """Per-token log-probs of ``targets`` under the model, chunked, for the preference and RL trainers (what
+    ``selective_log_softmax(model(**inputs).logits, targets)`` gives): ``(TokenLogProbs, outputs)``.
+
+    Args:
+        model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss`.
+        targets: ``(B, T)`` int64, the token scored at every position (already shifted: position ``t`` scores
+            ``targets[:, t]``), -100 = not scored (log-prob 0).
+        entropy, mean_logits: also the ``(B, T)`` entropies / mean logits of every position.
+
+    Returns:
+        :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
+    """
+    if resolved is None:
+        resolved = resolve_head(model)
+        if isinstance(resolved, str):
+            raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
+    head, logit_head = resolved
+    hidden, outputs = _hidden_states(model, head, inputs)
+    out = token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        targets.reshape(-1).to(hidden.device),
+        head.bias,
+        head=logit_head,
+        entropy=entropy,
+        mean_logits=mean_logits,
+        chunk_size=chunk_size,
+    )
+    shape = hidden.shape[:-1]
+    return TokenLogProbs(*(None if x is None else x.view(shape) for x in out)), outputs

@@ -1,0 +1,416 @@
+"""The LM head and its loss in chunks of tokens: the ``(tokens, vocabulary)`` logits never exist whole.
+
+Once padding is gone the logits are the largest tensor of a packed step (tokens x vocabulary, upcast to fp32,
+plus their gradient). Here the projection ``hidden @ weight.T (+ bias)``, the model's own logit processing
+(:class:`LogitHead`: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's
+``final_logit_softcapping``) and what is taken from the logits are computed ``chunk_size`` tokens at a time:
+
+- :func:`linear_cross_entropy` ``reduction="sum"`` / ``"mean"``: a scalar loss, the weighted sum of the
+  targets' cross-entropies; its gradients are computed in the forward, chunk by chunk (Liger-style: no
+  recomputation, so no extra matmul), and scaled by the incoming gradient in backward. It also returns the
+  labelled tokens' entropy sum, top-1 hits and count (TRL's SFT metrics) from the same chunks.
+- :func:`token_logprobs` (and ``reduction="none"``): per-token log-probs of given targets, and optionally the
+  entropy of every position, with gradients: a chunk's logits are recomputed in backward, where the incoming
+  per-token gradient is known.
+
+Peak memory holds one chunk's logits (``chunk_size x vocabulary`` fp32) instead of the row's. Targets are
+already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
+the results equal the full-logits computation to float rounding (the sums run in another order).
+
+>>> torch.manual_seed(0) and None
+>>> hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
+>>> targets = torch.tensor([3, -100, 10, 0, 7])
+>>> loss, _ = linear_cross_entropy(hidden, weight, targets, reduction="mean", chunk_size=2)
+>>> full = torch.nn.functional.cross_entropy(hidden @ weight.T, targets)
+>>> bool(torch.allclose(loss, full))
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._loss import target_coefficients
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LogitHead",
+    "LogitStats",
+    "TokenLogProbs",
+    "chunk_size_for",
+    "linear_cross_entropy",
+    "target_coefficients",
+    "token_logprobs",
+]
+
+_IGNORE = -100
+#: fp32 bytes of one chunk's logits when ``chunk_size`` is not given (the chunk's share of the step's peak)
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LogitHead:
+    """What a model does to ``hidden @ weight.T (+ bias)`` before its loss: ``logits = raw * scale /
+    divisor``, then, with ``softcap``, ``softcap * tanh(logits / softcap)`` (Gemma 2/3's
+    ``final_logit_softcapping``). Cohere multiplies by ``logit_scale``; Granite divides by ``logits_scaling``
+    (kept as a division: the same rounding as the model's own).
+
+    >>> LogitHead(softcap=2.0).apply(torch.tensor([0.0, 100.0])).tolist()
+    [0.0, 2.0]
+    """
+
+    scale: float = 1.0
+    divisor: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("scale", "divisor"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not (value == value) or value in (float("inf"), 0):
+                raise ValueError(f"LogitHead.{name}={value!r}: it must be a finite non-zero number")
+        if self.softcap is not None and not (self.softcap > 0):
+            raise ValueError(f"LogitHead.softcap={self.softcap!r}: it must be > 0 (or None: no soft-capping)")
+
+    def apply(self, raw: torch.Tensor) -> torch.Tensor:
+        """The model's logits from the projection ``raw`` (any shape, float)."""
+        logits = raw
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def derivative(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``d logits / d raw`` elementwise where it is not a constant (soft-capping: ``scale / divisor x
+        (1 - tanh^2)``), else ``None``."""
+        if self.softcap is None:
+            return None
+        capped = logits / self.softcap  # tanh(.)
+        return capped.mul_(capped).neg_().add_(1.0)
+
+    def chain(self, grad: torch.Tensor, derivative: torch.Tensor | None) -> torch.Tensor:
+        """The gradient with respect to ``raw`` from the one with respect to ``logits = apply(raw)`` (in place),
+        ``derivative`` being :meth:`derivative` of the logits."""
+        if derivative is not None:
+            grad.mul_(derivative)
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        if self.divisor != 1.0:
+            grad.div_(self.divisor)
+        return grad
+
+
+@dataclass(frozen=True)
+class LogitStats:
+    """TRL's SFT metrics over the labelled targets, detached: ``entropy`` (sum of the entropies of their
+    next-token distributions) and ``hits`` (top-1 predictions equal to the target), ``None`` unless asked for
+    (``metrics=True``: an extra pass over each chunk), and ``count`` (targets)."""
+
+    entropy: torch.Tensor | None
+    hits: torch.Tensor | None
+    count: torch.Tensor
+
+
+def chunk_size_for(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about ``chunk_bytes``.
+
+    >>> chunk_size_for(49152), chunk_size_for(151936)
+    (341, 110)
+    """
+    return max(1, int(chunk_bytes) // (4 * max(1, int(vocab_size))))
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, chunk_size: int | None):
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (tokens, hidden_size) and weight (vocab_size, hidden_size), got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}; flatten the batch first (hidden.reshape(-1, hidden.shape[-1]))"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"targets must be (tokens,) = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}; pass the labels "
+            "already shifted (targets[i] is the token predicted from hidden[i])"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be (vocab_size,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    bad = (targets != _IGNORE) & ((targets < 0) | (targets >= weight.shape[0]))
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"targets[{pos}] = {int(targets[pos])} is not a token id of the {weight.shape[0]}-token vocabulary "
+            "(nor -100, not a target); check the labels against the model's vocab_size"
+        )
+    if chunk_size is None:
+        return chunk_size_for(weight.shape[0])
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size={chunk_size!r}: it must be a positive number of tokens (or None: automatic)"
+        )
+    return chunk_size
+
+
+def _chunks(n: int, size: int):
+    """``(start, end)`` of every chunk of ``size`` tokens covering ``0..n`` (the last one shorter)."""
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+def _chunk_logits(hidden, weight, bias, head: LogitHead) -> torch.Tensor:
+    """``(c, V)`` fp32 logits of one chunk (the projection in the weight's dtype, as the model's own head)."""
+    return head.apply(F.linear(hidden, weight, bias).float())
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``sum_i coefficient_i * CE_i`` with its gradients computed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, coefficients, head, chunk_size, stats):
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(hidden) if needs[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
+        any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
+        for start, end in _chunks(hidden.shape[0], chunk_size):
+            h, t = hidden[start:end], targets[start:end]
+            valid = t != _IGNORE
+            k = torch.where(valid, coefficients[start:end], torch.zeros_like(coefficients[start:end]))
+            index = t.clamp(min=0)[:, None]
+            logits = _chunk_logits(h, weight, bias, head)  # (c, V) fp32
+            derivative = head.derivative(logits) if any_grad else None
+            log_p = torch.log_softmax(logits, dim=-1)  # (c, V): fused, faster than logsumexp on CPU
+            del logits
+            per_token = -log_p.gather(1, index)[:, 0]
+            loss += torch.where(k != 0, per_token * k, torch.zeros_like(k)).sum()
+            if (
+                stats
+            ):  # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
+                hits += (valid & (log_p.argmax(-1) == t)).sum()
+            if stats:
+                plogp = (log_p.exp() * log_p).sum(-1)
+                entropy -= torch.where(valid, plogp, torch.zeros_like(plogp)).sum()
+            if not any_grad:
+                continue
+            grad = log_p.exp_().mul_(k[:, None])  # d loss / d logits = k (p - onehot), in place
+            grad.scatter_add_(1, index, -k[:, None])
+            grad = head.chain(grad, derivative).to(hidden.dtype)  # (c, V) d loss / d raw
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t().float(), h.float())
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias))
+        )
+        ctx.has = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(entropy, hits)
+        return loss, entropy, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _entropy, _hits):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        has_hidden, has_weight, has_bias = ctx.has
+        grad_loss = grad_loss.float()
+        return (
+            (grad_hidden * grad_loss.to(grad_hidden.dtype)) if has_hidden else None,
+            (grad_weight * grad_loss).to(ctx.dtypes[0]) if has_weight else None,
+            (grad_bias * grad_loss).to(ctx.dtypes[1]) if has_bias else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """Per-token ``log p(target)`` and entropy; each chunk's logits are recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean):
+        n = hidden.shape[0]
+        logps = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        means = torch.zeros(n if with_mean else 0, dtype=torch.float32, device=hidden.device)
+        for start, end in _chunks(n, chunk_size):
+            t = targets[start:end]
+            logits = _chunk_logits(hidden[start:end], weight, bias, head)
+            log_z = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0] - log_z
+            logps[start:end] = torch.where(t != _IGNORE, picked, torch.zeros_like(picked))
+            if with_entropy:
+                entropy[start:end] = log_z - (torch.softmax(logits, -1) * logits).sum(-1)
+            if with_mean:
+                means[start:end] = logits.mean(-1)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, entropy)
+        ctx.head, ctx.chunk_size, ctx.has_bias = head, chunk_size, bias is not None
+        ctx.mark_non_differentiable(means)
+        return logps, entropy, means
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy, _means):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(hidden) if needs[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
+        use_entropy = grad_entropy is not None and entropy.numel() > 0
+        for start, end in _chunks(hidden.shape[0], ctx.chunk_size):
+            h, t = hidden[start:end], targets[start:end]
+            logits = _chunk_logits(h, weight, bias, ctx.head)
+            log_p = torch.log_softmax(logits, dim=-1)  # (c, V)
+            probs = log_p.exp()
+            grad = torch.zeros_like(logits)
+            if grad_logps is not None:
+                g = torch.where(t != _IGNORE, grad_logps[start:end].float(), torch.zeros_like(log_p[:, 0]))
+                grad.addcmul_(probs, -g[:, None])  # d log p_t / d z = onehot - p
+                grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
+            if use_entropy:
+                g = grad_entropy[start:end].float()
+                # d H / d z_j = -p_j (log p_j + H), H from this chunk's own log p (consistent rounding)
+                chunk_entropy = -(probs * log_p).sum(-1, keepdim=True)
+                grad.addcmul_(probs * (log_p + chunk_entropy), -g[:, None])
+            grad = ctx.head.chain(grad, ctx.head.derivative(logits)).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t().float(), h.float())
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weights: torch.Tensor | None = None,
+    reduction: str = "sum",
+    head: LogitHead | None = None,
+    chunk_size: int | None = None,
+    metrics: bool = False,
+) -> tuple[torch.Tensor, LogitStats]:
+    """The cross-entropy of ``targets`` under the logits ``head.apply(hidden @ weight.T + bias)``, chunk by chunk.
+
+    Args:
+        hidden: ``(N, H)`` float, the LM head's input (after the model's final norm).
+        weight: ``(V, H)``, the LM head's weight (the input embeddings when tied); ``bias``: ``(V,)`` or ``None``.
+        targets: ``(N,)`` int64 token ids, already shifted; ``-100``: not a target.
+        weights: ``(N,)`` float, each target's weight (the coefficients of :func:`target_coefficients`), or
+            ``None`` (1 each).
+        reduction: ``"sum"`` (``sum_i w_i CE_i``), ``"mean"`` (that over ``sum_i w_i``, as
+            ``F.cross_entropy(..., reduction="mean")`` without weights) or ``"none"`` (``(N,)`` per-token losses,
+            0 where not a target, gradients through :func:`token_logprobs`).
+        head: the model's logit processing (default: none).
+        chunk_size: tokens per chunk (default: :func:`chunk_size_for` the vocabulary).
+        metrics: also compute the entropy sum and top-1 hits of the labelled targets (:class:`LogitStats`).
+
+    Returns:
+        ``(loss, stats)``: the loss (fp32, scalar or ``(N,)``) and the labelled targets' :class:`LogitStats`.
+
+    >>> hidden, weight = torch.eye(3), torch.eye(3) * 5
+    >>> loss, stats = linear_cross_entropy(hidden, weight, torch.tensor([0, 2, -100]), chunk_size=2, metrics=True)
+    >>> round(float(loss), 4), int(stats.hits), int(stats.count)
+    (5.0268, 1, 2)
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction={reduction!r}: it must be 'sum', 'mean' or 'none'")
+    chunk = _check(hidden, weight, bias, targets, chunk_size)
+    head = head or LogitHead()
+    valid = targets != _IGNORE
+    if reduction == "none":
+        logps, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False)
+        per_token = -logps
+        if weights is not None:
+            per_token = per_token * weights.to(per_token)
+        if not metrics:
+            return per_token, LogitStats(entropy=None, hits=None, count=valid.sum())
+        with torch.no_grad():
+            _, stats = linear_cross_entropy(
+                hidden, weight, targets, bias, head=head, chunk_size=chunk, metrics=True
+            )
+        return per_token, stats
+    if weights is None:
+        coefficients = valid.float()
+    else:
+        if weights.shape != targets.shape:
+            raise ValueError(
+                f"weights must be (tokens,) = {tuple(targets.shape)}, got {tuple(weights.shape)}"
+            )
+        coefficients = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
+    if not torch.is_grad_enabled():  # evaluation: no gradient to compute in the forward
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = None if bias is None else bias.detach()
+    loss, entropy, hits = _LinearCrossEntropy.apply(
+        hidden, weight, bias, targets, coefficients, head, chunk, metrics
+    )
+    if reduction == "mean":
+        loss = loss / coefficients.sum()
+    if not metrics:
+        entropy = hits = None
+    return loss, LogitStats(entropy=entropy, hits=hits, count=valid.sum())
+
+
+class TokenLogProbs(NamedTuple):
+    """What :func:`token_logprobs` returns: ``logps`` ``(N,)`` (differentiable), ``entropy`` ``(N,)``
+    (differentiable) or ``None``, ``mean_logits`` ``(N,)`` (detached: every position's mean logit, what TRL's
+    ``logits/*`` metrics average) or ``None``."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+    mean_logits: torch.Tensor | None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    head: LogitHead | None = None,
+    chunk_size: int | None = None,
+    entropy: bool = False,
+    mean_logits: bool = False,
+) -> TokenLogProbs:
+    """Per-token ``log p(targets[i] | hidden[i])`` under ``head.apply(hidden @ weight.T + bias)``, and the entropy
+    of every position's distribution, chunk by chunk, with gradients (the chunk's logits recomputed in backward).
+
+    Args:
+        hidden, weight, targets, bias, head, chunk_size: as in :func:`linear_cross_entropy`.
+        entropy: also return the ``(N,)`` entropies (differentiable).
+        mean_logits: also return every position's mean logit (detached).
+
+    Returns:
+        :class:`TokenLogProbs`: ``(N,)`` fp32 log-probs, 0 where ``targets`` is -100; the entropies, the mean logits.
+
+    >>> out = token_logprobs(torch.zeros(2, 3), torch.ones(4, 3), torch.tensor([1, -100]), entropy=True)
+    >>> [round(x, 4) for x in out.logps.tolist()], [round(x, 4) for x in out.entropy.tolist()], out.mean_logits
+    ([-1.3863, 0.0], [1.3863, 1.3863], None)
+    """
+    chunk = _check(hidden, weight, bias, targets, chunk_size)
+    logps, entropies, means = _TokenLogProbs.apply(
+        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits
+    )
+    return TokenLogProbs(logps, entropies if entropy else None, means if mean_logits else None)

@@ -1,0 +1,174 @@
+"""The chunked LM head on real tiny fp32 models against their own full logits (1e-6 relative): the loss of every
+``loss_normalization`` with ``loss_weights`` on a packed row, per-token log-probs and entropies, and the gradient
+of every parameter (the LM head, tied input embeddings, final norms), for llama with a tied and an untied head,
+Gemma 2's soft-capping, Cohere's ``logit_scale`` and Granite's ``logits_scaling``, a vocabulary not divisible by
+the chunk; a chunk loop dropping one token is caught by the same check. The Trainer: no ``(tokens, vocabulary)``
+logits in training or evaluation, ``eval_loss`` unchanged, and a head it cannot chunk keeps the full logits and
+says why once. (Packed vs padded, gradient accumulation and 2/3 processes: ``test_loss.py`` and
+``tests/distributed/test_loss_multiprocess.py`` compare the chunked packed step with full-logits padded ones.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import packing_hf
+from packing_hf import _loss, loss_head
+from packing_hf.integrations.chunked_head import causal_lm_loss, model_token_logprobs, resolve_head
+from packing_hf.loss_head import LogitHead, target_coefficients
+
+REL = 1e-6
+VOCAB = 61  # prime: no chunk size divides it
+CHUNK = 4
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=8,
+)  # fmt: skip
+MODELS = {
+    "llama_tied": ("llama", {"tie_word_embeddings": True}, LogitHead()),
+    "llama_untied": ("llama", {"tie_word_embeddings": False}, LogitHead()),
+    "gemma2_softcap": ("gemma2", {"final_logit_softcapping": 2.0}, LogitHead(softcap=2.0)),
+    "cohere_scale": ("cohere", {"logit_scale": 0.5}, LogitHead(scale=0.5)),
+    "granite_scaling": ("granite", {"logits_scaling": 4.0}, LogitHead(divisor=4.0)),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    yield
+
+
+def _model(name: str):
+    model_type, overrides, _ = MODELS[name]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **SHAPE, **overrides)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
+
+
+def _packed_row():
+    """Three samples in one row (prompts masked, the collator masks every sample's first label), with weights."""
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for length, prompt in ((7, 2), (5, 0), (9, 4)):
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        weights = (torch.randint(0, 9, (length,), generator=generator) / 4).tolist()
+        samples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "loss_weights": weights})
+    batch = packing_hf.PaddingFreeCollator()(samples)
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+    return inputs, batch["labels"], batch["loss_weights"]
+
+
+def _grads(model, loss):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [dict(model.named_parameters())[n] for n in names], allow_unused=True)
+    return {n: g for n, g in zip(names, grads, strict=True) if g is not None}
+
+
+def _check_model(name: str, assert_close) -> None:
+    model = _model(name)
+    resolved = resolve_head(model)
+    assert not isinstance(resolved, str), resolved
+    assert resolved[1] == MODELS[name][2]
+    if name == "llama_tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    inputs, labels, weights = _packed_row()
+    position_ids = inputs["position_ids"]
+    for normalization in _loss.LOSS_NORMALIZATIONS:
+        logits = model(**inputs).logits  # (1, T, V): the full-logits path
+        per_target = F.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")[None]
+        want = _loss.loss_numerator(per_target, labels, normalization, weights, position_ids)
+        coefficients = target_coefficients(labels, normalization, weights, position_ids)
+        got, stats, outputs = causal_lm_loss(model, inputs, labels, coefficients, chunk_size=CHUNK)
+        assert outputs.logits.shape[1] == 0  # the model projected nothing
+        assert_close(got.detach(), want.detach(), f"{name} {normalization} loss", rel=REL)
+        want_grads, got_grads = _grads(model, want), _grads(model, got)
+        assert (
+            want_grads.keys() == got_grads.keys()
+        )  # the head's weight is lm_head.weight or the tied embeddings
+        for param, grad in want_grads.items():
+            assert_close(got_grads[param], grad, f"{name} {normalization} d/d{param}", rel=REL)
+    # per-token log-probs and entropies (the preference / RL paths), every target scored, with gradients
+    targets = torch.cat([inputs["input_ids"][:, 1:], torch.full((1, 1), -100)], dim=1)
+    log_p = model(**inputs).logits.log_softmax(-1)
+    want_logps = torch.where(targets != -100, log_p.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
+    want_entropy = -(log_p.exp() * log_p).sum(-1)
+    (logps, entropy, _), _ = model_token_logprobs(model, inputs, targets, entropy=True, chunk_size=CHUNK)
+    assert_close(logps.detach(), want_logps.detach(), f"{name} log-probs", rel=REL)
+    assert_close(entropy.detach(), want_entropy.detach(), f"{name} entropies", rel=REL)
+    upstream = torch.linspace(-1.0, 2.0, targets.shape[1])
+    want_grads = _grads(model, (want_logps * upstream).sum() + want_entropy.sum())
+    got_grads = _grads(model, (logps * upstream).sum() + entropy.sum())
+    for param, grad in want_grads.items():
+        assert_close(got_grads[param], grad, f"{name} log-prob d/d{param}", rel=REL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chunked_head_equals_the_models_logits(name, assert_close):
+    _check_model(name, assert_close)
+
+
+def test_negative_control_a_chunk_boundary_dropping_a_token(assert_close, monkeypatch):
+    def dropping(n, size):  # the first token of every chunk after the first is skipped
+        for start in range(0, n, size):
+            yield (start + 1 if start else 0), min(start + size, n)
+
+    monkeypatch.setattr(loss_head, "_chunks", dropping)
+    with pytest.raises(AssertionError, match="loss"):
+        _check_model("llama_untied", assert_close)
+
+
+def _trainer(tmp_path, model, chunked: bool, **kwargs):
+    samples = [s for s in _samples()]
+    args = packing_hf.TrainingArguments(
+        str(tmp_path), max_tokens_per_batch=24, max_steps=1, learning_rate=0.0, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, packing_metrics=False, seed=0,
+        chunked_loss=chunked, logging_steps=1, **kwargs,
+    )  # fmt: skip
+    return packing_hf.Trainer(model=model, args=args, train_dataset=samples, eval_dataset=samples)
+
+
+def _samples():
+    generator = torch.Generator().manual_seed(5)
+    for length in (6, 9, 4, 11, 7):
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        yield {"input_ids": ids, "labels": [-100, -100, *ids[2:]]}
+
+
+def test_trainer_builds_no_logits_and_keeps_its_losses(tmp_path, assert_close):
+    shapes = []
+    results = {}
+    for chunked in (True, False):
+        model = _model("llama_untied")
+        hook = model.lm_head.register_forward_hook(
+            lambda m, a, out, chunked=chunked: shapes.append((chunked, tuple(out.shape)))
+        )
+        trainer = _trainer(tmp_path, model, chunked)
+        trainer.train()
+        loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+        results[chunked] = (loss, trainer.evaluate()["eval_loss"])
+        hook.remove()
+    assert {s[-2] for c, s in shapes if c} == {0}  # chunked: the head projects no token, in train and eval
+    assert all(s[-2] > 0 for c, s in shapes if not c)
+    assert_close(results[True][0], results[False][0], "train loss", rel=REL)
+    assert_close(results[True][1], results[False][1], "eval_loss", rel=REL)
+
+
+def test_a_head_that_cannot_be_chunked_keeps_the_logits_and_says_why_once(tmp_path, caplog):
+    config = AutoConfig.for_model(
+        "opt", vocab_size=VOCAB, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+        word_embed_proj_dim=16,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert "does not call its head once" in resolve_head(model)
+    trainer = _trainer(tmp_path, model, True)
+    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.loss"):
+        assert trainer._chunked_head(model) is None
+        assert trainer._chunked_head(model) is None
+    said = [r.getMessage() for r in caplog.records if "chunked_loss" in r.getMessage()]
+    assert len(said) == 1 and "OPTForCausalLM" in said[0], said
+    assert _trainer(tmp_path, _model("llama_untied"), False)._chunked_head(model) is None  # opted out
