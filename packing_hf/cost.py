@@ -26,6 +26,8 @@ Three ways to get one:
 
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import json
 import math
@@ -39,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CostModel", "default_cost_cache", "fit_cost_model", "rank_cost_spread", "resolve_cost_model"]
 
@@ -331,7 +335,8 @@ def resolve_cost_model(spec: str | CostModel | None, model: Any, max_tokens: int
     """The cost model a training argument names, identical on every rank.
 
     Args:
-        spec: ``None`` (none: token balance), a :class:`CostModel`, ``"flops"``
+        spec: ``None`` (none: token balance), a :class:`CostModel`, ``"auto"`` (``"flops"`` where the config
+            has the sizes it reads, else token balance, said once in the log), ``"flops"
             (:meth:`CostModel.from_config` of ``model.config``), ``"fit"`` (:func:`fit_cost_model`, cached),
             or ``"LINEAR,QUADRATIC"``.
         model: the model being trained (read for ``"flops"`` and ``"fit"``).
@@ -345,6 +350,13 @@ def resolve_cost_model(spec: str | CostModel | None, model: Any, max_tokens: int
     """
     if spec is None or isinstance(spec, CostModel):
         return spec
+    if spec == "auto":
+        base = getattr(model, "get_base_model", lambda: model)()
+        try:
+            return CostModel.from_config(getattr(base, "config", None))
+        except ValueError as error:
+            logger.info("multipack balances tokens, not cost: %s", error)
+            return None
     if spec == "flops":
         return CostModel.from_config(getattr(model, "config", None))
     if spec != "fit":

@@ -72,12 +72,13 @@ class PackingArguments:
         },
     )
     multipack_cost_model: str | None = field(
-        default=None,
+        default="auto",
         metadata={
             "help": "With max_tokens_per_batch and several ranks: balance every step by predicted compute cost "
             "sum(LINEAR * L + QUADRATIC * L**2) instead of tokens. 'flops': counted from the model config; "
             "'fit': measured on the model (a few timed forward + backward passes, cached per model/device/"
-            "attention); 'LINEAR,QUADRATIC': given. Default None: token balance. See docs/multipack.md."
+            "attention); 'LINEAR,QUADRATIC': given; None: token balance. Default 'auto': 'flops' where the model "
+            "config has the sizes it reads, else token balance (said once). See docs/multipack.md."
         },
     )
     packing_eval: bool = field(
@@ -131,13 +132,13 @@ class PackingArguments:
         self.loss_normalization = check_loss_normalization(self.loss_normalization)
         if self.multipack_mixing not in MIXINGS:
             raise ValueError(f"multipack_mixing={self.multipack_mixing!r}: it must be one of {MIXINGS}")
-        if self.multipack_cost_model not in (None, "flops", "fit"):
+        if self.multipack_cost_model not in (None, "auto", "flops", "fit"):
             from ..cost import CostModel
 
             try:
                 CostModel.parse(self.multipack_cost_model)
             except ValueError as error:
-                raise ValueError(f"multipack_cost_model: {error}; or 'flops' / 'fit' / None") from None
+                raise ValueError(f"multipack_cost_model: {error}; or 'auto' / 'flops' / 'fit' / None") from None
         for name in ("packing_eval", "packing_metrics", "chunked_loss"):
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
