@@ -94,7 +94,7 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     def say(message: str) -> None:
         print_fn(f"[packing-hf] {message}")
 
-    trainer_name, data, training = cfg.job.trainer, cfg.data, cfg.training
+    trainer_name, training = cfg.job.trainer, cfg.training
     check_model(cfg.model, cfg.source)
     phases = _Phases()
     set_seed(training.seed)
@@ -102,22 +102,7 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
         say(note)
 
     phases.start("read")
-    kind = FORMATS[trainer_name][0]
-    say(f"reading {data.dataset} as TRL's {kind} format for trainer: {trainer_name}")
-    dataset = load_trl_dataset(
-        trainer_name,
-        data.dataset,
-        split=data.dataset_split,
-        config_name=data.dataset_config,
-        limit=data.num_samples,
-        column_mapping=data.column_mapping,
-    )
-    records = f"{data.dataset}: {len(dataset):,} records, columns {dataset.column_names}"
-    if data.dataset == "embedded":
-        records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
-    say(records)
-    if data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: {trainer_name} (no held-out loss)")
+    dataset, records = _read_dataset(cfg, say)
 
     phases.start("load")
     say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
@@ -129,72 +114,21 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     user_use_cache = model.config.use_cache
     user_attention = getattr(model.config, "_attn_implementation", None)
     peft_config = peft_config_from(cfg.model.peft, "SEQ_CLS" if trainer_name == "reward" else "CAUSAL_LM")
-    plan = reference_plan(
-        trainer_name,
-        peft=peft_config is not None,
-        beta=getattr(training, "beta", None),
-        loadable=_loadable(model),
-    )
-    say(f"reference model: {plan}")
-    kwargs: dict[str, Any] = {"peft_config": peft_config} if peft_config is not None else {}
-    if plan.startswith("copy"):
-        kwargs["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
-    elif plan.startswith("saved"):
-        folder = Path(training.output_dir) / "reference_model"
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        model.config._name_or_path = str(folder)
-    if trainer_name in ("grpo", "rloo"):
-        spec = cfg.job.reward_funcs or ("gsm8k" if data.dataset == "embedded" else None)
-        if spec is None:
-            raise ValueError(
-                f"trainer: {trainer_name} needs reward_funcs (comma-separated import paths, module:function); "
-                "the built-in gsm8k applies to the embedded data (or a dataset with an answer column)"
-            )
-        kwargs["reward_funcs"] = resolve_reward_funcs(spec)
-        say(f"reward functions: {', '.join(f.__name__ for f in kwargs['reward_funcs'])}")
+    plan, kwargs = _trainer_kwargs(cfg, model, tokenizer, peft_config, say)
 
     phases.start("plan")
     cls = getattr(integrations, _CLASSES[trainer_name])
     trainer = cls(model=model, args=training, train_dataset=dataset, processing_class=tokenizer, **kwargs)
-    device = training.device
-    precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
-    summary: dict[str, Any] = {
-        "config": cfg.source,
-        "model": _describe(cfg, trainer.model),
-        "device": str(device),
-        "precision": precision,
-        "trainer": trainer_name,
-        "batching": cfg.batching,
-        "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
-        "dataset": data.dataset,
-        "records": records,
-        "reference": plan,
-        "peft": cfg.model.peft,
-        "baseline": None,
-        "baseline_note": f"no padded baseline with trainer: {trainer_name} (benchmarks/ compares it with TRL's padded trainer)",
-    }
-    say(f"model: {summary['model']} on {device}, {precision}, attention {user_attention}")
+    summary = _summary(cfg, trainer, records, plan)
+    say(
+        f"model: {summary['model']} on {summary['device']}, {summary['precision']}, attention {user_attention}"
+    )
 
     phases.start("train")
     say(
         f"training ({_CLASSES[trainer_name]}): {training.max_steps if training.max_steps > 0 else 'all'} steps"
     )
-    started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
-    history = trainer.state.log_history
-    summary.update(
-        global_step=int(trainer.state.global_step),
-        train_runtime=float(result.metrics.get("train_runtime", time.perf_counter() - started)),
-        train_loss=float(result.training_loss),
-        losses=[float(e["loss"]) for e in history if "loss" in e],
-        rewards=[float(e["reward"]) for e in history if "reward" in e] or None,
-        logged_packing_efficiency=mean_logged(history, "packing_efficiency"),
-        attn_implementation=getattr(getattr(trainer.model, "config", None), "_attn_implementation", None),
-    )
-    summary["packing_efficiency"] = summary["logged_packing_efficiency"]
-    if summary["rewards"]:
-        say(f"mean reward per logged step: {', '.join(f'{r:.3f}' for r in summary['rewards'])}")
+    _train(trainer, training, summary, say)
 
     output_dir = Path(training.output_dir)
     _restore_user_config(model, user_use_cache, user_attention)
@@ -214,6 +148,100 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     print_summary(summary, print_fn)
     logger.debug("summary written to %s", output_dir / SUMMARY_NAME)
     return summary
+
+
+def _read_dataset(cfg: TrainConfig, say) -> tuple[Any, str]:
+    """The training rows in TRL's format for the trainer, and their description."""
+    trainer_name, data = cfg.job.trainer, cfg.data
+    kind = FORMATS[trainer_name][0]
+    say(f"reading {data.dataset} as TRL's {kind} format for trainer: {trainer_name}")
+    dataset = load_trl_dataset(
+        trainer_name,
+        data.dataset,
+        split=data.dataset_split,
+        config_name=data.dataset_config,
+        limit=data.num_samples,
+        column_mapping=data.column_mapping,
+    )
+    records = f"{data.dataset}: {len(dataset):,} records, columns {dataset.column_names}"
+    if data.dataset == "embedded":
+        records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
+    say(records)
+    if data.eval_dataset is not None:
+        say(f"eval_dataset {data.eval_dataset} is not used with trainer: {trainer_name} (no held-out loss)")
+    return dataset, records
+
+
+def _trainer_kwargs(cfg: TrainConfig, model, tokenizer, peft_config, say) -> tuple[str, dict[str, Any]]:
+    """The reference plan, and the trainer kwargs it and the config give (reference model, adapter, rewards)."""
+    trainer_name, training = cfg.job.trainer, cfg.training
+    plan = reference_plan(
+        trainer_name,
+        peft=peft_config is not None,
+        beta=getattr(training, "beta", None),
+        loadable=_loadable(model),
+    )
+    say(f"reference model: {plan}")
+    kwargs: dict[str, Any] = {"peft_config": peft_config} if peft_config is not None else {}
+    if plan.startswith("copy"):
+        kwargs["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
+    elif plan.startswith("saved"):
+        folder = Path(training.output_dir) / "reference_model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        model.config._name_or_path = str(folder)
+    if trainer_name in ("grpo", "rloo"):
+        spec = cfg.job.reward_funcs or ("gsm8k" if cfg.data.dataset == "embedded" else None)
+        if spec is None:
+            raise ValueError(
+                f"trainer: {trainer_name} needs reward_funcs (comma-separated import paths, module:function); "
+                "the built-in gsm8k applies to the embedded data (or a dataset with an answer column)"
+            )
+        kwargs["reward_funcs"] = resolve_reward_funcs(spec)
+        say(f"reward functions: {', '.join(f.__name__ for f in kwargs['reward_funcs'])}")
+    return plan, kwargs
+
+
+def _summary(cfg: TrainConfig, trainer, records: str, plan: str) -> dict[str, Any]:
+    """The run's summary before training: model, device, data, reference model and adapter."""
+    training, trainer_name = cfg.training, cfg.job.trainer
+    data = cfg.data
+    device = training.device
+    precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+    return {
+        "config": cfg.source,
+        "model": _describe(cfg, trainer.model),
+        "device": str(device),
+        "precision": precision,
+        "trainer": trainer_name,
+        "batching": cfg.batching,
+        "max_tokens_per_batch": getattr(training, "max_tokens_per_batch", None),
+        "dataset": data.dataset,
+        "records": records,
+        "reference": plan,
+        "peft": cfg.model.peft,
+        "baseline": None,
+        "baseline_note": f"no padded baseline with trainer: {trainer_name} (benchmarks/ compares it with TRL's padded trainer)",
+    }
+
+
+def _train(trainer, training, summary: dict[str, Any], say) -> None:
+    """Train, and record the steps, runtime, losses, rewards and fill in ``summary``."""
+    started = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    history = trainer.state.log_history
+    summary.update(
+        global_step=int(trainer.state.global_step),
+        train_runtime=float(result.metrics.get("train_runtime", time.perf_counter() - started)),
+        train_loss=float(result.training_loss),
+        losses=[float(e["loss"]) for e in history if "loss" in e],
+        rewards=[float(e["reward"]) for e in history if "reward" in e] or None,
+        logged_packing_efficiency=mean_logged(history, "packing_efficiency"),
+        attn_implementation=getattr(getattr(trainer.model, "config", None), "_attn_implementation", None),
+    )
+    summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+    if summary["rewards"]:
+        say(f"mean reward per logged step: {', '.join(f'{r:.3f}' for r in summary['rewards'])}")
 
 
 def _describe(cfg: TrainConfig, model) -> str:

@@ -29,6 +29,20 @@ from .preflight import base_model
 __all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows"]
 
 
+def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:
+    """A keyword pre-hook and a keyword post-hook around ``model``'s forward; their handles."""
+    # prepend: the rewrite must come before packing_hf's own guards, which check the packed inputs
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+
+
+def _remove(handles: list[Any]) -> None:
+    while handles:
+        handles.pop().remove()
+
+
 class PackedPreferenceForward:
     """Forward hooks letting ``model`` take a packed preference batch while its caller works in the padded layout.
 
@@ -62,17 +76,11 @@ class PackedPreferenceForward:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._layout: tuple[torch.Tensor, int, int] | None = None
-        # prepend: the rewrite must come before packing_hf's own guards, which check the packed inputs
-        self._handles = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
-            model.register_forward_hook(self._after, with_kwargs=True),
-        ]
+        self._handles = _around(model, self._before, self._after)
 
     def remove(self) -> None:
         """Remove both hooks (the model is as before)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        _remove(self._handles)
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._layout = None  # a forward that raised must not leave its layout to the next call
@@ -176,16 +184,13 @@ class PackedRewardForward:
         self._ends: torch.Tensor | None = None
         self._scores: torch.Tensor | None = None
         self._handles = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            *_around(model, self._before, self._after),
             head.register_forward_hook(self._capture),
-            model.register_forward_hook(self._after, with_kwargs=True),
         ]
 
     def remove(self) -> None:
         """Remove the hooks (the model is as before)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        _remove(self._handles)
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._ends, self._scores = None, None
