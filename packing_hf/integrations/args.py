@@ -138,7 +138,9 @@ class PackingArguments:
             try:
                 CostModel.parse(self.multipack_cost_model)
             except ValueError as error:
-                raise ValueError(f"multipack_cost_model: {error}; or 'auto' / 'flops' / 'fit' / None") from None
+                raise ValueError(
+                    f"multipack_cost_model: {error}; or 'auto' / 'flops' / 'fit' / None"
+                ) from None
         for name in ("packing_eval", "packing_metrics", "chunked_loss"):
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
