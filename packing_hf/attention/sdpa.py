@@ -126,6 +126,30 @@ class _Call:
     host_q: list[int] | None = None
     host_k: list[int] | None = None
 
+    def explicit(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor,
+        rel: torch.Tensor,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`_explicit_attention` with this call's scale, softcap, dropout, ALiBi slopes and sinks."""
+        return _explicit_attention(
+            q,
+            k,
+            v,
+            allowed,
+            rel,
+            scale=self.scale,
+            softcap=self.softcap,
+            dropout_p=self.dropout_p,
+            alibi_slopes=self.alibi_slopes,
+            s_aux=self.s_aux,
+            extra_mask=extra,
+        )
+
 
 def _segments(call: _Call) -> list[tuple[int, int, int, int]]:
     bq = call.host_q if call.host_q is not None else host_values(call.cu_q)
@@ -163,18 +187,8 @@ def _run_reference(call: _Call) -> torch.Tensor:
     if extra is not None and extra.dtype != torch.bool:
         # a -inf additive block outside the segments would make fully-masked rows NaN; keep it finite
         extra = extra.masked_fill(~allowed, 0.0)
-    out = _explicit_attention(
-        call.q.transpose(0, 1),
-        call.k.transpose(0, 1),
-        call.v.transpose(0, 1),
-        allowed,
-        rel,
-        scale=call.scale,
-        softcap=call.softcap,
-        dropout_p=call.dropout_p,
-        alibi_slopes=call.alibi_slopes,
-        s_aux=call.s_aux,
-        extra_mask=extra,
+    out = call.explicit(
+        call.q.transpose(0, 1), call.k.transpose(0, 1), call.v.transpose(0, 1), allowed, rel, extra
     )
     return out.transpose(0, 1)  # (Tq, Hq, Dv)
 
@@ -189,19 +203,7 @@ def _attend_block(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     gqa = q.shape[-3] != k.shape[-3]
     if call.softcap > 0 or call.s_aux is not None or (call.causal and lq > lk):
         allowed, rel = _allowed(lq, lk, call.causal, call.window, q.device)
-        return _explicit_attention(
-            q,
-            k,
-            v,
-            allowed,
-            rel,
-            scale=call.scale,
-            softcap=call.softcap,
-            dropout_p=call.dropout_p,
-            alibi_slopes=call.alibi_slopes,
-            s_aux=call.s_aux,
-            extra_mask=extra,
-        )
+        return call.explicit(q, k, v, allowed, rel, extra)
     plain_window = call.window[0] < 0 and (call.causal or call.window[1] < 0)
     if plain_window and call.alibi_slopes is None and extra is None and (lq == lk or not call.causal):
         # the fast path: SDPA's own causal flag lets it pick its flash kernel (O(L) memory, CPU included)
@@ -331,10 +333,7 @@ def _run_sdpa_padded(call: _Call) -> torch.Tensor:
         allowed = (allowed | no_key[..., None])[:, None]  # (n, 1, Lq, Lk)
         rel = rel[:, None]
         if call.softcap > 0 or call.s_aux is not None:
-            out = _explicit_attention(
-                qp, kp, vp, allowed, rel, scale=call.scale, softcap=call.softcap, dropout_p=call.dropout_p,
-                alibi_slopes=call.alibi_slopes, s_aux=call.s_aux, extra_mask=None,
-            )  # fmt: skip
+            out = call.explicit(qp, kp, vp, allowed, rel)
         else:
             mask = allowed
             if call.alibi_slopes is not None:
