@@ -26,10 +26,9 @@ Three ways to get one:
 
 from __future__ import annotations
 
-import logging
-
 import hashlib
 import json
+import logging
 import math
 import os
 import statistics

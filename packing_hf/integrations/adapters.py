@@ -11,12 +11,14 @@ calls that carry its packed keys (every other call passes untouched) and is remo
 - :class:`PackedRewardForward` (reward): packed pairs in, the score head's output read at each sequence's
   pooled token, as stock's ``(2B, num_labels)`` scores.
 
-and one adapter of the trainer's own accelerator: :func:`gather_uneven_rows` (ranks' packed batches hold
+:func:`head_inputs` (the chunked loss: the LM head's input kept, no logits projected, for one forward), and one
+adapter of the trainer's own accelerator: :func:`gather_uneven_rows` (ranks' packed batches hold
 different numbers of rows).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from ..preference import pack_padded_labels, unpack_shifted
 from ..shared_prefix import PREFIX_KEY
 from .preflight import base_model
 
-__all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows"]
+__all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows", "head_inputs"]
 
 
 def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:
@@ -279,3 +281,20 @@ def gather_uneven_rows(accelerator: Any) -> None:
 
     accelerator.gather = gather
     accelerator._packing_uneven_gather = True
+
+
+@contextlib.contextmanager
+def head_inputs(head: torch.nn.Module):
+    """For the duration, calls of ``head`` project nothing: the list it yields receives each call's input
+    ``(B, T, H)`` and the head gets an empty ``(B, 0, H)`` slice of it (the model returns ``(B, 0, V)`` logits)."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: Any, args: tuple) -> tuple:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()

@@ -4,7 +4,7 @@ log-probs of :mod:`packing_hf.loss_head` from them.
 The model is called as usual (through DDP / accelerate wrappers, so gradient synchronisation and hooks are
 stock's), with a forward pre-hook on its output embeddings for the duration of the call: the hook keeps the
 head's input (the final hidden states, after the final norm, whatever the architecture) and hands the head an
-empty slice of it, so the model projects nothing. The hook lives only inside :func:`head_inputs`.
+empty slice of it, so the model projects nothing. The hook lives only inside :func:`~packing_hf.integrations.adapters.head_inputs`.
 
 A model is chunked only where that is exact: its output embeddings are the ``torch.nn.Linear`` its causal-LM
 ``forward`` calls as ``self.lm_head``, and what the ``forward`` does to the logits between the head and the
@@ -24,7 +24,6 @@ LogitHead(scale=1.0, divisor=1.0, softcap=30.0)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import re
@@ -33,9 +32,10 @@ from typing import Any
 import torch
 
 from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entropy, token_logprobs
+from .adapters import head_inputs
 from .preflight import base_model
 
-__all__ = ["causal_lm_loss", "head_inputs", "model_token_logprobs", "resolve_head"]
+__all__ = ["causal_lm_loss", "model_token_logprobs", "resolve_head"]
 
 _HEAD_CALL = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)$")
 # what a causal LM's forward may do to the logits between its head and its loss, and what it means
@@ -104,23 +104,6 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
     if processing == "softcap":
         return head, LogitHead(softcap=config.final_logit_softcapping)
     return processing
-
-
-@contextlib.contextmanager
-def head_inputs(head: torch.nn.Module):
-    """For the duration, calls of ``head`` project nothing: the list it yields receives each call's input
-    ``(B, T, H)`` and the head gets an empty ``(B, 0, H)`` slice of it (the model returns ``(B, 0, V)`` logits)."""
-    captured: list[torch.Tensor] = []
-
-    def keep(module: Any, args: tuple) -> tuple:
-        captured.append(args[0])
-        return (args[0][..., :0, :], *args[1:])
-
-    handle = head.register_forward_pre_hook(keep)
-    try:
-        yield captured
-    finally:
-        handle.remove()
 
 
 def _hidden_states(model: Any, head: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:

@@ -16,7 +16,7 @@ Unless ``"off"``, the model is then prepared with :func:`packing_hf.prepare_mode
 (on this instance only, reversible): batch guards on every forward (no cache, no attention mask next to
 packed inputs, ...) and per-sample masks for architectures whose mask ignores ``position_ids``.
 
->>> from packing_hf import tiny_config
+>>> from packing_hf.architectures.tiny import tiny_config
 >>> from transformers import AutoModelForCausalLM
 >>> model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
 >>> handle = preflight_packing(model, mode="error")  # llama/sdpa is exact: guards only

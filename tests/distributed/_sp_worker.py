@@ -256,6 +256,7 @@ def main(out_dir: str, port: str) -> None:
     import transformers.models.mistral.modeling_mistral  # noqa: F401
 
     import packing_hf
+    import packing_hf.attention.sequence_parallel  # noqa: F401
     import packing_hf.integrations.sft  # noqa: F401  (TRL too)
     import packing_hf.integrations.trainer  # noqa: F401
 

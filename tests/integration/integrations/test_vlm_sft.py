@@ -136,4 +136,9 @@ def test_sft_trainer_packs_vlm_messages_and_images_exactly_like_trl_padded(data_
     model.zero_grad(), padded_model.zero_grad()
     packed_loss = packed.train().training_loss
     padded_loss = padded.train().training_loss
-    assert abs(packed_loss - padded_loss) <= DEFAULT_TOLERANCE, (packed_loss, padded_loss)
+    # the packed trainer computes its loss with the chunked LM head (chunked_loss=True), TRL's padded one from
+    # full logits: the same sums in another order, so they agree to fp32 rounding relative to the loss (~11)
+    assert abs(packed_loss - padded_loss) <= DEFAULT_TOLERANCE * max(1.0, abs(padded_loss)), (
+        packed_loss,
+        padded_loss,
+    )
