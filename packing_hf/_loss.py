@@ -174,6 +174,19 @@ def loss_counts(
     return float(weights.sum()), int((per_sample > 0).sum())
 
 
+def _sample_weights(
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segments (N,), sample_weight (B * T,))``: each target's sample, and every sample's summed weight."""
+    segments = target_segments(labels, position_ids, cu_seq_lens).flatten()
+    sample_weight = torch.zeros(labels.numel(), dtype=weights.dtype, device=weights.device)
+    sample_weight.index_add_(0, segments, weights.flatten())
+    return segments, sample_weight
+
+
 def loss_numerator(
     per_target_loss: torch.Tensor,
     labels: torch.Tensor,
@@ -203,12 +216,9 @@ def loss_numerator(
     weighted = torch.where(weights > 0, per_target_loss.float() * weights, torch.zeros_like(weights))
     if normalization != "sample":
         return weighted.sum()
-    segments = target_segments(labels, position_ids, cu_seq_lens).flatten()
-    size = labels.numel()
-    sample_loss = torch.zeros(size, dtype=weighted.dtype, device=weighted.device)
+    segments, sample_weight = _sample_weights(labels, weights, position_ids, cu_seq_lens)
+    sample_loss = torch.zeros(labels.numel(), dtype=weighted.dtype, device=weighted.device)
     sample_loss = sample_loss.index_add(0, segments, weighted.flatten())
-    sample_weight = torch.zeros(size, dtype=weights.dtype, device=weights.device)
-    sample_weight.index_add_(0, segments, weights.flatten())
     safe = torch.where(sample_weight > 0, sample_weight, torch.ones_like(sample_weight))
     return (sample_loss / safe).sum()
 
@@ -233,9 +243,7 @@ def target_coefficients(
     weights = _target_weights(labels, loss_weights)
     if normalization != "sample":
         return weights
-    segments = target_segments(labels, position_ids, cu_seq_lens).flatten()
-    sample_weight = torch.zeros(labels.numel(), dtype=weights.dtype, device=weights.device)
-    sample_weight.index_add_(0, segments, weights.flatten())
+    segments, sample_weight = _sample_weights(labels, weights, position_ids, cu_seq_lens)
     per_target = sample_weight[segments].view_as(weights)
     return torch.where(weights > 0, weights / torch.where(weights > 0, per_target, 1.0), 0.0)
 

@@ -76,26 +76,17 @@ def _heads_to_seq(y: torch.Tensor, lengths: list[int], rank: int, group: Any) ->
     return recv.view(size, share, local, dim).reshape(size * share, local, dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """``there(x, lengths, rank, group)`` forward; its adjoint ``back`` on the gradient."""
+
     @staticmethod
-    def forward(ctx, x, lengths, rank, group):
-        ctx.lengths, ctx.rank, ctx.group = lengths, rank, group
-        return _seq_to_heads(x, lengths, rank, group)
+    def forward(ctx, x, there, back, lengths, rank, group):
+        ctx.back, ctx.lengths, ctx.rank, ctx.group = back, lengths, rank, group
+        return there(x, lengths, rank, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, lengths, rank, group):
-        ctx.lengths, ctx.rank, ctx.group = lengths, rank, group
-        return _heads_to_seq(y, lengths, rank, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group), None, None, None
+        return ctx.back(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group), None, None, None, None, None
 
 
 class SequenceShard:
@@ -236,15 +227,17 @@ class SequenceShard:
         heads, kv_heads = query.shape[1], key.shape[1]
         key, value = _spread_kv_heads(key, value, heads, kv_heads, self.size)
         args = (self.lengths, self.rank, self.group)
-        q = _SeqToHeads.apply(query[0], *args)[None]  # (1, H / sp, T, D)
-        k = _SeqToHeads.apply(key[0], *args)[None]  # (1, Hkv' / sp, T, D)
-        v = _SeqToHeads.apply(value[0], *args)[None]
+        q = _AllToAll.apply(query[0], _seq_to_heads, _heads_to_seq, *args)[None]  # (1, H / sp, T, D)
+        k = _AllToAll.apply(key[0], _seq_to_heads, _heads_to_seq, *args)[None]  # (1, Hkv' / sp, T, D)
+        v = _AllToAll.apply(value[0], _seq_to_heads, _heads_to_seq, *args)[None]
         share = heads // self.size
         for name in ("s_aux", "alibi_slopes"):  # per-head terms follow their heads
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].narrow(0, self.rank * share, share)
         out, _ = function(module, q, k, v, None, **kwargs)  # (1, T, H / sp, Dv)
-        out = _HeadsToSeq.apply(out[0].transpose(0, 1).contiguous(), *args)  # (H, T_rank, Dv)
+        out = _AllToAll.apply(
+            out[0].transpose(0, 1).contiguous(), _heads_to_seq, _seq_to_heads, *args
+        )  # (H, T_rank, Dv)
         return out.transpose(0, 1).unsqueeze(0), None
 
 
