@@ -1,6 +1,6 @@
 """Online RL (GRPO) with TRL through ``packing_hf.GRPOTrainer``: packed rollouts, each prompt computed once.
 
-TRL generates ``G`` completions per GSM8K question and scores them with the reward below; every forward that
+TRL generates ``G`` completions per GSM8K question and scores them (a demo reward, see ``--reward``); every forward that
 computes log-probs (the policy, and the reference model when ``beta > 0``) then runs on packed rows instead
 of left-padded prompt + right-padded completion batches. With ``share_prompt=True`` a group's prompt is
 stored and computed once, its completions attending to it as branches. Losses, gradients and metrics are
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import importlib.util
-import re
 
 import datasets
 import torch
@@ -24,6 +23,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import packing_hf
 from packing_hf import GRPOConfig, GRPOTrainer
+
+# the rewards `packing-hf train` knows as reward_funcs: gsm8k (answer match) and gsm8k_shaped (demo)
+from packing_hf.app.rewards import gsm8k_answer_match, gsm8k_shaped_reward
+
+REWARDS = {"shaped": gsm8k_shaped_reward, "match": gsm8k_answer_match}
 
 TINY = {
     "hidden_size": 64,
@@ -63,17 +67,6 @@ def load_model_and_tokenizer(tiny: bool, tokenizer_path: str | None):
     return model, tokenizer
 
 
-def final_number_reward(completions, answer, **kwargs):
-    """1.0 if the last number of the completion is the reference answer's (after ``####``), else 0.0."""
-    rewards = []
-    for completion, reference in zip(completions, answer, strict=True):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
-        target = reference.split("####")[-1].strip().replace(",", "")
-        rewards.append(float(bool(numbers) and numbers[-1].replace(",", "").rstrip(".") == target))
-    return rewards
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -92,6 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--no-share-prompt", action="store_true", help="one prompt copy per completion")
     parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument(
+        "--reward",
+        choices=sorted(REWARDS),
+        default="shaped",
+        help="shaped (default): partial credit for a number and for text close to the reference solution, so a "
+        "tiny model's completions differ and GRPO learns (a demo reward, not accuracy); match: 1.0 for the "
+        "right final number only (a tiny model scores 0.0 everywhere: loss and grad norm stay 0)",
+    )
     parser.add_argument("--output-dir", default=None, help="default: outputs/example-grpo[-tiny]")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or "outputs/example-grpo" + ("-tiny" if args.tiny else "")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=final_number_reward,
+        reward_funcs=REWARDS[args.reward],
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     logs = [log for log in trainer.state.log_history if "loss" in log]
     stats = trainer.packing_stats
     print(
-        f"{result.global_step} steps, reward {logs[0]['reward']:.3f} -> {logs[-1]['reward']:.3f}; "
+        f"{result.global_step} steps, {args.reward} reward {logs[0]['reward']:.3f} -> {logs[-1]['reward']:.3f} "
+        f"(std within a step {logs[0]['reward_std']:.3f} -> {logs[-1]['reward_std']:.3f}); "
         f"{stats['forwards']} packed forwards computed {stats['packed_tokens']} tokens where padded batches "
         f"hold {stats['padded_tokens']} ({stats['shared_prompts']} prompts shared); saved to {output_dir}"
     )

@@ -199,7 +199,8 @@ class DataArguments:
         default="auto",
         metadata={
             "help": "Held-out records for the eval loss before and after training: a path or Hub name; "
-            "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded', else none."
+            "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded' and the trainer is trainer "
+            "or sft, else none (the TRL trainers' jobs measure no held-out loss)."
         },
     )
     eval_num_samples: int | None = field(
@@ -579,6 +580,8 @@ def load_train_config(
 
     _check_training(training_args, origin)
     _own_output_dir(result, values, cli)
+    if job_args.trainer in TRL_JOB_TRAINERS and "eval_dataset" not in values | cli:
+        data_args.eval_dataset = None  # auto: no held-out loss to announce for the TRL trainers' jobs
     try:
         if model_args.model_type is not None:
             check_model_type(model_args.model_type)

@@ -380,6 +380,10 @@ def _sharegpt_messages(raw: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
+# fields of TRL's vision-language format (and common variants): refused by name, never silently dropped
+_MEDIA_FIELDS = ("images", "image", "videos", "video", "pixel_values")
+
+
 def normalise_record(record: Any, where: str, record_format: str | None = None) -> Record:
     """Check one raw record and turn it into a :class:`Record` (raises with ``where`` in the message).
 
@@ -397,6 +401,13 @@ def normalise_record(record: Any, where: str, record_format: str | None = None) 
     """
     if not isinstance(record, Mapping):
         raise TypeError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    media = sorted(key for key in _MEDIA_FIELDS if record.get(key) not in (None, [], ""))
+    if media:
+        raise ValueError(
+            f"{where}: an image+text record (field {', '.join(media)}); packing-hf train reads text records "
+            "only and would drop the media. Train image+text data in Python: packing_hf.SFTTrainer with the "
+            "model's processor (README, 'Vision-language models'); or remove the field to train on the text"
+        )
     try:
         found = detect_format(record)
     except ValueError as error:

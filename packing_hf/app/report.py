@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_losses", "print_summary"]
+__all__ = ["load_average", "machine_note", "plot_losses", "print_summary"]
 
 
 def _plural(count: int, word: str, plural: str | None = None) -> str:
@@ -71,6 +72,42 @@ def _fmt_seconds(seconds: float) -> str:
     return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
 
 
+def load_average() -> dict[str, float | int | None]:
+    """The 1-minute load average now and the cores this process may use (``load`` None where the platform
+    has no load average)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    return {"load": load, "cores": cores}
+
+
+def machine_note(machine: dict[str, Any] | None) -> tuple[bool, str]:
+    """``(busy, one line)`` on the machine's load during the run: busy when the 1-minute load average at the
+    start or the end of the job was above the number of cores (other processes took CPU time from this one,
+    so wall times and the packed / padded ratio are noisy).
+
+    >>> machine_note({"start": 3.1, "end": 1.2, "cores": 2})
+    (True, 'busy: load average 3.10 at the start, 1.20 at the end, on 2 cores: wall times and the packed / padded speed ratio were measured on a busy machine and are noisy; rerun on an idle machine to compare them')
+    >>> machine_note({"start": 0.4, "end": 1.5, "cores": 2})[0]
+    False
+    """
+    if not machine or machine.get("start") is None or machine.get("end") is None:
+        return False, "load average unknown on this platform"
+    start, end, cores = machine["start"], machine["end"], machine["cores"]
+    loads = f"load average {start:.2f} at the start, {end:.2f} at the end, on {_plural(cores, 'core')}"
+    if max(start, end) > cores:
+        return True, (
+            f"busy: {loads}: wall times and the packed / padded speed ratio were measured on a busy machine "
+            "and are noisy; rerun on an idle machine to compare them"
+        )
+    return False, f"not busy: {loads}"
+
+
 def print_summary(summary: dict[str, Any], print_fn) -> None:
     rule = "=" * 90
     lines = ["", rule, "packing-hf train: summary", rule]
@@ -126,6 +163,7 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"{'':34}(the step logs' packing_efficiency is each step's own fill; their padded_batch_efficiency "
             "pads that step's samples)"
         )
+    busy, machine = machine_note(summary.get("machine_load"))
     if base:
         lines.append(
             f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
@@ -133,6 +171,8 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"({base['padded_tokens']:,} with padding)"
         )
         lines.append(f"{'  packed / padded speed':34}{base['speedup']:>11.2f}x{'':12}  {_spread(base)}")
+        if busy:
+            lines.append(f"{'':34}{'':>24}  taken on a busy machine (see 'machine' below): noisy")
     elif summary.get("baseline_note"):
         lines.append(f"{'tokens/s (forward+backward)':34}{'':>24}  {summary['baseline_note']}")
     if summary.get("eval_loss_before") is not None:
@@ -156,9 +196,10 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
     if summary.get("cpu_seconds"):
         cpu = ", ".join(f"{name} {_fmt_seconds(seconds)}" for name, seconds in summary["cpu_seconds"].items())
         lines.append(
-            f"             {_fmt_seconds(summary['total_cpu_seconds'])} CPU, all threads ({cpu}): the steadier "
-            "figure on a shared machine"
+            f"             {_fmt_seconds(summary['total_cpu_seconds'])} CPU, all threads ({cpu})"
+            + (": steadier than wall time on a shared machine" if not busy else "")
         )
+    lines.append(f"machine      {machine}")
     lines.append(rule)
     print_fn("\n".join(lines))
 

@@ -1,7 +1,14 @@
-"""Reward functions for ``trainer: grpo | rloo``: the built-in GSM8K answer match, and import paths.
+"""Reward functions for ``trainer: grpo | rloo``: the built-in GSM8K rewards, and import paths.
 
 A reward function has TRL's signature: ``f(completions, **columns) -> list[float]``, one reward per
 completion; TRL passes every other column of the dataset (here ``answer``) as a keyword.
+
+- ``gsm8k`` (:func:`gsm8k_answer_match`): 1.0 for the right final number, else 0.0: the real task's reward.
+- ``gsm8k_shaped`` (:func:`gsm8k_shaped_reward`): a *demo* reward for tiny or untrained models, which almost
+  never get an answer right, so the answer match gives every completion of a group 0.0, GRPO's advantages
+  are all 0 and nothing trains (loss 0, grad norm 0). It gives partial credit below the right answer's 1.0:
+  for writing a number at all, and for how close the text is to the reference solution, so the
+  completions of a group differ and the run visibly learns something. Not a measure of GSM8K accuracy.
 
 >>> gsm8k_answer_match([[{"role": "assistant", "content": "so 3 + 4 = 7"}], "no idea"], answer=["#### 7", "#### 2"])
 [1.0, 0.0]
@@ -11,12 +18,13 @@ completion; TRL passes every other column of the dataset (here ``answer``) as a 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUILT_IN", "gsm8k_answer_match", "resolve_reward_funcs"]
+__all__ = ["BUILT_IN", "gsm8k_answer_match", "gsm8k_shaped_reward", "resolve_reward_funcs"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
@@ -41,7 +49,46 @@ def gsm8k_answer_match(completions: list[Any], answer: list[str], **columns: Any
     return rewards
 
 
-BUILT_IN: dict[str, Callable[..., list[float]]] = {"gsm8k": gsm8k_answer_match}
+# partial credit of gsm8k_shaped_reward: a number anywhere, and the similarity to the reference solution;
+# together below 0.5, so a right answer (1.0) always beats any wrong one
+_NUMBER_CREDIT = 0.1
+_SIMILARITY_CREDIT = 0.3
+
+
+def gsm8k_shaped_reward(completions: list[Any], answer: list[str], **columns: Any) -> list[float]:
+    """A demo reward for GSM8K with partial credit (``reward_funcs: gsm8k_shaped``): 1.0 where the last
+    number of the completion is the reference answer's, else ``0.1`` if the completion holds a number plus
+    ``0.3 x`` its character similarity to the reference solution (``difflib``'s ratio, 0 to 1; the solution
+    without its ``<<...>>`` calculator notes). Wrong answers score below 0.4, a right one 1.0.
+
+    Made for the tiny demo runs: a random or small model is almost never right, and with the answer
+    match alone every reward of a group is 0.0, so GRPO / RLOO have no advantage to learn from. This one
+    varies between completions, so the loss and the gradients are not 0. It rewards text that looks like
+    the reference solution, not correct reasoning: use :func:`gsm8k_answer_match` to measure accuracy.
+
+    >>> reference = "5 + 2 = <<5+2=7>>7 apples. #### 7"
+    >>> rewards = gsm8k_shaped_reward(["5 + 2 = 7 #### 7", "5 + 2 = 8", "no idea"], answer=[reference] * 3)
+    >>> rewards[0], 0.1 < rewards[1] < 0.4, 0.0 < rewards[2] < 0.1
+    (1.0, True, True)
+    """
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        text = _text(completion)
+        target = _number(reference.split("####")[-1])
+        got = _number(text)
+        if got is not None and got == target:
+            rewards.append(1.0)
+            continue
+        solution = re.sub(r"<<[^>]*>>", "", reference)
+        similarity = difflib.SequenceMatcher(None, text, solution, autojunk=False).ratio()
+        rewards.append(_NUMBER_CREDIT * (got is not None) + _SIMILARITY_CREDIT * similarity)
+    return rewards
+
+
+BUILT_IN: dict[str, Callable[..., list[float]]] = {
+    "gsm8k": gsm8k_answer_match,
+    "gsm8k_shaped": gsm8k_shaped_reward,
+}
 
 
 def resolve_reward_funcs(spec: str) -> list[Callable[..., list[float]]]:

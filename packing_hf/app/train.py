@@ -50,7 +50,7 @@ from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
-from .report import _describe_stream, _plural, plot_losses, print_summary
+from .report import _describe_stream, _plural, load_average, plot_losses, print_summary
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -231,8 +231,10 @@ def _free_optimizer(trainer) -> None:
 
 def _restore_user_config(model, use_cache: Any, attn_implementation: str | None) -> None:
     """Undo what training changed in the model's config, so the saved ``config.json`` is the user's:
-    ``use_cache`` (turned off for training) and the attention implementation the model was loaded with."""
-    model.config.use_cache = use_cache
+    ``use_cache`` (turned off for training; a multimodal config without one keeps it in its text config) and
+    the attention implementation the model was loaded with."""
+    if use_cache is not None:
+        model.config.use_cache = use_cache
     current = getattr(model.config, "_attn_implementation", None)
     if (
         attn_implementation is not None
@@ -263,6 +265,7 @@ class _Phases:
         self.cpu_seconds: dict[str, float] = {}
         self.peak_rss_gb: dict[str, float | None] = {}
         self._started = (time.perf_counter(), time.process_time())
+        self.load_at_start = load_average()
         self._phase: tuple[str, float, float] | None = None
 
     def start(self, name: str) -> None:
@@ -394,7 +397,7 @@ class TrainJob:
         self.phases.start("load")
         self.say(f"loading the model: {model_source(cfg.model)}")
         model = self.model = load_model(cfg.model, self.tokenizer, seed=training.seed)
-        self.user_use_cache = model.config.use_cache
+        self.user_use_cache = getattr(model.config, "use_cache", None)
         self.user_attention = getattr(model.config, "_attn_implementation", None)
         self.device = training.device
         precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
@@ -627,6 +630,8 @@ def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
     summary["total_seconds"] = phases.total
     summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
     summary["total_cpu_seconds"] = phases.total_cpu
+    end = load_average()
+    summary["machine_load"] = {"start": phases.load_at_start["load"], "end": end["load"], "cores": end["cores"]}
     return summary
 
 

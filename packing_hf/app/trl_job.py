@@ -111,7 +111,7 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     model = load_model(
         cfg.model, tokenizer, seed=training.seed, head="score" if trainer_name == "reward" else "causal"
     )
-    user_use_cache = model.config.use_cache
+    user_use_cache = getattr(model.config, "use_cache", None)
     user_attention = getattr(model.config, "_attn_implementation", None)
     peft_config = peft_config_from(cfg.model.peft, "SEQ_CLS" if trainer_name == "reward" else "CAUSAL_LM")
     plan, kwargs = _trainer_kwargs(cfg, model, tokenizer, peft_config, say)

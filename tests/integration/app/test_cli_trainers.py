@@ -67,3 +67,53 @@ def test_shipped_trainer_config_runs_and_saves(trainer, data_dir, tmp_path):
         assert summary["rewards"] is not None and all(0.0 <= r <= 1.0 for r in summary["rewards"])
     if REFERENCE[trainer] == "saved":
         assert (out / "reference_model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "name, model_class",
+    [("tiny_hybrid", "Qwen3_5ForCausalLM"), ("tiny_vlm", "Gemma3ForConditionalGeneration")],
+)
+def test_shipped_hybrid_and_vlm_configs_run_from_the_command_line(name, model_class, data_dir, tmp_path, capsys):
+    """`packing-hf train configs/tiny_hybrid.yaml | tiny_vlm.yaml`, one step: the pre-flight proves the packed
+    model exact, the model is saved, and the hybrid's padded baseline (which crashed a hybrid run before)
+    measures instead of failing."""
+    import packing_hf.app.cli as cli
+
+    out = tmp_path / name
+    status = cli.main(
+        [
+            "train",
+            str(ROOT / "configs" / f"{name}.yaml"),
+            f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+            "gguf_file=null",
+            "gguf_package=null",
+            "num_samples=8",
+            "eval_num_samples=2",
+            "max_tokens_per_batch=768",
+            "--max_steps",
+            "1",
+            f"baseline_batches={1 if name == 'tiny_hybrid' else 0}",
+            "baseline_time_share=100",  # one step is too short to size the baseline by: measure it anyway
+            f"output_dir={out}",
+            "disable_tqdm=true",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0, printed[-2000:]
+    summary = json.loads((out / SUMMARY_NAME).read_text())
+    assert summary["global_step"] == 1 and math.isfinite(summary["eval_loss_after"])
+    assert json.loads((out / "config.json").read_text())["architectures"] == [model_class]
+    if name == "tiny_hybrid":
+        assert summary["baseline"] is not None and summary["baseline"]["speedup"] > 0, summary["baseline_note"]
+
+
+def test_an_image_text_record_is_refused_by_name(tmp_path, capsys):
+    import packing_hf.app.cli as cli
+
+    data = tmp_path / "vlm.jsonl"
+    messages = [{"role": "user", "content": "What is shown?"}, {"role": "assistant", "content": "A cat."}]
+    data.write_text(json.dumps({"messages": messages, "images": ["cat.png"]}) + "\n")
+    status = cli.main(["train", str(ROOT / "configs" / "tiny_vlm.yaml"), f"dataset={data}"])
+    error = capsys.readouterr().err
+    assert status != 0 and f"{data}:1: an image+text record (field images)" in error
+    assert "packing_hf.SFTTrainer" in error

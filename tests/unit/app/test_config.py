@@ -157,7 +157,14 @@ def test_every_shipped_config_parses(path):
 
 def test_the_shipped_configs_are_there():
     names = {p.name for p in CONFIGS}
-    assert {"tiny_cpu.yaml", "smollm2_demo.yaml", "smollm2_sft.yaml", "sft_trainer.yaml"} <= names
+    assert {
+        "tiny_cpu.yaml",
+        "tiny_hybrid.yaml",
+        "tiny_vlm.yaml",
+        "smollm2_demo.yaml",
+        "smollm2_sft.yaml",
+        "sft_trainer.yaml",
+    } <= names
 
 
 def test_null_override_unsets_a_yaml_value():
@@ -186,6 +193,10 @@ def test_eval_dataset_auto_follows_the_dataset():
         load_train_config({"dataset": "mine.jsonl", "eval_dataset": "held.jsonl"}).data.eval_dataset
         == "held.jsonl"
     )
+    # the TRL trainers' jobs measure no held-out loss: auto announces none; one given is kept (and reported
+    # as unused by the job)
+    assert load_train_config({"trainer": "dpo"}).data.eval_dataset is None
+    assert load_train_config({"trainer": "dpo"}, ["eval_dataset=held.jsonl"]).data.eval_dataset == "held.jsonl"
 
 
 def test_own_data_on_the_command_line_gets_its_own_output_dir():
@@ -201,3 +212,15 @@ def test_own_data_on_the_command_line_gets_its_own_output_dir():
     assert "outputs/smollm2-demo is kept" in own.notes[0]
     chosen = load_train_config(demo, ["dataset=my.jsonl", "output_dir=runs/x"])
     assert chosen.training.output_dir == "runs/x" and not chosen.notes
+
+
+def test_model_override_replaces_the_configs_model():
+    # the README's `packing-hf train configs/tiny_grpo.yaml model=HuggingFaceTB/SmolLM2-135M-Instruct`
+    from pathlib import Path
+
+    grpo = Path(__file__).resolve().parents[3] / "configs" / "tiny_grpo.yaml"
+    cfg = load_train_config(grpo, ["model=HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert cfg.model.model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg.model.model_type is None and cfg.model.gguf_file is None and cfg.model.gguf_package is None
+    # negative control: without the override the config's tiny model stands
+    assert load_train_config(grpo).model.model_type == "llama"
