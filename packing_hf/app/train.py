@@ -631,7 +631,11 @@ def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
     summary["cpu_seconds"] = {name: round(value, 1) for name, value in phases.cpu_seconds.items()}
     summary["total_cpu_seconds"] = phases.total_cpu
     end = load_average()
-    summary["machine_load"] = {"start": phases.load_at_start["load"], "end": end["load"], "cores": end["cores"]}
+    summary["machine_load"] = {
+        "start": phases.load_at_start["load"],
+        "end": end["load"],
+        "cores": end["cores"],
+    }
     return summary
 
 

@@ -36,7 +36,7 @@ COMMANDS: dict[str, str] = {
     "packing-hf stats path/to/train.jsonl --config configs/smollm2_demo.yaml": "tests/integration/app/test_cli_cases.py::test_stats_takes_the_train_configs_max_length_and_flags_what_train_refuses",
     "packing-hf verify --model path/to/model --attn-implementation sdpa": "tests/unit/app/test_verify_cli.py::test_cli_on_a_saved_model",
     "packing-hf train configs/tiny_dpo.yaml": "tests/integration/app/test_cli_trainers.py::test_shipped_trainer_config_runs_and_saves",
-    "packing-hf train configs/tiny_dpo.yaml 'peft={\"r\": 16, \"target_modules\": \"all-linear\"}'": "tests/integration/app/test_cli_trainers.py::test_shipped_trainer_config_runs_and_saves",
+    'packing-hf train configs/tiny_dpo.yaml \'peft={"r": 16, "target_modules": "all-linear"}\'': "tests/integration/app/test_cli_trainers.py::test_shipped_trainer_config_runs_and_saves",
     "packing-hf train configs/tiny_grpo.yaml model=HuggingFaceTB/SmolLM2-135M-Instruct": "needs the Hub (network); the model= override: tests/unit/app/test_config.py::test_model_override_replaces_the_configs_model, the job: tests/integration/app/test_cli_trainers.py::test_shipped_trainer_config_runs_and_saves",
     "packing-hf train configs/tiny_hybrid.yaml": "tests/integration/app/test_cli_trainers.py::test_shipped_hybrid_and_vlm_configs_run_from_the_command_line",
     "packing-hf train configs/tiny_vlm.yaml": "tests/integration/app/test_cli_trainers.py::test_shipped_hybrid_and_vlm_configs_run_from_the_command_line",
@@ -104,11 +104,12 @@ BLOCKS = readme_blocks(README.read_text())
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
 def test_every_python_block_of_the_readme_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the blocks' tempfile.mkdtemp() lands here
     python = [b for b in BLOCKS if b.language == "python"]
-    assert len(python) >= 6
+    assert len(python) >= 8
     run_blocks(BLOCKS)
 
 
@@ -156,6 +157,8 @@ def test_every_readme_command_is_run_by_a_named_test():
 
 def test_a_new_untested_command_fails_the_mapping():
     # negative control: a bash block with a command COMMANDS does not know
-    blocks = readme_blocks("```bash\n.venv/bin/packing-hf train configs/brand_new.yaml \\\n    --max_steps 1\n```\n")
+    blocks = readme_blocks(
+        "```bash\n.venv/bin/packing-hf train configs/brand_new.yaml \\\n    --max_steps 1\n```\n"
+    )
     assert readme_commands(blocks) == ["packing-hf train configs/brand_new.yaml --max_steps 1"]
     assert readme_commands(blocks)[0] not in COMMANDS

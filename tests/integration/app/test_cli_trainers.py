@@ -73,7 +73,10 @@ def test_shipped_trainer_config_runs_and_saves(trainer, data_dir, tmp_path):
     "name, model_class",
     [("tiny_hybrid", "Qwen3_5ForCausalLM"), ("tiny_vlm", "Gemma3ForConditionalGeneration")],
 )
-def test_shipped_hybrid_and_vlm_configs_run_from_the_command_line(name, model_class, data_dir, tmp_path, capsys):
+@pytest.mark.usefixtures("one_torch_thread")
+def test_shipped_hybrid_and_vlm_configs_run_from_the_command_line(
+    name, model_class, data_dir, tmp_path, capsys
+):
     """`packing-hf train configs/tiny_hybrid.yaml | tiny_vlm.yaml`, one step: the pre-flight proves the packed
     model exact, the model is saved, and the hybrid's padded baseline (which crashed a hybrid run before)
     measures instead of failing."""
@@ -87,9 +90,9 @@ def test_shipped_hybrid_and_vlm_configs_run_from_the_command_line(name, model_cl
             f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
             "gguf_file=null",
             "gguf_package=null",
-            "num_samples=8",
-            "eval_num_samples=2",
-            "max_tokens_per_batch=768",
+            "num_samples=4",
+            "eval_num_samples=1",
+            "max_tokens_per_batch=1024",
             "--max_steps",
             "1",
             f"baseline_batches={1 if name == 'tiny_hybrid' else 0}",
@@ -104,7 +107,9 @@ def test_shipped_hybrid_and_vlm_configs_run_from_the_command_line(name, model_cl
     assert summary["global_step"] == 1 and math.isfinite(summary["eval_loss_after"])
     assert json.loads((out / "config.json").read_text())["architectures"] == [model_class]
     if name == "tiny_hybrid":
-        assert summary["baseline"] is not None and summary["baseline"]["speedup"] > 0, summary["baseline_note"]
+        assert summary["baseline"] is not None and summary["baseline"]["speedup"] > 0, summary[
+            "baseline_note"
+        ]
 
 
 def test_an_image_text_record_is_refused_by_name(tmp_path, capsys):

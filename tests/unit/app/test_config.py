@@ -196,7 +196,9 @@ def test_eval_dataset_auto_follows_the_dataset():
     # the TRL trainers' jobs measure no held-out loss: auto announces none; one given is kept (and reported
     # as unused by the job)
     assert load_train_config({"trainer": "dpo"}).data.eval_dataset is None
-    assert load_train_config({"trainer": "dpo"}, ["eval_dataset=held.jsonl"]).data.eval_dataset == "held.jsonl"
+    assert (
+        load_train_config({"trainer": "dpo"}, ["eval_dataset=held.jsonl"]).data.eval_dataset == "held.jsonl"
+    )
 
 
 def test_own_data_on_the_command_line_gets_its_own_output_dir():

@@ -21,11 +21,12 @@ def test_shaped_reward_varies_over_real_wrong_completions(rows):
     # real completions that are wrong: every question answered with the next question's reference solution
     answers = [row["answer"] for row in rows]
     completions = answers[1:] + answers[:1]
-    wrong = [a.split("####")[-1].strip() != c.split("####")[-1].strip() for a, c in zip(answers, completions)]
-    completions, answers = (
-        [c for c, w in zip(completions, wrong) if w],
-        [a for a, w in zip(answers, wrong) if w],
-    )
+    kept = [
+        (c, a)
+        for a, c in zip(answers, completions, strict=True)
+        if a.split("####")[-1].strip() != c.split("####")[-1].strip()
+    ]
+    completions, answers = [c for c, _ in kept], [a for _, a in kept]
     shaped = gsm8k_shaped_reward(completions, answer=answers)
     # negative control: the answer match alone is 0.0 for every one of them, nothing for GRPO to learn from
     assert set(gsm8k_answer_match(completions, answer=answers)) == {0.0}

@@ -1,0 +1,52 @@
+"""The summary table says when the machine was busy during the run instead of calling its figures steady."""
+
+from __future__ import annotations
+
+from packing_hf.app.report import load_average, print_summary
+
+
+def _summary(start: float, end: float) -> dict:
+    return {
+        "model": "tiny llama",
+        "device": "cpu",
+        "precision": "fp32",
+        "batching": "multipack",
+        "global_step": 2,
+        "train_runtime": 3.0,
+        "losses": [2.0, 1.5],
+        "baseline": {
+            "packed_tokens_per_s": 900.0,
+            "padded_tokens_per_s": 600.0,
+            "real_tokens": 4000,
+            "padded_batches": 2,
+            "padded_tokens": 6000,
+            "speedup": 1.5,
+            "pair_speedups": [1.4, 1.6],
+            "round_speedups": [1.5],
+        },
+        "seconds": {"train": 3.0},
+        "total_seconds": 5.0,
+        "cpu_seconds": {"train": 5.5},
+        "total_cpu_seconds": 9.0,
+        "machine_load": {"start": start, "end": end, "cores": 2},
+    }
+
+
+def _printed(summary: dict) -> str:
+    lines: list[str] = []
+    print_summary(summary, lines.append)
+    return "\n".join(lines)
+
+
+def test_a_busy_machine_is_said_beside_the_ratio_and_the_times():
+    busy = _printed(_summary(start=1.0, end=6.5))
+    assert "taken on a busy machine" in busy and "load average 1.00 at the start, 6.50 at the end" in busy
+    assert "steadier" not in busy
+    # the same run on an idle machine: no warning, the CPU time is the steadier figure
+    idle = _printed(_summary(start=0.5, end=1.2))
+    assert "busy machine" not in idle and "machine      not busy" in idle and "steadier" in idle
+
+
+def test_the_load_average_is_read_with_the_cores_it_is_compared_to():
+    now = load_average()
+    assert now["cores"] >= 1 and (now["load"] is None or now["load"] >= 0)
