@@ -41,7 +41,7 @@ import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,14 +299,22 @@ def _check_order(messages: list[dict[str, Any]], where: str) -> None:
         previous = role
 
 
-def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+def _turns(
+    raw: Any, where: str, column: str, keys: tuple[str, str]
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(name, turn)`` for every turn of a conversation column, refusing what is not a list of objects."""
     if not isinstance(raw, list):
-        raise TypeError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
-    messages = []
+        raise TypeError(f"{where}: {column} must be a list of {{{', '.join(map(repr, keys))}}} objects")
     for i, turn in enumerate(raw):
-        name = f"messages[{i}]"
+        name = f"{column}[{i}]"
         if not isinstance(turn, Mapping):
-            raise TypeError(f"{where}: {name} must be an object with role and content")
+            raise TypeError(f"{where}: {name} must be an object with {' and '.join(keys)}")
+        yield name, turn
+
+
+def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+    messages = []
+    for name, turn in _turns(raw, where, "messages", ("role", "content")):
         role = turn.get("role")
         if role not in _ROLES:
             raise ValueError(f"{where}: {name}.role is {role!r}; expected one of {', '.join(_ROLES)}")
@@ -349,13 +357,8 @@ def _turn_weight(value: Any, role: str, where: str, name: str) -> float:
 
 
 def _sharegpt_messages(raw: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(raw, list):
-        raise TypeError(f"{where}: conversations must be a list of {{'from', 'value'}} objects")
     messages = []
-    for i, turn in enumerate(raw):
-        name = f"conversations[{i}]"
-        if not isinstance(turn, Mapping):
-            raise TypeError(f"{where}: {name} must be an object with from and value")
+    for name, turn in _turns(raw, where, "conversations", ("from", "value")):
         speaker = turn.get("from", turn.get("role"))
         role = _SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -50,7 +50,7 @@ import trl
 
 from ..attention import register_attention
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
-from .args import PackingArguments
+from .args import PackingArguments, option
 from .preference_kit import (
     PackedForwardsMixin,
     PreferenceStatsCollator,
@@ -60,6 +60,7 @@ from .preference_kit import (
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
 )
+from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -87,13 +88,11 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("shared_prompt",)
-    shared_prompt: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Hold every pair's prompt once, chosen and rejected attending to it as branches (needs "
-            "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
-            "attention is exact for the models; True: always (refused where it cannot be exact); False: off."
-        },
+    shared_prompt: bool | None = option(
+        None,
+        "Hold every pair's prompt once, chosen and rejected attending to it as branches (needs "
+        "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
+        "attention is exact for the models; True: always (refused where it cannot be exact); False: off.",
     )
 
 
@@ -139,11 +138,9 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
         "prompt_learning",
         "sequence_parallelism",
     )
-    packed_unit = "preference pairs"
-    packed_batches = "preference batches"
-    whole_unit = "a preference pair, whose two sequences"
-    loss_term = "preference pair"
-    own_loss = True
+    wording = Wording(
+        "preference pairs", "preference batches", "a preference pair, whose two sequences", "preference pair"
+    )
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, model, data_collator = call["args"], call["model"], call["data_collator"]

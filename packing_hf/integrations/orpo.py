@@ -41,7 +41,7 @@ padded ones), ``generate_during_eval`` (it needs padded prompts), ``loss_normali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,9 +55,10 @@ from trl.trainer.utils import selective_log_softmax
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
-from .args import PackingArguments
+from .args import PackingArguments, option
 from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer"]
@@ -79,7 +80,7 @@ class ORPOConfig(PackingArguments, _StockORPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+    padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class CPOConfig(PackingArguments, _StockCPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+    padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
 
 class PackedPairsMixin:
@@ -120,11 +121,9 @@ class PackedPairsMixin:
         "prompt_learning",
         "sequence_parallelism",
     )
-    packed_unit = "pairs"
-    packed_batches = "preference batches"
-    whole_unit = "a preference pair, whose two sequences"
-    loss_term = "pair plus its own NLL mean"
-    own_loss = True
+    wording = Wording(
+        "pairs", "preference batches", "a preference pair, whose two sequences", "pair plus its own NLL mean"
+    )
     _logits_drop_last: ClassVar[bool]
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:

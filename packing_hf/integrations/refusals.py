@@ -1,15 +1,15 @@
 """The refusal table: every set-up a packed trainer cannot keep exact, with one wording each.
 
 A trainer declares which refusals it owes (``packing_refusals``, names from :data:`REFUSALS`) and names
-itself for the messages (``stock``: the unpacked trainer to use instead, ``packed_unit``: what one
-packed row holds). :func:`check_refusals` runs them on the trainer's arguments before the stock
+itself for the messages (``stock``: the unpacked trainer to use instead, ``wording``: a :class:`Wording`
+of what one packed row holds). :func:`check_refusals` runs them on the trainer's arguments before the stock
 ``__init__`` does any work, or on the built trainer for the refusals that need its accelerator or
 loaded model. A refusal raises :class:`PackingRefused`, a ``ValueError`` whose ``reason`` is the table
 key, so callers (``packing-hf verify``, tests) read the reason as data, never from the message text.
 
 >>> from types import SimpleNamespace
->>> trainer = SimpleNamespace(stock="trl.DPOTrainer", packed_unit="preference pairs",
-...     packed_batches="preference batches", whole_unit="a preference pair, whose two sequences")
+>>> trainer = SimpleNamespace(stock="trl.DPOTrainer",
+...     wording=Wording("preference pairs", "preference batches", "a preference pair, whose two sequences"))
 >>> call = {"args": SimpleNamespace(padding_free=False), "model": None}
 >>> try:
 ...     check_refusals(("padding_free_false",), trainer, call)
@@ -26,7 +26,34 @@ from typing import Any
 
 from ..errors import PackingRefused
 
-__all__ = ["REFUSALS", "PackingRefused", "Refusal", "check_refusals", "first_row", "is_prompt_learning"]
+__all__ = [
+    "REFUSALS",
+    "PackingRefused",
+    "Refusal",
+    "Wording",
+    "check_refusals",
+    "first_row",
+    "is_prompt_learning",
+]
+
+
+@dataclass(frozen=True)
+class Wording:
+    """What a packed trainer's refusal messages call its packed things.
+
+    >>> Wording("rollouts", "rollouts").own_loss
+    False
+    """
+
+    unit: str = "samples"  # "data_collator=X does not pack <unit>"
+    batches: str = "batches"  # "vision-language <batches> are not packed"
+    whole: str = "a sample, whose tokens"  # "<overflow> would cut <whole> must be scored whole"
+    loss_term: str | None = None  # "the loss of <stock> is one term per <loss_term>"
+
+    @property
+    def own_loss(self) -> bool:
+        """The stock loss is one term per ``loss_term``, not a token mean: ``loss_normalization`` stays "token"."""
+        return self.loss_term is not None
 
 
 def first_row(dataset: Any) -> Any:
@@ -59,7 +86,7 @@ def _collator(t: Any, c: Mapping[str, Any]) -> str | None:
     if collator is None or isinstance(collator, wanted):
         return None
     return (
-        f"data_collator={type(collator).__name__} does not pack {t.packed_unit}; leave it unset (a "
+        f"data_collator={type(collator).__name__} does not pack {t.wording.unit}; leave it unset (a "
         f"{wanted.__name__} is built from the config) or pass a {wanted.__name__}"
     )
 
@@ -105,7 +132,7 @@ def _cut_overflow(t: Any, c: Mapping[str, Any]) -> str | None:
     if args.max_tokens_per_batch is None or args.packing_overflow not in ("truncate", "split"):
         return None
     return (
-        f"packing_overflow={args.packing_overflow!r} would cut {t.whole_unit} must be scored whole; use 'error' "
+        f"packing_overflow={args.packing_overflow!r} would cut {t.wording.whole} must be scored whole; use 'error' "
         "(default) or 'drop', raise max_tokens_per_batch, or lower max_length"
     )
 
@@ -115,7 +142,7 @@ def _vision_data(t: Any, c: Mapping[str, Any]) -> str | None:
     if not isinstance(row, Mapping) or not ("image" in row or "images" in row):
         return None
     return (
-        f"the training dataset has 'image'/'images' columns: vision-language {t.packed_batches} are not packed "
+        f"the training dataset has 'image'/'images' columns: vision-language {t.wording.batches} are not packed "
         f"(image features are tied to padded rows); use {t.stock} for vision data"
     )
 
@@ -140,7 +167,7 @@ def _own_loss(t: Any, c: Mapping[str, Any]) -> str | None:
     if value == "token":
         return None
     return (
-        f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.loss_term}, not a token "
+        f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.wording.loss_term}, not a token "
         "mean; leave loss_normalization='token'"
     )
 
@@ -233,8 +260,8 @@ def check_refusals(
 
     Args:
         names: keys of :data:`REFUSALS` the trainer declares.
-        trainer: the trainer class (or instance): ``stock``, ``packed_unit`` and the other names the
-            wordings use.
+        trainer: the trainer class (or instance): ``stock``, ``wording`` and the other names the
+            messages use.
         call: the trainer's arguments (``args``, ``model``, ``data_collator``, ``train_dataset``, the other stock arguments
             by name); for ``built=True`` also ``trainer``, the built trainer.
         built: run the refusals that need the built trainer (and the model ones again on its loaded model).

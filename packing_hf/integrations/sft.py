@@ -44,7 +44,7 @@ import trl
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
-from .args import PackingArguments
+from .args import PackingArguments, option
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
@@ -60,14 +60,12 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
     'switch'
     """
 
-    logit_metrics: str = dataclasses.field(
-        default="labelled",
-        metadata={
-            "help": "How the loss and TRL's logged `entropy` / `mean_token_accuracy` are computed. labelled "
-            "(default): the model's own loss (as packing_hf.Trainer), and the two metrics from its logits at the "
-            "labelled tokens only (the same values TRL logs); trl: TRL's fused LM head, which scores every "
-            "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits)."
-        },
+    logit_metrics: str = option(
+        "labelled",
+        "How the loss and TRL's logged `entropy` / `mean_token_accuracy` are computed. labelled "
+        "(default): the model's own loss (as packing_hf.Trainer), and the two metrics from its logits at the "
+        "labelled tokens only (the same values TRL logs); trl: TRL's fused LM head, which scores every "
+        "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits).",
     )
 
     def __post_init__(self) -> None:

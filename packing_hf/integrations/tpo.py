@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,8 +54,9 @@ from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
-from .args import PackingArguments
+from .args import PackingArguments, option
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["PackedTripleForward", "TPOConfig", "TPOTrainer"]
@@ -77,12 +78,10 @@ class TPOConfig(PackingArguments, _StockTPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Packed rows, no padding computed: what this trainer always does (None or True). False is "
-            "refused: use TRL's own trainer for padded batches."
-        },
+    padding_free: bool | None = option(
+        None,
+        "Packed rows, no padding computed: what this trainer always does (None or True). False is "
+        "refused: use TRL's own trainer for padded batches.",
     )
 
 
@@ -181,11 +180,9 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
         "prompt_learning",
         "sequence_parallelism",
     )
-    packed_unit = "TPO rows"
-    packed_batches = "preference batches"
-    whole_unit = "a TPO example, whose sequences"
-    loss_term = "example plus its own NLL mean"
-    own_loss = True
+    wording = Wording(
+        "TPO rows", "preference batches", "a TPO example, whose sequences", "example plus its own NLL mean"
+    )
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, collator, processing_class = call["args"], call["data_collator"], call["processing_class"]

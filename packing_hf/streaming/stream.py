@@ -56,12 +56,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._limits import check_int
 from ..fixed import concatenate_and_pack
 from ..overflow import OverflowPolicy
-from .packer import StreamPacker, to_plain
+from .packer import STATE_FORMAT, StreamPacker, check_state, to_plain
 from .reader import TokenizedStream
 
 __all__ = ["PackedStream", "fixed_length_rows"]
-
-STATE_FORMAT = 1
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -292,18 +290,12 @@ class PackedStream(IterableDataset):
         Raises:
             ValueError: not a stream state, or saved with other settings, ranks or data.
         """
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a PackedStream state (format {STATE_FORMAT} expected); pass what state_dict() returned"
-            )
-        differ = [
-            f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._config().items() if state.get(k) != v
-        ]
-        if differ:
-            raise ValueError(
-                f"the stream state was saved under another configuration ({'; '.join(differ)}); resume with the "
-                "same data, max_tokens_per_batch, buffer_size, open_batches, seed, overflow and ranks"
-            )
+        check_state(
+            state,
+            "PackedStream",
+            self._config(),
+            "data, max_tokens_per_batch, buffer_size, open_batches, seed, overflow and ranks",
+        )
         self._resume = dict(state)
         self._yielded = int(state["batches_yielded"])
         self._padding_batches = int(state["padding_batches"])
