@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "check_bool", "check_int"]
+__all__ = ["INT32_MAX", "check_bool", "check_int", "check_world"]
 
 # cu_seqlens are int32 in every varlen kernel: a packed row (or a batch budget) past this cannot be addressed
 INT32_MAX = 2**31 - 1
@@ -72,3 +72,27 @@ def check_bool(value: Any, name: str, *, optional: bool = False) -> Any:
     allowed = "True, False or None" if optional else "True or False"
     hint = f"; pass a bool ({name}=True), not a string" if isinstance(value, str) else ""
     raise TypeError(f"{name} must be {allowed}, got {value!r} (a {type(value).__name__}){hint}")
+
+
+def check_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``num_replicas`` / ``rank`` checked, each from ``torch.distributed`` when ``None`` and it is initialized,
+    else 1 / 0.
+
+    >>> check_world(None, None)
+    (1, 0)
+    >>> check_world(2, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: rank must be in [0, num_replicas - 1] = [0, 1], got rank=2
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    num_replicas, rank = check_int(num_replicas, "num_replicas", 1), check_int(rank, "rank", 0)
+    if rank >= num_replicas:
+        raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
+    return int(num_replicas), int(rank)

@@ -106,36 +106,29 @@ def _flash_runs_on(
     return runs_on
 
 
+def _flash_backend(
+    name: str, package: str, title: str, runs_on: Callable[[torch.device, torch.dtype, int], bool]
+) -> _Backend:
+    """The backend running ``package``'s ``flash_attn_varlen_func`` (flash-attn 2, 3 or 4)."""
+    return _Backend(
+        name,
+        f"{package}.flash_attn_varlen_func ({title})",
+        lambda: _flash_package_function(package) is not None,
+        lambda: _flash_package_features(package),
+        runs_on,
+        functools.partial(_run_flash_package, package),
+    )
+
+
 _ALL_FEATURES = frozenset(FEATURES)
 
 # Order = preference of "auto". FA3 before FA4 on Hopper: FA3 is the mature kernel there.
 BACKENDS: dict[str, _Backend] = {
     backend.name: backend
     for backend in (
-        _Backend(
-            "flash_attn_3",
-            "flash_attn_interface.flash_attn_varlen_func (FlashAttention 3)",
-            lambda: _flash_package_function("flash_attn_interface") is not None,
-            lambda: _flash_package_features("flash_attn_interface"),
-            _flash_runs_on((9,)),
-            functools.partial(_run_flash_package, "flash_attn_interface"),
-        ),
-        _Backend(
-            "flash_attn_4",
-            "flash_attn.cute.flash_attn_varlen_func (FlashAttention 4)",
-            lambda: _flash_package_function("flash_attn.cute") is not None,
-            lambda: _flash_package_features("flash_attn.cute"),
-            _flash_runs_on((9, 10)),
-            functools.partial(_run_flash_package, "flash_attn.cute"),
-        ),
-        _Backend(
-            "flash_attn",
-            "flash_attn.flash_attn_varlen_func (FlashAttention 2)",
-            lambda: _flash_package_function("flash_attn") is not None,
-            lambda: _flash_package_features("flash_attn"),
-            _flash_runs_on((), min_major=8),
-            functools.partial(_run_flash_package, "flash_attn"),
-        ),
+        _flash_backend("flash_attn_3", "flash_attn_interface", "FlashAttention 3", _flash_runs_on((9,))),
+        _flash_backend("flash_attn_4", "flash_attn.cute", "FlashAttention 4", _flash_runs_on((9, 10))),
+        _flash_backend("flash_attn", "flash_attn", "FlashAttention 2", _flash_runs_on((), min_major=8)),
         _Backend(
             "torch_varlen",
             "torch.nn.attention.varlen.varlen_attn (PyTorch's flash kernel)",

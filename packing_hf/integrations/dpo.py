@@ -60,7 +60,7 @@ from .preference_kit import (
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
 )
-from .refusals import Wording
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -129,15 +129,7 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     algorithm = "DPO"
     stock = "trl.DPOTrainer"
     packing_collator = PaddingFreePreferenceCollator
-    packing_refusals = (
-        "collator",
-        "compute_metrics",
-        "pad_token",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
-    )
+    packing_refusals = ("collator", "compute_metrics", "pad_token", *WHOLE_ROW_REFUSALS)
     wording = Wording(
         "preference pairs", "preference batches", "a preference pair, whose two sequences", "preference pair"
     )

@@ -58,7 +58,7 @@ from ..varlen import IGNORE_INDEX
 from .args import PackingArguments, option
 from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
-from .refusals import Wording
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer"]
@@ -116,10 +116,7 @@ class PackedPairsMixin:
         "generate_during_eval",
         "encoder_decoder",
         "router_loss",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
+        *WHOLE_ROW_REFUSALS,
     )
     wording = Wording(
         "pairs", "preference batches", "a preference pair, whose two sequences", "pair plus its own NLL mean"

@@ -30,11 +30,16 @@ __all__ = [
     "REFUSALS",
     "PackingRefused",
     "Refusal",
+    "WHOLE_ROW_REFUSALS",
     "Wording",
     "check_refusals",
     "first_row",
     "is_prompt_learning",
 ]
+
+
+# owed by every trainer whose packed row holds several sequences scored as one example (pairs, triples, KTO)
+WHOLE_ROW_REFUSALS = ("cut_overflow", "vision_data", "prompt_learning", "sequence_parallelism")
 
 
 @dataclass(frozen=True)

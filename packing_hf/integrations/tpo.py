@@ -56,7 +56,7 @@ from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from .args import PackingArguments, option
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
-from .refusals import Wording
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["PackedTripleForward", "TPOConfig", "TPOTrainer"]
@@ -175,10 +175,7 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
         "compute_metrics",
         "own_loss",
         "encoder_decoder",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
+        *WHOLE_ROW_REFUSALS,
     )
     wording = Wording(
         "TPO rows", "preference batches", "a TPO example, whose sequences", "example plus its own NLL mean"

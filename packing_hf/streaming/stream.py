@@ -53,26 +53,13 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._limits import check_int
+from .._limits import check_int, check_world
 from ..fixed import concatenate_and_pack
 from ..overflow import OverflowPolicy
 from .packer import STATE_FORMAT, StreamPacker, check_state, to_plain
 from .reader import TokenizedStream
 
 __all__ = ["PackedStream", "fixed_length_rows"]
-
-
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if num_replicas is None:
-        num_replicas = torch.distributed.get_world_size() if initialized else 1
-    if rank is None:
-        rank = torch.distributed.get_rank() if initialized else 0
-    num_replicas, rank = check_int(num_replicas, "num_replicas", 1), check_int(rank, "rank", 0)
-    if rank >= num_replicas:
-        raise ValueError(f"rank must be in [0, {num_replicas - 1}], got rank={rank}")
-    return int(num_replicas), int(rank)
 
 
 class PackedStream(IterableDataset):
@@ -125,7 +112,7 @@ class PackedStream(IterableDataset):
             column=column,
         )
         self.max_tokens_per_batch = self.packer.max_tokens_per_batch
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = check_world(num_replicas, rank)
         if not isinstance(source, TokenizedStream):
             source = TokenizedStream(source, column=column)
         self.source = source.shard(self.num_replicas, self.rank)
