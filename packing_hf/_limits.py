@@ -1,4 +1,5 @@
-"""Limits of the varlen kernels, and the one checker of int (and of bool) arguments, shared by numpy and torch code.
+"""Limits of the varlen kernels, the one checker of int (and of bool) arguments, shared by numpy and torch code,
+and :func:`option`, the one way a config dataclass declares a field with its ``--help`` text.
 
 >>> INT32_MAX
 2147483647
@@ -11,11 +12,12 @@ True
 from __future__ import annotations
 
 import numbers
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "check_bool", "check_int", "check_world"]
+__all__ = ["INT32_MAX", "check_bool", "check_int", "check_world", "option"]
 
 # cu_seqlens are int32 in every varlen kernel: a packed row (or a batch budget) past this cannot be addressed
 INT32_MAX = 2**31 - 1
@@ -96,3 +98,9 @@ def check_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if rank >= num_replicas:
         raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
     return int(num_replicas), int(rank)
+
+
+def option(default: Any, help_text: str) -> Any:
+    """A config dataclass field with its ``--help`` text (``HfArgumentParser`` / ``TrlParser`` read
+    ``metadata["help"]``); a mutable default is not allowed here (use ``None``)."""
+    return field(default=default, metadata={"help": help_text})

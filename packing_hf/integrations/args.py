@@ -13,12 +13,12 @@ command line or YAML like every other field.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import transformers
 
-from .._limits import check_bool, check_int
+from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
@@ -26,11 +26,6 @@ from ..sampler import MIXINGS
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
 
 PREFLIGHT_MODES = ("switch", "error", "off")
-
-
-def option(default: Any, help_text: str) -> Any:
-    """A config field with its ``--help`` text (``HfArgumentParser`` / ``TrlParser`` read ``metadata["help"]``)."""
-    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass

@@ -48,9 +48,10 @@ from typing import Any, ClassVar
 import numpy as np
 import trl
 
+from .._limits import option
 from ..attention import register_attention
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
-from .args import PackingArguments, option
+from .args import PackingArguments
 from .preference_kit import (
     PackedForwardsMixin,
     PreferenceStatsCollator,

@@ -52,10 +52,11 @@ from trl.experimental.orpo import ORPOConfig as _StockORPOConfig
 from trl.experimental.orpo import ORPOTrainer as _StockORPOTrainer
 from trl.trainer.utils import selective_log_softmax
 
+from .._limits import option
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
-from .args import PackingArguments, option
+from .args import PackingArguments
 from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording

@@ -41,10 +41,10 @@ from typing import Any, Literal
 import torch
 import trl
 
-from .._limits import check_bool, check_int
+from .._limits import check_bool, check_int, option
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
-from .args import PREFLIGHT_MODES, option
+from .args import PREFLIGHT_MODES
 from .refusals import Wording
 from .skeleton import PackedTrainerSkeleton
 

@@ -41,10 +41,11 @@ from typing import Any
 import torch
 import trl
 
+from .._limits import option
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
-from .args import PackingArguments, option
+from .args import PackingArguments
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 

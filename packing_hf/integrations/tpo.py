@@ -52,9 +52,10 @@ import torch
 from trl.experimental.tpo import TPOConfig as _StockTPOConfig
 from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
+from .._limits import option
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
-from .args import PackingArguments, option
+from .args import PackingArguments
 from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
