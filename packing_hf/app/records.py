@@ -458,18 +458,24 @@ def _iter_source(source: str, split: str, config_name: str | None) -> Iterable[t
         return
     if path.exists():
         raise ValueError(f"{path} exists but is not a .jsonl/.json/.parquet file; convert it to JSON Lines")
+    for i, row in enumerate(_hub_dataset(source, config_name, split)):
+        yield f"{source} record {i + 1}", row
+
+
+def _hub_dataset(source: str, config_name: str | None, split: str, streaming: bool = False) -> Any:
+    """``datasets.load_dataset`` of a Hub name; any failure (offline, missing split, gated, ...) becomes one
+    message with the fixes."""
     import datasets
 
     try:
-        dataset = datasets.load_dataset(source, config_name, split=split)
-    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
+        return datasets.load_dataset(source, config_name, split=split, streaming=streaming)
+    except Exception as error:
         raise ValueError(
-            f"could not load the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
-            f"{type(error).__name__}: {error}. Use a local .json/.jsonl path, 'embedded', or check the "
-            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
+            f"could not {'stream' if streaming else 'load'} the Hub dataset {source!r} (config {config_name!r}, "
+            f"split {split!r}): {type(error).__name__}: {error}. Use a local .jsonl/.json/.parquet path, "
+            "'embedded', or check the name, `dataset_config`, `dataset_split` and your network "
+            "(HF_HUB_OFFLINE must be unset)"
         ) from error
-    for i, row in enumerate(dataset):
-        yield f"{source} record {i + 1}", row
 
 
 def read_records(

@@ -122,6 +122,22 @@ def _flash_backend(
 
 _ALL_FEATURES = frozenset(FEATURES)
 
+
+def _torch_backend(
+    name: str, description: str, run: Callable[..., torch.Tensor], auto: bool = True
+) -> _Backend:
+    """A backend of plain torch ops: always available, every feature, any device, dtype and head size."""
+    return _Backend(
+        name,
+        description,
+        lambda: True,
+        lambda: _ALL_FEATURES,
+        lambda device, dtype, head_dim: True,
+        run,
+        auto=auto,
+    )
+
+
 # Order = preference of "auto". FA3 before FA4 on Hopper: FA3 is the mature kernel there.
 BACKENDS: dict[str, _Backend] = {
     backend.name: backend
@@ -137,29 +153,16 @@ BACKENDS: dict[str, _Backend] = {
             _flash_runs_on((), min_major=8),
             _run_torch_varlen,
         ),
-        _Backend(
-            "sdpa",
-            "torch scaled_dot_product_attention, one call per segment",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
-            _run_sdpa,
-        ),
-        _Backend(
+        _torch_backend("sdpa", "torch scaled_dot_product_attention, one call per segment", _run_sdpa),
+        _torch_backend(
             "sdpa_padded",
             "torch scaled_dot_product_attention on the segments padded into one batch (no host read)",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
             _run_sdpa_padded,
             auto=False,
         ),
-        _Backend(
+        _torch_backend(
             "reference",
             "explicit dense masks over the whole row (tests only: O(T^2) memory)",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
             _run_reference,
             auto=False,
         ),

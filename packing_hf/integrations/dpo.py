@@ -55,8 +55,7 @@ from .args import PackingArguments
 from .preference_kit import (
     PackedForwardsMixin,
     PreferenceStatsCollator,
-    check_preference_dataset,
-    check_vocabulary,
+    check_preference_call,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
@@ -137,9 +136,7 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, model, data_collator = call["args"], call["model"], call["data_collator"]
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], model)
+        check_preference_call(call)
         self._own_collator = data_collator is None
         if not self._own_collator and args.shared_prompt not in (None, data_collator.shared_prompt):
             raise ValueError(

@@ -58,7 +58,7 @@ from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments
 from .chunked_head import model_token_logprobs
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
@@ -125,9 +125,7 @@ class PackedPairsMixin:
     _logits_drop_last: ClassVar[bool]
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], call["model"])
+        check_preference_call(call)
         if call["data_collator"] is None:
             call["data_collator"] = PaddingFreePairCollator(
                 pad_token_id=pad_token_id(call["processing_class"])

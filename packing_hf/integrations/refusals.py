@@ -116,20 +116,31 @@ def _pad_token(t: Any, c: Mapping[str, Any]) -> str | None:
     )
 
 
-def _pad_to_multiple_of(t: Any, c: Mapping[str, Any]) -> str | None:
-    value = getattr(c["args"], "pad_to_multiple_of", None)
-    if not value:
-        return None
-    return f"pad_to_multiple_of={value} pads TRL's padded batches; a packed row has none. Unset it, or use {t.stock}"
+def _argument_set(name: str, message: str) -> Callable[[Any, Mapping[str, Any]], str | None]:
+    """The check refusing a set (truthy) training argument ``name``; ``message`` may name ``{value}`` and
+    ``{stock}``."""
+
+    def check(t: Any, c: Mapping[str, Any]) -> str | None:
+        value = getattr(c["args"], name, None)
+        return message.format(value=value, stock=t.stock) if value else None
+
+    return check
 
 
-def _liger(t: Any, c: Mapping[str, Any]) -> str | None:
-    if not getattr(c["args"], "use_liger_kernel", False):
-        return None
-    return (
-        "use_liger_kernel=True swaps in Liger's kernels, which are not checked against packed rows (positions "
-        f"restart per segment); unset it, or use {t.stock}"
-    )
+_pad_to_multiple_of = _argument_set(
+    "pad_to_multiple_of",
+    "pad_to_multiple_of={value} pads TRL's padded batches; a packed row has none. Unset it, or use {stock}",
+)
+_liger = _argument_set(
+    "use_liger_kernel",
+    "use_liger_kernel=True swaps in Liger's kernels, which are not checked against packed rows (positions "
+    "restart per segment); unset it, or use {stock}",
+)
+_generate_during_eval = _argument_set(
+    "generate_during_eval",
+    "generate_during_eval=True generates from padded prompts, which packed batches do not carry; unset it "
+    "or use {stock}",
+)
 
 
 def _cut_overflow(t: Any, c: Mapping[str, Any]) -> str | None:
@@ -174,15 +185,6 @@ def _own_loss(t: Any, c: Mapping[str, Any]) -> str | None:
     return (
         f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.wording.loss_term}, not a token "
         "mean; leave loss_normalization='token'"
-    )
-
-
-def _generate_during_eval(t: Any, c: Mapping[str, Any]) -> str | None:
-    if not getattr(c["args"], "generate_during_eval", False):
-        return None
-    return (
-        "generate_during_eval=True generates from padded prompts, which packed batches do not carry; unset it "
-        f"or use {t.stock}"
     )
 
 

@@ -35,7 +35,7 @@ import trl
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .adapters import PackedRewardForward
 from .args import PackingArguments
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
@@ -86,9 +86,7 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
     wording = Wording("reward pairs", "reward batches", "a reward pair, whose two sequences", "reward pair")
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], call["model"])
+        check_preference_call(call)
         if call["data_collator"] is None:
             call["data_collator"] = PaddingFreeRewardCollator(
                 pad_to_multiple_of=call["args"].pad_to_multiple_of,

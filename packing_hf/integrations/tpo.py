@@ -56,7 +56,7 @@ from .._limits import option
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from .args import PackingArguments
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
@@ -184,9 +184,7 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, collator, processing_class = call["args"], call["data_collator"], call["processing_class"]
-        check_preference_dataset(call["train_dataset"], "train_dataset", needs=TRIPLE_BRANCHES)
-        check_preference_dataset(call["eval_dataset"], "eval_dataset", needs=TRIPLE_BRANCHES)
-        check_vocabulary(processing_class, call["model"])
+        check_preference_call(call, needs=TRIPLE_BRANCHES)
         if collator is None:
             call["data_collator"] = PaddingFreeTripleCollator(
                 max_length=args.max_length,
