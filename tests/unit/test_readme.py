@@ -1,6 +1,7 @@
 """The README's Python snippets name what the package has: every ``packing_hf.X`` exists, and every keyword
-passed to a packing_hf config, trainer or collator is one it takes. The snippets are sketches (``...`` stands
-for the user's own arguments), so they are checked by reading them, not by running them."""
+passed to a packing_hf config, trainer or collator is one it takes, checked by reading them (a quick check, and
+one that also reads a sketch whose ``...`` stands for the user's own arguments). That every snippet runs is
+tested by tests/integration/test_readme_runs.py."""
 
 from __future__ import annotations
 
