@@ -237,7 +237,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             log_p = torch._log_softmax(logits, 1, False, out=buffers.take("log_p", c))
             per_token = -log_p.gather(1, index)[:, 0]
             loss += torch.where(k != 0, per_token * k, torch.zeros_like(k)).sum()
-            if stats:  # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
+            if (
+                stats
+            ):  # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
                 hits += (valid & (log_p.argmax(-1) == t)).sum()
                 plogp = (log_p.exp() * log_p).sum(-1)
                 entropy -= torch.where(valid, plogp, torch.zeros_like(plogp)).sum()
