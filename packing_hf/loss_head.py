@@ -281,11 +281,12 @@ class _TokenLogProbs(torch.autograd.Function):
     """Per-token ``log p(target)`` and entropy; each chunk's logits are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean):
+    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean, with_top1):
         n = hidden.shape[0]
         logps = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         means = torch.zeros(n if with_mean else 0, dtype=torch.float32, device=hidden.device)
+        top1 = torch.zeros(n if with_top1 else 0, dtype=torch.bool, device=hidden.device)
         buffers = _Buffers(min(chunk_size, n), weight.shape[0], hidden.device)
         for start, end in _chunks(n, chunk_size):
             t = targets[start:end]
@@ -297,13 +298,15 @@ class _TokenLogProbs(torch.autograd.Function):
                 entropy[start:end] = log_z - (torch.softmax(logits, -1) * logits).sum(-1)
             if with_mean:
                 means[start:end] = logits.mean(-1)
+            if with_top1:
+                top1[start:end] = logits.argmax(-1) == t
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, entropy)
         ctx.head, ctx.chunk_size, ctx.has_bias = head, chunk_size, bias is not None
-        ctx.mark_non_differentiable(means)
-        return logps, entropy, means
+        ctx.mark_non_differentiable(means, top1)
+        return logps, entropy, means, top1
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy, _means):
+    def backward(ctx, grad_logps, grad_entropy, _means, _top1):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         needs = ctx.needs_input_grad
@@ -340,6 +343,7 @@ class _TokenLogProbs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -389,7 +393,7 @@ def linear_cross_entropy(
     head = head or LogitHead()
     valid = targets != _IGNORE
     if reduction == "none":
-        logps, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False)
+        logps, _, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False, False)
         per_token = -logps
         if weights is not None:
             per_token = per_token * weights.to(per_token)
@@ -424,11 +428,13 @@ def linear_cross_entropy(
 class TokenLogProbs(NamedTuple):
     """What :func:`token_logprobs` returns: ``logps`` ``(N,)`` (differentiable), ``entropy`` ``(N,)``
     (differentiable) or ``None``, ``mean_logits`` ``(N,)`` (detached: every position's mean logit, what TRL's
-    ``logits/*`` metrics average) or ``None``."""
+    ``logits/*`` metrics average) or ``None``, ``top1`` ``(N,)`` bool (the target is the position's argmax: TRL's
+    token accuracy) or ``None``."""
 
     logps: torch.Tensor
     entropy: torch.Tensor | None
     mean_logits: torch.Tensor | None
+    top1: torch.Tensor | None = None
 
 
 def token_logprobs(
@@ -441,6 +447,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     entropy: bool = False,
     mean_logits: bool = False,
+    top1: bool = False,
 ) -> TokenLogProbs:
     """Per-token ``log p(targets[i] | hidden[i])`` under ``head.apply(hidden @ weight.T + bias)``, and the entropy
     of every position's distribution, chunk by chunk, with gradients (the chunk's logits recomputed in backward).
@@ -449,6 +456,7 @@ def token_logprobs(
         hidden, weight, targets, bias, head, chunk_size: as in :func:`linear_cross_entropy`.
         entropy: also return the ``(N,)`` entropies (differentiable).
         mean_logits: also return every position's mean logit (detached).
+        top1: also return whether each target is its position's argmax (detached, ``bool``).
 
     Returns:
         :class:`TokenLogProbs`: ``(N,)`` fp32 log-probs, 0 where ``targets`` is -100; the entropies, the mean logits.
@@ -458,7 +466,9 @@ def token_logprobs(
     ([-1.3863, 0.0], [1.3863, 1.3863], None)
     """
     chunk = _check(hidden, weight, bias, targets, chunk_size)
-    logps, entropies, means = _TokenLogProbs.apply(
-        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits
+    logps, entropies, means, hits = _TokenLogProbs.apply(
+        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits, top1
     )
-    return TokenLogProbs(logps, entropies if entropy else None, means if mean_logits else None)
+    return TokenLogProbs(
+        logps, entropies if entropy else None, means if mean_logits else None, hits if top1 else None
+    )

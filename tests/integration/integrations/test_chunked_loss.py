@@ -97,7 +97,7 @@ def _check_model(name: str, assert_close) -> None:
     log_p = model(**inputs).logits.log_softmax(-1)
     want_logps = torch.where(targets != -100, log_p.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
     want_entropy = -(log_p.exp() * log_p).sum(-1)
-    (logps, entropy, _), _ = model_token_logprobs(model, inputs, targets, entropy=True, chunk_size=CHUNK)
+    (logps, entropy, _, _), _ = model_token_logprobs(model, inputs, targets, entropy=True, chunk_size=CHUNK)
     assert_close(logps.detach(), want_logps.detach(), f"{name} log-probs", rel=REL)
     assert_close(entropy.detach(), want_entropy.detach(), f"{name} entropies", rel=REL)
     upstream = torch.linspace(-1.0, 2.0, targets.shape[1])
