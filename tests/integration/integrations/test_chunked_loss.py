@@ -112,12 +112,14 @@ def test_chunked_head_equals_the_models_logits(name, assert_close):
     _check_model(name, assert_close)
 
 
-def test_negative_control_a_chunk_boundary_dropping_a_token(assert_close, monkeypatch):
-    def dropping(n, size):  # the first token of every chunk after the first is skipped
-        for start in range(0, n, size):
-            yield (start + 1 if start else 0), min(start + size, n)
+def _dropping(n, size):
+    """A broken chunk loop: the first token of every chunk after the first is skipped."""
+    for start in range(0, n, size):
+        yield (start + 1 if start else 0), min(start + size, n)
 
-    monkeypatch.setattr(loss_head, "_chunks", dropping)
+
+def test_negative_control_a_chunk_boundary_dropping_a_token(assert_close, monkeypatch):
+    monkeypatch.setattr(loss_head, "_chunks", _dropping)
     with pytest.raises(AssertionError, match="loss"):
         _check_model("llama_untied", assert_close)
 
@@ -216,24 +218,19 @@ def test_gradient_checkpointing_keeps_the_chunked_loss_and_grads(use_reentrant, 
 
 
 def test_negative_control_checkpointing_with_a_chunk_dropping_a_token(assert_close, monkeypatch):
-    def dropping(n, size):  # the first token of every chunk after the first is skipped
-        for start in range(0, n, size):
-            yield (start + 1 if start else 0), min(start + size, n)
-
     with pytest.raises(AssertionError, match="checkpointed loss"):  # only the checkpointed step drops it
-        _check_checkpointing(assert_close, False, lambda: monkeypatch.setattr(loss_head, "_chunks", dropping))
+        _check_checkpointing(
+            assert_close, False, lambda: monkeypatch.setattr(loss_head, "_chunks", _dropping)
+        )
 
 
 @pytest.mark.parametrize("drop", [False, True])
 def test_bf16_autocast_stays_within_bf16_noise_of_the_full_logits(drop, monkeypatch):
     """Under CPU bf16 autocast the chunked step's loss and gradients are as far from the fp32 step as the
     full-logits path's own are (bf16 rounding), not further; negative control (``drop``): a chunk loop that
-    drops one token is caught."""
+    drops tokens is caught."""
     if drop:
-        real = loss_head._chunks
-        monkeypatch.setattr(
-            loss_head, "_chunks", lambda n, size: ((s + (s == 0), e) for s, e in real(n, size))
-        )
+        monkeypatch.setattr(loss_head, "_chunks", _dropping)
         with pytest.raises(AssertionError):
             _check_bf16()
     else:
