@@ -13,8 +13,8 @@ plus their gradient). Here the projection ``hidden @ weight.T (+ bias)``, the mo
   entropy of every position, with gradients: a chunk's logits are recomputed in backward, where the incoming
   per-token gradient is known.
 
-Peak memory holds one chunk's logits (``chunk_size x vocabulary`` fp32) instead of the row's. Targets are
-already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
+Peak memory holds one chunk's logits and log-probs (two ``chunk_size x vocabulary`` fp32 buffers, reused by every
+chunk) and the fp32 weight gradient instead of the row's logits. Targets are already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
 the results equal the full-logits computation to float rounding (the sums run in another order).
 
 >>> torch.manual_seed(0) and None
