@@ -398,7 +398,9 @@ def _lowest_gap(words, table):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _index_bin(b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width):  # pragma: no cover
+def _index_bin(
+    b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+):  # pragma: no cover
     """Index the items of bin ``b``, which has ``g`` tokens free, under ``(length + g, g)``."""
     i = bin_head[b]
     while i != -1:
@@ -415,7 +417,9 @@ def _index_bin(b, g, bin_head, item_next, lengths, key_head, key_next, key_prev,
 
 
 @njit(cache=True)
-def _unindex_bin(b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width):  # pragma: no cover
+def _unindex_bin(
+    b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+):  # pragma: no cover
     """Undo :func:`_index_bin` for bin ``b`` (``g`` tokens free)."""
     i = bin_head[b]
     while i != -1:
@@ -520,7 +524,9 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                 else:
                     bin_prev[after] = -1
                 if free <= small_gap:
-                    _unindex_bin(b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width)
+                    _unindex_bin(
+                        b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+                    )
             else:
                 b = n_bins
                 n_bins += 1
@@ -539,6 +545,8 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                     bin_prev[first] = b
                 head[free] = b
                 if free <= small_gap:
-                    _index_bin(b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width)
+                    _index_bin(
+                        b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+                    )
             break
     return bin_of, n_bins
