@@ -237,10 +237,11 @@ class PaddingFreeCollator:
             than the largest bucket raises a ``ValueError`` (make the largest ``max_tokens_per_batch``).
         segment_buckets: pad ``cu_seq_lens_q/k`` with empty segments at the end (repeats of ``T``) up to the
             smallest of these segment counts (at most :data:`MAX_LENGTH_BUCKETS`; see :func:`segment_buckets`),
-            so that, with ``length_buckets``, a compiled model sees few boundary shapes too. An empty segment
-            holds no token: attention, positions, labels and the loss are those of the unpadded batch
-            (``flash_attn_varlen_func``'s contract; :func:`packing_hf.varlen_attention` skips them). Counted
-            in ``stats["empty_segments"]``.
+            so that, with ``length_buckets``, a compiled model sees few boundary shapes too (with both,
+            ``max_length_q/k`` is rounded up to a length bucket as well: an int a graph specializes on). An
+            empty segment holds no token: attention, positions, labels and the loss are those of the unpadded
+            batch (``flash_attn_varlen_func``'s contract; :func:`packing_hf.varlen_attention` skips them).
+            Counted in ``stats["empty_segments"]``.
         pad_token_id: input id of padding tokens.
         label_pad_id: label of untrained tokens (first token of a segment, masked tokens, padding).
         position_ids_start: first position of every segment (2 for RoBERTa-like models).
@@ -487,7 +488,12 @@ class PaddingFreeCollator:
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:
-            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+            longest = int(seg_lengths.max())
+            if self.segment_buckets is not None and self.length_buckets is not None:
+                # a compiled graph specializes on this int too: round it up to a length bucket (an upper
+                # bound is what the varlen kernels take; the padded layout pads segments to it)
+                longest = self.length_buckets[bisect.bisect_left(self.length_buckets, longest)]
+            batch["max_length_q"] = batch["max_length_k"] = longest
         return batch
 
     def _labels(

@@ -8,6 +8,7 @@ import torch
 
 from packing_hf import PaddingFreeCollator, register_attention
 from packing_hf._loss import loss_counts
+from packing_hf.architectures import build_tiny_model, prepare_model_for_packing
 from packing_hf.attention.guards import validate_packed_batch
 from packing_hf.collator import length_buckets, segment_buckets
 
@@ -79,6 +80,7 @@ def test_empty_segments_closing_cu_seq_lens_change_nothing(
         padded = collator(features)
         assert padded["cu_seq_lens_q"].tolist() == [0, 7, 12, 21, 32, 32, 32, 32, 32]  # 4 segments -> 8
         assert collator.stats["empty_segments"] == 4 and padded["input_ids"].shape == (1, 32)
+        assert padded["max_length_q"] == 32 and plain["max_length_q"] == 11  # rounded up to the length bucket
         for key in ("input_ids", "labels", "position_ids"):
             assert torch.equal(padded[key], plain[key])
         assert validate_packed_batch(padded)["cu_seq_lens_q"] is padded["cu_seq_lens_q"]
@@ -113,3 +115,20 @@ def test_empty_segments_only_close_the_row():
     with pytest.raises(ValueError, match="give 1 to 8 segment counts"):
         PaddingFreeCollator(segment_buckets=())
     assert segment_buckets(3, count=4) == (1, 3)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text"])
+def test_empty_segments_reach_the_token_mixers_of_a_prepared_hybrid_as_nothing(model_type, one_torch_thread):
+    """The per-sample mixers (here gated DeltaNet and its short convolution) read the boundaries from their layer's call:
+    the empty segments closing ``cu_seq_lens`` add no sample there either."""
+    model = build_tiny_model(model_type, register_attention())
+    features = [{"input_ids": ids} for ids in SAMPLES]
+    plain = PaddingFreeCollator(length_buckets=(32,))(features)
+    padded = PaddingFreeCollator(length_buckets=(32,), segment_buckets=(8,))(features)
+    split = PaddingFreeCollator(length_buckets=(32,), segment_buckets=(8,))(
+        [{"input_ids": ids} for ids in (SAMPLES[0], SAMPLES[1][:2], SAMPLES[1][2:], SAMPLES[2])]
+    )
+    with prepare_model_for_packing(model), torch.no_grad():
+        want, got, control = (model(**batch, use_cache=False).logits for batch in (plain, padded, split))
+    assert torch.equal(got, want)
+    assert not torch.allclose(control[0, 9:12], want[0, 9:12])  # a real boundary there changes the logits
