@@ -160,6 +160,8 @@ def planning_speed(quick: bool) -> dict:
             lengths, 4096, num_replicas=8, rank=0, cost_model=cost, mixing="sorted"
         ),
     }
+    for mixing in ("random", "sorted"):  # load numba's compiled kernels before anything is timed
+        MultipackBatchSampler(lengths[:5000], 4096, num_replicas=8, rank=0, mixing=mixing)._plan(0)
     first = {}
     for name, sampler in samplers.items():  # the epoch-independent work, once
         start = time.process_time()
