@@ -48,6 +48,17 @@ def _tree_set(tree, size, leaf, value):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _tree_find(tree, size, length):  # pragma: no cover - compiled
+    """The smallest leaf (free space) >= ``length`` of a max segment tree whose root holds at least that."""
+    node = 1
+    while node < size:  # descend to the leftmost (= smallest) free space >= length
+        node <<= 1
+        if tree[node] < length:
+            node += 1
+    return node - size
+
+
+@njit(cache=True)
 def _best_fit_sorted(sorted_lengths, budget):  # pragma: no cover - compiled
     """Best fit over lengths already in decreasing order: the bin of every item, and the bin count.
 
@@ -66,12 +77,7 @@ def _best_fit_sorted(sorted_lengths, budget):  # pragma: no cover - compiled
     for i in range(n):
         length = sorted_lengths[i]
         if tree[1] >= length:
-            node = 1
-            while node < size:  # descend to the leftmost (= smallest) free space >= length
-                node <<= 1
-                if tree[node] < length:
-                    node += 1
-            free = node - size
+            free = _tree_find(tree, size, length)
             b = head[free]
             head[free] = nxt[b]
             if head[free] == -1:
@@ -398,41 +404,32 @@ def _lowest_gap(words, table):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _index_bin(
-    b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-):  # pragma: no cover
-    """Index the items of bin ``b``, which has ``g`` tokens free, under ``(length + g, g)``."""
+def _reindex_bin(
+    b, g, add, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+):  # pragma: no cover - compiled
+    """The items of bin ``b`` (``g`` tokens free) enter (``add``) or leave the index under ``(length + g, g)``."""
     i = bin_head[b]
     while i != -1:
         t = lengths[i] + g
         key = t * width + g
-        first = key_head[key]
-        key_next[i] = first
-        key_prev[i] = -1
-        if first != -1:
-            key_prev[first] = i
-        key_head[key] = i
-        mask[t, g // 63] |= 1 << (g % 63)
-        i = item_next[i]
-
-
-@njit(cache=True)
-def _unindex_bin(
-    b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-):  # pragma: no cover
-    """Undo :func:`_index_bin` for bin ``b`` (``g`` tokens free)."""
-    i = bin_head[b]
-    while i != -1:
-        t = lengths[i] + g
-        before, after = key_prev[i], key_next[i]
-        if before == -1:
-            key_head[t * width + g] = after
-            if after == -1:
-                mask[t, g // 63] &= ~(1 << (g % 63))
-        else:
-            key_next[before] = after
-        if after != -1:
-            key_prev[after] = before
+        if add:  # push on the key's list
+            first = key_head[key]
+            key_next[i] = first
+            key_prev[i] = -1
+            if first != -1:
+                key_prev[first] = i
+            key_head[key] = i
+            mask[t, g // 63] |= 1 << (g % 63)
+        else:  # unlink from it
+            before, after = key_prev[i], key_next[i]
+            if before == -1:
+                key_head[key] = after
+                if after == -1:
+                    mask[t, g // 63] &= ~(1 << (g % 63))
+            else:
+                key_next[before] = after
+            if after != -1:
+                key_prev[after] = before
         i = item_next[i]
 
 
@@ -494,7 +491,9 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                     bin_next[before] = after
                 if after != -1:
                     bin_prev[after] = before
-                _unindex_bin(b, g, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width)
+                _reindex_bin(
+                    b, g, False, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+                )
                 k = bin_head[b]  # out leaves b's items, i joins them
                 if k == out:
                     bin_head[b] = item_next[out]
@@ -509,12 +508,7 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                 i = out
                 continue
             if free < 0 and tree[1] >= x:
-                node = 1
-                while node < size:  # descend to the leftmost (= smallest) free space >= x
-                    node <<= 1
-                    if tree[node] < x:
-                        node += 1
-                free = node - size
+                free = _tree_find(tree, size, x)
             if free >= 0:
                 b = head[free]
                 after = bin_next[b]
@@ -524,8 +518,18 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                 else:
                     bin_prev[after] = -1
                 if free <= small_gap:
-                    _unindex_bin(
-                        b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+                    _reindex_bin(
+                        b,
+                        free,
+                        False,
+                        bin_head,
+                        item_next,
+                        lengths,
+                        key_head,
+                        key_next,
+                        key_prev,
+                        mask,
+                        width,
                     )
             else:
                 b = n_bins
@@ -545,8 +549,8 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                     bin_prev[first] = b
                 head[free] = b
                 if free <= small_gap:
-                    _index_bin(
-                        b, free, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
+                    _reindex_bin(
+                        b, free, True, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
                     )
             break
     return bin_of, n_bins

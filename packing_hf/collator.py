@@ -49,11 +49,8 @@ def length_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS, multiple: i
     >>> length_buckets(1000, count=3)
     (384, 704, 1000)
     """
-    check_int(max_tokens, "max_tokens", minimum=1, int32=True)
-    check_int(count, "count", minimum=1)
+    _check_bucket_count(max_tokens, count)
     check_int(multiple, "multiple", minimum=1)
-    if count > MAX_LENGTH_BUCKETS:
-        raise ValueError(f"count={count}: at most {MAX_LENGTH_BUCKETS} buckets (each is a compiled shape)")
     sizes = {
         min(max_tokens, -(-(max_tokens * k // count) // multiple) * multiple) for k in range(1, count + 1)
     }
@@ -73,11 +70,15 @@ def segment_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS) -> tuple[i
     >>> segment_buckets(100, count=3)
     (25, 50, 100)
     """
+    _check_bucket_count(max_tokens, count)
+    return tuple(sorted({max(1, max_tokens >> k) for k in range(count)}))
+
+
+def _check_bucket_count(max_tokens: int, count: int) -> None:
     check_int(max_tokens, "max_tokens", minimum=1, int32=True)
     check_int(count, "count", minimum=1)
     if count > MAX_LENGTH_BUCKETS:
         raise ValueError(f"count={count}: at most {MAX_LENGTH_BUCKETS} buckets (each is a compiled shape)")
-    return tuple(sorted({max(1, max_tokens >> k) for k in range(count)}))
 
 
 def _check_buckets(value: Any, name: str, what: str) -> tuple[int, ...]:
