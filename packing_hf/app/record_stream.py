@@ -18,7 +18,15 @@ from typing import Any
 
 from ..overflow import check_overflow
 from ..streaming.files import RECORD_FILE_SUFFIXES, file_format, read_record_file
-from .records import _EMBEDDED_DIR, _EMBEDDED_FILES, _FORMATS, Record, _first, normalise_record
+from .records import (
+    _EMBEDDED_DIR,
+    _EMBEDDED_FILES,
+    Record,
+    _first,
+    _hub_dataset,
+    normalise_record,
+    unread_fields,
+)
 from .render import (
     _PROMPT_FORMATS,
     PromptFormat,
@@ -54,16 +62,7 @@ def _stream_source(source: str, split: str, config_name: str | None):
             f"{path} is not a .jsonl/.json (JSON Lines) or .parquet file, the files streaming: true reads; "
             "convert it to JSON Lines"
         )
-    import datasets
-
-    try:
-        dataset = datasets.load_dataset(source, config_name, split=split, streaming=True)
-    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
-        raise ValueError(
-            f"could not stream the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
-            f"{type(error).__name__}: {error}. Use a local .jsonl/.parquet path, 'embedded', or check the "
-            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
-        ) from error
+    dataset = _hub_dataset(source, config_name, split, streaming=True)
     return (lambda: ((f"{source} record {i + 1}", row) for i, row in enumerate(dataset))), (
         f"{source}/{config_name}/{split}"
     )
@@ -171,10 +170,7 @@ class RecordStream:
             record = normalise_record(raw, where, expected)
             self._format = self._format or record.format
             self.formats[record.format] += 1
-            required, optional = _FORMATS[record.format]
-            for key, value in raw.items():
-                if key not in required and key not in optional and value is not None:
-                    self.ignored_fields[key] += 1
+            self.ignored_fields.update(unread_fields(raw, record.format))
             reason = record.skip_reason
             if reason is not None:
                 if reason not in self.skipped:

@@ -62,9 +62,9 @@ class PackingLossMixin:
     def _check_own_loss(self, what: str) -> None:
         args = self.args
         conflicts = []
-        if self.own_loss:  # declared by the trainer class (PackingTrainerMixin)
+        if self.wording.own_loss:  # declared by the trainer class (PackedTrainerSkeleton)
             conflicts.append(
-                f"{self.stock}, whose loss is one term per {self.loss_term}: leave loss_normalization='token'"
+                f"{self.stock}, whose loss is one term per {self.wording.loss_term}: leave loss_normalization='token'"
             )
         if self.compute_loss_func is not None:
             conflicts.append("a compute_loss_func (it would replace the normalised loss): drop it")
