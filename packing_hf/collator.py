@@ -63,7 +63,9 @@ def segment_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS) -> tuple[i
 
     For ``PaddingFreeCollator(segment_buckets=...)``: ``cu_seq_lens`` is padded with empty segments up to the
     smallest count that holds the batch's samples, so a compiled model sees at most ``count`` boundary shapes.
-    An empty segment costs no token and no attention work, so the buckets can be coarse.
+    An empty segment costs no token, and no attention work in the varlen kernels or the per-segment SDPA (packing_hf's
+    padded layout, used under ``torch.compile`` without a varlen kernel, computes a row of ``max_length`` slots
+    for it).
 
     >>> segment_buckets(4096)
     (32, 64, 128, 256, 512, 1024, 2048, 4096)
