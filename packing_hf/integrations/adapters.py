@@ -28,7 +28,13 @@ from ..preference import pack_padded_labels, unpack_shifted
 from ..shared_prefix import PREFIX_KEY
 from .preflight import base_model
 
-__all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows", "head_inputs"]
+__all__ = [
+    "PackedPreferenceForward",
+    "PackedRewardForward",
+    "gather_uneven_rows",
+    "head_inputs",
+    "pass_through_batch_shard",
+]
 
 
 def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:
@@ -241,6 +247,21 @@ class PackedRewardForward:
             )
         output["logits"] = scores[0].index_select(0, ends.to(scores.device))  # (S, num_labels)
         return output
+
+
+def pass_through_batch_shard(dataloader: Any, sampler: Any) -> Any:
+    """Make accelerate's ``BatchSamplerShard`` around a rank-aware ``sampler`` a pass-through; return it.
+
+    The sampler already gives each rank its share; the shard ``accelerator.prepare`` wraps it in would hand out
+    every ``num_processes``-th of those batches again (dropping samples, and leaving ranks uneven). Stock
+    ``Trainer`` treats its own rank-aware ``BatchRebalanceSampler`` the same way. The dataloader is the
+    trainer's own (built for this sampler), so nothing is given back.
+    """
+    shard = getattr(dataloader, "batch_sampler", None)
+    if shard is not None and shard is not sampler and getattr(shard, "batch_sampler", None) is sampler:
+        shard.num_processes = 1
+        shard.process_index = 0
+    return shard
 
 
 def gather_uneven_rows(accelerator: Any) -> None:
