@@ -40,6 +40,7 @@ __all__ = [
     "SHARD_KEY",
     "SequenceShard",
     "check_sequence_parallel_model",
+    "gather_shard_tokens",
     "sequence_parallel_groups",
     "sequence_parallel_loss",
     "shard_loss_counts",
@@ -297,3 +298,60 @@ def sequence_parallel_loss(
     if denominator is None:
         denominator = step_denominator(_row_counts(shard), normalization)
     return numerator / denominator
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group``, forward and backward: every rank of the group computes the same loss
+    from the sum, so each rank's gradient of its own addend is the group's summed gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def gather_shard_tokens(values: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """The whole row's per-token ``values`` from every rank's shard: ``(1, T_rank, ...)`` -> ``(1, T, ...)``.
+
+    Each rank places its tokens at their offset in a row of zeros and the group all-reduces the rows (``x + 0``
+    is exact, so every rank gets the row one process computes). Autograd-correct for a loss every rank of the
+    group computes alike from the whole row (a preference loss over per-sample sums): the backward sums the
+    group's gradients, so this rank's tokens get ``sp`` times their share, which DDP's average over the
+    ``dp x sp`` processes turns back into the data-parallel gradient. Non-float values are gathered without
+    gradient.
+
+    Args:
+        values: ``(1, T_rank, ...)`` this rank's per-token values (``shard.length`` tokens).
+        shard: this rank's :class:`SequenceShard`.
+
+    Returns:
+        ``(1, T, ...)`` with ``T = sum(shard.lengths)``; ``values`` itself on a group of one.
+
+    >>> shard = SequenceShard(None, 0, [3], torch.tensor([0, 3], dtype=torch.int32), torch.tensor([[0, 1, 2]]))
+    >>> gather_shard_tokens(torch.tensor([[1.0, 2.0, 3.0]]), shard).tolist()  # one process: the row itself
+    [[1.0, 2.0, 3.0]]
+    """
+    if values.dim() < 2 or tuple(values.shape[:2]) != (1, shard.length):
+        raise ValueError(
+            f"{shard!r}: per-token values of shape {tuple(values.shape)} are not (1, {shard.length}, ...), one value "
+            "per token of this rank's shard"
+        )
+    if shard.size == 1:
+        return values
+    rest = tuple(values.shape[2:])
+    before = values.new_zeros((1, shard.offset, *rest))
+    after = values.new_zeros((1, sum(shard.lengths) - shard.offset - shard.length, *rest))
+    row = torch.cat([before, values, after], dim=1)  # (1, T, ...): this rank's tokens, zeros elsewhere
+    if row.is_floating_point():
+        return _SumOverGroup.apply(row, shard.group)
+    counts = row.detach().long()
+    dist.all_reduce(counts, group=shard.group)
+    return counts.to(values.dtype)

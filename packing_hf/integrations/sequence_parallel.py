@@ -22,11 +22,26 @@ from typing import Any
 
 from .._loss import LOSS_WEIGHTS_KEY
 
-__all__ = ["PackingSequenceParallelMixin", "sequence_parallel_size"]
+__all__ = ["PackingSequenceParallelMixin", "configured_parallelism", "sequence_parallel_size"]
 
 # set by ``accelerate launch --parallelism_config_*``: accelerate then builds its ParallelismConfig from the
 # environment when the Trainer hands it none
 _LAUNCHER_FLAG = "ACCELERATE_USE_PARALLELISM_CONFIG"
+
+
+def configured_parallelism(args: Any) -> Any:
+    """The ``ParallelismConfig`` of training arguments: theirs, else the one ``accelerate launch
+    --parallelism_config_*`` set up in the environment, else ``None``.
+
+    >>> configured_parallelism(None) is None
+    True
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true":
+        from accelerate import ParallelismConfig
+
+        config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
+    return config
 
 
 def sequence_parallel_size(parallelism_config: Any) -> int:
@@ -55,7 +70,7 @@ def sequence_parallel_size(parallelism_config: Any) -> int:
 class PackingSequenceParallelMixin:
     """``sp_size`` for the packing trainers; part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`, active in trainers that declare
-    ``packing_sequence_parallel = True`` (``Trainer``, ``SFTTrainer``)."""
+    ``packing_sequence_parallel = True`` (``Trainer``, ``SFTTrainer``, ``DPOTrainer``)."""
 
     #: whether this trainer cuts packed rows over ``sp_size`` processes (else ``sp_size`` stays accelerate's)
     packing_sequence_parallel = False
@@ -65,12 +80,7 @@ class PackingSequenceParallelMixin:
         self._packing_sp_size = 1
         self._packing_sp_group = None
         self._packing_sp_rank = 0
-        config = getattr(self.args, "parallelism_config", None)
-        from_launcher = config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true"
-        if from_launcher:  # accelerate launch --parallelism_config_sp_size N (or its config file)
-            from accelerate import ParallelismConfig
-
-            config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
+        config = configured_parallelism(self.args)
         if not self.packing_sequence_parallel or sequence_parallel_size(config) == 1:
             return super().create_accelerator_and_postprocess()
         self._packing_sp_size = sequence_parallel_size(config)

@@ -34,18 +34,64 @@ def results(run_once, launch, free_port):
     trainer = torch.load(folder / "sp_trainer.pt", weights_only=False)
     reference = torch.load(folder / "sp_trainer_reference.pt", weights_only=False)
     for kind, got in trainer.items():
-        found[f"{kind}_sp2"] = (reference[kind], got)
+        found[f"{kind}_sp2"] = (reference[kind.removesuffix("_alone")], got)
     return found
 
 
-@pytest.mark.parametrize("case", ["sp4_sample", "dp2_sp2_token", "sp4_sliding", "trainer_sp2", "sft_sp2"])
+@pytest.mark.parametrize(
+    "case", ["sp4_sample", "dp2_sp2_token", "sp4_sliding", "trainer_sp2", "sft_sp2", "dpo_sp2", "stream_sp2"]
+)
 def test_sequence_parallel_equals_one_process(results, case, assert_close):
+    if case.endswith("_sp2"):  # a trainer: its step next to the same trainer's on one process
+        reference, got = results[case]
+        results = {case: (reference["step"], got["step"])}
     (ref_loss, ref_grads), (loss, grads) = results[case]
     assert_close(loss, ref_loss, f"{case}: loss", rel=RELATIVE_TOLERANCE)
     assert sorted(grads) == sorted(ref_grads)
     for name, want in ref_grads.items():
         assert float(want.abs().max()) > 0, f"{case}: {name} has no gradient to compare"
         assert_close(grads[name], want, f"{case}: grad of {name}", rel=RELATIVE_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", ["trainer_sp2", "dpo_sp2"])
+def test_evaluation_under_sequence_parallelism_equals_one_process(results, case, assert_close):
+    reference, got = results[case]
+    assert_close(got["eval"], reference["eval"], f"{case}: eval_loss", rel=RELATIVE_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", ["trainer_sp2", "dpo_sp2", "stream_sp2"])
+def test_one_row_per_sequence_parallel_group(results, case):
+    """Both ranks of the SP group train on the same rows (the sampler's or the stream's replica is the group),
+    the rows one process trains on."""
+    reference, got = results[case]
+    first, second = got["ranks"]
+    assert first["batches"] == second["batches"] == reference["batches"]
+    assert len(reference["batches"]) == (2 if case == "stream_sp2" else 1)
+
+
+def test_resume_under_sequence_parallelism_gives_the_next_batches(results):
+    """A streamed run resumed from its checkpoint after step 1 trains on the batches step 2 of the uninterrupted
+    run trained on, on every rank of the SP group."""
+    reference, got = results["stream_sp2"]
+    assert reference["resumed"] == reference["batches"][1:]
+    for rank in got["ranks"]:
+        assert rank["resumed"] == rank["batches"][1:] == reference["batches"][1:]
+
+
+def test_negative_control_dpo_without_reduced_sums_is_caught(results, assert_close):
+    """DPO whose per-sample log-prob sums are not reduced over the SP group (each rank sees its own tokens'
+    log-probs only) fails the comparison that ``dpo_sp2`` passes."""
+    reference, got = results["dpo_alone_sp2"]
+    (ref_loss, ref_grads), (loss, grads) = reference["step"], got["step"]
+    with pytest.raises(AssertionError):
+        assert_close(loss, ref_loss, "loss", rel=RELATIVE_TOLERANCE)
+    failures = 0
+    for name, want in ref_grads.items():
+        try:
+            assert_close(grads[name], want, name, rel=RELATIVE_TOLERANCE)
+        except AssertionError:
+            failures += 1
+    assert failures > len(ref_grads) // 2, "unreduced per-sample sums went unnoticed"
 
 
 def test_negative_control_shards_attending_alone_are_caught(results, assert_close):
