@@ -168,8 +168,9 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         (the row's boundaries, labels and loss weights), and any non-token entries of ``batch``.
 
     Raises:
-        ValueError: a row that is not one packed ``[1, T]`` row, shorter than the group, with other per-token
-            entries it cannot cut, or different across the group's ranks.
+        ValueError: a row that is not one packed ``[1, T]`` row, with other per-token entries it cannot cut, or
+            different across the group's ranks. A row shorter than the group (a stream's one-token padding batch)
+            is lengthened with one-token samples that have no target, so that every rank holds a token.
 
     >>> from packing_hf import PaddingFreeCollator
     >>> row = PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -196,6 +197,9 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
                 f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
                 "(labels, position_ids): pass the row as the collator built it"
             )
+    if total < size:  # a stream's one-token padding batch, or a tiny row: no rank may be left without a token
+        checked = _lengthen_row(checked, size)
+        total = size
     lengths = shard_lengths(total, size)
     cu = _row_boundaries(checked, total)
     positions = checked.get("position_ids")
@@ -228,6 +232,39 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         out["shift_labels"] = shifted[:, begin:end]
     out["use_cache"] = False
     out[SHARD_KEY] = shard
+    return out
+
+
+def _lengthen_row(batch: dict, size: int) -> dict:
+    """A row of ``T < size`` tokens as ``size`` tokens: ``size - T`` one-token samples appended (the row's last
+    id, position 0, no target, weight 0), which attend to nothing but themselves and add nothing to the loss
+    or its counts; every rank then holds a token."""
+    ids = batch["input_ids"]
+    total, extra = int(ids.shape[1]), size - int(ids.shape[1])
+    out = dict(batch)
+    for key, value in batch.items():
+        if key in ("input_ids", "position_ids", "labels", LOSS_WEIGHTS_KEY):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, total):
+            raise ValueError(
+                f"the batch's {key!r} {tuple(value.shape)} is per token, and a row of {total} token(s) shorter "
+                f"than the sequence-parallel group ({size}) is lengthened with samples of one token, which "
+                f"{key!r} would not cover; drop it from the batch (or raise max_tokens_per_batch)"
+            )
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(total, device=ids.device).unsqueeze(0)
+    out["input_ids"] = torch.cat([ids, ids[:, -1:].expand(1, extra)], dim=1)
+    out["position_ids"] = torch.cat([positions, positions.new_zeros(1, extra)], dim=1)
+    cu = _row_boundaries(batch, total)
+    cu = torch.cat([cu, cu[-1] + torch.arange(1, extra + 1, dtype=cu.dtype)])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        out[key] = cu.to(ids.device)
+    for key in ("max_length_q", "max_length_k"):
+        out[key] = max(int(batch.get(key) or 1), 1)
+    for key, fill in (("labels", IGNORE_INDEX), (LOSS_WEIGHTS_KEY, 0)):
+        if isinstance(batch.get(key), torch.Tensor):
+            out[key] = torch.cat([batch[key], batch[key].new_full((1, extra), fill)], dim=1)
     return out
 
 

@@ -11,6 +11,8 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
 - ``dp2_sp2_token``: data parallel 2 x sequence parallel 2, two micro-batches per rank (gradient accumulation),
   ``"token"`` normalization (counts reduced over every rank), gradient checkpointing on.
 - ``sp4_sliding``: a Mistral with a 4-token sliding window at sp=4 (the window sees across shard cuts).
+- ``sp4_short_row``: a row of 3 tokens at sp=4 (lengthened with one-token samples without a target, as a
+  stream's padding batch is).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
 - ``packing_hf.Trainer`` (``"token"``) and ``packing_hf.SFTTrainer`` (``"sample"``) with
@@ -27,7 +29,7 @@ import sys
 
 VOCAB = 64
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
-CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_local_only")
+CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_short_row", "sp4_local_only")
 
 
 def make_model(kind: str, vocab: int = VOCAB, seed: int = 0):
@@ -157,6 +159,9 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     reference = reference_step(llama, [row], "sample") if rank == 0 else None
     results["sp4_sample"] = (reference, parallel_step(llama, [row], "sample", everyone))
     results["sp4_local_only"] = (reference, parallel_step(llama, [row], "sample", everyone, local_only=True))
+    row = make_row([3], seed=5, weighted=False)  # 3 tokens over 4 ranks: lengthened with target-free tokens
+    reference = reference_step(llama, [row], "token") if rank == 0 else None
+    results["sp4_short_row"] = (reference, parallel_step(llama, [row], "token", everyone))
 
     rows = [make_row(lengths, seed=10 + i, weighted=False) for i, lengths in enumerate(
         [[7, 9, 4], [3, 14], [11, 2, 6, 5], [19]]
@@ -247,6 +252,21 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
     base = {"sft": SFTTrainer, "dpo": DPOTrainer}.get(kind, Trainer)
 
     class Recording(base):
+        def evaluate(self, *args, **kwargs):  # counts the attention calls run on sequence-parallel shards
+            from packing_hf.attention.ulysses import SequenceShard
+
+            original = SequenceShard.attention
+
+            def counted(shard, *call, **options):
+                capture["eval_shard_calls"] = capture.get("eval_shard_calls", 0) + 1
+                return original(shard, *call, **options)
+
+            SequenceShard.attention = counted
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                SequenceShard.attention = original
+
         def training_step(self, model, inputs, *args, **kwargs):
             ids = inputs.get("packed_input_ids", inputs.get("input_ids"))
             capture.setdefault("batches", []).append(ids.tolist())
@@ -311,6 +331,7 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
         trainer.train()
         if kind in ("trainer", "dpo"):
             result["eval"] = trainer.evaluate()["eval_loss"]
+            result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)
     result["batches"] = capture["batches"]
     loss = capture["loss"].double()
     if sp_size > 1:
