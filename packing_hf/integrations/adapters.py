@@ -48,15 +48,7 @@ __all__ = [
 SEQUENCE_PARALLEL_KEY = "packing_hf_sequence_parallel_group"
 
 # the keys of a packed row that shard_packed_batch takes (and cuts, or carries in the shard)
-_ROW_KEYS = (
-    "input_ids",
-    "labels",
-    "position_ids",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-)
+_ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # fmt: skip
 
 
 def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:

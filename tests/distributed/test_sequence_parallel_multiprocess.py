@@ -91,30 +91,26 @@ def test_resume_under_sequence_parallelism_gives_the_next_batches(results):
         assert rank["resumed"] == rank["batches"][1:] == reference["batches"][1:]
 
 
+def _caught(reference: tuple, got: tuple, assert_close, what: str) -> None:
+    """The comparison of the exactness tests fails on the loss and on most gradients."""
+    (ref_loss, ref_grads), (loss, grads) = reference, got
+    with pytest.raises(AssertionError):
+        assert_close(loss, ref_loss, "loss", rel=RELATIVE_TOLERANCE)
+    failures = 0
+    for name, want in ref_grads.items():
+        try:
+            assert_close(grads[name], want, name, rel=RELATIVE_TOLERANCE)
+        except AssertionError:
+            failures += 1
+    assert failures > len(ref_grads) // 2, f"{what} went unnoticed"
+
+
 def test_negative_control_dpo_without_reduced_sums_is_caught(results, assert_close):
     """DPO whose per-sample log-prob sums are not reduced over the SP group (each rank sees its own tokens'
     log-probs only) fails the comparison that ``dpo_sp2`` passes."""
     reference, got = results["dpo_alone_sp2"]
-    (ref_loss, ref_grads), (loss, grads) = reference["step"], got["step"]
-    with pytest.raises(AssertionError):
-        assert_close(loss, ref_loss, "loss", rel=RELATIVE_TOLERANCE)
-    failures = 0
-    for name, want in ref_grads.items():
-        try:
-            assert_close(grads[name], want, name, rel=RELATIVE_TOLERANCE)
-        except AssertionError:
-            failures += 1
-    assert failures > len(ref_grads) // 2, "unreduced per-sample sums went unnoticed"
+    _caught(reference["step"], got["step"], assert_close, "unreduced per-sample sums")
 
 
 def test_negative_control_shards_attending_alone_are_caught(results, assert_close):
-    (ref_loss, ref_grads), (loss, grads) = results["sp4_local_only"]
-    failures = 0
-    for name, want in ref_grads.items():
-        try:
-            assert_close(grads[name], want, name, rel=RELATIVE_TOLERANCE)
-        except AssertionError:
-            failures += 1
-    assert failures > len(ref_grads) // 2, "attention cut at the shard edges went unnoticed"
-    with pytest.raises(AssertionError):
-        assert_close(loss, ref_loss, "loss", rel=RELATIVE_TOLERANCE)
+    _caught(*results["sp4_local_only"], assert_close, "attention cut at the shard edges")
