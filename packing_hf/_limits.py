@@ -1,4 +1,5 @@
-"""Limits of the varlen kernels, and the one checker of int (and of bool) arguments, shared by numpy and torch code.
+"""Limits of the varlen kernels, the one checker of int (and of bool) arguments, shared by numpy and torch code,
+and :func:`option`, the one way a config dataclass declares a field with its ``--help`` text.
 
 >>> INT32_MAX
 2147483647
@@ -11,11 +12,12 @@ True
 from __future__ import annotations
 
 import numbers
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "check_bool", "check_int"]
+__all__ = ["INT32_MAX", "check_bool", "check_int", "check_world", "option"]
 
 # cu_seqlens are int32 in every varlen kernel: a packed row (or a batch budget) past this cannot be addressed
 INT32_MAX = 2**31 - 1
@@ -72,3 +74,33 @@ def check_bool(value: Any, name: str, *, optional: bool = False) -> Any:
     allowed = "True, False or None" if optional else "True or False"
     hint = f"; pass a bool ({name}=True), not a string" if isinstance(value, str) else ""
     raise TypeError(f"{name} must be {allowed}, got {value!r} (a {type(value).__name__}){hint}")
+
+
+def check_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``num_replicas`` / ``rank`` checked, each from ``torch.distributed`` when ``None`` and it is initialized,
+    else 1 / 0.
+
+    >>> check_world(None, None)
+    (1, 0)
+    >>> check_world(2, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: rank must be in [0, num_replicas - 1] = [0, 1], got rank=2
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    num_replicas, rank = check_int(num_replicas, "num_replicas", 1), check_int(rank, "rank", 0)
+    if rank >= num_replicas:
+        raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
+    return int(num_replicas), int(rank)
+
+
+def option(default: Any, help_text: str) -> Any:
+    """A config dataclass field with its ``--help`` text (``HfArgumentParser`` / ``TrlParser`` read
+    ``metadata["help"]``); a mutable default is not allowed here (use ``None``)."""
+    return field(default=default, metadata={"help": help_text})

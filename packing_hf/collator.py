@@ -427,11 +427,21 @@ class PaddingFreeCollator:
             position_ids = np.repeat(cu[:-1] - self.position_ids_start, seg_lengths)  # (T,) segment offsets
             np.subtract(np.arange(ids.size, dtype=np.int64), position_ids, out=position_ids)
             batch["position_ids"] = position_ids[None]  # [1, T]
+        self._segment_keys(batch, cu, seg_lengths)
+        return self._as_returned(batch, seg_lengths, return_tensors)
+
+    def _segment_keys(self, batch: dict[str, Any], cu: np.ndarray, seg_lengths: np.ndarray) -> None:
+        """Add the row's ``seq_idx`` and ``cu_seq_lens_q/k`` (numpy), where this collator returns them."""
         if self.return_seq_idx:
             batch["seq_idx"] = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)[None]
         if self.return_flash_attn_kwargs:
             batch["cu_seq_lens_q"] = cu.astype(np.int32)
             batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
+
+    def _as_returned(
+        self, batch: dict[str, Any], seg_lengths: np.ndarray, return_tensors: str
+    ) -> dict[str, Any]:
+        """``batch`` as tensors for ``"pt"``, plus ``max_length_q/k`` where this collator returns them."""
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:

@@ -336,21 +336,13 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         if self.return_position_ids:
             positions = np.concatenate([offsets, in_segment[n_tokens:]])  # padding restarts at 0
             batch["position_ids"] = (positions + self.position_ids_start)[None]
-        if self.return_seq_idx:
-            batch["seq_idx"] = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)[None]
-        if self.return_flash_attn_kwargs:
-            batch["cu_seq_lens_q"] = cu.astype(np.int32)
-            batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].copy()
+        self._segment_keys(batch, cu, seg_lengths)
         if self.shared_prompt:
             batch[PREFIX_KEY] = (np.append(prefix_idx, -1) if n_pad else prefix_idx).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
                 batch[key] = _reference_logps(features, key)
-        if return_tensors == "pt":
-            batch = {k: torch.from_numpy(v) for k, v in batch.items()}
-        if self.return_flash_attn_kwargs:
-            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
-        return batch
+        return self._as_returned(batch, seg_lengths, return_tensors)
 
     def _shared_lengths(
         self, is_completion: np.ndarray, seq_start: np.ndarray, truncated: np.ndarray, n_pairs: int

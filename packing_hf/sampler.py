@@ -51,7 +51,7 @@ from torch.utils.data import Dataset, Sampler
 
 from . import _binpack
 from ._epoch_plan import _EpochPlan, _mean_length_spread
-from ._limits import check_int
+from ._limits import check_int, check_world
 from .cost import CostModel, rank_cost_spread
 from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
 
@@ -139,20 +139,6 @@ def lengths_from_dataset(dataset: Any, column: str = "input_ids") -> np.ndarray:
     if indices is not None:
         lengths = lengths[indices.column(0).to_numpy().astype(np.int64)]
     return lengths
-
-
-def _distributed_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if num_replicas is None:
-        num_replicas = torch.distributed.get_world_size() if initialized else 1
-    if rank is None:
-        rank = torch.distributed.get_rank() if initialized else 0
-    num_replicas = check_int(num_replicas, "num_replicas", 1)
-    rank = check_int(rank, "rank", 0)
-    if rank >= num_replicas:
-        raise ValueError(f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got rank={rank}")
-    return num_replicas, rank
 
 
 class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
@@ -282,7 +268,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
                 f"mixing must be one of {MIXINGS}, got {mixing!r}: 'random' (default) mixes lengths in "
                 "every batch, 'sorted' packs the fewest batches of similar lengths"
             )
-        self.num_replicas, self.rank = _distributed_defaults(num_replicas, rank)
+        self.num_replicas, self.rank = check_world(num_replicas, rank)
         self.seed = check_int(seed, "seed", 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)

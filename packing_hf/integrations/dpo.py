@@ -51,25 +51,26 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import trl
 
+from .._limits import option
 from ..attention import register_attention
+from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments
 from .preference_kit import (
     PackedForwardsMixin,
     PreferenceStatsCollator,
-    check_preference_dataset,
-    check_vocabulary,
+    check_preference_call,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
 )
-from .refusals import PackingRefused
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .sequence_parallel import configured_parallelism, sequence_parallel_size
 from .trainer import PackingTrainerMixin
 
@@ -98,13 +99,11 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("shared_prompt",)
-    shared_prompt: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Hold every pair's prompt once, chosen and rejected attending to it as branches (needs "
-            "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
-            "attention is exact for the models; True: always (refused where it cannot be exact); False: off."
-        },
+    shared_prompt: bool | None = option(
+        None,
+        "Hold every pair's prompt once, chosen and rejected attending to it as branches (needs "
+        "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
+        "attention is exact for the models; True: always (refused where it cannot be exact); False: off.",
     )
 
 
@@ -141,28 +140,16 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     algorithm = "DPO"
     stock = "trl.DPOTrainer"
     packing_collator = PaddingFreePreferenceCollator
-    packing_refusals = (
-        "collator",
-        "compute_metrics",
-        "pad_token",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
+    packing_refusals = ("collator", "compute_metrics", "pad_token", *WHOLE_ROW_REFUSALS)
+    wording = Wording(
+        "preference pairs", "preference batches", "a preference pair, whose two sequences", "preference pair"
     )
-    packed_unit = "preference pairs"
-    packed_batches = "preference batches"
-    whole_unit = "a preference pair, whose two sequences"
-    loss_term = "preference pair"
-    own_loss = True
     # sp_size cuts packed rows over processes: the adapters shard each row and gather the per-token log-probs
     packing_sequence_parallel = True
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, model, data_collator = call["args"], call["model"], call["data_collator"]
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], model)
+        check_preference_call(call)
         self._own_collator = data_collator is None
         if not self._own_collator and args.shared_prompt not in (None, data_collator.shared_prompt):
             raise ValueError(

@@ -42,6 +42,7 @@ import trl
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
 from .args import PackingArguments
 from .preference_kit import PackedForwardsMixin, check_vocabulary, pad_token_id
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["KTOConfig", "KTOTrainer"]
@@ -90,21 +91,8 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     algorithm = "KTO"
     stock = "trl.KTOTrainer"
     packing_collator = PaddingFreeUnpairedCollator
-    packing_refusals = (
-        "collator",
-        "compute_metrics",
-        "pad_to_multiple_of",
-        "liger",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
-    )
-    packed_unit = "KTO examples"
-    packed_batches = "KTO batches"
-    whole_unit = "an example, whose sequences"
-    loss_term = "example"
-    own_loss = True
+    packing_refusals = ("collator", "compute_metrics", "pad_to_multiple_of", "liger", *WHOLE_ROW_REFUSALS)
+    wording = Wording("KTO examples", "KTO batches", "an example, whose sequences", "example")
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         check_vocabulary(call["processing_class"], call["model"])

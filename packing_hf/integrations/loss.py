@@ -62,9 +62,9 @@ class PackingLossMixin:
     def _check_own_loss(self, what: str) -> None:
         args = self.args
         conflicts = []
-        if self.own_loss:  # declared by the trainer class (PackingTrainerMixin)
+        if self.wording.own_loss:  # declared by the trainer class (PackedTrainerSkeleton)
             conflicts.append(
-                f"{self.stock}, whose loss is one term per {self.loss_term}: leave loss_normalization='token'"
+                f"{self.stock}, whose loss is one term per {self.wording.loss_term}: leave loss_normalization='token'"
             )
         if self.compute_loss_func is not None:
             conflicts.append("a compute_loss_func (it would replace the normalised loss): drop it")
@@ -127,7 +127,7 @@ class PackingLossMixin:
             # every rank must take the same path this step (a stream's padding batch carries no weights)
             totals = self.accelerator.reduce(totals, reduction="sum")
         # its loss is always computed here, unless the trainer computes its own (DPO: per pair, over the group)
-        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1 and not self.own_loss
+        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1 and not self.wording.own_loss
         self._packing_loss_active = normalization != "token" or bool(totals[0] > 0) or sequence_parallel
         if not self._packing_loss_active:
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
@@ -225,7 +225,7 @@ class PackingLossMixin:
         weights = inputs.pop(LOSS_WEIGHTS_KEY, None)
         # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
         sharded = model.training or getattr(self, "_packing_loss_only", False)
-        if getattr(self, "_packing_sp_size", 1) > 1 and sharded and not self.own_loss:
+        if getattr(self, "_packing_sp_size", 1) > 1 and sharded and not self.wording.own_loss:
             return self._sequence_parallel_loss(model, inputs, weights, num_items_in_batch, return_outputs)
         own = self._packing_loss_active and model.training and num_items_in_batch is not None
         if not own and self._stock_loss_is_causal_lm(inputs, return_outputs):

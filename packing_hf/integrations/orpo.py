@@ -41,7 +41,7 @@ padded ones), ``generate_during_eval`` (it needs padded prompts), ``loss_normali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,12 +52,14 @@ from trl.experimental.orpo import ORPOConfig as _StockORPOConfig
 from trl.experimental.orpo import ORPOTrainer as _StockORPOTrainer
 from trl.trainer.utils import selective_log_softmax
 
+from .._limits import option
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments
 from .chunked_head import model_token_logprobs
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["CPOConfig", "CPOTrainer", "ORPOConfig", "ORPOTrainer"]
@@ -79,7 +81,7 @@ class ORPOConfig(PackingArguments, _StockORPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+    padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
 
 @dataclass
@@ -93,7 +95,7 @@ class CPOConfig(PackingArguments, _StockCPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(default=None, metadata={"help": _PADDING_FREE_HELP})
+    padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
 
 class PackedPairsMixin:
@@ -115,22 +117,15 @@ class PackedPairsMixin:
         "generate_during_eval",
         "encoder_decoder",
         "router_loss",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
+        *WHOLE_ROW_REFUSALS,
     )
-    packed_unit = "pairs"
-    packed_batches = "preference batches"
-    whole_unit = "a preference pair, whose two sequences"
-    loss_term = "pair plus its own NLL mean"
-    own_loss = True
+    wording = Wording(
+        "pairs", "preference batches", "a preference pair, whose two sequences", "pair plus its own NLL mean"
+    )
     _logits_drop_last: ClassVar[bool]
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], call["model"])
+        check_preference_call(call)
         if call["data_collator"] is None:
             call["data_collator"] = PaddingFreePairCollator(
                 pad_token_id=pad_token_id(call["processing_class"])

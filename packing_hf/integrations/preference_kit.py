@@ -6,7 +6,7 @@ reward).
   :class:`~packing_hf.integrations.session.PackingSession` while it trains, evaluates or precomputes
   reference log-probs;
 - :class:`PreferenceStatsCollator`: the packing metrics of preference batches;
-- the input checks that name a problem before TRL fails on it (:func:`check_preference_dataset`,
+- the input checks that name a problem before TRL fails on it (:func:`check_preference_call`, :func:`check_preference_dataset`,
   :func:`check_vocabulary`), :func:`pad_token_id`, and whether the shared-prompt layout is exact for given
   models (:func:`shared_prompt_is_exact`).
 
@@ -33,6 +33,7 @@ from .refusals import PackingRefused, first_row
 __all__ = [
     "PackedForwardsMixin",
     "PreferenceStatsCollator",
+    "check_preference_call",
     "check_preference_dataset",
     "check_vocabulary",
     "pad_token_id",
@@ -106,6 +107,14 @@ def check_preference_dataset(
                 f"{' and '.join(repr(c) for c in needs)} for every prompt. A prompt-only dataset is for online "
                 "trainers (GRPO, RLOO); unpaired (prompt, completion, label) rows are for trl.KTOTrainer"
             )
+
+
+def check_preference_call(call: Mapping[str, Any], needs: tuple[str, ...] = ("chosen", "rejected")) -> None:
+    """A preference trainer's arguments (``call``: the stock ``__init__``'s, by name): both datasets carry
+    ``needs`` and the tokenizer fits the model's embeddings."""
+    check_preference_dataset(call["train_dataset"], "train_dataset", needs)
+    check_preference_dataset(call["eval_dataset"], "eval_dataset", needs)
+    check_vocabulary(call["processing_class"], call["model"])
 
 
 def check_vocabulary(processing_class: Any, model: Any) -> None:

@@ -1,15 +1,15 @@
 """The refusal table: every set-up a packed trainer cannot keep exact, with one wording each.
 
 A trainer declares which refusals it owes (``packing_refusals``, names from :data:`REFUSALS`) and names
-itself for the messages (``stock``: the unpacked trainer to use instead, ``packed_unit``: what one
-packed row holds). :func:`check_refusals` runs them on the trainer's arguments before the stock
+itself for the messages (``stock``: the unpacked trainer to use instead, ``wording``: a :class:`Wording`
+of what one packed row holds). :func:`check_refusals` runs them on the trainer's arguments before the stock
 ``__init__`` does any work, or on the built trainer for the refusals that need its accelerator or
 loaded model. A refusal raises :class:`PackingRefused`, a ``ValueError`` whose ``reason`` is the table
 key, so callers (``packing-hf verify``, tests) read the reason as data, never from the message text.
 
 >>> from types import SimpleNamespace
->>> trainer = SimpleNamespace(stock="trl.DPOTrainer", packed_unit="preference pairs",
-...     packed_batches="preference batches", whole_unit="a preference pair, whose two sequences")
+>>> trainer = SimpleNamespace(stock="trl.DPOTrainer",
+...     wording=Wording("preference pairs", "preference batches", "a preference pair, whose two sequences"))
 >>> call = {"args": SimpleNamespace(padding_free=False), "model": None}
 >>> try:
 ...     check_refusals(("padding_free_false",), trainer, call)
@@ -26,7 +26,39 @@ from typing import Any
 
 from ..errors import PackingRefused
 
-__all__ = ["REFUSALS", "PackingRefused", "Refusal", "check_refusals", "first_row", "is_prompt_learning"]
+__all__ = [
+    "REFUSALS",
+    "PackingRefused",
+    "Refusal",
+    "WHOLE_ROW_REFUSALS",
+    "Wording",
+    "check_refusals",
+    "first_row",
+    "is_prompt_learning",
+]
+
+
+# owed by every trainer whose packed row holds several sequences scored as one example (pairs, triples, KTO)
+WHOLE_ROW_REFUSALS = ("cut_overflow", "vision_data", "prompt_learning", "sequence_parallelism")
+
+
+@dataclass(frozen=True)
+class Wording:
+    """What a packed trainer's refusal messages call its packed things.
+
+    >>> Wording("rollouts", "rollouts").own_loss
+    False
+    """
+
+    unit: str = "samples"  # "data_collator=X does not pack <unit>"
+    batches: str = "batches"  # "vision-language <batches> are not packed"
+    whole: str = "a sample, whose tokens"  # "<overflow> would cut <whole> must be scored whole"
+    loss_term: str | None = None  # "the loss of <stock> is one term per <loss_term>"
+
+    @property
+    def own_loss(self) -> bool:
+        """The stock loss is one term per ``loss_term``, not a token mean: ``loss_normalization`` stays "token"."""
+        return self.loss_term is not None
 
 
 def first_row(dataset: Any) -> Any:
@@ -59,7 +91,7 @@ def _collator(t: Any, c: Mapping[str, Any]) -> str | None:
     if collator is None or isinstance(collator, wanted):
         return None
     return (
-        f"data_collator={type(collator).__name__} does not pack {t.packed_unit}; leave it unset (a "
+        f"data_collator={type(collator).__name__} does not pack {t.wording.unit}; leave it unset (a "
         f"{wanted.__name__} is built from the config) or pass a {wanted.__name__}"
     )
 
@@ -84,20 +116,31 @@ def _pad_token(t: Any, c: Mapping[str, Any]) -> str | None:
     )
 
 
-def _pad_to_multiple_of(t: Any, c: Mapping[str, Any]) -> str | None:
-    value = getattr(c["args"], "pad_to_multiple_of", None)
-    if not value:
-        return None
-    return f"pad_to_multiple_of={value} pads TRL's padded batches; a packed row has none. Unset it, or use {t.stock}"
+def _argument_set(name: str, message: str) -> Callable[[Any, Mapping[str, Any]], str | None]:
+    """The check refusing a set (truthy) training argument ``name``; ``message`` may name ``{value}`` and
+    ``{stock}``."""
+
+    def check(t: Any, c: Mapping[str, Any]) -> str | None:
+        value = getattr(c["args"], name, None)
+        return message.format(value=value, stock=t.stock) if value else None
+
+    return check
 
 
-def _liger(t: Any, c: Mapping[str, Any]) -> str | None:
-    if not getattr(c["args"], "use_liger_kernel", False):
-        return None
-    return (
-        "use_liger_kernel=True swaps in Liger's kernels, which are not checked against packed rows (positions "
-        f"restart per segment); unset it, or use {t.stock}"
-    )
+_pad_to_multiple_of = _argument_set(
+    "pad_to_multiple_of",
+    "pad_to_multiple_of={value} pads TRL's padded batches; a packed row has none. Unset it, or use {stock}",
+)
+_liger = _argument_set(
+    "use_liger_kernel",
+    "use_liger_kernel=True swaps in Liger's kernels, which are not checked against packed rows (positions "
+    "restart per segment); unset it, or use {stock}",
+)
+_generate_during_eval = _argument_set(
+    "generate_during_eval",
+    "generate_during_eval=True generates from padded prompts, which packed batches do not carry; unset it "
+    "or use {stock}",
+)
 
 
 def _cut_overflow(t: Any, c: Mapping[str, Any]) -> str | None:
@@ -105,7 +148,7 @@ def _cut_overflow(t: Any, c: Mapping[str, Any]) -> str | None:
     if args.max_tokens_per_batch is None or args.packing_overflow not in ("truncate", "split"):
         return None
     return (
-        f"packing_overflow={args.packing_overflow!r} would cut {t.whole_unit} must be scored whole; use 'error' "
+        f"packing_overflow={args.packing_overflow!r} would cut {t.wording.whole} must be scored whole; use 'error' "
         "(default) or 'drop', raise max_tokens_per_batch, or lower max_length"
     )
 
@@ -115,7 +158,7 @@ def _vision_data(t: Any, c: Mapping[str, Any]) -> str | None:
     if not isinstance(row, Mapping) or not ("image" in row or "images" in row):
         return None
     return (
-        f"the training dataset has 'image'/'images' columns: vision-language {t.packed_batches} are not packed "
+        f"the training dataset has 'image'/'images' columns: vision-language {t.wording.batches} are not packed "
         f"(image features are tied to padded rows); use {t.stock} for vision data"
     )
 
@@ -140,17 +183,8 @@ def _own_loss(t: Any, c: Mapping[str, Any]) -> str | None:
     if value == "token":
         return None
     return (
-        f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.loss_term}, not a token "
+        f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.wording.loss_term}, not a token "
         "mean; leave loss_normalization='token'"
-    )
-
-
-def _generate_during_eval(t: Any, c: Mapping[str, Any]) -> str | None:
-    if not getattr(c["args"], "generate_during_eval", False):
-        return None
-    return (
-        "generate_during_eval=True generates from padded prompts, which packed batches do not carry; unset it "
-        f"or use {t.stock}"
     )
 
 
@@ -233,8 +267,8 @@ def check_refusals(
 
     Args:
         names: keys of :data:`REFUSALS` the trainer declares.
-        trainer: the trainer class (or instance): ``stock``, ``packed_unit`` and the other names the
-            wordings use.
+        trainer: the trainer class (or instance): ``stock``, ``wording`` and the other names the
+            messages use.
         call: the trainer's arguments (``args``, ``model``, ``data_collator``, ``train_dataset``, the other stock arguments
             by name); for ``built=True`` also ``trainer``, the built trainer.
         built: run the refusals that need the built trainer (and the model ones again on its loaded model).

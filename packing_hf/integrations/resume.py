@@ -34,6 +34,15 @@ def _lengths_fingerprint(lengths: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+def _checkpoint_state(checkpoint: str, name: str, missing: str) -> dict[str, Any]:
+    """The JSON state ``name`` saved in ``checkpoint``; ``missing`` is the error when the file is not there."""
+    path = os.path.join(checkpoint, name)
+    if not os.path.isfile(path):
+        raise ValueError(missing)
+    with open(path) as f:
+        return json.load(f)
+
+
 class PackingResumeMixin:
     """Checkpoint and resume of the packing trainers' data order; part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
@@ -76,15 +85,13 @@ class PackingResumeMixin:
             "resume with the data, world size, max_tokens_per_batch, seed and packing_overflow of that run, or pass "
             "ignore_data_skip=True to restart the stream from its beginning"
         )
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"resuming from {checkpoint} with a streaming train_dataset, but the checkpoint has no {name} (it "
-                f"was not saved by a streaming run on {stream.num_replicas} process(es)), so the stream's position "
-                f"is unknown; {fix}"
-            )
-        with open(path) as f:
-            state = json.load(f)
+        state = _checkpoint_state(
+            checkpoint,
+            name,
+            f"resuming from {checkpoint} with a streaming train_dataset, but the checkpoint has no {name} (it "
+            f"was not saved by a streaming run on {stream.num_replicas} process(es)), so the stream's position "
+            f"is unknown; {fix}",
+        )
         try:
             stream.load_state_dict(state["stream"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -137,19 +144,17 @@ class PackingResumeMixin:
         checkpoint = self._packing_resume_dir
         if checkpoint is None or self.args.ignore_data_skip:
             return  # ignore_data_skip: the user asked for the data order to restart
-        path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
         fix = (
             "resume with the dataset, world size, max_tokens_per_batch, seed and gradient_accumulation_steps of "
             "that run, or pass ignore_data_skip=True to restart the data order from the checkpoint's epoch"
         )
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"resuming from {checkpoint} with max_tokens_per_batch={self.args.max_tokens_per_batch}, but the "
-                f"checkpoint has no {SAMPLER_STATE_NAME} (it was not saved by a multipack run), so the batches "
-                f"it consumed cannot be skipped exactly; {fix}"
-            )
-        with open(path) as f:
-            state = json.load(f)
+        state = _checkpoint_state(
+            checkpoint,
+            SAMPLER_STATE_NAME,
+            f"resuming from {checkpoint} with max_tokens_per_batch={self.args.max_tokens_per_batch}, but the "
+            f"checkpoint has no {SAMPLER_STATE_NAME} (it was not saved by a multipack run), so the batches "
+            f"it consumed cannot be skipped exactly; {fix}",
+        )
         saved = state["sampler"]
         now = {
             "batches_per_epoch": len(sampler),

@@ -35,7 +35,8 @@ import trl
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .adapters import PackedRewardForward
 from .args import PackingArguments
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["RewardConfig", "RewardTrainer"]
@@ -82,16 +83,10 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
     stock = "trl.RewardTrainer"
     packing_collator = PaddingFreeRewardCollator
     packing_refusals = ("collator", "prompt_learning")
-    packed_unit = "reward pairs"
-    packed_batches = "reward batches"
-    whole_unit = "a reward pair, whose two sequences"
-    loss_term = "reward pair"
-    own_loss = True
+    wording = Wording("reward pairs", "reward batches", "a reward pair, whose two sequences", "reward pair")
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
-        check_preference_dataset(call["train_dataset"], "train_dataset")
-        check_preference_dataset(call["eval_dataset"], "eval_dataset")
-        check_vocabulary(call["processing_class"], call["model"])
+        check_preference_call(call)
         if call["data_collator"] is None:
             call["data_collator"] = PaddingFreeRewardCollator(
                 pad_to_multiple_of=call["args"].pad_to_multiple_of,

@@ -35,16 +35,17 @@ metrics then run unchanged on the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import trl
 
-from .._limits import check_bool, check_int
+from .._limits import check_bool, check_int, option
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES
+from .refusals import Wording
 from .skeleton import PackedTrainerSkeleton
 
 __all__ = [
@@ -61,31 +62,25 @@ __all__ = [
 class RolloutPackingArguments:
     """Packing fields of the online RL configs (a dataclass mixin, first in the bases)."""
 
-    max_tokens_per_batch: int | None = field(
-        default=None,
-        metadata={
-            "help": "Most tokens (prompt + completion, summed over rollouts) in one packed forward. The rollouts "
-            "TRL scores in one forward are bin-packed into rows of at most this many tokens, one forward each; a "
-            "rollout is never split. None (default): one packed row per TRL forward."
-        },
+    max_tokens_per_batch: int | None = option(
+        None,
+        "Most tokens (prompt + completion, summed over rollouts) in one packed forward. The rollouts "
+        "TRL scores in one forward are bin-packed into rows of at most this many tokens, one forward each; a "
+        "rollout is never split. None (default): one packed row per TRL forward.",
     )
-    share_prompt: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the prompt of rollouts that share it (a GRPO/RLOO group in one forward) once: the "
-            "prompt becomes a prefix segment and every completion a branch attending to it and to itself "
-            "(positions continue from the prompt). Exact; the gradient through the prompt is the sum over its "
-            "branches. Needs packing_hf's attention (the model is switched to it for the duration). Groups are "
-            "never split across packed rows."
-        },
+    share_prompt: bool = option(
+        False,
+        "Compute the prompt of rollouts that share it (a GRPO/RLOO group in one forward) once: the "
+        "prompt becomes a prefix segment and every completion a branch attending to it and to itself "
+        "(positions continue from the prompt). Exact; the gradient through the prompt is the sum over its "
+        "branches. Needs packing_hf's attention (the model is switched to it for the duration). Groups are "
+        "never split across packed rows.",
     )
-    packing_preflight: Literal["switch", "error", "off"] = field(
-        default="switch",
-        metadata={
-            "help": "Before the first packed forward of a model, check that packed samples cannot see each "
-            "other: 'switch' (default) switches to packing_hf's varlen attention if they can, 'error' refuses, "
-            "'off' skips the check. The model is given back as it was when train/evaluate returns."
-        },
+    packing_preflight: Literal["switch", "error", "off"] = option(
+        "switch",
+        "Before the first packed forward of a model, check that packed samples cannot see each "
+        "other: 'switch' (default) switches to packing_hf's varlen attention if they can, 'error' refuses, "
+        "'off' skips the check. The model is given back as it was when train/evaluate returns.",
     )
 
     def __post_init__(self) -> None:
@@ -134,8 +129,7 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
     """
 
     packing_refusals = ("liger", "vision_data", "prompt_learning", "sequence_parallelism", "router_aux_loss")
-    packed_unit = "rollouts"
-    packed_batches = "rollouts"
+    wording = Wording("rollouts", "rollouts")
 
     def _packing_setup(self) -> None:
         self.packing_stats = {

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import trl
 
+from .._limits import option
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
@@ -60,14 +61,12 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
     'switch'
     """
 
-    logit_metrics: str = dataclasses.field(
-        default="labelled",
-        metadata={
-            "help": "How the loss and TRL's logged `entropy` / `mean_token_accuracy` are computed. labelled "
-            "(default): the model's own loss (as packing_hf.Trainer), and the two metrics from its logits at the "
-            "labelled tokens only (the same values TRL logs); trl: TRL's fused LM head, which scores every "
-            "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits)."
-        },
+    logit_metrics: str = option(
+        "labelled",
+        "How the loss and TRL's logged `entropy` / `mean_token_accuracy` are computed. labelled "
+        "(default): the model's own loss (as packing_hf.Trainer), and the two metrics from its logits at the "
+        "labelled tokens only (the same values TRL logs); trl: TRL's fused LM head, which scores every "
+        "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits).",
     )
 
     def __post_init__(self) -> None:

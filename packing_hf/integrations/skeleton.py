@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from ..collator import PaddingFreeCollator
 from .args import TrainingArguments, as_config
-from .refusals import check_refusals
+from .refusals import Wording, check_refusals
 from .session import PackingSession
 
 __all__ = ["PackedTrainerSkeleton"]
@@ -48,13 +48,7 @@ class PackedTrainerSkeleton:
     stock: ClassVar[str] = "transformers.Trainer"  # what to use instead, named in refusals
     packing_collator: ClassVar[type | tuple[type, ...]] = PaddingFreeCollator  # the collators it packs with
     packing_refusals: ClassVar[tuple[str, ...]] = ("prompt_learning",)
-    packed_unit: ClassVar[str] = "samples"  # "data_collator=X does not pack <packed_unit>"
-    packed_batches: ClassVar[str] = "batches"  # "vision-language <packed_batches> are not packed"
-    whole_unit: ClassVar[str] = (
-        "a sample, whose tokens"  # "<overflow> would cut <whole_unit> must be scored whole"
-    )
-    loss_term: ClassVar[str] = "sample"  # "the loss of <stock> is one term per <loss_term>"
-    own_loss: ClassVar[bool] = False  # the stock loss is not a token mean: loss_normalization stays "token"
+    wording: ClassVar[Wording] = Wording()  # what the refusal messages call its packed things
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stock_init = super().__init__

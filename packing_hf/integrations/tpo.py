@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,10 +52,12 @@ import torch
 from trl.experimental.tpo import TPOConfig as _StockTPOConfig
 from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
+from .._limits import option
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from .args import PackingArguments
-from .preference_kit import PreferenceStatsCollator, check_preference_dataset, check_vocabulary, pad_token_id
+from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["PackedTripleForward", "TPOConfig", "TPOTrainer"]
@@ -77,12 +79,10 @@ class TPOConfig(PackingArguments, _StockTPOConfig):
     """
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
-    padding_free: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Packed rows, no padding computed: what this trainer always does (None or True). False is "
-            "refused: use TRL's own trainer for padded batches."
-        },
+    padding_free: bool | None = option(
+        None,
+        "Packed rows, no padding computed: what this trainer always does (None or True). False is "
+        "refused: use TRL's own trainer for padded batches.",
     )
 
 
@@ -176,22 +176,15 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
         "compute_metrics",
         "own_loss",
         "encoder_decoder",
-        "cut_overflow",
-        "vision_data",
-        "prompt_learning",
-        "sequence_parallelism",
+        *WHOLE_ROW_REFUSALS,
     )
-    packed_unit = "TPO rows"
-    packed_batches = "preference batches"
-    whole_unit = "a TPO example, whose sequences"
-    loss_term = "example plus its own NLL mean"
-    own_loss = True
+    wording = Wording(
+        "TPO rows", "preference batches", "a TPO example, whose sequences", "example plus its own NLL mean"
+    )
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, collator, processing_class = call["args"], call["data_collator"], call["processing_class"]
-        check_preference_dataset(call["train_dataset"], "train_dataset", needs=TRIPLE_BRANCHES)
-        check_preference_dataset(call["eval_dataset"], "eval_dataset", needs=TRIPLE_BRANCHES)
-        check_vocabulary(processing_class, call["model"])
+        check_preference_call(call, needs=TRIPLE_BRANCHES)
         if collator is None:
             call["data_collator"] = PaddingFreeTripleCollator(
                 max_length=args.max_length,

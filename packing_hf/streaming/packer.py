@@ -76,6 +76,26 @@ def _new_counts() -> dict[str, int]:
     }
 
 
+def check_state(state: Any, owner: str, config: Mapping[str, Any], same: str) -> None:
+    """Refuse a saved ``state`` that is not ``owner``'s (``format``) or was saved under another ``config``;
+    ``same`` names the settings a resume must keep.
+
+    >>> check_state({"format": STATE_FORMAT, "seed": 1}, "StreamPacker", {"seed": 2}, "seed")
+    Traceback (most recent call last):
+    ...
+    ValueError: the StreamPacker state was saved under other settings (seed: saved 1, now 2); resume with the same seed
+    """
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"not a {owner} state (format {STATE_FORMAT} expected); pass what state_dict() returned"
+        )
+    differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in config.items() if state.get(k) != v]
+    if differ:
+        raise ValueError(
+            f"the {owner} state was saved under other settings ({'; '.join(differ)}); resume with the same {same}"
+        )
+
+
 def to_plain(value: Any, where: str = "sample") -> Any:
     """``value`` with numpy arrays/scalars and tensors turned into Python lists/numbers (for JSON).
 
@@ -369,18 +389,12 @@ class StreamPacker:
             ValueError: ``state`` is not a packer state, or was saved with other settings (budget,
                 buffer, seed, ...), which would give other batches.
         """
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a StreamPacker state (format {STATE_FORMAT} expected); pass what state_dict() returned"
-            )
-        differ = [
-            f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self.config().items() if state.get(k) != v
-        ]
-        if differ:
-            raise ValueError(
-                f"the packer state was saved with other settings ({'; '.join(differ)}); resume with the same "
-                "max_tokens_per_batch, buffer_size, open_batches, seed, overflow and column"
-            )
+        check_state(
+            state,
+            "StreamPacker",
+            self.config(),
+            "max_tokens_per_batch, buffer_size, open_batches, seed, overflow and column",
+        )
         self.start(state["epoch"], state["rank"])
         column = self.column
         self._draws = int(state["draws"])

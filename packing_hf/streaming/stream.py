@@ -53,28 +53,13 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._limits import check_int
+from .._limits import check_int, check_world
 from ..fixed import concatenate_and_pack
 from ..overflow import OverflowPolicy
-from .packer import StreamPacker, to_plain
+from .packer import STATE_FORMAT, StreamPacker, check_state, to_plain
 from .reader import TokenizedStream
 
 __all__ = ["PackedStream", "fixed_length_rows"]
-
-STATE_FORMAT = 1
-
-
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``num_replicas`` / ``rank`` from ``torch.distributed`` when it is initialized, else 1 / 0."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if num_replicas is None:
-        num_replicas = torch.distributed.get_world_size() if initialized else 1
-    if rank is None:
-        rank = torch.distributed.get_rank() if initialized else 0
-    num_replicas, rank = check_int(num_replicas, "num_replicas", 1), check_int(rank, "rank", 0)
-    if rank >= num_replicas:
-        raise ValueError(f"rank must be in [0, {num_replicas - 1}], got rank={rank}")
-    return int(num_replicas), int(rank)
 
 
 class PackedStream(IterableDataset):
@@ -127,7 +112,7 @@ class PackedStream(IterableDataset):
             column=column,
         )
         self.max_tokens_per_batch = self.packer.max_tokens_per_batch
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = check_world(num_replicas, rank)
         if not isinstance(source, TokenizedStream):
             source = TokenizedStream(source, column=column)
         self.source = source.shard(self.num_replicas, self.rank)
@@ -292,18 +277,12 @@ class PackedStream(IterableDataset):
         Raises:
             ValueError: not a stream state, or saved with other settings, ranks or data.
         """
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a PackedStream state (format {STATE_FORMAT} expected); pass what state_dict() returned"
-            )
-        differ = [
-            f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._config().items() if state.get(k) != v
-        ]
-        if differ:
-            raise ValueError(
-                f"the stream state was saved under another configuration ({'; '.join(differ)}); resume with the "
-                "same data, max_tokens_per_batch, buffer_size, open_batches, seed, overflow and ranks"
-            )
+        check_state(
+            state,
+            "PackedStream",
+            self._config(),
+            "data, max_tokens_per_batch, buffer_size, open_batches, seed, overflow and ranks",
+        )
         self._resume = dict(state)
         self._yielded = int(state["batches_yielded"])
         self._padding_batches = int(state["padding_batches"])
