@@ -15,9 +15,12 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
   stream's padding batch is).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
-- ``packing_hf.Trainer`` (``"token"``) and ``packing_hf.SFTTrainer`` (``"sample"``) with
-  ``parallelism_config=ParallelismConfig(sp_size=2)``, ``max_tokens_per_batch=48`` on 2 processes, one optimizer
-  step, against the same trainer on one process (stock's own loss for ``"token"``).
+- ``packing_hf.Trainer`` (``"token"``, then ``evaluate()``), ``packing_hf.SFTTrainer`` (``"sample"``),
+  ``packing_hf.DPOTrainer`` (a live reference model then ``evaluate()``; precomputed reference log-probs) and
+  ``packing_hf.Trainer`` on a stream (two steps, resumed from the checkpoint after the first) with
+  ``parallelism_config=ParallelismConfig(sp_size=2)`` on 2 processes, against the same trainer on one process
+  (:func:`build_trainer`); DPO with the per-token log-probs not summed over the group (the negative control,
+  :func:`sum_alone`).
 
 Importing this module does nothing (pytest collects it for doctests).
 """
@@ -184,7 +187,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
 
 
 DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
-TRAINER_KINDS = ("trainer", "sft", "dpo", "stream")
+TRAINER_KINDS = ("trainer", "sft", "dpo", "dpo_precompute", "stream")
 
 
 def make_pairs(count: int, offset: int):
@@ -212,6 +215,20 @@ def make_pairs(count: int, offset: int):
     )
 
 
+def saved_pairs(folder: str):
+    """:func:`make_pairs` saved once to ``folder`` and read back on every process: TRL caches the precomputed
+    reference log-probs next to the dataset's files, which must be a folder every process reads."""
+    import datasets
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    path = os.path.join(folder, "pairs")
+    with state.main_process_first():
+        if state.is_main_process:
+            make_pairs(4, 0).save_to_disk(path)
+    return datasets.load_from_disk(path)
+
+
 def make_samples() -> list[dict]:
     """Eight tokenized samples (a prompt of 0-2 tokens masked)."""
     import torch
@@ -226,8 +243,8 @@ def make_samples() -> list[dict]:
 
 def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overrides):
     """The trainer of a case: ``packing_hf.Trainer`` (``"trainer"``, ``"token"``, with an eval set),
-    ``SFTTrainer`` (``"sft"``, ``"sample"``), ``DPOTrainer`` (``"dpo"``, a live reference model, an eval set) or
-    ``Trainer`` on a stream (``"stream"``); ``capture`` receives the last step's loss, the gradients the optimizer
+    ``SFTTrainer`` (``"sft"``, ``"sample"``), ``DPOTrainer`` (``"dpo"``, a live reference model, an eval set;
+    ``"dpo_precompute"``, reference log-probs precomputed) or ``Trainer`` on a stream (``"stream"``); ``capture`` receives the last step's loss, the gradients the optimizer
     sees (DDP's average) of the first step and every training batch's ``input_ids``."""
     import datasets
     from accelerate import ParallelismConfig
@@ -249,7 +266,7 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
             if "grads" not in capture:  # the first step's (later steps also carry the optimizer's rounding)
                 capture["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
-    base = {"sft": SFTTrainer, "dpo": DPOTrainer}.get(kind, Trainer)
+    base = {"sft": SFTTrainer, "dpo": DPOTrainer, "dpo_precompute": DPOTrainer}.get(kind, Trainer)
 
     class Recording(base):
         def evaluate(self, *args, **kwargs):  # counts the attention calls run on sequence-parallel shards
@@ -296,17 +313,21 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
             folder, loss_normalization="sample", padding_free=True, max_length=None, bf16=False, **options
         )
         extra.update(processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(data))
-    else:  # DPO: pairs tokenized by TRL, the 49k-token SmolLM2 vocabulary, a live reference model
+    else:  # DPO: pairs tokenized by TRL, the 49k-token SmolLM2 vocabulary, a reference model
         options.update(max_tokens_per_batch=DPO_TOKENS)
+        precompute = kind == "dpo_precompute"
         # shared_prompt off on one process too (it is off under SP): the same rows on both sides
-        args = DPOConfig(folder, precompute_ref_log_probs=False, shared_prompt=False, bf16=False, **options)
+        args = DPOConfig(
+            folder, precompute_ref_log_probs=precompute, shared_prompt=False, bf16=False, **options
+        )
         model = make_model("llama", vocab=len(tokenizer))
         extra = dict(
             ref_model=make_model("llama", vocab=len(tokenizer), seed=1),  # not the policy: a loss of its own
             processing_class=tokenizer,
-            train_dataset=make_pairs(4, 0),
-            eval_dataset=make_pairs(3, 4),
+            train_dataset=saved_pairs(folder) if precompute else make_pairs(4, 0),
         )
+        if not precompute:
+            extra["eval_dataset"] = make_pairs(3, 4)
     return Recording(model=model, args=args, callbacks=[Capture()], **extra)
 
 

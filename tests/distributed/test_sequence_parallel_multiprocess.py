@@ -2,9 +2,12 @@
 gradient of one optimizer step equal one process on the same whole rows (1e-5 relative) at sp=4 and at
 data parallel 2 x sequence parallel 2 (gradient accumulation, gradient checkpointing), with samples cut by
 shard edges, a sample longer than a shard, a shard holding only a tail, ``"sample"`` and ``"token"``
-normalisation with ``loss_weights``, and a sliding window; the negative control (every shard attending within
-its own tokens) fails the same comparison; ``packing_hf.Trainer`` and ``SFTTrainer`` with
-``ParallelismConfig(sp_size=2)`` on 2 processes equal the same trainer on one. One launch runs every case: ``_sp_worker.py``.
+normalisation with ``loss_weights``, a sliding window, and a row shorter than the group; the negative control
+(every shard attending within its own tokens) fails the same comparison. ``packing_hf.Trainer``, ``SFTTrainer``
+and ``DPOTrainer`` (a live or a precomputed reference) with ``ParallelismConfig(sp_size=2)`` on 2 processes equal
+the same trainer on one (loss, gradients, ``evaluate()``'s ``eval_loss`` run on shards), on the rows one process
+trains on; a stream under SP resumes with the next batches; DPO whose per-token log-probs are not summed over the
+group (negative control) fails the comparison. One launch runs every case: ``_sp_worker.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("_sp_worker.py")
-LAUNCH_TIMEOUT_S = 240
+LAUNCH_TIMEOUT_S = 420  # 2 launches of 4 + 2 processes and 6 one-process trainers on a loaded 2-core machine
 RELATIVE_TOLERANCE = 1e-5
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -48,6 +51,7 @@ def results(run_once, launch, free_port):
         "trainer_sp2",
         "sft_sp2",
         "dpo_sp2",
+        "dpo_precompute_sp2",
         "stream_sp2",
     ],
 )
