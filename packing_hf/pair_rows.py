@@ -219,25 +219,10 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
         self, sequences: list, completions: list, seq_len: np.ndarray, branches: tuple, n: int
     ) -> tuple[list, list, np.ndarray]:
         """``max_length`` on every sequence: raise, or cut as TRL's collator does (``truncation_mode``)."""
-        m = self.max_length
-        if m is None or not (too_long := seq_len > m).any():
+        too_long = self._over_max_length(seq_len, n, branches, "example", "examples")
+        if too_long is None:
             return sequences, completions, seq_len
-        if self.overflow == "error":
-            s = int(np.argmax(too_long))
-            raise ValueError(
-                f"example {s % n}: prompt + {branches[s // n]} has {int(seq_len[s])} tokens > max_length={m}; set "
-                f"overflow='truncate' (TRL's truncation, truncation_mode={self.truncation_mode!r}), raise "
-                "max_length, or filter long examples out of the dataset"
-            )
+        m = self.max_length
         cut = slice(None, m) if self.truncation_mode == "keep_start" else slice(-m, None)
-        dropped = int((seq_len - m)[too_long].sum())
-        self.stats["truncated_samples"] += int(too_long.sum())
-        self.stats["truncated_tokens"] += dropped
-        if not self._warned_overflow:
-            self._warned_overflow = True
-            logger.warning(
-                "PaddingFreeTripleCollator truncated %d sequence(s) to max_length=%d (%s), dropping %d tokens; "
-                "further cases are only counted in collator.stats",
-                int(too_long.sum()), m, self.truncation_mode, dropped,
-            )  # fmt: skip
+        self._count_truncated(too_long, int((seq_len - m)[too_long].sum()))
         return [s[cut] for s in sequences], [c[cut] for c in completions], np.minimum(seq_len, m)

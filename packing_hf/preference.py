@@ -397,36 +397,47 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         self, ids: np.ndarray, is_completion: np.ndarray, seq_len: np.ndarray, n_pairs: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Enforce ``max_length`` on every sequence: raise, or truncate as TRL does; count what changes."""
-        m = self.max_length
-        if m is None or not (too_long := seq_len > m).any():
+        too_long = self._over_max_length(seq_len, n_pairs, ("chosen", "rejected"), "sample", "pairs")
+        if too_long is None:
             return ids, is_completion, seq_len
-        if self.overflow == "error":
-            s = int(np.argmax(too_long))
-            raise ValueError(
-                f"sample {s % n_pairs}: prompt + {'chosen' if s < n_pairs else 'rejected'} has {int(seq_len[s])} "
-                f"tokens > max_length={m}; set overflow='truncate' (TRL's truncation, truncation_mode="
-                f"{self.truncation_mode!r}), raise max_length, or filter long pairs out of the dataset"
-            )
+        m = self.max_length
         seq_start = np.cumsum(seq_len) - seq_len
         offsets = np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len)
         if self.truncation_mode == "keep_start":
             keep = offsets < m
         else:
             keep = offsets >= np.repeat(seq_len - m, seq_len)
-        dropped = int(ids.size - keep.sum())
+        self._count_truncated(too_long, int(ids.size - keep.sum()))
+        return ids[keep], is_completion[keep], np.minimum(seq_len, m)
+
+    def _over_max_length(
+        self, seq_len: np.ndarray, n: int, branches: Sequence[str], unit: str, units: str
+    ) -> np.ndarray | None:
+        """Which sequences (``branches`` of ``n`` examples, branch-major) are longer than ``max_length``;
+        ``None`` when none is. With ``overflow="error"`` the first one raises, named as ``unit`` and branch."""
+        m = self.max_length
+        if m is None or not (too_long := seq_len > m).any():
+            return None
+        if self.overflow == "error":
+            s = int(np.argmax(too_long))
+            raise ValueError(
+                f"{unit} {s % n}: prompt + {branches[s // n]} has {int(seq_len[s])} tokens > max_length={m}; set "
+                f"overflow='truncate' (TRL's truncation, truncation_mode={self.truncation_mode!r}), raise "
+                f"max_length, or filter long {units} out of the dataset"
+            )
+        return too_long
+
+    def _count_truncated(self, too_long: np.ndarray, dropped: int) -> None:
+        """Count the truncated sequences and their dropped tokens in ``stats``; warn the first time."""
         self.stats["truncated_samples"] += int(too_long.sum())
         self.stats["truncated_tokens"] += dropped
         if not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(
-                "PaddingFreePreferenceCollator truncated %d sequence(s) to max_length=%d (%s), dropping %d tokens; "
-                "further cases are only counted in collator.stats",
-                int(too_long.sum()),
-                m,
-                self.truncation_mode,
-                dropped,
-            )
-        return ids[keep], is_completion[keep], np.minimum(seq_len, m)
+                "%s truncated %d sequence(s) to max_length=%d (%s), dropping %d tokens; further cases are only "
+                "counted in collator.stats",
+                type(self).__name__, int(too_long.sum()), self.max_length, self.truncation_mode, dropped,
+            )  # fmt: skip
 
 
 def _pair_columns(features: list[Mapping[str, Any]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

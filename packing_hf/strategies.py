@@ -10,7 +10,9 @@ benchmarks use :func:`padded_batches` as the padded baseline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -103,8 +105,13 @@ def _ordered(lengths: LengthsLike, order: np.ndarray | None) -> np.ndarray:
     return lengths[order]
 
 
-def _check_batch_size(batch_size: int) -> int:
-    return check_int(batch_size, "batch_size (samples per step)", 1)
+def _steps_of(
+    lengths: LengthsLike, batch_size: int, order: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The lengths in visiting order and the first sample of every step of ``batch_size`` samples."""
+    batch_size = check_int(batch_size, "batch_size (samples per step)", 1)
+    lengths = _ordered(lengths, order)
+    return lengths, np.arange(0, lengths.size, batch_size)
 
 
 def padded_batches(
@@ -121,21 +128,13 @@ def padded_batches(
     >>> padded_batches([4, 1, 1, 1], batch_size=2).as_dict()["padding_tokens"]
     3
     """
-    batch_size = _check_batch_size(batch_size)
-    lengths = _ordered(lengths, order)
+    lengths, starts = _steps_of(lengths, batch_size, order)
     if lengths.size == 0:
         return StrategyStats("padded", 0, 0, 0, 0, note="batches padded to their longest sample")
-    starts = np.arange(0, lengths.size, batch_size)
-    longest = np.maximum.reduceat(lengths, starts)
-    sizes = np.diff(np.append(starts, lengths.size))
-    slots = longest * sizes
+    slots = np.maximum.reduceat(lengths, starts) * np.diff(np.append(starts, lengths.size))  # longest x size
+    note = f"{batch_size} samples per step, padded to the longest"
     return StrategyStats(
-        "padded",
-        steps=int(starts.size),
-        real_tokens=int(lengths.sum()),
-        slot_tokens=int(slots.sum()),
-        max_step_tokens=int(slots.max()),
-        note=f"{batch_size} samples per step, padded to the longest",
+        "padded", starts.size, int(lengths.sum()), int(slots.sum()), int(slots.max()), note=note
     )
 
 
@@ -152,20 +151,12 @@ def online_minibatches(
     >>> s.max_step_tokens, s.slot_tokens, s.efficiency
     (5, 10, 0.7)
     """
-    batch_size = _check_batch_size(batch_size)
-    lengths = _ordered(lengths, order)
+    lengths, starts = _steps_of(lengths, batch_size, order)
     if lengths.size == 0:
         return StrategyStats("online", 0, 0, 0, 0, note="samples flattened per step, no padding")
-    starts = np.arange(0, lengths.size, batch_size)
-    step_tokens = np.add.reduceat(lengths, starts)
-    return StrategyStats(
-        "online",
-        steps=int(starts.size),
-        real_tokens=int(lengths.sum()),
-        slot_tokens=int(starts.size * step_tokens.max()),
-        max_step_tokens=int(step_tokens.max()),
-        note=f"{batch_size} samples per step, flattened; memory sized for the largest step",
-    )
+    largest = int(np.add.reduceat(lengths, starts).max())
+    note = f"{batch_size} samples per step, flattened; memory sized for the largest step"
+    return StrategyStats("online", starts.size, int(lengths.sum()), starts.size * largest, largest, note=note)
 
 
 def fixed_length_packing(
@@ -199,15 +190,8 @@ def fixed_length_packing(
             split_samples=int(crossing.sum()),
             note=f"concatenated and cut every {max_length:,} tokens (samples cut across rows)",
         )
-    kept = np.minimum(lengths, max_length)
-    return _budget_rows(
-        "fixed",
-        pack_next_fit(kept, max_length).num_bins,
-        int(kept.sum()),
-        max_length,
-        truncated_tokens=int((lengths - kept).sum()),
-        note=f"greedy in order into rows of {max_length:,} tokens (next-fit), long samples truncated",
-    )
+    note = f"greedy in order into rows of {max_length:,} tokens (next-fit), long samples truncated"
+    return _truncated_rows("fixed", lengths, max_length, pack_next_fit, note)
 
 
 def _budget_rows(
@@ -224,6 +208,17 @@ def _budget_rows(
     )
 
 
+def _truncated_rows(
+    strategy: str, lengths: np.ndarray, budget: int, pack: Callable[[np.ndarray, int], Any], note: str
+) -> StrategyStats:
+    """Samples cut to ``budget`` (the cut tokens counted), then packed by ``pack`` into rows of ``budget``."""
+    kept = np.minimum(lengths, budget)
+    steps = pack(kept, budget).num_bins
+    return _budget_rows(
+        strategy, steps, int(kept.sum()), budget, truncated_tokens=int((lengths - kept).sum()), note=note
+    )
+
+
 def multipack(lengths: LengthsLike, max_tokens_per_batch: int) -> StrategyStats:
     """Multipack: best-fit decreasing bins of ``max_tokens_per_batch`` (long samples truncated, counted).
 
@@ -232,16 +227,9 @@ def multipack(lengths: LengthsLike, max_tokens_per_batch: int) -> StrategyStats:
     """
     max_tokens_per_batch = check_budget(max_tokens_per_batch, "max_tokens_per_batch")
     lengths = as_lengths(lengths)
-    kept = np.minimum(lengths, max_tokens_per_batch)
-    bound = lower_bound_l2(kept, max_tokens_per_batch)
-    return _budget_rows(
-        "multipack",
-        pack_best_fit_decreasing(kept, max_tokens_per_batch).num_bins,
-        int(kept.sum()),
-        max_tokens_per_batch,
-        truncated_tokens=int((lengths - kept).sum()),
-        note=f"best-fit decreasing bins; L2 lower bound {bound} batches",
-    )
+    bound = lower_bound_l2(np.minimum(lengths, max_tokens_per_batch), max_tokens_per_batch)
+    note = f"best-fit decreasing bins; L2 lower bound {bound} batches"
+    return _truncated_rows("multipack", lengths, max_tokens_per_batch, pack_best_fit_decreasing, note)
 
 
 def compare_strategies(

@@ -13,8 +13,9 @@ forward (exact on any model) over fixed samples; :func:`padded_collator` is what
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,57 +188,27 @@ def measure_throughput(
     >>> result["real_tokens"], result["packed_tokens"], result["padded_tokens"]
     (5, 5, 6)
     """
-    if padded_batch_size is not None and padded_batch_size < 1:
-        raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    groups = [list(group) for group in packed_groups if len(group)]
-    if not groups:
-        raise ValueError("measure_throughput needs at least one non-empty packed batch")
-    covered = sorted(i for group in groups for i in group)
-    if covered != list(range(len(samples))):
-        raise ValueError(
-            f"packed_groups must hold every index of samples (0..{len(samples) - 1}) exactly once; "
-            f"they hold {len(covered)} indices ({len(set(covered))} distinct)"
-        )
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    packed = [packed_collator([samples[i] for i in group]) for group in groups]
-    if padded_batch_size is None:
-        padded = [padded_collator([samples[i] for i in group]) for group in groups]
-    else:
-        padded = [
-            padded_collator(list(samples[start : start + padded_batch_size]))
-            for start in range(0, len(samples), padded_batch_size)
-        ]
+    packed, padded = _both_batches(
+        samples, packed_groups, padded_batch_size, packed_collator, padded_collator
+    )
     real_tokens = int(sum(len(sample["input_ids"]) for sample in samples))
-    shortest = min(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
-    was_training = model.training
-    model.train()
-    packed_times = np.full((repeats, len(packed)), np.inf)
-    padded_times = np.full((repeats, len(padded)), np.inf)
-    limit = max_tokens_per_micro_batch
-    with _bar(2 + repeats * (len(packed) + len(padded)), desc) as bar:
-        try:
-            _time_batches(model, [packed_collator([samples[shortest]])], device, autocast_dtype)
-            bar.update()
-            with _attention(model, padded_attn_implementation):
-                _time_batches(model, [padded_collator([samples[shortest]])], device, autocast_dtype)
-            bar.update()
-            # Interleaved, batch by batch, so a load spike from another process hits both paths alike;
-            # the fastest of the repeats of every batch is kept (the usual estimator on a shared machine).
-            for r in range(repeats):
-                for i in range(max(len(packed), len(padded))):
-                    if i < len(packed):
-                        packed_times[r, i] = _time_batches(model, [packed[i]], device, autocast_dtype)
-                        bar.update()
-                    if i < len(padded):
-                        with _attention(model, padded_attn_implementation):
-                            padded_times[r, i] = _time_batches(
-                                model, [padded[i]], device, autocast_dtype, limit
-                            )
-                        bar.update()
-        finally:
-            model.train(was_training)
+    shortest = min(samples, key=lambda sample: len(sample["input_ids"]))
+    warm_up = (packed_collator([shortest]), padded_collator([shortest]))
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    run = functools.partial(_time_batches, model, device=device, autocast_dtype=autocast_dtype)
+    packed_times, padded_times = _interleaved_times(
+        model,
+        run,
+        packed,
+        padded,
+        warm_up,
+        padded_attn_implementation,
+        repeats,
+        max_tokens_per_micro_batch,
+        desc,
+    )
     packed_seconds = float(packed_times.min(axis=0).sum())
     padded_seconds = float(padded_times.min(axis=0).sum())
     packed_tps = real_tokens / packed_seconds
@@ -259,6 +230,77 @@ def measure_throughput(
         "padded_tokens_per_s": padded_tps,
         "speedup": packed_tps / padded_tps,
     }
+
+
+def _both_batches(
+    samples: Sequence[dict[str, Any]],
+    packed_groups: Sequence[Sequence[int]],
+    padded_batch_size: int | None,
+    packed_collator: Any,
+    padded_collator: Any,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The packed batches of ``packed_groups`` (which must hold every sample once) and the padded batches of
+    the same samples (the same groups, or ``padded_batch_size`` samples in list order)."""
+    if padded_batch_size is not None and padded_batch_size < 1:
+        raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}")
+    groups = [list(group) for group in packed_groups if len(group)]
+    if not groups:
+        raise ValueError("measure_throughput needs at least one non-empty packed batch")
+    covered = sorted(i for group in groups for i in group)
+    if covered != list(range(len(samples))):
+        raise ValueError(
+            f"packed_groups must hold every index of samples (0..{len(samples) - 1}) exactly once; "
+            f"they hold {len(covered)} indices ({len(set(covered))} distinct)"
+        )
+    packed = [packed_collator([samples[i] for i in group]) for group in groups]
+    if padded_batch_size is None:
+        padded = [padded_collator([samples[i] for i in group]) for group in groups]
+    else:
+        padded = [
+            padded_collator(list(samples[start : start + padded_batch_size]))
+            for start in range(0, len(samples), padded_batch_size)
+        ]
+    return packed, padded
+
+
+def _interleaved_times(
+    model: Any,
+    run: Callable[..., float],
+    packed: list[dict[str, Any]],
+    padded: list[dict[str, Any]],
+    warm_up: tuple[dict[str, Any], dict[str, Any]],
+    padded_attn_implementation: str | None,
+    repeats: int,
+    limit: int | None,
+    desc: str | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(repeats, batches)`` seconds of every packed and padded batch after one untimed warm-up batch each.
+
+    Interleaved, batch by batch, so a load spike from another process hits both paths alike; the caller
+    keeps the fastest of the repeats of every batch (the usual estimator on a shared machine)."""
+    was_training = model.training
+    model.train()
+    packed_times = np.full((repeats, len(packed)), np.inf)
+    padded_times = np.full((repeats, len(padded)), np.inf)
+    with _bar(2 + repeats * (len(packed) + len(padded)), desc) as bar:
+        try:
+            run([warm_up[0]])
+            bar.update()
+            with _attention(model, padded_attn_implementation):
+                run([warm_up[1]])
+            bar.update()
+            for r in range(repeats):
+                for i in range(max(len(packed), len(padded))):
+                    if i < len(packed):
+                        packed_times[r, i] = run([packed[i]])
+                        bar.update()
+                    if i < len(padded):
+                        with _attention(model, padded_attn_implementation):
+                            padded_times[r, i] = run([padded[i]], max_tokens=limit)
+                        bar.update()
+        finally:
+            model.train(was_training)
+    return packed_times, padded_times
 
 
 def length_sorted_batches(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> list[list[int]]:

@@ -179,40 +179,7 @@ def prepare_dataset(
     )
     lengths = prepared.lengths
     if max_length is not None:
-        too_long = np.flatnonzero(lengths > max_length)
-        if too_long.size:
-            longest = int(too_long[np.argmax(lengths[too_long])])
-            where = dataset[longest]["where"]
-            if overflow == "error":
-                raise ValueError(
-                    f"{too_long.size} of {len(lengths)} samples of {records.source} are longer than "
-                    f"max_length={max_length} tokens (the longest, {where}, has {int(lengths[longest])}); "
-                    "raise max_length, or set overflow: truncate or overflow: drop"
-                )
-            if overflow == "truncate":
-                dataset = dataset.map(
-                    lambda batch: {
-                        key: [ids[:max_length] for ids in batch[key]]
-                        for key in ("input_ids", "labels", "loss_weights")
-                        if key in batch
-                    },
-                    batched=True,
-                    desc=f"Truncating {too_long.size} samples" if desc else None,
-                )
-                prepared.num_truncated = int(too_long.size)
-            else:
-                dataset = dataset.select(np.flatnonzero(lengths <= max_length))
-                prepared.num_dropped = int(too_long.size)
-            logger.warning(
-                "%s %d of %d samples longer than max_length=%d (the longest, %s, had %d tokens)",
-                "truncated" if overflow == "truncate" else "dropped",
-                too_long.size,
-                len(lengths),
-                max_length,
-                where,
-                int(lengths[longest]),
-            )
-            prepared.dataset = dataset
+        _apply_overflow(prepared, lengths, max_length, overflow, desc)
     if len(prepared.dataset) == 0:
         raise ValueError(
             f"no samples left from {records.source} (all {len(lengths)} were longer than max_length)"
@@ -230,6 +197,48 @@ def prepare_dataset(
             len(prepared.dataset),
         )
     return prepared
+
+
+def _apply_overflow(
+    prepared: PreparedDataset, lengths: np.ndarray, max_length: int, overflow: str, desc: str | None
+) -> None:
+    """Samples longer than ``max_length``: raise (``"error"``, naming how many and the longest), or truncate
+    or drop them in ``prepared`` (counted there and logged)."""
+    dataset = prepared.dataset
+    too_long = np.flatnonzero(lengths > max_length)
+    if not too_long.size:
+        return
+    longest = int(too_long[np.argmax(lengths[too_long])])
+    where = dataset[longest]["where"]
+    if overflow == "error":
+        raise ValueError(
+            f"{too_long.size} of {len(lengths)} samples of {prepared.records.source} are longer than "
+            f"max_length={max_length} tokens (the longest, {where}, has {int(lengths[longest])}); "
+            "raise max_length, or set overflow: truncate or overflow: drop"
+        )
+    if overflow == "truncate":
+        prepared.dataset = dataset.map(
+            lambda batch: {
+                key: [ids[:max_length] for ids in batch[key]]
+                for key in ("input_ids", "labels", "loss_weights")
+                if key in batch
+            },
+            batched=True,
+            desc=f"Truncating {too_long.size} samples" if desc else None,
+        )
+        prepared.num_truncated = int(too_long.size)
+    else:
+        prepared.dataset = dataset.select(np.flatnonzero(lengths <= max_length))
+        prepared.num_dropped = int(too_long.size)
+    logger.warning(
+        "%s %d of %d samples longer than max_length=%d (the longest, %s, had %d tokens)",
+        "truncated" if overflow == "truncate" else "dropped",
+        too_long.size,
+        len(lengths),
+        max_length,
+        where,
+        int(lengths[longest]),
+    )
 
 
 def _count_untrained(dataset) -> int:

@@ -18,7 +18,15 @@ from typing import Any
 
 from ..overflow import check_overflow
 from ..streaming.files import RECORD_FILE_SUFFIXES, file_format, read_record_file
-from .records import _EMBEDDED_DIR, _EMBEDDED_FILES, _FORMATS, Record, _first, _hub_dataset, normalise_record
+from .records import (
+    _EMBEDDED_DIR,
+    _EMBEDDED_FILES,
+    Record,
+    _first,
+    _hub_dataset,
+    normalise_record,
+    unread_fields,
+)
 from .render import (
     _PROMPT_FORMATS,
     PromptFormat,
@@ -162,10 +170,7 @@ class RecordStream:
             record = normalise_record(raw, where, expected)
             self._format = self._format or record.format
             self.formats[record.format] += 1
-            required, optional = _FORMATS[record.format]
-            for key, value in raw.items():
-                if key not in required and key not in optional and value is not None:
-                    self.ignored_fields[key] += 1
+            self.ignored_fields.update(unread_fields(raw, record.format))
             reason = record.skip_reason
             if reason is not None:
                 if reason not in self.skipped:

@@ -462,6 +462,16 @@ def _iter_source(source: str, split: str, config_name: str | None) -> Iterable[t
         yield f"{source} record {i + 1}", row
 
 
+def unread_fields(raw: Mapping[str, Any], record_format: str) -> list[str]:
+    """The keys of a raw record that its format does not read (counted and reported, never silently dropped).
+
+    >>> unread_fields({"question": "1+1?", "answer": "2", "source": "web"}, "question")
+    ['source']
+    """
+    required, optional = _FORMATS[record_format]
+    return [k for k, v in raw.items() if k not in required and k not in optional and v is not None]
+
+
 def _hub_dataset(source: str, config_name: str | None, split: str, streaming: bool = False) -> Any:
     """``datasets.load_dataset`` of a Hub name; any failure (offline, missing split, gated, ...) becomes one
     message with the fixes."""
@@ -521,10 +531,7 @@ def read_records(
         if file_format is None:
             file_format = (record.format, where)
         result.formats[record.format] += 1
-        required, optional = _FORMATS[record.format]
-        for key, value in raw.items():
-            if key not in required and key not in optional and value is not None:
-                result.ignored_fields[key] += 1
+        result.ignored_fields.update(unread_fields(raw, record.format))
         reason = record.skip_reason
         if reason is not None and skip_untrainable:
             result.skipped.setdefault(reason, []).append(where)

@@ -286,63 +286,9 @@ def plot_stats(
         else [int(b) for b in max_tokens_per_batch]
     )
     figure, axes = plt.subplots(1, 1 + len(budgets), figsize=(6 * (1 + len(budgets)), 4.5), squeeze=False)
-    left = axes[0][0]
-    # one very long sample would squash every other bar into a few: the axis stops at the 99.5th percentile
-    # (or the largest budget the samples reach), the samples beyond are counted in the legend, and the
-    # count axis is logarithmic so rare lengths stay visible
-    reach = [b for b in budgets if b <= lengths.max()]
-    edge = float(max(np.percentile(lengths, 99.5), *reach)) if reach else float(np.percentile(lengths, 99.5))
-    beyond = int((lengths > edge).sum())
-    left.hist(
-        np.minimum(lengths, edge), bins=min(80, max(10, lengths.size // 20)), range=(0, edge), color="#4c72b0"
-    )
-    left.set_yscale("log")
-    left.axvline(float(lengths.mean()), color="#55a868", linestyle=":", label=f"mean {lengths.mean():.0f}")
-    if beyond:
-        left.plot(
-            [],
-            [],
-            " ",
-            label=f"{_plural(beyond, 'sample')} beyond {edge:,.0f} (up to {lengths.max():,}), in the last bar",
-        )
-    for budget in reach:
-        over = int((lengths > budget).sum())
-        left.axvline(
-            budget, color="#c44e52", linestyle="--", label=f"budget {budget}: {_plural(over, 'sample')} over"
-        )
-    left.set_xlabel("sample length (tokens)")
-    left.set_ylabel("samples (log scale)")
-    left.set_title(f"sample lengths: {lengths.size:,} samples, {int(lengths.sum()):,} tokens")
-    left.legend()
-    bins = np.linspace(0, 1, 41)
+    _plot_lengths(axes[0][0], lengths, budgets)
     for axis, budget in zip(axes[0][1:], budgets, strict=True):
-        stats = compute_stats(lengths, budget, batch_size=batch_size, seed=seed)
-        rows = {row["strategy"]: row for row in stats["strategies"]}
-        size = stats["batch_size"]
-        kept = np.minimum(lengths, budget)
-        multipack_fill = _binpack.pack_best_fit_decreasing(kept, budget).bin_tokens / budget
-        shuffled = lengths[np.random.default_rng(seed).permutation(lengths.size)]
-        starts = np.arange(0, shuffled.size, size)
-        counts = np.diff(np.append(starts, shuffled.size))
-        padded_fill = np.add.reduceat(shuffled, starts) / (np.maximum.reduceat(shuffled, starts) * counts)
-        axis.hist(
-            padded_fill,
-            bins=bins,
-            alpha=0.7,
-            color="#dd8452",
-            label=f"padded per batch ({size} samples): {rows['padded']['efficiency']:.1%} overall",
-        )
-        axis.hist(
-            multipack_fill,
-            bins=bins,
-            alpha=0.7,
-            color="#4c72b0",
-            label=f"multipack: {rows['multipack']['efficiency']:.1%} overall",
-        )
-        axis.set_xlabel("batch fill (real tokens / provisioned tokens)")
-        axis.set_ylabel("batches")
-        axis.set_title(f"fill of every batch, max_tokens_per_batch={budget}")
-        axis.legend(loc="upper left")
+        _plot_fill(axis, lengths, budget, batch_size, seed)
     if title:
         figure.suptitle(title)
     figure.tight_layout()
@@ -351,6 +297,57 @@ def plot_stats(
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _plot_lengths(axis: Any, lengths: np.ndarray, budgets: list[int]) -> None:
+    """The histogram of sample lengths, with the mean and every budget the samples reach.
+
+    One very long sample would squash every other bar into a few: the axis stops at the 99.5th percentile
+    (or the largest budget the samples reach), the samples beyond are counted in the legend, and the count
+    axis is logarithmic so rare lengths stay visible."""
+    reach = [b for b in budgets if b <= lengths.max()]
+    edge = float(max(np.percentile(lengths, 99.5), *reach)) if reach else float(np.percentile(lengths, 99.5))
+    beyond = int((lengths > edge).sum())
+    axis.hist(
+        np.minimum(lengths, edge), bins=min(80, max(10, lengths.size // 20)), range=(0, edge), color="#4c72b0"
+    )
+    axis.set_yscale("log")
+    axis.axvline(float(lengths.mean()), color="#55a868", linestyle=":", label=f"mean {lengths.mean():.0f}")
+    if beyond:
+        label = f"{_plural(beyond, 'sample')} beyond {edge:,.0f} (up to {lengths.max():,}), in the last bar"
+        axis.plot([], [], " ", label=label)
+    for budget in reach:
+        over = int((lengths > budget).sum())
+        axis.axvline(
+            budget, color="#c44e52", linestyle="--", label=f"budget {budget}: {_plural(over, 'sample')} over"
+        )
+    axis.set_xlabel("sample length (tokens)")
+    axis.set_ylabel("samples (log scale)")
+    axis.set_title(f"sample lengths: {lengths.size:,} samples, {int(lengths.sum()):,} tokens")
+    axis.legend()
+
+
+def _plot_fill(axis: Any, lengths: np.ndarray, budget: int, batch_size: int | None, seed: int) -> None:
+    """The fill of every batch at one budget: multipack vs padded batches in a random order."""
+    stats = compute_stats(lengths, budget, batch_size=batch_size, seed=seed)
+    rows = {row["strategy"]: row for row in stats["strategies"]}
+    size = stats["batch_size"]
+    multipack_fill = (
+        _binpack.pack_best_fit_decreasing(np.minimum(lengths, budget), budget).bin_tokens / budget
+    )
+    shuffled = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+    starts = np.arange(0, shuffled.size, size)
+    counts = np.diff(np.append(starts, shuffled.size))
+    padded_fill = np.add.reduceat(shuffled, starts) / (np.maximum.reduceat(shuffled, starts) * counts)
+    bins = np.linspace(0, 1, 41)
+    padded = f"padded per batch ({size} samples): {rows['padded']['efficiency']:.1%} overall"
+    axis.hist(padded_fill, bins=bins, alpha=0.7, color="#dd8452", label=padded)
+    multipack = f"multipack: {rows['multipack']['efficiency']:.1%} overall"
+    axis.hist(multipack_fill, bins=bins, alpha=0.7, color="#4c72b0", label=multipack)
+    axis.set_xlabel("batch fill (real tokens / provisioned tokens)")
+    axis.set_ylabel("batches")
+    axis.set_title(f"fill of every batch, max_tokens_per_batch={budget}")
+    axis.legend(loc="upper left")
 
 
 def load_default_tokenizer(name: str | None):
@@ -486,78 +483,12 @@ def stats_main(argv: Sequence[str]) -> int:
         return int(exit_.code or 0)
     try:
         _apply_config(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"packing-hf stats: error: {error}", file=sys.stderr)
-        return 2
-    if not args.max_tokens_per_batch:
-        print(
-            "packing-hf stats: error: --max-tokens-per-batch is required (or a --config that sets "
-            "max_tokens_per_batch)",
-            file=sys.stderr,
-        )
-        return 2
-    for budget in args.max_tokens_per_batch:
-        if budget < 1:
-            parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
-    if args.batch_size is not None and args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if any(n < 1 for n in args.world_size or ()):
-        parser.error(f"--world-size must be >= 1, got {args.world_size}")
-    try:
-        cost_model = CostModel.parse(args.cost_model)
-    except ValueError as error:
-        print(f"packing-hf stats: error: --cost-model: {error}", file=sys.stderr)
-        return 2
-    from .data import prepare_dataset
-    from .records import read_records
-
-    try:
-        # the records first: a bad path or record fails fast, before the (default GGUF) tokenizer is read
-        records = read_records(
-            args.data,
-            split=args.split,
-            config_name=args.dataset_config,
-            limit=args.num_samples,
-            mixed_formats=args.mixed_formats,
-        )
-        print(f"[packing-hf] {records.describe()}", flush=True)
-        prepared = prepare_dataset(
-            records, load_default_tokenizer(args.tokenizer), prompt_format=args.prompt_format or "auto"
-        )
+        cost_model = _check_arguments(parser, args)
+        lengths = _read_lengths(args)
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"packing-hf stats: error: {error}", file=sys.stderr)
         return 2
-    lengths, over_line = apply_max_length(
-        prepared.lengths, args.max_length, args.overflow, prepared.dataset["where"] if args.max_length else ()
-    )
-    if over_line:
-        print(over_line)
-    summary = _length_summary(lengths)
-    print(
-        f"{args.data}: {summary['samples']:,} samples, {summary['tokens']:,} tokens ({prepared.prompt_format} format); "
-        f"length min {summary['min']}, mean {summary['mean']:.0f}, median {summary['median']:.0f}, "
-        f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}"
-    )
-    results = []
-    for budget in args.max_tokens_per_batch:
-        stats = compute_stats(lengths, budget, batch_size=args.batch_size, seed=args.seed)
-        print()
-        print(format_table(stats))
-        spreads = []
-        for world_size in args.world_size or ():
-            try:
-                spreads.append(balance_spread(lengths, budget, world_size, cost_model, seed=args.seed))
-            except ValueError as error:  # too few batches for that many ranks
-                print(f"  {world_size} ranks: {error}")
-        for spread in spreads:
-            print(
-                f"  {spread['world_size']} ranks, slowest rank / mean predicted cost per step "
-                f"({args.cost_model}): token-balanced {spread['token_balanced']:.3f}, "
-                f"cost-balanced {spread['cost_balanced']:.3f}"
-            )
-        if spreads:
-            stats["rank_spread"] = spreads
-        results.append(stats)
+    results = [_budget_stats(args, lengths, budget, cost_model) for budget in args.max_tokens_per_batch]
     if args.plot is not None:
         written = plot_stats(
             lengths,
@@ -573,3 +504,76 @@ def stats_main(argv: Sequence[str]) -> int:
         args.json.write_text(json.dumps({"data": str(args.data), "results": results}, indent=2) + "\n")
         print(f"json: {args.json}")
     return 0
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CostModel:
+    """Refuse what the parser cannot: a missing budget or a malformed ``--cost-model`` (``ValueError``),
+    numbers below 1 (usage error); returns the cost model."""
+    if not args.max_tokens_per_batch:
+        raise ValueError("--max-tokens-per-batch is required (or a --config that sets max_tokens_per_batch)")
+    for budget in args.max_tokens_per_batch:
+        if budget < 1:
+            parser.error(f"--max-tokens-per-batch must be >= 1, got {budget}")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if any(n < 1 for n in args.world_size or ()):
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    try:
+        return CostModel.parse(args.cost_model)
+    except ValueError as error:
+        raise ValueError(f"--cost-model: {error}") from None
+
+
+def _read_lengths(args: argparse.Namespace) -> np.ndarray:
+    """The tokenized lengths of ``--data`` after ``--max-length`` / ``--overflow``, with a one-line summary."""
+    from .data import prepare_dataset
+    from .records import read_records
+
+    # the records first: a bad path or record fails fast, before the (default GGUF) tokenizer is read
+    records = read_records(
+        args.data,
+        split=args.split,
+        config_name=args.dataset_config,
+        limit=args.num_samples,
+        mixed_formats=args.mixed_formats,
+    )
+    print(f"[packing-hf] {records.describe()}", flush=True)
+    prepared = prepare_dataset(
+        records, load_default_tokenizer(args.tokenizer), prompt_format=args.prompt_format or "auto"
+    )
+    lengths, over_line = apply_max_length(
+        prepared.lengths, args.max_length, args.overflow, prepared.dataset["where"] if args.max_length else ()
+    )
+    if over_line:
+        print(over_line)
+    summary = _length_summary(lengths)
+    print(
+        f"{args.data}: {summary['samples']:,} samples, {summary['tokens']:,} tokens ({prepared.prompt_format} format); "
+        f"length min {summary['min']}, mean {summary['mean']:.0f}, median {summary['median']:.0f}, "
+        f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}"
+    )
+    return lengths
+
+
+def _budget_stats(
+    args: argparse.Namespace, lengths: np.ndarray, budget: int, cost_model: CostModel
+) -> dict[str, Any]:
+    """Every strategy at one token budget, printed as a table, with the rank spreads of ``--world-size``."""
+    stats = compute_stats(lengths, budget, batch_size=args.batch_size, seed=args.seed)
+    print()
+    print(format_table(stats))
+    spreads = []
+    for world_size in args.world_size or ():
+        try:
+            spreads.append(balance_spread(lengths, budget, world_size, cost_model, seed=args.seed))
+        except ValueError as error:  # too few batches for that many ranks
+            print(f"  {world_size} ranks: {error}")
+    for spread in spreads:
+        print(
+            f"  {spread['world_size']} ranks, slowest rank / mean predicted cost per step "
+            f"({args.cost_model}): token-balanced {spread['token_balanced']:.3f}, "
+            f"cost-balanced {spread['cost_balanced']:.3f}"
+        )
+    if spreads:
+        stats["rank_spread"] = spreads
+    return stats

@@ -116,13 +116,15 @@ def _pad_token(t: Any, c: Mapping[str, Any]) -> str | None:
     )
 
 
-def _argument_set(name: str, message: str) -> Callable[[Any, Mapping[str, Any]], str | None]:
-    """The check refusing a set (truthy) training argument ``name``; ``message`` may name ``{value}`` and
-    ``{stock}``."""
+def _argument_set(
+    name: str, message: str, when: Callable[[Any], bool] = bool
+) -> Callable[[Any, Mapping[str, Any]], str | None]:
+    """The check refusing training argument ``name`` where ``when(value)`` (default: set, truthy);
+    ``message`` may name ``{value}``, ``{stock}`` and ``{wording}``."""
 
     def check(t: Any, c: Mapping[str, Any]) -> str | None:
         value = getattr(c["args"], name, None)
-        return message.format(value=value, stock=t.stock) if value else None
+        return message.format(value=value, stock=t.stock, wording=t.wording) if when(value) else None
 
     return check
 
@@ -172,20 +174,17 @@ def _prompt_learning(t: Any, c: Mapping[str, Any]) -> str | None:
     )
 
 
-def _padding_free_false(t: Any, c: Mapping[str, Any]) -> str | None:
-    if getattr(c["args"], "padding_free", None) is not False:
-        return None
-    return f"padding_free=False asks for padded batches, which packing_hf's trainer never runs; use {t.stock}"
-
-
-def _own_loss(t: Any, c: Mapping[str, Any]) -> str | None:
-    value = c["args"].loss_normalization
-    if value == "token":
-        return None
-    return (
-        f"loss_normalization={value!r}: the loss of {t.stock} is one term per {t.wording.loss_term}, not a token "
-        "mean; leave loss_normalization='token'"
-    )
+_padding_free_false = _argument_set(
+    "padding_free",
+    "padding_free=False asks for padded batches, which packing_hf's trainer never runs; use {stock}",
+    when=lambda value: value is False,
+)
+_own_loss = _argument_set(
+    "loss_normalization",
+    "loss_normalization={value!r}: the loss of {stock} is one term per {wording.loss_term}, not a token "
+    "mean; leave loss_normalization='token'",
+    when=lambda value: value not in (None, "token"),
+)
 
 
 def _encoder_decoder(t: Any, c: Mapping[str, Any]) -> str | None:
