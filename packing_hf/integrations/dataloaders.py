@@ -22,7 +22,7 @@ from transformers.trainer_utils import seed_worker
 
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator
-from .adapters import pass_through_batch_shard
+from .accelerator import pass_through_batch_shard
 from .args import PackingArguments
 from .callbacks import PackingStatsCollator
 from .stream_data import PackingStreamMixin, is_stream
