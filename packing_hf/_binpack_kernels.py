@@ -434,7 +434,7 @@ def _reindex_bin(
 
 
 @njit(cache=True)
-def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover - compiled
+def _best_fit_exchange(lengths, budget, small_gap, min_items, table):  # pragma: no cover - compiled
     """Best fit in the given order that also closes nearly full bins: ``(bin of every item, bin count)``.
 
     Best fit in a random order leaves about half the bins a few tokens short of full (on lognormal lengths
@@ -442,13 +442,15 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
     ends ~0.25% above the lower bound. Here an arriving item ``x`` goes, in this order of preference:
 
     1. into a bin with exactly ``x`` tokens free;
-    2. into a bin with ``g <= small_gap`` tokens free (``g < x``) in place of one of its items of length
-       ``x - g``: that bin is then full, and the displaced item (``g`` tokens shorter) is placed next,
-       by the same rules (each exchange shortens the item in hand, so this ends);
+    2. into a bin with ``g <= small_gap`` tokens free (``g < x``) and at least ``min_items`` items, in place of
+       one of its items of length ``x - g``: that bin is then full, and the displaced item (``g`` tokens
+       shorter) is placed next, by the same rules (each exchange shortens the item in hand, so this ends).
+       Bins of fewer items are left out: closing a bin of two exactly pairs a sample with one of the few of
+       its complement length, and the same pairs would come back epoch after epoch;
     3. into the bin with the least free space that fits it (a max segment tree over free space, as
        :func:`_best_fit_sorted`), or a new bin.
 
-    Step 2 finds its candidate in O(1): the items of every bin with ``1..small_gap`` tokens free are
+    Step 2 finds its candidate in O(1): the items of every such bin with ``1..small_gap`` tokens free are
     indexed by ``(length + free, free)``, with a bit mask per ``length + free`` of the ``free`` values present. Which item moves depends only on lengths and order, so the result is
     deterministic.
     """
@@ -462,6 +464,7 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
     bin_next = np.empty(n, np.int32)
     bin_prev = np.empty(n, np.int32)
     bin_head = np.full(n, -1, np.int32)  # the items of every bin (singly linked)
+    count = np.zeros(n, np.int32)  # items in every bin
     item_next = np.full(n, -1, np.int32)
     key_head = np.full((budget + 1) * width, -1, np.int32)
     key_next = np.empty(n, np.int32)
@@ -517,7 +520,7 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                     _tree_set(tree, size, free, 0)
                 else:
                     bin_prev[after] = -1
-                if free <= small_gap:
+                if free <= small_gap and count[b] >= min_items:
                     _reindex_bin(
                         b,
                         free,
@@ -538,6 +541,7 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
             bin_of[i] = b
             item_next[i] = bin_head[b]
             bin_head[b] = i
+            count[b] += 1
             free -= x
             if free > 0:
                 first = head[free]
@@ -548,7 +552,7 @@ def _best_fit_exchange(lengths, budget, small_gap, table):  # pragma: no cover -
                 else:
                     bin_prev[first] = b
                 head[free] = b
-                if free <= small_gap:
+                if free <= small_gap and count[b] >= min_items:
                     _reindex_bin(
                         b, free, True, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
                     )

@@ -235,15 +235,20 @@ def test_random_order_best_fit_rejects_a_bad_order():
 
 
 @SETTINGS
-@given(lengths_and_budget(max_n=200, max_budget=200), st.integers(0, 40), st.integers(0, 2**32 - 1))
-def test_the_exchanging_best_fit_is_a_valid_packing_for_any_exchange_gap(case, small_gap, seed):
+@given(
+    lengths_and_budget(max_n=200, max_budget=200),
+    st.integers(0, 40),
+    st.integers(0, 4),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_exchanging_best_fit_is_a_valid_packing_for_any_exchange_gap(case, small_gap, min_items, seed):
     from packing_hf._binpack_kernels import _DEBRUIJN_TABLE, _best_fit_exchange
 
     lengths, budget = case
     if lengths.size == 0:
         return
     order = np.random.default_rng(seed).permutation(lengths.size)
-    bin_of, n_bins = _best_fit_exchange(lengths[order], budget, small_gap, _DEBRUIJN_TABLE)
+    bin_of, n_bins = _best_fit_exchange(lengths[order], budget, small_gap, min_items, _DEBRUIJN_TABLE)
     assert bin_of.min() == 0 and bin_of.max() == n_bins - 1  # every item in a bin, no bin empty
     assert (np.bincount(bin_of, weights=lengths[order], minlength=n_bins) <= budget).all()
     assert n_bins >= bp.lower_bound_l2(lengths, budget)

@@ -633,3 +633,24 @@ def test_on_large_data_one_draw_sets_the_count_and_the_fill_stays_within_0_1_per
         assert plan["fallback"] == 0 and plan["steps"].shape == (len(mixed), 8)
         assert np.array_equal(np.sort(plan["items"]), np.arange(lengths.size))
         assert (plan["bin_tokens"] <= 4096).all()
+
+
+def test_batches_rarely_come_back_in_the_next_epoch(monkeypatch):
+    # lognormal lengths of median 1,200 at a 2,048 budget: mostly batches of two, the hardest case for
+    # recurrence; goal <= 5% of the multi-sample batches found unchanged in the next epoch
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(np.exp(np.log(1200) + rng.standard_normal(20_000)).round(), 2048).astype(np.int64)
+
+    def recurring() -> float:
+        sampler = MultipackBatchSampler(lengths, 2048, seed=0)
+        first, second = (
+            {frozenset(b) for b in batches if len(b) > 1}
+            for batches in (epoch_batches([sampler], 0)[0], epoch_batches([sampler], 1)[0])
+        )
+        return len(first & second) / len(first)
+
+    assert recurring() <= 0.05
+    # negative control: closing bins of two by exchange as well pairs samples with their exact complements,
+    # and those pairs come back
+    monkeypatch.setattr(_binpack, "_EXCHANGE_MIN_ITEMS", 0)
+    assert recurring() > 0.05
