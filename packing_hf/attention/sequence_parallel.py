@@ -182,21 +182,8 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     else:
         size, rank = 1, 0
-    ids = batch.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
-        raise ValueError(
-            f"sequence parallelism cuts one packed row of input_ids (1, T), got {shape}; collate with "
-            "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
-        )
-    total = int(ids.shape[1])
-    checked = validate_packed_batch(batch)
-    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
-        if checked.get(key) is not None:
-            raise ValueError(
-                f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
-                "(labels, position_ids): pass the row as the collator built it"
-            )
+    checked = _checked_row(batch)
+    total = int(checked["input_ids"].shape[1])
     if total < size:  # a stream's one-token padding batch, or a tiny row: no rank may be left without a token
         checked = _lengthen_row(checked, size)
         total = size
@@ -233,6 +220,26 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
     out["use_cache"] = False
     out[SHARD_KEY] = shard
     return out
+
+
+def _checked_row(batch: dict) -> dict:
+    """``batch`` as one checked packed ``[1, T]`` row (``validate_packed_batch``) that has none of the keys
+    sequence parallelism derives itself."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+        raise ValueError(
+            f"sequence parallelism cuts one packed row of input_ids (1, T), got {shape}; collate with "
+            "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
+        )
+    checked = validate_packed_batch(batch)
+    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
+        if checked.get(key) is not None:
+            raise ValueError(
+                f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
+                "(labels, position_ids): pass the row as the collator built it"
+            )
+    return checked
 
 
 def _lengthen_row(batch: dict, size: int) -> dict:
