@@ -40,7 +40,7 @@ import torch
 from _common import base_parser, load_tokenizer, print_table, write_json
 
 from packing_hf import CostModel, PaddingFreeCollator, register_attention
-from packing_hf.collator import length_buckets
+from packing_hf.collator import length_buckets, segment_buckets
 from packing_hf.sampler import MultipackBatchSampler
 
 SMOLLM2_135M = dict(
@@ -160,6 +160,8 @@ def planning_speed(quick: bool) -> dict:
             lengths, 4096, num_replicas=8, rank=0, cost_model=cost, mixing="sorted"
         ),
     }
+    for mixing in ("random", "sorted"):  # load numba's compiled kernels before anything is timed
+        MultipackBatchSampler(lengths[:5000], 4096, num_replicas=8, rank=0, mixing=mixing)._plan(0)
     first = {}
     for name, sampler in samplers.items():  # the epoch-independent work, once
         start = time.process_time()
@@ -227,6 +229,10 @@ def few_shapes(long_tail: np.ndarray, quick: bool) -> list[dict]:
             ("none", {}),
             ("pad_to_multiple_of=64", {"pad_to_multiple_of": 64}),
             ("8 length_buckets", {"length_buckets": length_buckets(budget)}),
+            (
+                "8 length + 8 segment buckets",
+                {"length_buckets": length_buckets(budget), "segment_buckets": segment_buckets(budget)},
+            ),
         ):
             torch._dynamo.reset()
             counters.clear()
@@ -253,6 +259,7 @@ def few_shapes(long_tail: np.ndarray, quick: bool) -> list[dict]:
                     "graphs": counters["stats"]["unique_graphs"],
                     "hit_recompile_limit": counters["stats"]["unique_graphs"]
                     >= torch._dynamo.config.recompile_limit,
+                    "empty_segments_per_batch": collator.stats["empty_segments"] / collator.stats["batches"],
                     "padding_pct": 100
                     * collator.stats["padding_tokens"]
                     / (collator.stats["tokens"] + collator.stats["padding_tokens"]),
@@ -271,6 +278,7 @@ def few_shapes(long_tail: np.ndarray, quick: bool) -> list[dict]:
             "distinct_T",
             "graphs",
             "hit_recompile_limit",
+            "empty_segments_per_batch",
             "padding_pct",
             "epoch_s",
         ],

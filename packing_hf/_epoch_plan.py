@@ -19,10 +19,12 @@ from . import _binpack
 logger = logging.getLogger("packing_hf.sampler")
 
 # mixing="random": the batch count is the most bins among the draws of epochs 0-4 plus 0.1% (on more
-# than _SMALL items: epoch 0's bins plus 1 + 0.1%; there draws differ by a few bins in 10^5), capped at
-# 1% + 1 over the L2 lower bound. An epoch whose draw needs more is drawn again, up to _DRAWS times.
+# than _SMALL items: epoch 0's bins plus 1 + 1/_SLACK; there the exchanging best fit lands within a bin
+# or two of the L2 bound, draw after draw), capped at 1% + 1 over the L2 lower bound. An epoch whose
+# draw needs more is repaired down to the count, else drawn again, up to _DRAWS times.
 _CALIBRATION_EPOCHS = 5
-_SMALL = 100_000
+_SMALL = 20_000
+_SLACK = 5000
 _MAX_OVER_BOUND = 0.01
 _DRAWS = 8
 # The threshold above which items are placed first is budget // 2, unless on this data that leaves
@@ -94,13 +96,13 @@ class _EpochPlan:
             }
             return self._template
         long_above = self._choose_long_above()
-        first = self._draw(0, 0, long_above)  # epoch 0's packing
+        first = self._draw(0, 0, long_above, None)  # epoch 0's packing
         k0 = first.num_bins
         if self.shuffle and lengths.size <= _SMALL:
-            most = max(self._draw(e, 0, long_above).num_bins for e in range(1, _CALIBRATION_EPOCHS))
+            most = max(self._draw(e, 0, long_above, None).num_bins for e in range(1, _CALIBRATION_EPOCHS))
             slack = k0 // 1000
         else:  # one draw (shuffle=False: the only one)
-            most, slack = k0, (1 + k0 // 1000 if self.shuffle else 0)
+            most, slack = k0, (1 + k0 // _SLACK if self.shuffle else 0)
         cap = max(k0, int((1 + _MAX_OVER_BOUND) * bound) + 1)
         packed = max(k0, min(cap, max(most, k0) + slack, lengths.size))
         self._template = {
@@ -140,17 +142,21 @@ class _EpochPlan:
     # ------------------------------------------------------------------------------------------
     # the plan of an epoch
 
-    def _draw(self, epoch: int, attempt: int, long_above: int) -> _binpack.Packing:
-        """Draw ``attempt`` of ``epoch``'s random-order packing (items are positions in ``_item_lengths``)."""
+    def _draw(self, epoch: int, attempt: int, long_above: int, n_bins: int | None) -> _binpack.Packing:
+        """Draw ``attempt`` of ``epoch``'s random-order packing (items are positions in ``_item_lengths``).
+
+        ``n_bins``: the epoch's bin count, once known; a draw within it is not repaired (the bins it
+        lacks are made by splitting, whatever the repair would have saved)."""
         lengths = self._item_lengths
         if self.shuffle:
             key = [self.seed, epoch] if attempt == 0 else [self.seed, epoch, attempt]
             order = np.random.default_rng(key).permutation(lengths.size)
         else:
-            order = None  # dataset order
-        return _binpack.pack_best_fit_random_order(
-            lengths, self.max_tokens_per_batch, order, long_above=long_above
-        )
+            order = np.arange(lengths.size)  # dataset order
+        budget = self.max_tokens_per_batch
+        if lengths.size == 0:
+            return _binpack.pack_best_fit_random_order(lengths, budget, order, long_above=long_above)
+        return _binpack._pack_random_order(lengths, budget, order, long_above, repair_to=n_bins)
 
     def _random_bins(self, epoch: int) -> tuple[_binpack.Packing, int, int]:
         """``(packing with exactly n_bins bins, draws beyond the first, 1 if epoch 0's bins were reused)``."""
@@ -159,7 +165,7 @@ class _EpochPlan:
         packing, redraws, fallback = template["first"], 0, 0
         if epoch != 0 and self.shuffle:
             for attempt in range(_DRAWS):
-                drawn = self._draw(epoch, attempt, template["long_above"])
+                drawn = self._draw(epoch, attempt, template["long_above"], n_bins)
                 if drawn.num_bins <= n_bins:
                     packing, redraws = drawn, attempt
                     break

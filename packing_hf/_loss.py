@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .varlen import cu_seqlens_to_starts
+
 __all__ = [
     "LOSS_NORMALIZATIONS",
     "LOSS_WEIGHTS_KEY",
@@ -123,9 +125,7 @@ def target_segments(
     batch, length = labels.shape
     device = labels.device
     if cu_seq_lens is not None and batch == 1:
-        starts = torch.zeros(length, dtype=torch.bool, device=device)
-        starts[cu_seq_lens[:-1].to(device).long().clamp(max=length - 1)] = True
-        starts = starts[None]
+        starts = cu_seqlens_to_starts(cu_seq_lens.to(device), length)
     elif position_ids is not None:
         position_ids = position_ids.to(device).expand(batch, length)
         starts = torch.ones(batch, length, dtype=torch.bool, device=device)

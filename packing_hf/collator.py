@@ -32,7 +32,7 @@ from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, 
 from .overflow import check_overflow
 from .varlen import check_int32_tokens
 
-__all__ = ["MAX_LENGTH_BUCKETS", "PaddingFreeCollator", "length_buckets"]
+__all__ = ["MAX_LENGTH_BUCKETS", "PaddingFreeCollator", "length_buckets", "segment_buckets"]
 
 #: most row lengths ``length_buckets=`` accepts: every one is a shape a compiled graph may specialize on
 MAX_LENGTH_BUCKETS = 8
@@ -49,15 +49,51 @@ def length_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS, multiple: i
     >>> length_buckets(1000, count=3)
     (384, 704, 1000)
     """
-    check_int(max_tokens, "max_tokens", minimum=1, int32=True)
-    check_int(count, "count", minimum=1)
+    _check_bucket_count(max_tokens, count)
     check_int(multiple, "multiple", minimum=1)
-    if count > MAX_LENGTH_BUCKETS:
-        raise ValueError(f"count={count}: at most {MAX_LENGTH_BUCKETS} buckets (each is a compiled shape)")
     sizes = {
         min(max_tokens, -(-(max_tokens * k // count) // multiple) * multiple) for k in range(1, count + 1)
     }
     return tuple(sorted(sizes))
+
+
+def segment_buckets(max_tokens: int, count: int = MAX_LENGTH_BUCKETS) -> tuple[int, ...]:
+    """``count`` segment counts halving down from ``max_tokens`` (a row of ``max_tokens`` tokens never holds
+    more samples than that, so the last bucket always fits).
+
+    For ``PaddingFreeCollator(segment_buckets=...)``: ``cu_seq_lens`` is padded with empty segments up to the
+    smallest count that holds the batch's samples, so a compiled model sees at most ``count`` boundary shapes.
+    An empty segment costs no token, and no attention work in the varlen kernels or the per-segment SDPA (packing_hf's
+    padded layout, used under ``torch.compile`` without a varlen kernel, computes a row of ``max_length`` slots
+    for it).
+
+    >>> segment_buckets(4096)
+    (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    >>> segment_buckets(100, count=3)
+    (25, 50, 100)
+    """
+    _check_bucket_count(max_tokens, count)
+    return tuple(sorted({max(1, max_tokens >> k) for k in range(count)}))
+
+
+def _check_bucket_count(max_tokens: int, count: int) -> None:
+    check_int(max_tokens, "max_tokens", minimum=1, int32=True)
+    check_int(count, "count", minimum=1)
+    if count > MAX_LENGTH_BUCKETS:
+        raise ValueError(f"count={count}: at most {MAX_LENGTH_BUCKETS} buckets (each is a compiled shape)")
+
+
+def _check_buckets(value: Any, name: str, what: str) -> tuple[int, ...]:
+    """``length_buckets`` / ``segment_buckets`` as a sorted tuple of 1 to ``MAX_LENGTH_BUCKETS`` ints >= 1."""
+    buckets = tuple(value) if not isinstance(value, str | int) else ()
+    for bucket in buckets:
+        check_int(bucket, f"{name}[...]", minimum=1, int32=True)
+    if not 1 <= len(set(buckets)) <= MAX_LENGTH_BUCKETS:
+        raise ValueError(
+            f"{name}={value!r}: give 1 to {MAX_LENGTH_BUCKETS} {what}, e.g. "
+            f"packing_hf.collator.{name}(max_tokens_per_batch)"
+        )
+    return tuple(sorted(set(buckets)))
 
 
 logger = logging.getLogger(__name__)
@@ -90,6 +126,7 @@ def _new_stats() -> dict[str, int]:
         "samples": 0,  # samples seen (the sub-samples of offline-packed rows count one by one)
         "tokens": 0,  # real tokens emitted (after truncation, before padding)
         "padding_tokens": 0,
+        "empty_segments": 0,  # segment_buckets: zero-length segments closing cu_seq_lens
         "truncated_samples": 0,
         "truncated_tokens": 0,  # tokens dropped by overflow="truncate"
         "split_samples": 0,
@@ -201,6 +238,13 @@ class PaddingFreeCollator:
             :data:`MAX_LENGTH_BUCKETS`; see :func:`length_buckets`), so a compiled model sees few shapes. The
             padding is its own segment, as with ``pad_to_multiple_of`` (which it replaces); a batch longer
             than the largest bucket raises a ``ValueError`` (make the largest ``max_tokens_per_batch``).
+        segment_buckets: pad ``cu_seq_lens_q/k`` with empty segments at the end (repeats of ``T``) up to the
+            smallest of these segment counts (at most :data:`MAX_LENGTH_BUCKETS`; see :func:`segment_buckets`),
+            so that, with ``length_buckets``, a compiled model sees few boundary shapes too (with both,
+            ``max_length_q/k`` is rounded up to a length bucket as well: an int a graph specializes on). An
+            empty segment holds no token: attention, positions, labels and the loss are those of the unpadded
+            batch (``flash_attn_varlen_func``'s contract; :func:`packing_hf.varlen_attention` skips them).
+            Counted in ``stats["empty_segments"]``.
         pad_token_id: input id of padding tokens.
         label_pad_id: label of untrained tokens (first token of a segment, masked tokens, padding).
         position_ids_start: first position of every segment (2 for RoBERTa-like models).
@@ -214,7 +258,7 @@ class PaddingFreeCollator:
         drop_keys: extra keys to drop without an error (e.g. raw text columns kept next to the tokens).
 
     Attributes:
-        stats: running counters (``batches``, ``samples``, ``tokens``, ``padding_tokens``,
+        stats: running counters (``batches``, ``samples``, ``tokens``, ``padding_tokens``, ``empty_segments``,
             ``truncated_samples``, ``truncated_tokens``, ``split_samples``, ``split_chunks``). With a
             ``DataLoader`` using ``num_workers > 0`` each worker counts in its own copy.
 
@@ -232,6 +276,7 @@ class PaddingFreeCollator:
     overflow: Literal["error", "truncate", "split"] = "error"
     pad_to_multiple_of: int | None = None
     length_buckets: tuple[int, ...] | None = None
+    segment_buckets: tuple[int, ...] | None = None
     pad_token_id: int = 0
     label_pad_id: int = -100
     position_ids_start: int = 0
@@ -257,17 +302,12 @@ class PaddingFreeCollator:
         check_int(self.max_length, "max_length", minimum=1, optional=True, int32=True)
         check_int(self.pad_to_multiple_of, "pad_to_multiple_of", minimum=1, optional=True, int32=True)
         if self.length_buckets is not None:
-            buckets = tuple(self.length_buckets) if not isinstance(self.length_buckets, str | int) else ()
-            for bucket in buckets:
-                check_int(bucket, "length_buckets[...]", minimum=1, int32=True)
-            if not 1 <= len(set(buckets)) <= MAX_LENGTH_BUCKETS:
-                raise ValueError(
-                    f"length_buckets={self.length_buckets!r}: give 1 to {MAX_LENGTH_BUCKETS} row lengths, e.g. "
-                    "packing_hf.collator.length_buckets(max_tokens_per_batch)"
-                )
+            buckets = _check_buckets(self.length_buckets, "length_buckets", "row lengths")
             if self.pad_to_multiple_of is not None:
                 raise ValueError("length_buckets and pad_to_multiple_of both decide the row length; pass one")
-            self.length_buckets = tuple(sorted(set(buckets)))
+            self.length_buckets = buckets
+        if self.segment_buckets is not None:
+            self.segment_buckets = _check_buckets(self.segment_buckets, "segment_buckets", "segment counts")
         check_int(self.position_ids_start, "position_ids_start", minimum=0, int32=True)
         check_int(self.label_pad_id, "label_pad_id", minimum=None, int32=True)
         if self.pad_token_id is None:
@@ -304,6 +344,17 @@ class PaddingFreeCollator:
                 "make the largest bucket max_tokens_per_batch (packing_hf.collator.length_buckets(budget))"
             )
         return self.length_buckets[index] - n_tokens
+
+    def _empty_segments(self, n_segments: int) -> int:
+        """Empty segments to add so ``cu_seq_lens`` has the smallest bucketed size that holds ``n_segments``."""
+        index = bisect.bisect_left(self.segment_buckets, n_segments)
+        if index == len(self.segment_buckets):
+            raise ValueError(
+                f"the batch has {n_segments} segments, more than the largest of segment_buckets="
+                f"{self.segment_buckets}; make the largest bucket max_tokens_per_batch "
+                "(packing_hf.collator.segment_buckets(budget))"
+            )
+        return self.segment_buckets[index] - n_segments
 
     @classmethod
     def for_tokenizer(cls, processing_class: Any, **kwargs: Any) -> PaddingFreeCollator:
@@ -370,10 +421,15 @@ class PaddingFreeCollator:
         cu = _cu_seqlens(seg_lengths)  # (n + 1,)
         # Every segment's first label is masked: its logit would come from the previous sample's last token.
         labels[cu[:-1]] = self.label_pad_id
+        n_empty = self._empty_segments(seg_lengths.size) if self.segment_buckets is not None else 0
+        if n_empty:  # after the labels: an empty segment has no first token to mask
+            seg_lengths = np.concatenate([seg_lengths, np.zeros(n_empty, seg_lengths.dtype)])
+            cu = np.concatenate([cu, np.full(n_empty, cu[-1], cu.dtype)])
 
         self.stats["batches"] += 1
         self.stats["tokens"] += n_tokens
         self.stats["padding_tokens"] += n_pad
+        self.stats["empty_segments"] += n_empty
 
         batch = self._packed_batch(ids, labels, weights, seg_lengths, cu, return_tensors)
         for key in self.passthrough_keys:
@@ -445,7 +501,12 @@ class PaddingFreeCollator:
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         if self.return_flash_attn_kwargs:
-            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+            longest = int(seg_lengths.max())
+            if self.segment_buckets is not None and self.length_buckets is not None:
+                # a compiled graph specializes on this int too: round it up to a length bucket (an upper
+                # bound is what the varlen kernels take; the padded layout pads segments to it)
+                longest = self.length_buckets[bisect.bisect_left(self.length_buckets, longest)]
+            batch["max_length_q"] = batch["max_length_k"] = longest
         return batch
 
     def _labels(

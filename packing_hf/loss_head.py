@@ -13,8 +13,8 @@ plus their gradient). Here the projection ``hidden @ weight.T (+ bias)``, the mo
   entropy of every position, with gradients: a chunk's logits are recomputed in backward, where the incoming
   per-token gradient is known.
 
-Peak memory holds one chunk's logits (``chunk_size x vocabulary`` fp32) instead of the row's. Targets are
-already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
+Peak memory holds one chunk's logits and log-probs (two ``chunk_size x vocabulary`` fp32 buffers, reused by every
+chunk) and the fp32 weight gradient instead of the row's logits. Targets are already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
 the results equal the full-logits computation to float rounding (the sums run in another order).
 
 >>> torch.manual_seed(0) and None
@@ -48,8 +48,10 @@ __all__ = [
 ]
 
 _IGNORE = -100
-#: fp32 bytes of one chunk's logits when ``chunk_size`` is not given (the chunk's share of the step's peak)
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: fp32 bytes of one chunk's logits when ``chunk_size`` is not given. A chunk holds two such buffers (its logits and
+#: log-probs, reused by every chunk); per-chunk costs (the fp32 ``(V, H)`` weight-gradient update, the small
+#: matmuls) are amortised from about 200 tokens at a 152k vocabulary (measured: ``benchmarks/bench_memory.py``)
+DEFAULT_CHUNK_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class LogitHead:
             raise ValueError(f"LogitHead.softcap={self.softcap!r}: it must be > 0 (or None: no soft-capping)")
 
     def apply(self, raw: torch.Tensor) -> torch.Tensor:
-        """The model's logits from the projection ``raw`` (any shape, float)."""
+        """The model's logits from the projection ``raw`` (any shape, float; differentiable)."""
         logits = raw
         if self.scale != 1.0:
             logits = logits * self.scale
@@ -86,24 +88,29 @@ class LogitHead:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def derivative(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """``d logits / d raw`` elementwise where it is not a constant (soft-capping: ``scale / divisor x
-        (1 - tanh^2)``), else ``None``."""
+    def apply_(self, raw: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` in place (the same operations in the same order: the same rounding)."""
+        if self.scale != 1.0:
+            raw.mul_(self.scale)
+        if self.divisor != 1.0:
+            raw.div_(self.divisor)
+        if self.softcap is not None:
+            raw.div_(self.softcap).tanh_().mul_(self.softcap)
+        return raw
+
+    def derivative_(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``d logits / d raw`` divided by :attr:`factor`, elementwise, written over ``logits`` (soft-capping:
+        ``1 - tanh^2``), or ``None`` (``logits`` untouched) where it is the constant 1."""
         if self.softcap is None:
             return None
-        capped = logits / self.softcap  # tanh(.)
+        capped = logits.div_(self.softcap)  # tanh(.)
         return capped.mul_(capped).neg_().add_(1.0)
 
-    def chain(self, grad: torch.Tensor, derivative: torch.Tensor | None) -> torch.Tensor:
-        """The gradient with respect to ``raw`` from the one with respect to ``logits = apply(raw)`` (in place),
-        ``derivative`` being :meth:`derivative` of the logits."""
-        if derivative is not None:
-            grad.mul_(derivative)
-        if self.scale != 1.0:
-            grad.mul_(self.scale)
-        if self.divisor != 1.0:
-            grad.div_(self.divisor)
-        return grad
+    @property
+    def factor(self) -> float:
+        """The constant part of ``d logits / d raw`` (``scale / divisor``): applied to the ``(tokens, hidden)``
+        side of the gradient's matmuls, never to a ``(tokens, vocabulary)`` tensor."""
+        return self.scale / self.divisor
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ def chunk_size_for(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> i
     """Tokens per chunk so that one chunk's fp32 logits take about ``chunk_bytes``.
 
     >>> chunk_size_for(49152), chunk_size_for(151936)
-    (341, 110)
+    (682, 220)
     """
     return max(1, int(chunk_bytes) // (4 * max(1, int(vocab_size))))
 
@@ -161,9 +168,49 @@ def _chunks(n: int, size: int):
         yield start, min(start + size, n)
 
 
-def _chunk_logits(hidden, weight, bias, head: LogitHead) -> torch.Tensor:
-    """``(c, V)`` fp32 logits of one chunk (the projection in the weight's dtype, as the model's own head)."""
-    return head.apply(F.linear(hidden, weight, bias).float())
+class _Buffers:
+    """The ``(chunk, V)`` fp32 tensors every chunk writes into, allocated once per call: a fresh allocation of
+    that size per chunk is mapped and zero-filled by the OS every time (on CPU a pass over memory as costly as
+    the softmax). ``take(name, c)`` is the first ``c`` rows of buffer ``name``."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        self.shape, self.device, self.tensors = (rows, vocab), device, {}
+
+    def take(self, name: str, rows: int) -> torch.Tensor:
+        if name not in self.tensors:
+            self.tensors[name] = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        return self.tensors[name][:rows]
+
+
+def _chunk_logits(hidden, weight, bias, head: LogitHead, out: torch.Tensor) -> torch.Tensor:
+    """``(c, V)`` fp32 logits of one chunk written into ``out`` (the projection in the weight's dtype, as the
+    model's own head: fp32 weights project straight into ``out``)."""
+    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=out)
+        else:
+            torch.addmm(bias.float(), hidden, weight.t(), out=out)
+    else:
+        out.copy_(F.linear(hidden, weight, bias))
+    return head.apply_(out)
+
+
+def _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight, grad_bias) -> None:
+    """Adds one chunk's share to the gradients, the gradient with respect to the chunk's raw projection being
+    ``rows[:, None] * grad``: ``grad`` ``(c, V)`` fp32 (its rows not yet scaled: ``rows`` ``(c,)`` fp32 is
+    applied to the ``(c, H)`` side), ``grad_hidden`` the chunk's ``(c, H)`` slice (or ``None``), ``grad_weight``
+    ``(V, H)`` and ``grad_bias`` ``(V,)`` fp32 accumulators (or ``None``)."""
+    if grad_hidden is not None:
+        low = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
+        if grad_hidden.dtype == low.dtype and grad_hidden.is_contiguous():
+            torch.mm(low, weight, out=grad_hidden)
+        else:
+            grad_hidden.copy_(low @ weight)
+        grad_hidden.mul_(rows[:, None].to(grad_hidden.dtype))
+    if grad_weight is not None:
+        grad_weight.addmm_(grad.t(), hidden.float() * rows[:, None])
+    if grad_bias is not None:
+        grad_bias.addmv_(grad.t(), rows)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -179,35 +226,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
+        buffers = _Buffers(min(chunk_size, hidden.shape[0]), weight.shape[0], hidden.device)
         for start, end in _chunks(hidden.shape[0], chunk_size):
-            h, t = hidden[start:end], targets[start:end]
+            h, t, c = hidden[start:end], targets[start:end], end - start
             valid = t != _IGNORE
             k = torch.where(valid, coefficients[start:end], torch.zeros_like(coefficients[start:end]))
             index = t.clamp(min=0)[:, None]
-            logits = _chunk_logits(h, weight, bias, head)  # (c, V) fp32
-            derivative = head.derivative(logits) if any_grad else None
-            log_p = torch.log_softmax(logits, dim=-1)  # (c, V): fused, faster than logsumexp on CPU
-            del logits
+            logits = _chunk_logits(h, weight, bias, head, buffers.take("logits", c))  # (c, V) fp32
+            # (c, V): fused, faster than logsumexp on CPU; written into a kept buffer (torch.log_softmax has no out=)
+            log_p = torch._log_softmax(logits, 1, False, out=buffers.take("log_p", c))
             per_token = -log_p.gather(1, index)[:, 0]
             loss += torch.where(k != 0, per_token * k, torch.zeros_like(k)).sum()
             if (
                 stats
             ):  # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
                 hits += (valid & (log_p.argmax(-1) == t)).sum()
-            if stats:
                 plogp = (log_p.exp() * log_p).sum(-1)
                 entropy -= torch.where(valid, plogp, torch.zeros_like(plogp)).sum()
             if not any_grad:
                 continue
-            grad = log_p.exp_().mul_(k[:, None])  # d loss / d logits = k (p - onehot), in place
-            grad.scatter_add_(1, index, -k[:, None])
-            grad = head.chain(grad, derivative).to(hidden.dtype)  # (c, V) d loss / d raw
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.t().float(), h.float())
-            if grad_bias is not None:
-                grad_bias += grad.float().sum(0)
+            grad = log_p.exp_().scatter_add_(1, index, torch.full_like(k, -1.0)[:, None])  # p - onehot
+            derivative = head.derivative_(logits)  # over the logits, no longer needed
+            if derivative is not None:
+                grad.mul_(derivative)
+            rows = k * head.factor  # d loss / d raw = k * factor * derivative * (p - onehot)
+            grad_rows = None if grad_hidden is None else grad_hidden[start:end]
+            _accumulate(grad, rows, h, weight, grad_rows, grad_weight, grad_bias)
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias))
         )
@@ -237,14 +281,16 @@ class _TokenLogProbs(torch.autograd.Function):
     """Per-token ``log p(target)`` and entropy; each chunk's logits are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean):
+    def forward(ctx, hidden, weight, bias, targets, head, chunk_size, with_entropy, with_mean, with_top1):
         n = hidden.shape[0]
         logps = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         means = torch.zeros(n if with_mean else 0, dtype=torch.float32, device=hidden.device)
+        top1 = torch.zeros(n if with_top1 else 0, dtype=torch.bool, device=hidden.device)
+        buffers = _Buffers(min(chunk_size, n), weight.shape[0], hidden.device)
         for start, end in _chunks(n, chunk_size):
             t = targets[start:end]
-            logits = _chunk_logits(hidden[start:end], weight, bias, head)
+            logits = _chunk_logits(hidden[start:end], weight, bias, head, buffers.take("logits", end - start))
             log_z = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0] - log_z
             logps[start:end] = torch.where(t != _IGNORE, picked, torch.zeros_like(picked))
@@ -252,13 +298,15 @@ class _TokenLogProbs(torch.autograd.Function):
                 entropy[start:end] = log_z - (torch.softmax(logits, -1) * logits).sum(-1)
             if with_mean:
                 means[start:end] = logits.mean(-1)
+            if with_top1:
+                top1[start:end] = logits.argmax(-1) == t
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, entropy)
         ctx.head, ctx.chunk_size, ctx.has_bias = head, chunk_size, bias is not None
-        ctx.mark_non_differentiable(means)
-        return logps, entropy, means
+        ctx.mark_non_differentiable(means, top1)
+        return logps, entropy, means, top1
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy, _means):
+    def backward(ctx, grad_logps, grad_entropy, _means, _top1):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         needs = ctx.needs_input_grad
@@ -266,32 +314,36 @@ class _TokenLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
         use_entropy = grad_entropy is not None and entropy.numel() > 0
+        buffers = _Buffers(min(ctx.chunk_size, hidden.shape[0]), weight.shape[0], hidden.device)
         for start, end in _chunks(hidden.shape[0], ctx.chunk_size):
-            h, t = hidden[start:end], targets[start:end]
-            logits = _chunk_logits(h, weight, bias, ctx.head)
-            log_p = torch.log_softmax(logits, dim=-1)  # (c, V)
-            probs = log_p.exp()
-            grad = torch.zeros_like(logits)
+            h, t, c = hidden[start:end], targets[start:end], end - start
+            index = t.clamp(min=0)[:, None]
+            logits = _chunk_logits(h, weight, bias, ctx.head, buffers.take("logits", c))
+            log_p = torch._log_softmax(logits, 1, False, out=buffers.take("log_p", c))  # (c, V)
+            g = torch.zeros(c, dtype=torch.float32, device=h.device)
             if grad_logps is not None:
-                g = torch.where(t != _IGNORE, grad_logps[start:end].float(), torch.zeros_like(log_p[:, 0]))
-                grad.addcmul_(probs, -g[:, None])  # d log p_t / d z = onehot - p
-                grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
+                g = torch.where(t != _IGNORE, grad_logps[start:end].float(), g)
             if use_entropy:
-                g = grad_entropy[start:end].float()
                 # d H / d z_j = -p_j (log p_j + H), H from this chunk's own log p (consistent rounding)
+                probs = log_p.exp()
                 chunk_entropy = -(probs * log_p).sum(-1, keepdim=True)
-                grad.addcmul_(probs * (log_p + chunk_entropy), -g[:, None])
-            grad = ctx.head.chain(grad, ctx.head.derivative(logits)).to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.t().float(), h.float())
-            if grad_bias is not None:
-                grad_bias += grad.float().sum(0)
+                grad = log_p.add_(chunk_entropy).mul_(probs).mul_(-grad_entropy[start:end].float()[:, None])
+                grad.addcmul_(probs, -g[:, None])  # d log p_t / d z = onehot - p
+                grad.scatter_add_(1, index, g[:, None])
+                rows = torch.full_like(g, ctx.head.factor)
+            else:  # onehot - p, its rows scaled by g on the (c, H) side
+                grad = log_p.exp_().neg_().scatter_add_(1, index, torch.ones_like(g)[:, None])
+                rows = g * ctx.head.factor
+            derivative = ctx.head.derivative_(logits)
+            if derivative is not None:
+                grad.mul_(derivative)
+            grad_rows = None if grad_hidden is None else grad_hidden[start:end]
+            _accumulate(grad, rows, h, weight, grad_rows, grad_weight, grad_bias)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -341,7 +393,7 @@ def linear_cross_entropy(
     head = head or LogitHead()
     valid = targets != _IGNORE
     if reduction == "none":
-        logps, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False)
+        logps, _, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False, False)
         per_token = -logps
         if weights is not None:
             per_token = per_token * weights.to(per_token)
@@ -376,11 +428,13 @@ def linear_cross_entropy(
 class TokenLogProbs(NamedTuple):
     """What :func:`token_logprobs` returns: ``logps`` ``(N,)`` (differentiable), ``entropy`` ``(N,)``
     (differentiable) or ``None``, ``mean_logits`` ``(N,)`` (detached: every position's mean logit, what TRL's
-    ``logits/*`` metrics average) or ``None``."""
+    ``logits/*`` metrics average) or ``None``, ``top1`` ``(N,)`` bool (the target is the position's argmax: TRL's
+    token accuracy) or ``None``."""
 
     logps: torch.Tensor
     entropy: torch.Tensor | None
     mean_logits: torch.Tensor | None
+    top1: torch.Tensor | None = None
 
 
 def token_logprobs(
@@ -393,6 +447,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     entropy: bool = False,
     mean_logits: bool = False,
+    top1: bool = False,
 ) -> TokenLogProbs:
     """Per-token ``log p(targets[i] | hidden[i])`` under ``head.apply(hidden @ weight.T + bias)``, and the entropy
     of every position's distribution, chunk by chunk, with gradients (the chunk's logits recomputed in backward).
@@ -401,6 +456,7 @@ def token_logprobs(
         hidden, weight, targets, bias, head, chunk_size: as in :func:`linear_cross_entropy`.
         entropy: also return the ``(N,)`` entropies (differentiable).
         mean_logits: also return every position's mean logit (detached).
+        top1: also return whether each target is its position's argmax (detached, ``bool``).
 
     Returns:
         :class:`TokenLogProbs`: ``(N,)`` fp32 log-probs, 0 where ``targets`` is -100; the entropies, the mean logits.
@@ -410,7 +466,9 @@ def token_logprobs(
     ([-1.3863, 0.0], [1.3863, 1.3863], None)
     """
     chunk = _check(hidden, weight, bias, targets, chunk_size)
-    logps, entropies, means = _TokenLogProbs.apply(
-        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits
+    logps, entropies, means, hits = _TokenLogProbs.apply(
+        hidden, weight, bias, targets, head or LogitHead(), chunk, entropy, mean_logits, top1
     )
-    return TokenLogProbs(logps, entropies if entropy else None, means if mean_logits else None)
+    return TokenLogProbs(
+        logps, entropies if entropy else None, means if mean_logits else None, hits if top1 else None
+    )

@@ -242,10 +242,7 @@ def pack_rollouts(
     for bin_items in _assign_packs(items, max_tokens_per_batch, min_packs):
         segments = [segment for item in bin_items for segment in item]
         seg = np.array([end - start for _, start, end, _ in segments], dtype=np.int64)
-        prefix_of, first_segment = [], 0  # every item: a plain or prefix segment, then its branches
-        for item in bin_items:
-            prefix_of.extend([-1] + [first_segment] * (len(item) - 1))
-            first_segment += len(item)
+        prefix_of = _prefix_of(bin_items)
         total = int(seg.sum())
         check_int32_tokens(total, "a packed row of rollouts")
         row_of = np.repeat(np.array([r for r, _, _, _ in segments], dtype=np.int64), seg)  # (T,)
@@ -256,8 +253,7 @@ def pack_rollouts(
         labels = torch.where(torch.from_numpy(is_target), tokens, torch.full_like(tokens, IGNORE_INDEX))
         # the shifted position t predicts token t + 1; a segment's first token is a prompt token, never a target
         target = np.where(is_target, row_of * keep + (column - prompt_width), batch * keep)[1:]
-        cu = np.zeros(seg.size + 1, dtype=np.int32)
-        np.cumsum(seg, out=cu[1:])
+        cu = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
         shared = any(p >= 0 for p in prefix_of)
         packs.append(
             RolloutPack(
@@ -273,6 +269,16 @@ def pack_rollouts(
             )
         )
     return packs
+
+
+def _prefix_of(bin_items: list) -> list[int]:
+    """For every segment of a packed row: the segment of its shared prompt, or -1 (a plain or prefix segment).
+    Each item is a plain or prefix segment followed by its branches."""
+    prefix_of, first_segment = [], 0
+    for item in bin_items:
+        prefix_of.extend([-1] + [first_segment] * (len(item) - 1))
+        first_segment += len(item)
+    return prefix_of
 
 
 def unpack_rollouts(

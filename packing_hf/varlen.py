@@ -37,6 +37,7 @@ __all__ = [
     "cu_seqlens_to_lengths",
     "cu_seqlens_to_position_ids",
     "cu_seqlens_to_seq_idx",
+    "cu_seqlens_to_starts",
     "lengths_to_cu_seqlens",
     "lengths_to_position_ids",
     "lengths_to_seq_idx",
@@ -267,6 +268,20 @@ def cu_seqlens_to_position_ids(cu_seqlens: LengthsLike, start: int = 0) -> torch
     [0, 1, 0, 1, 2]
     """
     return lengths_to_position_ids(cu_seqlens_to_lengths(cu_seqlens), start=start)
+
+
+def cu_seqlens_to_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``(1, total)`` bool, true on the first token of every segment, from ``cu_seqlens`` ``(n + 1,)``.
+
+    Empty segments closing the row (``PaddingFreeCollator(segment_buckets=...)``) start at ``total``, past
+    the row: they mark nothing. No host read (``torch.compile`` traces it without a graph break).
+
+    >>> cu_seqlens_to_starts(torch.tensor([0, 2, 5, 5]), 5).int().tolist()
+    [[1, 0, 1, 0, 0]]
+    """
+    starts = torch.zeros(1, total + 1, dtype=torch.bool, device=cu_seqlens.device)
+    starts[0, cu_seqlens[:-1].long().clamp(max=total)] = True
+    return starts[:, :total]
 
 
 def cu_seqlens_to_seq_idx(cu_seqlens: LengthsLike) -> torch.Tensor:

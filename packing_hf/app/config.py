@@ -502,7 +502,6 @@ def load_train_config(
         values = read_yaml(config)
         source = str(config)
     cli = parse_overrides(overrides)
-
     trainer = cli["trainer"][0] if cli.get("trainer") else values.get("trainer", "trainer")
     training_cls = _training_class(str(trainer))
     classes = {
@@ -511,16 +510,7 @@ def load_train_config(
         "job": JobArguments,
         f"training ({training_cls.__module__.split('.')[0]}.{training_cls.__name__})": training_cls,
     }
-    groups = {group: _field_names(cls) for group, cls in classes.items()}
-    known = {name for names in groups.values() for name in names}
-    booleans = set().union(*(_bool_fields(cls) for cls in classes.values()))
-    for key in values:
-        if key not in known:
-            raise _unknown_key_error(key, source, groups)
-    for key in cli:
-        if key not in known and not (key.startswith("no_") and key[3:] in booleans):
-            raise _unknown_key_error(key, "the command-line overrides", groups)
-
+    _check_keys(classes, values, cli, source)
     for key, tokens in list(cli.items()):
         if tokens in (["null"], ["None"]):  # `key=null` unsets a YAML value (argparse cannot type None)
             del cli[key]
@@ -531,15 +521,7 @@ def load_train_config(
     _rename_deprecated(values, cli, training_cls)
     _own_model(values, cli, source)
 
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if "bf16" not in values and "bf16" not in cli and "no_bf16" not in cli and "fp16" not in values | cli:
-        # explicit either way: TRL's SFTConfig would otherwise default to bf16 and fail on a CPU
-        values["bf16"] = bool(cuda and torch.cuda.is_bf16_supported())
-    if "dataloader_pin_memory" not in values | cli and not cuda:
-        values["dataloader_pin_memory"] = False  # pinning needs an accelerator (torch warns otherwise)
-
+    _device_defaults(values, cli)
     try:
         model_args, data_args, job_args, training_args = (
             _build(cls, values, cli) for cls in classes.values()
@@ -555,20 +537,44 @@ def load_train_config(
     _own_output_dir(result, values, cli)
     if job_args.trainer in TRL_JOB_TRAINERS and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: no held-out loss to announce for the TRL trainers' jobs
+    result.batching = _resolve_batching(result)
     try:
         if model_args.model_type is not None:
             check_model_type(model_args.model_type)
         if model_args.attn_implementation is not None:
             check_attn_implementation(model_args.attn_implementation)
+        if data_args.streaming:
+            _check_streaming(result)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
-    result.batching = _resolve_batching(result)
-    if data_args.streaming:
-        try:
-            _check_streaming(result)
-        except ValueError as error:
-            raise ValueError(f"{source}: {error}") from None
     return result
+
+
+def _check_keys(
+    classes: Mapping[str, type], values: Mapping[str, Any], cli: Mapping[str, list[str]], source: str
+) -> None:
+    """Refuse a key no group takes (``no_<flag>`` negates a boolean on the command line), naming the closest."""
+    groups = {group: _field_names(cls) for group, cls in classes.items()}
+    known = {name for names in groups.values() for name in names}
+    booleans = set().union(*(_bool_fields(cls) for cls in classes.values()))
+    for key in values:
+        if key not in known:
+            raise _unknown_key_error(key, source, groups)
+    for key in cli:
+        if key not in known and not (key.startswith("no_") and key[3:] in booleans):
+            raise _unknown_key_error(key, "the command-line overrides", groups)
+
+
+def _device_defaults(values: dict[str, Any], cli: Mapping[str, list[str]]) -> None:
+    """``bf16`` where CUDA supports it (explicit either way: TRL's SFTConfig would otherwise default to bf16
+    and fail on a CPU) and no pinned memory without CUDA, unless the config or command line set them."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if "bf16" not in values and "bf16" not in cli and "no_bf16" not in cli and "fp16" not in values | cli:
+        values["bf16"] = bool(cuda and torch.cuda.is_bf16_supported())
+    if "dataloader_pin_memory" not in values | cli and not cuda:
+        values["dataloader_pin_memory"] = False  # pinning needs an accelerator (torch warns otherwise)
 
 
 _MODEL_KEYS = ("gguf_file", "gguf_package", "model_type", "model_config")

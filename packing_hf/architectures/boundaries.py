@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .._cache import IdentityCache
+from ..varlen import cu_seqlens_to_starts
 
 __all__ = ["LAYOUT_KEY", "call_starts", "derived"]
 
@@ -54,12 +55,6 @@ def derived(source: torch.Tensor, kind: str, compute: Callable[[], Any]) -> Any:
     True
     """
     return _DERIVED.derive((source,), compute, data=kind)
-
-
-def _starts_from_cu(cu: torch.Tensor, tokens: int) -> torch.Tensor:
-    starts = torch.zeros(1, tokens, dtype=torch.bool, device=cu.device)
-    starts[0, cu[:-1].long()] = True
-    return starts
 
 
 def _starts_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
@@ -83,7 +78,7 @@ def call_starts(names: Sequence[str], args: tuple, kwargs: dict) -> torch.Tensor
     rows, tokens = int(hidden.shape[0]), int(hidden.shape[1])
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor) and cu.dim() == 1 and rows == 1:
-        return derived(cu, f"starts:{tokens}", lambda: _starts_from_cu(cu, tokens))
+        return derived(cu, f"starts:{tokens}", lambda: cu_seqlens_to_starts(cu, tokens))
     seq_idx = kwargs.get("seq_idx")
     if isinstance(seq_idx, torch.Tensor) and tuple(seq_idx.shape) == (rows, tokens):
         return derived(seq_idx, "starts", lambda: _starts_from_seq_idx(seq_idx))

@@ -46,6 +46,7 @@ from ..varlen import (
     check_cu_seqlens,
     check_int32_tokens,
     cu_seqlens_to_position_ids,
+    cu_seqlens_to_starts,
     position_restarts,
 )
 from .admission import needs_preparation
@@ -88,10 +89,7 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """
     cu = batch.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
-        total = int(cu[-1])
-        starts = torch.zeros(1, total, dtype=torch.bool, device=cu.device)
-        starts[0, cu[:-1].long()] = True
-        return starts
+        return cu_seqlens_to_starts(cu, int(cu[-1]))
     position_ids = _text_positions(batch.get("position_ids"))
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
@@ -151,8 +149,10 @@ def _check_packed_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: i
             "cu_seq_lens_k differs from cu_seq_lens_q, but a packed causal-LM row attends within the same "
             "samples for queries and keys; pass the same tensor for both"
         )
-    host = check_cu_seqlens(cu, "cu_seq_lens_q", total=total)
-    if len(host) < 2:
+    # empty segments only at the end (PaddingFreeCollator(segment_buckets=...)): strict before them
+    host = check_cu_seqlens(cu, "cu_seq_lens_q", total=total, allow_empty=True)
+    check_cu_seqlens(_filled(host), "cu_seq_lens_q", total=total)
+    if len(host) < 2 or host[1] == 0:
         raise ValueError("cu_seq_lens_q = [0] describes no sample; a packed row holds at least one")
     longest = max(b - a for a, b in zip(host[:-1], host[1:], strict=False))
     for key in ("max_length_q", "max_length_k"):
@@ -163,6 +163,14 @@ def _check_packed_cu_seqlens(batch: Mapping[str, Any], batch_size: int, total: i
                 f"kernels would read past it. Use packing_hf.varlen.max_length_from_cu_seqlens(cu_seq_lens_q)"
             )
     return host
+
+
+def _filled(host: list[int]) -> list[int]:
+    """``cu_seq_lens`` host values without the empty segments closing the row (``segment_buckets``)."""
+    end = len(host)
+    while end > 2 and host[end - 1] == host[end - 2]:
+        end -= 1
+    return host[:end]
 
 
 def _check_prefix_attention(config: Any) -> None:
@@ -264,7 +272,7 @@ def _check_cu_seqlens_positions(
         expected = shared_prefix_position_ids(host, prefix).to(position_ids.device)  # (T,) int64
     else:
         # from the host copy already made: no further device sync
-        expected = cu_seqlens_to_position_ids(host).to(position_ids.device)  # (T,) int64
+        expected = cu_seqlens_to_position_ids(_filled(host)).to(position_ids.device)  # (T,) int64
     wrong = position_ids[0] != expected
     if bool(wrong.any()):
         bad = _first_true(wrong)

@@ -28,6 +28,7 @@ import torch
 
 from .._cache import IdentityCache
 from ..multimodal import refuse_unprepared_media
+from ..padding import PackedLayout
 from ..varlen import check_int32_tokens, position_restarts
 from . import host
 from .admission import check_served_config, served_config_key
@@ -58,13 +59,19 @@ _BACKEND = "auto"
 class _Layout:
     """Where the tokens of a ``(B, Tq)`` query / ``(B, Tk)`` key batch go in the flat varlen call."""
 
-    __slots__ = ("cu_k", "cu_q", "index_k", "index_q", "max_k", "max_q")
+    __slots__ = ("cu_k", "cu_q", "grid_k", "grid_q", "max_k", "max_q")
 
-    def __init__(self, cu_q, cu_k, max_q, max_k, index_q=None, index_k=None):
+    def __init__(self, cu_q, cu_k, max_q, max_k, grid_q=None, grid_k=None):
         self.cu_q, self.cu_k = cu_q, cu_k  # (n + 1,) int32
         self.max_q, self.max_k = max_q, max_k  # ints
-        # (nnz,) int64 rows of the flattened batch, or None = all
-        self.index_q, self.index_k = index_q, index_k
+        # the batch's real tokens in the (B, T) grid (PackedLayout), or None = every token of the batch
+        self.grid_q: PackedLayout | None = grid_q
+        self.grid_k: PackedLayout | None = grid_k
+
+
+def _grid(index: torch.Tensor | None, batch: int, width: int) -> PackedLayout | None:
+    """The real tokens ``index`` (flat, ascending) of a ``(batch, width)`` padded batch; None for all."""
+    return None if index is None else PackedLayout(index, (index.numel(),), batch, width, complete=True)
 
 
 # Every layer receives the same position_ids / mask tensor objects, so the layout (which needs a host
@@ -84,11 +91,11 @@ def _longest_segment(cu: torch.Tensor) -> int:
     return max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)), default=0)
 
 
-def _starts_to_layout(starts: torch.Tensor, total: int, index: torch.Tensor | None) -> _Layout:
+def _starts_to_layout(starts: torch.Tensor, total: int, grid: PackedLayout | None) -> _Layout:
     begin = torch.nonzero(starts).flatten()
     cu = torch.cat([begin, torch.tensor([total], device=begin.device)]).to(torch.int32)
     max_len = _longest_segment(cu)
-    return _Layout(cu, cu, max_len, max_len, index, index)
+    return _Layout(cu, cu, max_len, max_len, grid, grid)
 
 
 def _rows_layout(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -114,7 +121,8 @@ def _compute_layout(
             if padding is None:
                 return _uniform_layout(batch, tq, tk, device)
             index, cu, max_len = _rows_layout(padding)
-            return _Layout(cu, cu, max_len, max_len, index, index)
+            grid = _grid(index, batch, tq)
+            return _Layout(cu, cu, max_len, max_len, grid, grid)
         positions = position_ids.to(device).expand(batch, tq).reshape(-1)
         row = torch.arange(batch * tq, device=device) // tq
         if padding is None:
@@ -124,17 +132,17 @@ def _compute_layout(
             positions, row = positions[index], row[index]
         starts = position_restarts(positions)
         starts[1:] |= row[1:] != row[:-1]  # and every row starts a sample
-        return _starts_to_layout(starts, positions.numel(), index)
+        return _starts_to_layout(starts, positions.numel(), _grid(index, batch, tq))
     # a cache: more keys than queries (decoding, chunked prefill); packed rows are not expected here
     if padding is None:
         return _uniform_layout(batch, tq, tk, device)
     index_k, cu_k, max_k = _rows_layout(padding)
     if tq == 1:
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        return _Layout(cu_q, cu_k, 1, max_k, None, index_k)
+        return _Layout(cu_q, cu_k, 1, max_k, None, _grid(index_k, batch, tk))
     # the queries are the last tq keys of every row (left padding), as in transformers' flash path
     index_q, cu_q, max_q = _rows_layout(padding[:, -tq:])
-    return _Layout(cu_q, cu_k, max_q, max_k, index_q, index_k)
+    return _Layout(cu_q, cu_k, max_q, max_k, _grid(index_q, batch, tq), _grid(index_k, batch, tk))
 
 
 def _layout(batch, tq, tk, device, padding, position_ids) -> _Layout:
@@ -233,10 +241,10 @@ def attend(
     q = query.reshape(batch * tq, hq, query.shape[-1])  # (B*Tq, Hq, D)
     k = key.reshape(batch * tk, key.shape[2], key.shape[-1])  # (B*Tk, Hkv, D)
     v = value.reshape(batch * tk, value.shape[2], value.shape[-1])  # (B*Tk, Hkv, Dv)
-    if layout.index_q is not None:
-        q = q.index_select(0, layout.index_q)
-    if layout.index_k is not None:
-        k, v = k.index_select(0, layout.index_k), v.index_select(0, layout.index_k)
+    if layout.grid_q is not None:
+        q = layout.grid_q.unpad(query)
+    if layout.grid_k is not None:
+        k, v = layout.grid_k.unpad(key), layout.grid_k.unpad(value)
     if prefix_seq_idx is not None:
         _check_prefix_call(cu_seq_lens_q, dense, layout, causal, tq, tk)
         k, v, cu_k, max_k = gather_prefix_keys(k, v, layout.cu_q, prefix_seq_idx)
@@ -249,7 +257,7 @@ def attend(
             raise ValueError(
                 "ALiBi slopes next to a 4-D attention mask are not supported; fold them into the mask"
             )
-        if layout.index_q is not None or layout.index_k is not None:
+        if layout.grid_q is not None or layout.grid_k is not None:
             raise ValueError("a 4-D attention_mask cannot be combined with a 2-D padding mask")
         segment_mask = _dense_segment_mask(dense.to(query.device), batch, tq, tk)
         masked_backend = "reference" if backend == "reference" else "sdpa"
@@ -261,9 +269,8 @@ def attend(
             q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
             alibi_slopes=alibi_slopes, backend=backend, **kwargs,
         )  # fmt: skip
-    if layout.index_q is not None:  # padding queries come back as zeros
-        full = out.new_zeros(batch * tq, hq, out.shape[-1])
-        out = full.index_copy(0, layout.index_q, out)
+    if layout.grid_q is not None:  # padding queries come back as zeros
+        return layout.grid_q.pad(out)
     return out.reshape(batch, tq, hq, out.shape[-1])
 
 
@@ -272,7 +279,7 @@ def _check_prefix_call(cu_seq_lens_q, dense, layout: _Layout, causal: bool, tq: 
     problem = None
     if cu_seq_lens_q is None:
         problem = "it needs cu_seq_lens_q (the segments prefix_seq_idx refers to)"
-    elif dense is not None or layout.index_q is not None:
+    elif dense is not None or layout.grid_q is not None:
         problem = "an attention_mask was passed next to it"
     elif not causal:
         problem = "the layer is not causal (a prefix shared by branches is a causal notion)"

@@ -40,6 +40,7 @@ __all__ = [
     "SHARD_KEY",
     "SequenceShard",
     "check_sequence_parallel_model",
+    "gather_shard_tokens",
     "sequence_parallel_groups",
     "sequence_parallel_loss",
     "shard_loss_counts",
@@ -167,8 +168,9 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         (the row's boundaries, labels and loss weights), and any non-token entries of ``batch``.
 
     Raises:
-        ValueError: a row that is not one packed ``[1, T]`` row, shorter than the group, with other per-token
-            entries it cannot cut, or different across the group's ranks.
+        ValueError: a row that is not one packed ``[1, T]`` row, with other per-token entries it cannot cut, or
+            different across the group's ranks. A row shorter than the group (a stream's one-token padding batch)
+            is lengthened with one-token samples that have no target, so that every rank holds a token.
 
     >>> from packing_hf import PaddingFreeCollator
     >>> row = PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
@@ -180,21 +182,11 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     else:
         size, rank = 1, 0
-    ids = batch.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
-        raise ValueError(
-            f"sequence parallelism cuts one packed row of input_ids (1, T), got {shape}; collate with "
-            "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
-        )
-    total = int(ids.shape[1])
-    checked = validate_packed_batch(batch)
-    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
-        if checked.get(key) is not None:
-            raise ValueError(
-                f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
-                "(labels, position_ids): pass the row as the collator built it"
-            )
+    checked = _checked_row(batch)
+    total = int(checked["input_ids"].shape[1])
+    if total < size:  # a stream's one-token padding batch, or a tiny row: no rank may be left without a token
+        checked = _lengthen_row(checked, size)
+        total = size
     lengths = shard_lengths(total, size)
     cu = _row_boundaries(checked, total)
     positions = checked.get("position_ids")
@@ -227,6 +219,59 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         out["shift_labels"] = shifted[:, begin:end]
     out["use_cache"] = False
     out[SHARD_KEY] = shard
+    return out
+
+
+def _checked_row(batch: dict) -> dict:
+    """``batch`` as one checked packed ``[1, T]`` row (``validate_packed_batch``) that has none of the keys
+    sequence parallelism derives itself."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+        raise ValueError(
+            f"sequence parallelism cuts one packed row of input_ids (1, T), got {shape}; collate with "
+            "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
+        )
+    checked = validate_packed_batch(batch)
+    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
+        if checked.get(key) is not None:
+            raise ValueError(
+                f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
+                "(labels, position_ids): pass the row as the collator built it"
+            )
+    return checked
+
+
+def _lengthen_row(batch: dict, size: int) -> dict:
+    """A row of ``T < size`` tokens as ``size`` tokens: ``size - T`` one-token samples appended (the row's last
+    id, position 0, no target, weight 0), which attend to nothing but themselves and add nothing to the loss
+    or its counts; every rank then holds a token."""
+    ids = batch["input_ids"]
+    total, extra = int(ids.shape[1]), size - int(ids.shape[1])
+    out = dict(batch)
+    for key, value in batch.items():
+        if key in ("input_ids", "position_ids", "labels", LOSS_WEIGHTS_KEY):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, total):
+            raise ValueError(
+                f"the batch's {key!r} {tuple(value.shape)} is per token, and a row of {total} token(s) shorter "
+                f"than the sequence-parallel group ({size}) is lengthened with samples of one token, which "
+                f"{key!r} would not cover; drop it from the batch (or raise max_tokens_per_batch)"
+            )
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(total, device=ids.device).unsqueeze(0)
+    out["input_ids"] = torch.cat([ids, ids[:, -1:].expand(1, extra)], dim=1)
+    out["position_ids"] = torch.cat([positions, positions.new_zeros(1, extra)], dim=1)
+    cu = _row_boundaries(batch, total)
+    cu = torch.cat([cu, cu[-1] + torch.arange(1, extra + 1, dtype=cu.dtype)])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        out[key] = cu.to(ids.device)
+    for key in ("max_length_q", "max_length_k"):
+        out[key] = max(int(batch.get(key) or 1), 1)
+    for key, fill in (("labels", IGNORE_INDEX), (LOSS_WEIGHTS_KEY, 0)):
+        if isinstance(batch.get(key), torch.Tensor):
+            out[key] = torch.cat([batch[key], batch[key].new_full((1, extra), fill)], dim=1)
     return out
 
 
@@ -297,3 +342,60 @@ def sequence_parallel_loss(
     if denominator is None:
         denominator = step_denominator(_row_counts(shard), normalization)
     return numerator / denominator
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group``, forward and backward: every rank of the group computes the same loss
+    from the sum, so each rank's gradient of its own addend is the group's summed gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def gather_shard_tokens(values: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """The whole row's per-token ``values`` from every rank's shard: ``(1, T_rank, ...)`` -> ``(1, T, ...)``.
+
+    Each rank places its tokens at their offset in a row of zeros and the group all-reduces the rows (``x + 0``
+    is exact, so every rank gets the row one process computes). Autograd-correct for a loss every rank of the
+    group computes alike from the whole row (a preference loss over per-sample sums): the backward sums the
+    group's gradients, so this rank's tokens get ``sp`` times their share, which DDP's average over the
+    ``dp x sp`` processes turns back into the data-parallel gradient. Non-float values are gathered without
+    gradient.
+
+    Args:
+        values: ``(1, T_rank, ...)`` this rank's per-token values (``shard.length`` tokens).
+        shard: this rank's :class:`SequenceShard`.
+
+    Returns:
+        ``(1, T, ...)`` with ``T = sum(shard.lengths)``; ``values`` itself on a group of one.
+
+    >>> shard = SequenceShard(None, 0, [3], torch.tensor([0, 3], dtype=torch.int32), torch.tensor([[0, 1, 2]]))
+    >>> gather_shard_tokens(torch.tensor([[1.0, 2.0, 3.0]]), shard).tolist()  # one process: the row itself
+    [[1.0, 2.0, 3.0]]
+    """
+    if values.dim() < 2 or tuple(values.shape[:2]) != (1, shard.length):
+        raise ValueError(
+            f"{shard!r}: per-token values of shape {tuple(values.shape)} are not (1, {shard.length}, ...), one value "
+            "per token of this rank's shard"
+        )
+    if shard.size == 1:
+        return values
+    rest = tuple(values.shape[2:])
+    before = values.new_zeros((1, shard.offset, *rest))
+    after = values.new_zeros((1, sum(shard.lengths) - shard.offset - shard.length, *rest))
+    row = torch.cat([before, values, after], dim=1)  # (1, T, ...): this rank's tokens, zeros elsewhere
+    if row.is_floating_point():
+        return _SumOverGroup.apply(row, shard.group)
+    counts = row.detach().long()
+    dist.all_reduce(counts, group=shard.group)
+    return counts.to(values.dtype)

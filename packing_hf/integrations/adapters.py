@@ -7,13 +7,13 @@ checks it). Each adapter is installed once per model by the trainer's
 calls that carry its packed keys (every other call passes untouched) and is removed by ``remove()``:
 
 - :class:`PackedPreferenceForward` (DPO, KTO): packed preference rows in, per-token outputs of TRL's fused LM
-  head scattered back to the padded ``(2B, L - 1)`` layout;
+  head scattered back to the padded ``(2B, L - 1)`` layout; a call carrying :data:`SEQUENCE_PARALLEL_KEY`
+  (DPO with ``sp_size``) runs this rank's shard of the row and gathers the per-token outputs of the group;
 - :class:`PackedRewardForward` (reward): packed pairs in, the score head's output read at each sequence's
   pooled token, as stock's ``(2B, num_labels)`` scores.
 
-:func:`head_inputs` (the chunked loss: the LM head's input kept, no logits projected, for one forward), and one
-adapter of the trainer's own accelerator: :func:`gather_uneven_rows` (ranks' packed batches hold
-different numbers of rows).
+:func:`head_inputs` (the chunked loss: the LM head's input kept, no logits projected, for one forward). The
+trainer's accelerate objects are adapted in :mod:`packing_hf.integrations.accelerator`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,29 @@ from typing import Any
 import torch
 
 from ..attention import ATTENTION_NAME
+from ..attention.sequence_parallel import (
+    SHARD_KEY,
+    check_sequence_parallel_model,
+    gather_shard_tokens,
+    shard_packed_batch,
+)
 from ..preference import pack_padded_labels, unpack_shifted
 from ..shared_prefix import PREFIX_KEY
 from .preflight import base_model
 
-__all__ = ["PackedPreferenceForward", "PackedRewardForward", "gather_uneven_rows", "head_inputs"]
+__all__ = [
+    "SEQUENCE_PARALLEL_KEY",
+    "PackedPreferenceForward",
+    "PackedRewardForward",
+    "head_inputs",
+]
+
+#: the call keyword asking :class:`PackedPreferenceForward` to cut the packed row over a sequence-parallel group
+#: (its value: the group); the trainer adds it to the batch, so the group travels with the call
+SEQUENCE_PARALLEL_KEY = "packing_hf_sequence_parallel_group"
+
+# the keys of a packed row that shard_packed_batch takes (and cuts, or carries in the shard)
+_ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # fmt: skip
 
 
 def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:
@@ -77,7 +95,7 @@ class PackedPreferenceForward:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._layout: tuple[torch.Tensor, int, int] | None = None
+        self._layout: tuple[torch.Tensor, int, int, Any] | None = None
         self._handles = _around(model, self._before, self._after)
 
     def remove(self) -> None:
@@ -89,6 +107,8 @@ class PackedPreferenceForward:
         if "packed_index" not in kwargs:
             return None
         kwargs = dict(kwargs)
+        sequence_parallel = SEQUENCE_PARALLEL_KEY in kwargs
+        group = kwargs.pop(SEQUENCE_PARALLEL_KEY, None)
         index = kwargs.pop("packed_index")
         packed_ids = kwargs.pop("packed_input_ids", None)
         if args or packed_ids is None:
@@ -129,19 +149,54 @@ class PackedPreferenceForward:
                 )
         kwargs["input_ids"] = packed_ids
         kwargs["labels"] = pack_padded_labels(labels, index)
-        self._layout = (index, padded_ids.shape[0], padded_ids.shape[1])
+        shard = self._shard(module, kwargs, group) if sequence_parallel else None
+        self._layout = (index, padded_ids.shape[0], padded_ids.shape[1], shard)
         return args, kwargs
+
+    @staticmethod
+    def _shard(module: torch.nn.Module, kwargs: dict, group: Any) -> Any:
+        """Replace the packed row in ``kwargs`` by this rank's shard of it (its targets as ``shift_labels``, the
+        label shift across shard edges done on the whole row, as in SFT); return the shard."""
+        if kwargs.get(PREFIX_KEY) is not None or kwargs.get("output_router_logits"):
+            raise ValueError(
+                "sequence parallelism cuts a packed preference row into plain shards: a shared-prompt row "
+                "(prefix_seq_idx) or a router load-balancing loss (output_router_logits) cannot be cut exactly; set "
+                "shared_prompt=False and router_aux_loss_coef=0, or train with sp_size=1"
+            )
+        row = {key: kwargs.pop(key) for key in _ROW_KEYS if key in kwargs}
+        shard = shard_packed_batch(row, group)
+        check_sequence_parallel_model(base_model(module), shard[SHARD_KEY].size)
+        kwargs.update(shard)  # input_ids, position_ids, shift_labels (1, T_rank), use_cache, the shard
+        return shard[SHARD_KEY]
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         layout, self._layout = self._layout, None
         if layout is None:
             return None
-        index, rows, width = layout
+        index, rows, width, shard = layout
+        if shard is not None:
+            _gather_row(output, shard)
         shifted = (1, index.numel() - 1)
         for key, value in list(output.items()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == shifted:
                 output[key] = unpack_shifted(value, index, rows, width)
         return output
+
+
+def _gather_row(output: Any, shard: Any) -> None:
+    """A sharded call's per-token outputs ``(1, T_rank, ...)`` as the whole row's ``(1, T - 1, ...)`` (the
+    row's last token has no target), and the fused head's ``loss`` as the whole row's mean log-prob loss."""
+    for key, value in list(output.items()):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() >= 2
+            and tuple(value.shape[:2]) == (1, shard.length)
+        ):
+            output[key] = gather_shard_tokens(value, shard)[:, :-1]
+    log_probs = output.get("log_probs")
+    if isinstance(output.get("loss"), torch.Tensor) and isinstance(log_probs, torch.Tensor):
+        targets = (shard.labels[:, 1:] != -100).sum().clamp(min=1).to(log_probs.device)
+        output["loss"] = -log_probs.sum() / targets
 
 
 class PackedRewardForward:
@@ -241,46 +296,6 @@ class PackedRewardForward:
             )
         output["logits"] = scores[0].index_select(0, ends.to(scores.device))  # (S, num_labels)
         return output
-
-
-def gather_uneven_rows(accelerator: Any) -> None:
-    """Let ``accelerator.gather`` (and ``gather_for_metrics``, which calls it) take tensors whose first dimension
-    differs between the processes; a no-op with one process.
-
-    Multipack gives every rank its own batches, so in the same step the ranks hold different numbers of
-    samples, pairs or examples, and the per-row tensors that Transformers and TRL gather for their metrics
-    (TRL's per-pair rewards and log-probs, the reward model's scores) differ in length: a plain all-gather
-    aborts the process on gloo and may hang on NCCL. Each tensor is padded to the longest rank's rows,
-    gathered and the padding dropped: every rank's rows in rank order, as a plain gather returns them when
-    the lengths agree. Scalars, and the tensors inside tuples, lists and dicts, are handled alike; anything
-    else goes to the plain gather. Installed once per accelerator by the packing trainers.
-
-    >>> from accelerate import Accelerator
-    >>> accelerator = Accelerator(cpu=True)
-    >>> gather_uneven_rows(accelerator)  # one process: accelerate's own gather is kept
-    >>> accelerator.gather(torch.tensor([1, 2])).tolist()
-    [1, 2]
-    """
-    if accelerator.num_processes == 1 or getattr(accelerator, "_packing_uneven_gather", False):
-        return
-    plain = accelerator.gather
-
-    def gather(data: Any) -> Any:
-        if isinstance(data, (tuple, list)):
-            return type(data)(gather(d) for d in data)
-        if isinstance(data, dict):
-            return type(data)({k: gather(v) for k, v in data.items()})
-        if not isinstance(data, torch.Tensor) or data.dim() == 0:
-            return plain(data)
-        rows = plain(torch.tensor([data.shape[0]], device=data.device)).tolist()  # (num_processes,)
-        if len(set(rows)) == 1:
-            return plain(data)
-        padded = accelerator.pad_across_processes(data, dim=0)
-        blocks = plain(padded).split(padded.shape[0])
-        return torch.cat([block[:n] for block, n in zip(blocks, rows, strict=True)])
-
-    accelerator.gather = gather
-    accelerator._packing_uneven_gather = True
 
 
 @contextlib.contextmanager

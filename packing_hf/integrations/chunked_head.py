@@ -178,6 +178,7 @@ def model_token_logprobs(
     entropy: bool = False,
     mean_logits: bool = False,
     chunk_size: int | None = None,
+    top1: bool = False,
 ) -> tuple[TokenLogProbs, Any]:
     """Per-token log-probs of ``targets`` under the model, chunked, for the preference and RL trainers (what
     ``selective_log_softmax(model(**inputs).logits, targets)`` gives): ``(TokenLogProbs, outputs)``.
@@ -186,7 +187,8 @@ def model_token_logprobs(
         model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss`.
         targets: ``(B, T)`` int64, the token scored at every position (already shifted: position ``t`` scores
             ``targets[:, t]``), -100 = not scored (log-prob 0).
-        entropy, mean_logits: also the ``(B, T)`` entropies / mean logits of every position.
+        entropy, mean_logits, top1: also the ``(B, T)`` entropies / mean logits of every position / whether each
+            target is its position's argmax.
 
     Returns:
         :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
@@ -206,6 +208,7 @@ def model_token_logprobs(
         entropy=entropy,
         mean_logits=mean_logits,
         chunk_size=chunk_size,
+        top1=top1,
     )
     shape = hidden.shape[:-1]
     return TokenLogProbs(*(None if x is None else x.view(shape) for x in out)), outputs

@@ -22,6 +22,7 @@ from transformers.trainer_utils import seed_worker
 
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator
+from .accelerator import pass_through_batch_shard
 from .args import PackingArguments
 from .callbacks import PackingStatsCollator
 from .stream_data import PackingStreamMixin, is_stream
@@ -235,13 +236,7 @@ class PackingDataMixin(PackingStreamMixin):
             loader_kwargs["in_order"] = args.dataloader_in_order
         dataloader = self.accelerator.prepare(DataLoader(dataset, **loader_kwargs))
 
-        # The sampler already gives each rank its share; accelerate's BatchSamplerShard would hand out
-        # every num_processes-th of those batches again (dropping samples, and leaving ranks uneven).
-        # Turn it into a pass-through, the way stock treats its own rank-aware BatchRebalanceSampler.
-        shard = getattr(dataloader, "batch_sampler", None)
-        if shard is not None and shard is not sampler and getattr(shard, "batch_sampler", None) is sampler:
-            shard.num_processes = 1
-            shard.process_index = 0
+        shard = pass_through_batch_shard(dataloader, sampler)
         if len(dataloader) != len(sampler):
             raise RuntimeError(
                 f"the prepared DataLoader yields {len(dataloader)} batches per epoch but the multipack sampler "

@@ -28,8 +28,17 @@ per-token results land in the same padded layout, so everything above holds unch
 
 ``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
 always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets,
-prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context/sequence
-parallelism, and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot be cut).
+prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context
+parallelism (``cp_size``), and ``packing_overflow`` ``"truncate"``/``"split"`` (a pair cannot be cut).
+
+Sequence parallelism (``parallelism_config=ParallelismConfig(sp_size=N)`` with ``max_tokens_per_batch``): every
+packed row of pairs is cut over ``N`` processes; each rank runs its shard through the policy and the reference
+model (packing_hf's attention, switched on for the duration), the fused head scores its targets (the label shift
+across shard edges done on the whole row), and the adapters sum the group's per-token outputs back into the whole
+row (:func:`~packing_hf.attention.sequence_parallel.gather_shard_tokens`), so TRL computes the per-sequence
+log-probs, the loss and its metrics from the row one process computes; the gradients are the one-process
+ones (``docs/distributed.md``). Training and evaluation are sharded; precomputed reference log-probs run each
+rank's own batches whole. ``shared_prompt`` is off under sequence parallelism (``True`` is refused).
 
 >>> from packing_hf.integrations.dpo import DPOConfig
 >>> config = DPOConfig("out", max_tokens_per_batch=2048, report_to="none", use_cpu=True)
@@ -50,6 +59,7 @@ import trl
 
 from .._limits import option
 from ..attention import register_attention
+from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments
 from .preference_kit import (
@@ -61,6 +71,7 @@ from .preference_kit import (
     shared_prompt_is_exact,
 )
 from .refusals import WHOLE_ROW_REFUSALS, Wording
+from .sequence_parallel import configured_parallelism, sequence_parallel_size
 from .trainer import PackingTrainerMixin
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -133,6 +144,8 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     wording = Wording(
         "preference pairs", "preference batches", "a preference pair, whose two sequences", "preference pair"
     )
+    # sp_size cuts packed rows over processes: the adapters shard each row and gather the per-token log-probs
+    packing_sequence_parallel = True
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, model, data_collator = call["args"], call["model"], call["data_collator"]
@@ -143,8 +156,19 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
                 f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
                 f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
             )
+        sequence_parallel = sequence_parallel_size(configured_parallelism(args)) > 1
+        shared_asked = args.shared_prompt if self._own_collator else data_collator.shared_prompt
+        if sequence_parallel and shared_asked:
+            raise PackingRefused(
+                "shared_prompt",
+                "shared_prompt=True with sp_size > 1: sequence parallelism cuts the packed row into plain shards, "
+                "and the shared-prompt layout (answers attending to a prompt segment) is not cut exactly; set "
+                "shared_prompt=False (or leave it unset: it is then off under sequence parallelism)",
+            )
         if self._own_collator:
             shared = args.shared_prompt
+            if shared is None and sequence_parallel:
+                shared = False
             if shared is None and not isinstance(model, str):
                 shared = shared_prompt_is_exact([model, call["ref_model"]])
             call["data_collator"] = PaddingFreePreferenceCollator(
@@ -166,7 +190,13 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
             args.padding_free = padding_free
 
     def _after_stock_init(self, call: dict[str, Any]) -> None:
-        if self._own_collator and call["args"].shared_prompt is None and isinstance(call["model"], str):
+        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1
+        if (
+            self._own_collator
+            and call["args"].shared_prompt is None
+            and isinstance(call["model"], str)
+            and not sequence_parallel
+        ):
             # TRL loaded the model from its name: decide now (reference log-probs were precomputed unshared)
             self.data_collator.shared_prompt = shared_prompt_is_exact([self.model, self.ref_model])
         if self.data_collator.shared_prompt:
@@ -181,8 +211,10 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
 
     def _packing_attention(self) -> str | None:
         """packing_hf's attention while the collator shares prompts (the only attention reading
-        ``prefix_seq_idx``); the models' own otherwise."""
-        return register_attention() if getattr(self.data_collator, "shared_prompt", False) else None
+        ``prefix_seq_idx``) or rows are cut over a sequence-parallel group (its all-to-alls live there); the
+        models' own otherwise."""
+        shared = getattr(self.data_collator, "shared_prompt", False)
+        return register_attention() if shared or getattr(self, "_packing_sp_size", 1) > 1 else None
 
     # ---- multipack over pairs --------------------------------------------------------------------
 

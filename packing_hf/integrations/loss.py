@@ -126,7 +126,8 @@ class PackingLossMixin:
         if not single:
             # every rank must take the same path this step (a stream's padding batch carries no weights)
             totals = self.accelerator.reduce(totals, reduction="sum")
-        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1  # its loss is always computed here
+        # its loss is always computed here, unless the trainer computes its own (DPO: per pair, over the group)
+        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1 and not self.wording.own_loss
         self._packing_loss_active = normalization != "token" or bool(totals[0] > 0) or sequence_parallel
         if not self._packing_loss_active:
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
@@ -222,7 +223,9 @@ class PackingLossMixin:
         this micro-batch's numerator over the step's denominator ``num_items_in_batch``, times the number of
         processes; both from the chunked head when ``chunked_loss`` (see the module docstring)."""
         weights = inputs.pop(LOSS_WEIGHTS_KEY, None)
-        if getattr(self, "_packing_sp_size", 1) > 1 and model.training:
+        # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
+        sharded = model.training or getattr(self, "_packing_loss_only", False)
+        if getattr(self, "_packing_sp_size", 1) > 1 and sharded and not self.wording.own_loss:
             return self._sequence_parallel_loss(model, inputs, weights, num_items_in_batch, return_outputs)
         own = self._packing_loss_active and model.training and num_items_in_batch is not None
         if not own and self._stock_loss_is_causal_lm(inputs, return_outputs):

@@ -167,7 +167,7 @@ class PackedPairsMixin:
         if resolved is not None:
             # the chunked LM head: no (T, V) logits; the logits/* metrics average each position's mean logit
             targets = torch.cat([packed_ids[:, 1:], torch.full_like(packed_ids[:, :1], IGNORE_INDEX)], dim=1)
-            (token_logps, _, logits), _ = model_token_logprobs(
+            (token_logps, _, logits, _), _ = model_token_logprobs(
                 model,
                 {"input_ids": packed_ids, "use_cache": False, **inputs},
                 targets,

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..architectures import check_architecture
 from ..attention import register_attention
-from .adapters import PackedPreferenceForward
+from .adapters import SEQUENCE_PARALLEL_KEY, PackedPreferenceForward
 from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model
 from .refusals import PackingRefused, first_row
@@ -207,6 +207,8 @@ class PackedForwardsMixin:
         self._install_packed_forward(model)
         if self.ref_model is not None:
             self._install_packed_forward(self.ref_model)
+        if getattr(self, "_packing_sp_size", 1) > 1:  # the adapters cut the row over the SP group
+            inputs = {**inputs, SEQUENCE_PARALLEL_KEY: self._packing_sp_group}
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

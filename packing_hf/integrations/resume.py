@@ -58,7 +58,10 @@ class PackingResumeMixin:
         return epochs_trained, steps_trained_in_current_epoch
 
     def _save_stream_state(self, output_dir: str) -> None:
-        """Every rank writes its stream's position and buffer (``STREAM_STATE_NAME``) into ``output_dir``."""
+        """Every data-parallel replica's stream position and buffer (``STREAM_STATE_NAME``) into ``output_dir``, written
+        by each rank (under sequence parallelism by the first rank of each group)."""
+        if getattr(self, "_packing_sp_rank", 0):
+            return  # sequence parallelism: the group shares one stream replica, its first rank writes it
         stream = self.packing_stream
         consumed = self._stream_batches_consumed
         state = {

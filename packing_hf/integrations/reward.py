@@ -10,7 +10,7 @@ score head's per-token output of the packed forward at the same token of every s
 with multipack (a pair weighs ``len(chosen) + len(rejected)``; TRL drops pairs over ``max_length`` when it
 prepares the dataset, as stock does). Under DDP the ranks' multipack micro-batches may then hold different
 numbers of pairs: the all-gather of every rank's scores behind TRL's reward metrics takes that
-(:func:`~packing_hf.integrations.adapters.gather_uneven_rows`, installed by every packing trainer).
+(:func:`~packing_hf.integrations.accelerator.gather_uneven_rows`, installed by every packing trainer).
 Scores need no vocabulary head: the ``score`` head is ``(hidden, num_labels)``, so a reward model builds no
 ``(tokens, vocabulary)`` logits and the chunked LM head (:mod:`packing_hf.loss_head`) has nothing to do here.
 

@@ -7,9 +7,11 @@ only ``"deepspeed"``): they skip the device mesh, wrap the training DataLoader i
 ``UlyssesSPDataLoaderAdapter``, replace ``compute_loss`` and refuse any distributed type but DeepSpeed, FSDP2 and
 multi-GPU. packing_hf runs its own all-to-all instead, so a trainer that declares
 ``packing_sequence_parallel = True`` keeps ``sp_size`` to itself: accelerate is built without it (plain DDP over
-every process), the multipack sampler's replicas are the ``world / sp_size`` groups, every micro-batch is cut
-over its group in ``compute_loss`` and the step's denominator counts every row once. Trainers without the
-declaration leave the config to accelerate, and refuse ``sp_size`` by name.
+every process), the multipack sampler's (or the stream's) replicas are the ``world / sp_size`` groups, every
+micro-batch is cut over its group in ``compute_loss`` (training, and evaluation of the loss alone) and the step's
+denominator counts every row once. ``DPOTrainer`` keeps TRL's loss: its adapters cut the row and sum the group's
+per-token log-probs back into the whole row (:class:`~packing_hf.integrations.adapters.PackedPreferenceForward`).
+Trainers without the declaration leave the config to accelerate, and refuse ``sp_size`` by name.
 
 >>> PackingSequenceParallelMixin.packing_sequence_parallel
 False
@@ -20,13 +22,30 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .._loss import LOSS_WEIGHTS_KEY
 
-__all__ = ["PackingSequenceParallelMixin", "sequence_parallel_size"]
+__all__ = ["PackingSequenceParallelMixin", "configured_parallelism", "sequence_parallel_size"]
 
 # set by ``accelerate launch --parallelism_config_*``: accelerate then builds its ParallelismConfig from the
 # environment when the Trainer hands it none
 _LAUNCHER_FLAG = "ACCELERATE_USE_PARALLELISM_CONFIG"
+
+
+def configured_parallelism(args: Any) -> Any:
+    """The ``ParallelismConfig`` of training arguments: theirs, else the one ``accelerate launch
+    --parallelism_config_*`` set up in the environment, else ``None``.
+
+    >>> configured_parallelism(None) is None
+    True
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true":
+        from accelerate import ParallelismConfig
+
+        config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
+    return config
 
 
 def sequence_parallel_size(parallelism_config: Any) -> int:
@@ -55,7 +74,7 @@ def sequence_parallel_size(parallelism_config: Any) -> int:
 class PackingSequenceParallelMixin:
     """``sp_size`` for the packing trainers; part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`, active in trainers that declare
-    ``packing_sequence_parallel = True`` (``Trainer``, ``SFTTrainer``)."""
+    ``packing_sequence_parallel = True`` (``Trainer``, ``SFTTrainer``, ``DPOTrainer``)."""
 
     #: whether this trainer cuts packed rows over ``sp_size`` processes (else ``sp_size`` stays accelerate's)
     packing_sequence_parallel = False
@@ -65,12 +84,7 @@ class PackingSequenceParallelMixin:
         self._packing_sp_size = 1
         self._packing_sp_group = None
         self._packing_sp_rank = 0
-        config = getattr(self.args, "parallelism_config", None)
-        from_launcher = config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true"
-        if from_launcher:  # accelerate launch --parallelism_config_sp_size N (or its config file)
-            from accelerate import ParallelismConfig
-
-            config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
+        config = configured_parallelism(self.args)
         if not self.packing_sequence_parallel or sequence_parallel_size(config) == 1:
             return super().create_accelerator_and_postprocess()
         self._packing_sp_size = sequence_parallel_size(config)
@@ -105,25 +119,31 @@ class PackingSequenceParallelMixin:
         self, model: Any, inputs: dict, weights: Any, num_items_in_batch: Any, return_outputs: bool
     ) -> Any:
         """This rank's shard of the micro-batch's row through the model, and its share of the step's loss
-        (times the number of processes: DDP averages the gradients)."""
+        (times the number of processes: DDP averages the gradients); in evaluation, the row's token mean (the
+        shares summed over the SP group: what one process computes on the whole row)."""
         from ..attention.sequence_parallel import (
             check_sequence_parallel_model,
             sequence_parallel_loss,
             shard_packed_batch,
         )
 
-        if num_items_in_batch is None:
+        training = model.training
+        if training and num_items_in_batch is None:
             raise ValueError(
                 "sequence parallelism divides every shard's loss by the step's denominator, which the Trainer "
                 "did not count (num_items_in_batch is None); call compute_loss from the training loop"
             )
         check_sequence_parallel_model(self.accelerator.unwrap_model(model), self._packing_sp_size)
         row = dict(inputs)
-        if weights is not None:
+        if weights is not None and training:  # eval_loss stays the unweighted token mean (docs/loss.md)
             row[LOSS_WEIGHTS_KEY] = weights
         shard = shard_packed_batch(row, self._packing_sp_group)
         outputs = model(**shard)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # (1, T_rank, V)
+        if not training:
+            loss = sequence_parallel_loss(logits, shard, "token").detach()
+            torch.distributed.all_reduce(loss, group=self._packing_sp_group)
+            return (loss, outputs) if return_outputs else loss
         loss = sequence_parallel_loss(logits, shard, self.args.loss_normalization, float(num_items_in_batch))
         loss = loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss

@@ -21,7 +21,13 @@ This subclass keeps TRL's tokenization and ``_compute_loss`` and changes what th
   every logged metric equal stock's up to floating-point reassociation inside the matmuls: every quantity TRL
   reads is at a real position. Only the logits of padding positions (which stock computes on pad tokens and
   never reads) are zeros; they would reach a ``compute_metrics``, which is refused, or ``trainer.predict()``.
-  The model's layers compute real tokens only; the logits take ``S x L x V`` as stock's do.
+  The model's layers compute real tokens only. That path (the logits take ``S x L x V`` as stock's do) is
+  taken with ``chunked_loss=False``, for evaluation outputs, and where the head cannot be chunked (the log says
+  why once).
+- By default (``chunked_loss=True``) no logits are built: ``_compute_loss`` takes from the chunked LM head
+  (:func:`~packing_hf.integrations.chunked_head.model_token_logprobs`) every quantity stock's reads from the
+  logits (per-token log-probs, the reference NLL, entropy, ``logits/*`` means, token accuracy) and applies
+  stock's reductions, loss types and metrics to them (TRL 1.16's ``_compute_loss``, restated).
 
 ``max_tokens_per_batch`` packs examples with multipack, an example weighing the tokens of all its sequences
 after TRL's ``max_length`` (the reference one only when ``tpo_alpha != 0``), so an example is never split.
@@ -49,13 +55,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from trl.experimental.tpo import TPOConfig as _StockTPOConfig
 from trl.experimental.tpo import TPOTrainer as _StockTPOTrainer
 
 from .._limits import option
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
+from ..preference import unpack_shifted
 from .args import PackingArguments
+from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -208,7 +217,81 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
             )
         padded = {k: inputs[k] for k in ("input_ids", "attention_mask", "completion_mask")}
         packed = {k: inputs[k] for k in ("packed_input_ids", "packed_index", *_PACKED_INPUTS)}
-        return super()._compute_loss(PackedTripleForward(model, packed), padded, return_outputs)
+        resolved = None if return_outputs else self._chunked_head(model)  # eval outputs carry the logits
+        if resolved is None:
+            return super()._compute_loss(PackedTripleForward(model, packed), padded, return_outputs)
+        return self._chunked_compute_loss(model, padded, packed, resolved)
+
+    def _chunked_compute_loss(self, model: Any, padded: dict, packed: dict, resolved: Any) -> torch.Tensor:
+        """Stock's ``_compute_loss`` (TRL 1.16) from the chunked LM head: every quantity it reads from the logits
+        (per-token log-probs, the NLL, entropy, ``logits/*`` means, token accuracy) per chunk, the same reductions
+        and metrics."""
+        mode = "train" if self.model.training else "eval"
+        n_branches = 3 if self.tpo_alpha != 0.0 else 2
+        packed_ids = packed["packed_input_ids"]  # (1, T)
+        targets = torch.cat([packed_ids[:, 1:], torch.full_like(packed_ids[:, :1], -100)], dim=1)
+        inputs = {"input_ids": packed_ids, "use_cache": False, **{k: packed[k] for k in _PACKED_INPUTS}}
+        out, _ = model_token_logprobs(
+            model, inputs, targets, resolved, entropy=True, mean_logits=True, top1=True
+        )  # (1, T) each
+        rows, width = padded["input_ids"].shape
+        mask = padded["completion_mask"][:, 1:].to(out.logps.device)  # (S, L - 1): stock's shifted row mask
+        per_token_logps, entropy, mean_logits, top1 = (
+            unpack_shifted(x[:, :-1], packed["packed_index"], rows, width) * mask for x in out
+        )  # (S, L - 1), zero outside the completions as stock's row_mask
+        if self.loss_type in ("ipo", "tpo-l"):
+            logps = per_token_logps.sum(1) / mask.sum(1).clamp(min=1)
+        else:
+            logps = per_token_logps.sum(1)
+        chosen_logps, rejected_logps = logps.chunk(n_branches)[:2]
+        loss = self._per_sequence_loss(chosen_logps - rejected_logps).mean()
+        if n_branches == 3:  # stock: cross-entropy over the reference completions' tokens
+            reference_mask = mask.chunk(3)[2].bool()
+            loss = loss + self.tpo_alpha * -per_token_logps.chunk(3)[2][reference_mask].mean()
+        gather = self.accelerator.gather_for_metrics
+        metrics = self._metrics[mode]
+        metrics["entropy"].append(gather(entropy.detach()[mask.bool()].mean()).mean().item())
+        if mode == "train":
+            tokens = gather(padded["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += tokens // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        masks = mask.chunk(n_branches)
+        branches = zip(("chosen", "rejected"), mean_logits.chunk(n_branches), masks, strict=False)
+        for name, means, branch_mask in branches:
+            total, count = gather(means.sum()).sum().item(), gather(branch_mask.sum()).sum().item()
+            metrics[f"logits/{name}"].append(total / count if count > 0 else 0.0)
+        correct, total = gather(top1.chunk(n_branches)[0].sum()).sum(), gather(masks[0].sum()).sum()
+        metrics["mean_token_accuracy"].append((correct / total).item() if total > 0 else 0.0)
+        chosen_rewards, rejected_rewards = (
+            self.beta * chosen_logps.detach(),
+            self.beta * rejected_logps.detach(),
+        )
+        metrics["rewards/chosen"].append(self.accelerator.gather(chosen_rewards).mean().item())
+        metrics["rewards/rejected"].append(self.accelerator.gather(rejected_rewards).mean().item())
+        accuracies = (chosen_rewards > rejected_rewards).float()
+        metrics["rewards/accuracies"].append(self.accelerator.gather(accuracies).mean().item())
+        margins = chosen_rewards - rejected_rewards
+        metrics["rewards/margins"].append(self.accelerator.gather(margins).mean().item())
+        metrics["logps/chosen"].append(self.accelerator.gather(chosen_logps).mean().item())
+        metrics["logps/rejected"].append(self.accelerator.gather(rejected_logps).mean().item())
+        return loss
+
+    def _per_sequence_loss(self, delta: torch.Tensor) -> torch.Tensor:
+        """Stock's per-example loss of ``delta = chosen_logps - rejected_logps`` ``(B,)`` for its ``loss_type``."""
+        if self.loss_type == "hinge":
+            return torch.relu(1 - self.beta * delta)
+        if self.loss_type == "ipo":
+            return (delta - 1 / (2 * self.beta)) ** 2
+        if self.loss_type == "tpo-l":
+            delta = delta - self.tpo_l_gamma / self.beta
+        elif self.loss_type != "sigmoid":
+            raise ValueError(
+                f"Unknown loss type: {self.loss_type}. Should be one of ['sigmoid', 'hinge', 'ipo', 'tpo-l']"
+            )
+        smoothing = self.label_smoothing
+        return (
+            -F.logsigmoid(self.beta * delta) * (1 - smoothing) - F.logsigmoid(-self.beta * delta) * smoothing
+        )
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every example in a packed row: all its sequences, after the collator's ``max_length``."""

@@ -57,7 +57,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
-from .adapters import gather_uneven_rows
+from .accelerator import gather_uneven_rows
 from .args import PackingArguments, TrainingArguments
 from .callbacks import STATS_KEY, PackingMetrics
 from .dataloaders import PackingDataMixin, is_packing_collator

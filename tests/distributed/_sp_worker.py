@@ -11,11 +11,16 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
 - ``dp2_sp2_token``: data parallel 2 x sequence parallel 2, two micro-batches per rank (gradient accumulation),
   ``"token"`` normalization (counts reduced over every rank), gradient checkpointing on.
 - ``sp4_sliding``: a Mistral with a 4-token sliding window at sp=4 (the window sees across shard cuts).
+- ``sp4_short_row``: a row of 3 tokens at sp=4 (lengthened with one-token samples without a target, as a
+  stream's padding batch is).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
-- ``packing_hf.Trainer`` (``"token"``) and ``packing_hf.SFTTrainer`` (``"sample"``) with
-  ``parallelism_config=ParallelismConfig(sp_size=2)``, ``max_tokens_per_batch=48`` on 2 processes, one optimizer
-  step, against the same trainer on one process (stock's own loss for ``"token"``).
+- ``packing_hf.Trainer`` (``"token"``, then ``evaluate()``), ``packing_hf.SFTTrainer`` (``"sample"``),
+  ``packing_hf.DPOTrainer`` (a live reference model then ``evaluate()``; precomputed reference log-probs) and
+  ``packing_hf.Trainer`` on a stream (two steps, resumed from the checkpoint after the first) with
+  ``parallelism_config=ParallelismConfig(sp_size=2)`` on 2 processes, against the same trainer on one process
+  (:func:`build_trainer`); DPO with the per-token log-probs not summed over the group (the negative control,
+  :func:`sum_alone`).
 
 Importing this module does nothing (pytest collects it for doctests).
 """
@@ -27,10 +32,10 @@ import sys
 
 VOCAB = 64
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
-CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_local_only")
+CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_short_row", "sp4_local_only")
 
 
-def make_model(kind: str):
+def make_model(kind: str, vocab: int = VOCAB, seed: int = 0):
     """The tiny model of a case (fp32, no dropout, seeded), on packing_hf's varlen attention."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -40,7 +45,7 @@ def make_model(kind: str):
     extra = {"sliding_window": 4} if kind == "mistral" else {}
     config = AutoConfig.for_model(
         kind,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -48,7 +53,7 @@ def make_model(kind: str):
         num_key_value_heads=2,
         **extra,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float()
 
 
@@ -157,6 +162,9 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     reference = reference_step(llama, [row], "sample") if rank == 0 else None
     results["sp4_sample"] = (reference, parallel_step(llama, [row], "sample", everyone))
     results["sp4_local_only"] = (reference, parallel_step(llama, [row], "sample", everyone, local_only=True))
+    row = make_row([3], seed=5, weighted=False)  # 3 tokens over 4 ranks: lengthened with target-free tokens
+    reference = reference_step(llama, [row], "token") if rank == 0 else None
+    results["sp4_short_row"] = (reference, parallel_step(llama, [row], "token", everyone))
 
     rows = [make_row(lengths, seed=10 + i, weighted=False) for i, lengths in enumerate(
         [[7, 9, 4], [3, 14], [11, 2, 6, 5], [19]]
@@ -178,71 +186,208 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     dist.destroy_process_group()
 
 
-def trainer_step(out_dir: str, sp_size: int, kind: str) -> tuple:
-    """One optimizer step of ``packing_hf.Trainer`` (``kind="trainer"``, ``"token"``) or ``SFTTrainer``
-    (``"sft"``, ``"sample"``) with ``max_tokens_per_batch=48``: the loss summed over ranks and the gradients the
-    optimizer sees (DDP's average), with ``sp_size`` processes in one SP group or (``1``) on one process."""
+DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
+TRAINER_KINDS = ("trainer", "sft", "dpo", "dpo_precompute", "stream")
+
+
+def make_pairs(count: int, offset: int):
+    """``count`` GSM8K preference pairs from row ``offset`` on: the reference answer vs. its lines reversed (the
+    completions differ from their first token, so chosen - rejected is no cancellation of near-equal sums)."""
+    import json
+
     import datasets
+
+    rows = []
+    with open(os.path.join(os.path.dirname(TOKENIZER), "gsm8k_train.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if len(row["question"]) < 160 and len(row["answer"]) < 250:
+                rows.append(row)
+            if len(rows) == offset + count:
+                break
+    rows = rows[offset:]
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
+            "chosen": [" " + r["answer"] for r in rows],
+            "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
+        }
+    )
+
+
+def saved_pairs(folder: str):
+    """:func:`make_pairs` saved once to ``folder`` and read back on every process: TRL caches the precomputed
+    reference log-probs next to the dataset's files, which must be a folder every process reads."""
+    import datasets
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    path = os.path.join(folder, "pairs")
+    with state.main_process_first():
+        if state.is_main_process:
+            make_pairs(4, 0).save_to_disk(path)
+    return datasets.load_from_disk(path)
+
+
+def make_samples() -> list[dict]:
+    """Eight tokenized samples (a prompt of 0-2 tokens masked)."""
     import torch
-    from accelerate import ParallelismConfig
-    from transformers import AutoTokenizer, TrainerCallback
-
-    from packing_hf import PaddingFreeCollator, SFTConfig, SFTTrainer, Trainer, TrainingArguments
-
-    grads: dict = {}
-
-    class Capture(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-
-    class Recording(Trainer if kind == "trainer" else SFTTrainer):
-        def training_step(self, *args, **kwargs):
-            loss = super().training_step(*args, **kwargs)
-            grads["__loss__"] = loss.detach().clone()
-            return loss
 
     generator = torch.Generator().manual_seed(7)
     data = []
     for i, length in enumerate([13, 21, 6, 9, 17, 4, 11, 8]):
         ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
         data.append({"input_ids": ids, "labels": [-100] * (i % 3) + ids[i % 3 :]})
+    return data
+
+
+def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overrides):
+    """The trainer of a case: ``packing_hf.Trainer`` (``"trainer"``, ``"token"``, with an eval set),
+    ``SFTTrainer`` (``"sft"``, ``"sample"``), ``DPOTrainer`` (``"dpo"``, a live reference model, an eval set;
+    ``"dpo_precompute"``, reference log-probs precomputed) or ``Trainer`` on a stream (``"stream"``); ``capture`` receives the last step's loss, the gradients the optimizer
+    sees (DDP's average) of the first step and every training batch's ``input_ids``."""
+    import datasets
+    from accelerate import ParallelismConfig
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from packing_hf import (
+        DPOConfig,
+        DPOTrainer,
+        PaddingFreeCollator,
+        SFTConfig,
+        SFTTrainer,
+        Trainer,
+        TrainingArguments,
+    )
+    from packing_hf.streaming import read_stream
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if "grads" not in capture:  # the first step's (later steps also carry the optimizer's rounding)
+                capture["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    base = {"sft": SFTTrainer, "dpo": DPOTrainer, "dpo_precompute": DPOTrainer}.get(kind, Trainer)
+
+    class Recording(base):
+        def evaluate(self, *args, **kwargs):  # counts the attention calls run on sequence-parallel shards
+            from packing_hf.attention.ulysses import SequenceShard
+
+            original = SequenceShard.attention
+
+            def counted(shard, *call, **options):
+                capture["eval_shard_calls"] = capture.get("eval_shard_calls", 0) + 1
+                return original(shard, *call, **options)
+
+            SequenceShard.attention = counted
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                SequenceShard.attention = original
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            ids = inputs.get("packed_input_ids", inputs.get("input_ids"))
+            capture.setdefault("batches", []).append(ids.tolist())
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            capture.setdefault("loss", loss.detach().clone())
+            return loss
+
     options = dict(
         max_tokens_per_batch=48, max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, report_to="none",
         save_strategy="no", use_cpu=True, disable_tqdm=True, packing_preflight="off", seed=3,
         parallelism_config=ParallelismConfig(sp_size=sp_size) if sp_size > 1 else None,
     )  # fmt: skip
-    extra = {}
+    options.update(overrides)
+    folder = f"{out_dir}/{kind}-sp{sp_size}"
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    data = make_samples()
+    extra = {"data_collator": PaddingFreeCollator(), "train_dataset": data}
+    model = make_model("llama")
     if kind == "trainer":
-        args = TrainingArguments(f"{out_dir}/trainer-sp{sp_size}", loss_normalization="token", **options)
-    else:  # TRL's SFT in fp32 (its default on CPU is bf16 autocast), data already tokenized
+        args = TrainingArguments(folder, loss_normalization="token", **options)
+        extra["eval_dataset"] = data[::-1]
+    elif kind == "stream":  # a stream packed online, two steps, a checkpoint after the first
+        args = TrainingArguments(folder, loss_normalization="token", **options)
+        extra["train_dataset"] = read_stream(data)
+    elif kind == "sft":  # TRL's SFT in fp32 (its default on CPU is bf16 autocast), data already tokenized
         args = SFTConfig(
-            f"{out_dir}/sft-sp{sp_size}", loss_normalization="sample", padding_free=True, max_length=None,
-            bf16=False, **options,
-        )  # fmt: skip
-        data = datasets.Dataset.from_list(data)
-        extra["processing_class"] = AutoTokenizer.from_pretrained(TOKENIZER)
-    trainer = Recording(
-        model=make_model("llama"), args=args, train_dataset=data, data_collator=PaddingFreeCollator(),
-        callbacks=[Capture()], **extra,
-    )  # fmt: skip
-    trainer.train()
-    loss = grads.pop("__loss__").double()
-    if sp_size > 1:
-        import torch.distributed as dist
+            folder, loss_normalization="sample", padding_free=True, max_length=None, bf16=False, **options
+        )
+        extra.update(processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(data))
+    else:  # DPO: pairs tokenized by TRL, the 49k-token SmolLM2 vocabulary, a reference model
+        options.update(max_tokens_per_batch=DPO_TOKENS)
+        precompute = kind == "dpo_precompute"
+        # shared_prompt off on one process too (it is off under SP): the same rows on both sides
+        args = DPOConfig(
+            folder, precompute_ref_log_probs=precompute, shared_prompt=False, bf16=False, **options
+        )
+        model = make_model("llama", vocab=len(tokenizer))
+        extra = dict(
+            ref_model=make_model("llama", vocab=len(tokenizer), seed=1),  # not the policy: a loss of its own
+            processing_class=tokenizer,
+            train_dataset=saved_pairs(folder) if precompute else make_pairs(4, 0),
+        )
+        if not precompute:
+            extra["eval_dataset"] = make_pairs(3, 4)
+    return Recording(model=model, args=args, callbacks=[Capture()], **extra)
 
+
+def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
+    """One case (:func:`build_trainer`) with ``sp_size`` processes in one SP group or (``1``) on one process:
+    ``step``: the first step's loss (summed over ranks) and gradients; ``eval``: the eval loss (``trainer``,
+    ``dpo``); ``batches`` / ``resumed``: the training batches of a 2-step run with a checkpoint after step 1, and
+    those of a run resumed from that checkpoint (``stream``), gathered over the ranks."""
+    import torch.distributed as dist
+
+    capture: dict = {}
+    result = {}
+    if kind == "stream":
+        options = dict(max_steps=2, save_strategy="steps", save_steps=1, save_only_model=False)
+        build_trainer(out_dir, sp_size, kind, capture, **options).train()
+        again: dict = {}
+        checkpoint = f"{out_dir}/{kind}-sp{sp_size}/checkpoint-1"
+        build_trainer(out_dir, sp_size, kind, again, **options).train(resume_from_checkpoint=checkpoint)
+        result["resumed"] = again["batches"]
+    else:
+        trainer = build_trainer(out_dir, sp_size, kind, capture)
+        trainer.train()
+        if kind in ("trainer", "dpo"):
+            result["eval"] = trainer.evaluate()["eval_loss"]
+            result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)
+    result["batches"] = capture["batches"]
+    loss = capture["loss"].double()
+    if sp_size > 1:
         dist.all_reduce(loss)
         loss /= dist.get_world_size()  # each rank's loss is scaled by the world size (DDP averages)
-    return loss, grads
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: result[k] for k in ("batches", "resumed") if k in result})
+        result["ranks"] = everyone
+    result["step"] = (loss, capture["grads"])
+    return result
+
+
+def sum_alone(values, shard):
+    """Negative control for DPO: this rank's per-token values in the row, the other ranks' left at zero (the
+    per-sample sums are not reduced over the group)."""
+    import torch
+
+    rest = tuple(values.shape[2:])
+    before = values.new_zeros((1, shard.offset, *rest))
+    after = values.new_zeros((1, sum(shard.lengths) - shard.offset - shard.length, *rest))
+    return torch.cat([before, values, after], dim=1)
 
 
 def run_trainer(rank: int, out_dir: str, port: str, world: int) -> None:
     import torch
 
+    import packing_hf.integrations.adapters as adapters
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
     torch.set_num_threads(1)
-    results = {kind: trainer_step(out_dir, world, kind) for kind in ("trainer", "sft")}
+    results = {kind: trainer_step(out_dir, world, kind) for kind in TRAINER_KINDS}
+    adapters.gather_shard_tokens = sum_alone
+    results["dpo_alone"] = trainer_step(f"{out_dir}/alone", world, "dpo")
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "sp_trainer.pt"))
 
@@ -257,7 +402,8 @@ def main(out_dir: str, port: str) -> None:
 
     import packing_hf
     import packing_hf.attention.sequence_parallel  # noqa: F401
-    import packing_hf.integrations.sft  # noqa: F401  (TRL too)
+    import packing_hf.integrations.dpo  # noqa: F401  (TRL too)
+    import packing_hf.integrations.sft  # noqa: F401
     import packing_hf.integrations.trainer  # noqa: F401
 
     torch.set_num_threads(1)
@@ -272,7 +418,7 @@ def main(out_dir: str, port: str) -> None:
         probe.bind(("127.0.0.1", 0))
         second = str(probe.getsockname()[1])
     mp.start_processes(run_trainer, args=(out_dir, second, 2), nprocs=2, start_method="fork")
-    reference = {kind: trainer_step(out_dir, 1, kind) for kind in ("trainer", "sft")}
+    reference = {kind: trainer_step(out_dir, 1, kind) for kind in TRAINER_KINDS}
     torch.save(reference, os.path.join(out_dir, "sp_trainer_reference.pt"))
 
 

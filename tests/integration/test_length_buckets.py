@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from packing_hf import PaddingFreeCollator, register_attention
-from packing_hf.collator import length_buckets
+from packing_hf._loss import loss_counts
+from packing_hf.architectures import build_tiny_model, prepare_model_for_packing
+from packing_hf.attention.guards import validate_packed_batch
+from packing_hf.collator import length_buckets, segment_buckets
 
 SAMPLES = [[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 11, 2], [13, 1, 9, 9, 5, 6, 2, 2, 7]]  # 21 tokens
 
@@ -58,3 +61,74 @@ def test_bucket_arguments():
         PaddingFreeCollator(length_buckets=(8,), pad_to_multiple_of=8)
     with pytest.raises(ValueError, match="at most 8 buckets"):
         length_buckets(4096, count=9)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa_padded"])
+def test_empty_segments_closing_cu_seq_lens_change_nothing(
+    backend, tiny_causal_lm_factory, assert_close, one_torch_thread
+):
+    """``segment_buckets``: cu_seq_lens padded with empty segments trains like the unpadded row, through the
+    batch guard, packing_hf's attention (per-segment SDPA, and the padded batch) and the loss counts."""
+    name = register_attention(backend)
+    try:
+        model = tiny_causal_lm_factory(
+            vocab_size=32, hidden_size=32, intermediate_size=64, attn_implementation=name
+        )
+        features = [{"input_ids": ids} for ids in SAMPLES]
+        plain = PaddingFreeCollator(length_buckets=(32,))(features)
+        collator = PaddingFreeCollator(length_buckets=(32,), segment_buckets=(8, 16))
+        padded = collator(features)
+        assert padded["cu_seq_lens_q"].tolist() == [0, 7, 12, 21, 32, 32, 32, 32, 32]  # 4 segments -> 8
+        assert collator.stats["empty_segments"] == 4 and padded["input_ids"].shape == (1, 32)
+        assert padded["max_length_q"] == 32 and plain["max_length_q"] == 11  # rounded up to the length bucket
+        for key in ("input_ids", "labels", "position_ids"):
+            assert torch.equal(padded[key], plain[key])
+        assert validate_packed_batch(padded)["cu_seq_lens_q"] is padded["cu_seq_lens_q"]
+        assert loss_counts(padded["labels"], cu_seq_lens=padded["cu_seq_lens_q"]) == loss_counts(
+            plain["labels"], cu_seq_lens=plain["cu_seq_lens_q"]
+        )
+        want_loss, want_grads = loss_and_grads(model, plain)
+        got_loss, got_grads = loss_and_grads(model, padded)
+        assert_close(got_loss, want_loss, "loss", rel=1e-6)
+        for got, want in zip(got_grads, want_grads, strict=True):
+            assert_close(got, want, "gradient", rel=1e-5, terms=(want.abs().max(),))
+        # negative control: one more boundary, inside the second sample (the same shapes) shows up in the loss
+        split = [{"input_ids": ids} for ids in (SAMPLES[0], SAMPLES[1][:2], SAMPLES[1][2:], SAMPLES[2])]
+        cut = collator(split)
+        assert cut["cu_seq_lens_q"].tolist() == [0, 7, 9, 12, 21, 32, 32, 32, 32]
+        cut_loss, _ = loss_and_grads(model, cut)
+        assert abs(float(cut_loss) - float(want_loss)) > 1e-4
+    finally:
+        register_attention()
+
+
+def test_empty_segments_only_close_the_row():
+    batch = PaddingFreeCollator(segment_buckets=(4,))([{"input_ids": ids} for ids in SAMPLES])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 7, 12, 21, 21]
+    validate_packed_batch(batch)
+    inside = {**batch, "cu_seq_lens_q": torch.tensor([0, 7, 7, 12, 21], dtype=torch.int32)}
+    inside["cu_seq_lens_k"] = inside["cu_seq_lens_q"]
+    with pytest.raises(ValueError, match="an empty segment ends at cu_seq_lens_q"):
+        validate_packed_batch(inside)
+    with pytest.raises(ValueError, match="more than the largest of segment_buckets"):
+        PaddingFreeCollator(segment_buckets=(2,))([{"input_ids": ids} for ids in SAMPLES])
+    with pytest.raises(ValueError, match="give 1 to 8 segment counts"):
+        PaddingFreeCollator(segment_buckets=())
+    assert segment_buckets(3, count=4) == (1, 3)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text"])
+def test_empty_segments_reach_the_token_mixers_of_a_prepared_hybrid_as_nothing(model_type, one_torch_thread):
+    """The per-sample mixers (here gated DeltaNet and its short convolution) read the boundaries from their layer's call:
+    the empty segments closing ``cu_seq_lens`` add no sample there either."""
+    model = build_tiny_model(model_type, register_attention())
+    features = [{"input_ids": ids} for ids in SAMPLES]
+    plain = PaddingFreeCollator(length_buckets=(32,))(features)
+    padded = PaddingFreeCollator(length_buckets=(32,), segment_buckets=(8,))(features)
+    split = PaddingFreeCollator(length_buckets=(32,), segment_buckets=(8,))(
+        [{"input_ids": ids} for ids in (SAMPLES[0], SAMPLES[1][:2], SAMPLES[1][2:], SAMPLES[2])]
+    )
+    with prepare_model_for_packing(model), torch.no_grad():
+        want, got, control = (model(**batch, use_cache=False).logits for batch in (plain, padded, split))
+    assert torch.equal(got, want)
+    assert not torch.allclose(control[0, 9:12], want[0, 9:12])  # a real boundary there changes the logits

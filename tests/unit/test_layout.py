@@ -247,9 +247,11 @@ PATCHING_ALLOWED: dict[str, tuple[str, int | None]] = {
     # accelerator gather (the adapters)
     "packing_hf.integrations.session": ("the attention switch and use_cache, given back", None),
     "packing_hf.integrations.preflight": ("the pre-flight's attention switch", None),
-    "packing_hf.integrations.adapters": ("model adapters: forward hooks, the accelerator's gather", None),
-    # Today's site elsewhere in integrations/ (to move), counted so that no new site is added next to it.
-    "packing_hf.integrations.dataloaders": ("accelerate's batch shard made a pass-through", 2),
+    "packing_hf.integrations.adapters": ("model adapters: forward hooks on the trainer's models", None),
+    "packing_hf.integrations.accelerator": (
+        "the trainer's own accelerator gather and prepared batch shard, adapted for its life",
+        None,
+    ),
 }  # fmt: skip
 
 

@@ -62,10 +62,12 @@ def _compare(assert_close, head, reduction, bias):
         strict=False,
     ):
         assert_close(g, w, f"{reduction} d/d{name}", rel=REL)
-    logps, entropy, means = token_logprobs(
-        hidden, weight, targets, b, head=head, chunk_size=CHUNK, entropy=True, mean_logits=True
+    logps, entropy, means, top1 = token_logprobs(
+        hidden, weight, targets, b, head=head, chunk_size=CHUNK, entropy=True, mean_logits=True, top1=True
     )
-    assert_close(means, head.apply(F.linear(hidden, weight, b)).mean(-1).detach(), "mean logits", rel=REL)
+    logits = head.apply(F.linear(hidden, weight, b)).detach()
+    assert_close(means, logits.mean(-1), "mean logits", rel=REL)
+    assert torch.equal(top1, logits.argmax(-1) == targets)
     assert_close(logps.detach(), want_logps.detach(), "log-probs", rel=REL)
     assert_close(entropy.detach(), want_entropy.detach(), "entropies", rel=REL)
     a, c = torch.linspace(-1, 1, N), torch.linspace(2, -0.5, N)

@@ -97,7 +97,7 @@ def _check_model(name: str, assert_close) -> None:
     log_p = model(**inputs).logits.log_softmax(-1)
     want_logps = torch.where(targets != -100, log_p.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
     want_entropy = -(log_p.exp() * log_p).sum(-1)
-    (logps, entropy, _), _ = model_token_logprobs(model, inputs, targets, entropy=True, chunk_size=CHUNK)
+    (logps, entropy, _, _), _ = model_token_logprobs(model, inputs, targets, entropy=True, chunk_size=CHUNK)
     assert_close(logps.detach(), want_logps.detach(), f"{name} log-probs", rel=REL)
     assert_close(entropy.detach(), want_entropy.detach(), f"{name} entropies", rel=REL)
     upstream = torch.linspace(-1.0, 2.0, targets.shape[1])
@@ -112,12 +112,14 @@ def test_chunked_head_equals_the_models_logits(name, assert_close):
     _check_model(name, assert_close)
 
 
-def test_negative_control_a_chunk_boundary_dropping_a_token(assert_close, monkeypatch):
-    def dropping(n, size):  # the first token of every chunk after the first is skipped
-        for start in range(0, n, size):
-            yield (start + 1 if start else 0), min(start + size, n)
+def _dropping(n, size):
+    """A broken chunk loop: the first token of every chunk after the first is skipped."""
+    for start in range(0, n, size):
+        yield (start + 1 if start else 0), min(start + size, n)
 
-    monkeypatch.setattr(loss_head, "_chunks", dropping)
+
+def test_negative_control_a_chunk_boundary_dropping_a_token(assert_close, monkeypatch):
+    monkeypatch.setattr(loss_head, "_chunks", _dropping)
     with pytest.raises(AssertionError, match="loss"):
         _check_model("llama_untied", assert_close)
 
@@ -172,3 +174,84 @@ def test_a_head_that_cannot_be_chunked_keeps_the_logits_and_says_why_once(tmp_pa
     said = [r.getMessage() for r in caplog.records if "chunked_loss" in r.getMessage()]
     assert len(said) == 1 and "OPTForCausalLM" in said[0], said
     assert _trainer(tmp_path, _model("llama_untied"), False)._chunked_head(model) is None  # opted out
+
+
+def _step(model, inputs, labels, weights, *, chunked: bool):
+    """One packed step: the summed weighted loss (chunked head or the model's own logits) and every gradient
+    (``.backward()``: reentrant checkpointing refuses ``torch.autograd.grad``)."""
+    model.zero_grad(set_to_none=True)
+    inputs = {
+        **inputs,
+        "use_cache": False,
+    }  # what checkpointing forces (stock eager masks a cached call differently)
+    coefficients = target_coefficients(labels, "token", weights, inputs["position_ids"])
+    if chunked:
+        loss, _, _ = causal_lm_loss(model, inputs, labels, coefficients, chunk_size=CHUNK)
+    else:
+        logits = model(**inputs).logits.float()  # (1, T, V)
+        per_target = F.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")[None]
+        loss = (per_target * coefficients).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_checkpointing(assert_close, use_reentrant: bool, corrupt=lambda: None) -> None:
+    model = _model("llama_untied")
+    inputs, labels, weights = _packed_row()
+    want, want_grads = _step(model, inputs, labels, weights, chunked=True)
+    calls = []
+    # inside the checkpointed forward (the layer's own hooks stay outside; a recompute may stop early)
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *args: calls.append(1))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    corrupt()
+    got, got_grads = _step(model, inputs, labels, weights, chunked=True)
+    assert len(calls) == 2  # the layer ran again in backward: checkpointing is on
+    assert_close(got, want, "checkpointed loss", rel=REL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert_close(got_grads[name], grad, f"checkpointed d/d{name}", rel=REL)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_keeps_the_chunked_loss_and_grads(use_reentrant, assert_close):
+    _check_checkpointing(assert_close, use_reentrant)
+
+
+def test_negative_control_checkpointing_with_a_chunk_dropping_a_token(assert_close, monkeypatch):
+    with pytest.raises(AssertionError, match="checkpointed loss"):  # only the checkpointed step drops it
+        _check_checkpointing(
+            assert_close, False, lambda: monkeypatch.setattr(loss_head, "_chunks", _dropping)
+        )
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_bf16_autocast_stays_within_bf16_noise_of_the_full_logits(drop, monkeypatch):
+    """Under CPU bf16 autocast the chunked step's loss and gradients are as far from the fp32 step as the
+    full-logits path's own are (bf16 rounding), not further; negative control (``drop``): a chunk loop that
+    drops tokens is caught."""
+    if drop:
+        monkeypatch.setattr(loss_head, "_chunks", _dropping)
+        with pytest.raises(AssertionError):
+            _check_bf16()
+    else:
+        _check_bf16()
+
+
+def _check_bf16() -> None:
+    model = _model("llama_tied")
+    inputs, labels, weights = _packed_row()
+    exact, exact_grads = _step(model, inputs, labels, weights, chunked=False)  # fp32: the reference
+    results = {}
+    for chunked in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[chunked] = _step(model, inputs, labels, weights, chunked=chunked)
+    (chunked_loss, chunked_grads), (full_loss, full_grads) = results[True], results[False]
+    assert full_loss != exact  # autocast did round (else this compares nothing)
+
+    def error(got, want):
+        return float((got - want).abs().max() / want.abs().max())
+
+    bf16 = 2.0**-8  # bf16 unit roundoff
+    assert error(chunked_loss, exact) <= 2 * error(full_loss, exact) + bf16
+    for name, grad in exact_grads.items():
+        assert error(chunked_grads[name], grad) <= 2 * error(full_grads[name], grad) + bf16, name

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import datasets
 import pytest
 import torch
+from accelerate import ParallelismConfig
 from transformers import TrainerCallback
 
 trl = pytest.importorskip("trl")
@@ -323,6 +324,15 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         ({}, {"data_collator": "trl"}, "does not pack preference pairs"),
         ({"shared_prompt": False}, {"data_collator": "shared"}, "contradicts the data_collator's"),
         ({}, {"images": True}, "vision-language preference batches are not packed"),
+        (
+            {
+                "max_tokens_per_batch": 512,
+                "shared_prompt": True,
+                "parallelism_config": ParallelismConfig(sp_size=2),
+            },
+            {},
+            "shared_prompt=True with sp_size > 1",
+        ),
     ],
     ids=[
         "prompt_only",
@@ -332,6 +342,7 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         "padded_collator",
         "shared_prompt_contradiction",
         "vision",
+        "shared_prompt_sequence_parallel",
     ],
 )
 def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):

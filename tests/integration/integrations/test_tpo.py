@@ -19,6 +19,7 @@ from trl.experimental.tpo import TPOConfig as StockTPOConfig  # noqa: E402
 from trl.experimental.tpo import TPOTrainer as StockTPOTrainer  # noqa: E402
 
 import packing_hf  # noqa: E402
+from packing_hf import loss_head  # noqa: E402
 from packing_hf.integrations.tpo import (  # noqa: E402
     PackedTripleForward,
     TPOConfig,
@@ -154,7 +155,7 @@ def _batches(stock, packed, n):
 
 @pytest.mark.parametrize("case", ["sigmoid", "tpo-l", "sigmoid-no-reference"])
 def test_logits_loss_gradients_and_metrics_match_stock(
-    tmp_path, tokenizer, twins, triples, case, assert_close
+    tmp_path, tokenizer, twins, triples, case, assert_close, monkeypatch
 ):
     stock, packed = _build(tmp_path, tokenizer, twins, lambda: triples(3), **CASES[case])
     padded_batch, packed_batch = _batches(stock, packed, 3)
@@ -170,13 +171,27 @@ def test_logits_loss_gradients_and_metrics_match_stock(
     _close(got.logits[real], want.logits[real], "logits of every real token")
     assert not got.logits[~real].any()  # padding: zeros, never read by TRL's loss
 
+    # the chunked LM head (chunked_loss=True, the default), in chunks of 16 tokens: the head projects nothing
+    monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size: 16)
+    projected = []
+    hook = packed.model.lm_head.register_forward_hook(lambda m, a, out: projected.append(out.shape[-2]))
     loss_p, grads_p, metrics_p = _loss_grads_metrics(packed, packed_batch)
+    hook.remove()
+    assert projected == [0]
     loss_s, grads_s, metrics_s = _loss_grads_metrics(stock, padded_batch)
     _close(loss_p, loss_s, "loss")
     _close(grads_p, grads_s, "gradients")
     assert set(metrics_p) == set(metrics_s) >= {"logps/chosen", "logps/rejected", "entropy", "logits/chosen"}
     for key, value in metrics_s.items():
         assert_close(metrics_p[key], value, f"metric {key}", rel=REL, terms=_terms(key, metrics_s))
+    if case == "sigmoid":  # negative control of the chunked head: a chunk loop dropping a token is caught
+        real = loss_head._chunks
+        monkeypatch.setattr(
+            loss_head, "_chunks", lambda n, size: ((s + (s > 0), e) for s, e in real(n, size))
+        )
+        with pytest.raises(AssertionError, match="loss"):
+            _close(_loss_grads_metrics(packed, packed_batch)[0], loss_s, "loss")
+        monkeypatch.setattr(loss_head, "_chunks", real)
 
     # negative control: the model runs the packed row as one sequence (positions running on, attention not
     # split per segment), so every sequence sees the ones before it: the same comparisons fail

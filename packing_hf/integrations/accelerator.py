@@ -1,0 +1,70 @@
+"""The trainer's own accelerate objects adapted to packed batches: ranks that hold different numbers of rows,
+and batches a rank-aware sampler already shards.
+
+Each function changes only an object the packing trainer built (its ``Accelerator``, its prepared
+``DataLoader``), once, for that object's life; the layout test allows these sites here
+(``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["gather_uneven_rows", "pass_through_batch_shard"]
+
+
+def pass_through_batch_shard(dataloader: Any, sampler: Any) -> Any:
+    """Make accelerate's ``BatchSamplerShard`` around a rank-aware ``sampler`` a pass-through; return it.
+
+    The sampler already gives each rank its share; the shard ``accelerator.prepare`` wraps it in would hand out
+    every ``num_processes``-th of those batches again (dropping samples, and leaving ranks uneven). Stock
+    ``Trainer`` treats its own rank-aware ``BatchRebalanceSampler`` the same way. The dataloader is the
+    trainer's own (built for this sampler), so nothing is given back.
+    """
+    shard = getattr(dataloader, "batch_sampler", None)
+    if shard is not None and shard is not sampler and getattr(shard, "batch_sampler", None) is sampler:
+        shard.num_processes = 1
+        shard.process_index = 0
+    return shard
+
+
+def gather_uneven_rows(accelerator: Any) -> None:
+    """Let ``accelerator.gather`` (and ``gather_for_metrics``, which calls it) take tensors whose first dimension
+    differs between the processes; a no-op with one process.
+
+    Multipack gives every rank its own batches, so in the same step the ranks hold different numbers of
+    samples, pairs or examples, and the per-row tensors that Transformers and TRL gather for their metrics
+    (TRL's per-pair rewards and log-probs, the reward model's scores) differ in length: a plain all-gather
+    aborts the process on gloo and may hang on NCCL. Each tensor is padded to the longest rank's rows,
+    gathered and the padding dropped: every rank's rows in rank order, as a plain gather returns them when
+    the lengths agree. Scalars, and the tensors inside tuples, lists and dicts, are handled alike; anything
+    else goes to the plain gather. Installed once per accelerator by the packing trainers.
+
+    >>> from accelerate import Accelerator
+    >>> accelerator = Accelerator(cpu=True)
+    >>> gather_uneven_rows(accelerator)  # one process: accelerate's own gather is kept
+    >>> accelerator.gather(torch.tensor([1, 2])).tolist()
+    [1, 2]
+    """
+    if accelerator.num_processes == 1 or getattr(accelerator, "_packing_uneven_gather", False):
+        return
+    plain = accelerator.gather
+
+    def gather(data: Any) -> Any:
+        if isinstance(data, (tuple, list)):
+            return type(data)(gather(d) for d in data)
+        if isinstance(data, dict):
+            return type(data)({k: gather(v) for k, v in data.items()})
+        if not isinstance(data, torch.Tensor) or data.dim() == 0:
+            return plain(data)
+        rows = plain(torch.tensor([data.shape[0]], device=data.device)).tolist()  # (num_processes,)
+        if len(set(rows)) == 1:
+            return plain(data)
+        padded = accelerator.pad_across_processes(data, dim=0)
+        blocks = plain(padded).split(padded.shape[0])
+        return torch.cat([block[:n] for block, n in zip(blocks, rows, strict=True)])
+
+    accelerator.gather = gather
+    accelerator._packing_uneven_gather = True
