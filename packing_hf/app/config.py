@@ -492,15 +492,7 @@ def load_train_config(
     ...
     ValueError: unknown config key 'learnig_rate' in <dict>. Did you mean 'learning_rate'? `packing-hf train --help` lists the keys
     """
-    if config is None:
-        values: dict[str, Any] = {}
-        source = "<defaults>"
-    elif isinstance(config, Mapping):
-        values = dict(config)
-        source = "<dict>"
-    else:
-        values = read_yaml(config)
-        source = str(config)
+    values, source = _config_values(config)
     cli = parse_overrides(overrides)
     trainer = cli["trainer"][0] if cli.get("trainer") else values.get("trainer", "trainer")
     training_cls = _training_class(str(trainer))
@@ -520,7 +512,6 @@ def load_train_config(
 
     _rename_deprecated(values, cli, training_cls)
     _own_model(values, cli, source)
-
     _device_defaults(values, cli)
     try:
         model_args, data_args, job_args, training_args = (
@@ -548,6 +539,15 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     return result
+
+
+def _config_values(config: str | Path | Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """The config's keys and a name for its source (the YAML path, ``<dict>`` or ``<defaults>``)."""
+    if config is None:
+        return {}, "<defaults>"
+    if isinstance(config, Mapping):
+        return dict(config), "<dict>"
+    return read_yaml(config), str(config)
 
 
 def _check_keys(

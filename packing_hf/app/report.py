@@ -109,8 +109,18 @@ def machine_note(machine: dict[str, Any] | None) -> tuple[bool, str]:
 
 
 def print_summary(summary: dict[str, Any], print_fn) -> None:
+    """Print the job's summary: what ran, the packed vs padded table, and where its outputs and time went."""
     rule = "=" * 90
-    lines = ["", rule, "packing-hf train: summary", rule]
+    busy, machine = machine_note(summary.get("machine_load"))
+    lines = ["", rule, "packing-hf train: summary", rule, *_run_lines(summary), "-" * 90]
+    lines += _table_lines(summary, busy)
+    lines += ["-" * 90, *_output_lines(summary, busy), f"machine      {machine}", rule]
+    print_fn("\n".join(lines))
+
+
+def _run_lines(summary: dict[str, Any]) -> list[str]:
+    """What ran: model, attention, data, training steps and losses (rewards for RL)."""
+    lines = []
     lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
     lines.append(f"attention    {summary.get('attn_implementation')}")
     if summary.get("stream"):
@@ -137,8 +147,12 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
         lines.append(
             f"reward       {rewards[0]:.4f} (first step) -> {rewards[-1]:.4f} (last step), mean per logged step"
         )
-    lines.append("-" * 90)
-    lines.append(f"{'':34}{'packed':>12}{'padded':>12}  padded means")
+    return lines
+
+
+def _table_lines(summary: dict[str, Any], busy: bool) -> list[str]:
+    """Packed vs padded: fill, tokens/s and their ratio, and the held-out eval loss."""
+    lines = [f"{'':34}{'packed':>12}{'padded':>12}  padded means"]
     base = summary.get("baseline")
     if summary.get("padded_efficiency") is not None and not summary.get("stream"):
         lines.append(
@@ -163,7 +177,6 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"{'':34}(the step logs' packing_efficiency is each step's own fill; their padded_batch_efficiency "
             "pads that step's samples)"
         )
-    busy, machine = machine_note(summary.get("machine_load"))
     if base:
         lines.append(
             f"{'tokens/s (forward+backward)':34}{base['packed_tokens_per_s']:>12.0f}{base['padded_tokens_per_s']:>12.0f}"
@@ -181,7 +194,12 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"{summary['eval_loss_after']:.4f} after training, on {summary['eval_samples']} samples of "
             f"{summary['eval_dataset']} ({summary['eval_tokens']:,} trained tokens)"
         )
-    lines.append("-" * 90)
+    return lines
+
+
+def _output_lines(summary: dict[str, Any], busy: bool) -> list[str]:
+    """Where the model went, peak memory, and wall and CPU time per phase."""
+    lines = []
     if summary.get("output_dir"):
         lines.append(f"saved        {summary['output_dir']}")
     peaks = summary.get("peak_rss_gb") or {}
@@ -199,9 +217,7 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
             f"             {_fmt_seconds(summary['total_cpu_seconds'])} CPU, all threads ({cpu})"
             + (": steadier than wall time on a shared machine" if not busy else "")
         )
-    lines.append(f"machine      {machine}")
-    lines.append(rule)
-    print_fn("\n".join(lines))
+    return lines
 
 
 def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
