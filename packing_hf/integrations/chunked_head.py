@@ -106,8 +106,16 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
     return processing
 
 
-def _hidden_states(model: Any, head: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-    """``(hidden (B, T, H), outputs)``: the model called on ``inputs``, its head's input kept, no logits made."""
+def _hidden_states(
+    model: Any, inputs: dict[str, Any], resolved: tuple[torch.nn.Linear, LogitHead] | None
+) -> tuple[torch.nn.Linear, LogitHead, torch.Tensor, Any]:
+    """``(head, logit_head, hidden (B, T, H), outputs)``: the model called on ``inputs``, its head's input kept,
+    no logits made; ``resolved`` is :func:`resolve_head` of the model (looked up when ``None``)."""
+    if resolved is None:
+        resolved = resolve_head(model)
+        if isinstance(resolved, str):
+            raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
+    head, logit_head = resolved
     with head_inputs(head) as captured:
         outputs = model(**inputs)
     if len(captured) != 1:
@@ -115,7 +123,7 @@ def _hidden_states(model: Any, head: torch.nn.Module, inputs: dict[str, Any]) ->
             f"the model called its lm_head {len(captured)} times in one forward; the chunked loss needs one call. "
             "Set chunked_loss=False"
         )
-    return captured[0], outputs
+    return head, logit_head, captured[0], outputs
 
 
 def causal_lm_loss(
@@ -143,12 +151,7 @@ def causal_lm_loss(
         the fp32 sum ``sum c * CE`` over the targets, the labelled targets' :class:`LogitStats`, and the model's
         outputs (their ``logits`` are empty).
     """
-    if resolved is None:
-        resolved = resolve_head(model)
-        if isinstance(resolved, str):
-            raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
-    head, logit_head = resolved
-    hidden, outputs = _hidden_states(model, head, inputs)
+    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
     targets = labels[:, 1:].to(hidden.device)
     mask = targets != -100
     if coefficients is not None:
@@ -193,12 +196,7 @@ def model_token_logprobs(
     Returns:
         :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
     """
-    if resolved is None:
-        resolved = resolve_head(model)
-        if isinstance(resolved, str):
-            raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
-    head, logit_head = resolved
-    hidden, outputs = _hidden_states(model, head, inputs)
+    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
     out = token_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
