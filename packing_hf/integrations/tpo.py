@@ -22,8 +22,10 @@ This subclass keeps TRL's tokenization and ``_compute_loss`` and changes what th
   reads is at a real position. Only the logits of padding positions (which stock computes on pad tokens and
   never reads) are zeros; they would reach a ``compute_metrics``, which is refused, or ``trainer.predict()``.
   The model's layers compute real tokens only. That path (the logits take ``S x L x V`` as stock's do) is
-  taken with ``chunked_loss=False``, for evaluation outputs, and where the head cannot be chunked (the log says
-  why once).
+  taken with ``chunked_loss=False``, where the head cannot be chunked (the log says why once), and by
+  ``trainer.predict()`` unless ``prediction_loss_only``: its predictions are these logits. ``evaluate()``
+  asks for the loss and metrics alone (``compute_metrics`` is refused, so transformers sets
+  ``prediction_loss_only``) and takes the chunked path below.
 - By default (``chunked_loss=True``) no logits are built: ``_compute_loss`` takes from the chunked LM head
   (:func:`~packing_hf.integrations.chunked_head.model_token_logprobs`) every quantity stock's reads from the
   logits (per-token log-probs, the reference NLL, entropy, ``logits/*`` means, token accuracy) and applies
@@ -217,7 +219,8 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
             )
         padded = {k: inputs[k] for k in ("input_ids", "attention_mask", "completion_mask")}
         packed = {k: inputs[k] for k in ("packed_input_ids", "packed_index", *_PACKED_INPUTS)}
-        resolved = None if return_outputs else self._chunked_head(model)  # eval outputs carry the logits
+        # return_outputs: trainer.predict(), whose predictions are the logits (evaluate() asks for the loss alone)
+        resolved = None if return_outputs else self._chunked_head(model)
         if resolved is None:
             return super()._compute_loss(PackedTripleForward(model, packed), padded, return_outputs)
         return self._chunked_compute_loss(model, padded, packed, resolved)
