@@ -28,7 +28,7 @@ COMMANDS: dict[str, str] = {
     "python examples/train_trainer.py --tiny": "tests/integration/app/test_examples.py::test_trainer_examples_train",
     "packing-hf preview path/to/train.jsonl -n 3": "tests/integration/app/test_cli_cases.py::test_a_field_missing_from_the_first_record_reaches_later_prompts",
     "packing-hf train configs/smollm2_demo.yaml dataset=path/to/train.jsonl eval_dataset=path/to/heldout.jsonl --max_steps 200": "tests/integration/app/test_cli.py::test_train_tiny_cpu_config_with_overrides",
-    "packing-hf train configs/smollm2_demo.yaml dataset=my_data.jsonl streaming=true max_tokens_per_batch=4096 max_steps=1000": "tests/integration/app/test_cli_streaming.py::test_streaming_trains_max_steps_in_batches_within_the_budget",
+    "packing-hf train configs/smollm2_demo.yaml dataset=my_data.jsonl streaming=true max_tokens_per_batch=4096 max_steps=1000 activation_checkpointing=true": "tests/integration/app/test_cli_streaming.py::test_streaming_trains_max_steps_in_batches_within_the_budget",
     "packing-hf train configs/smollm2_demo.yaml dataset=openai/gsm8k dataset_config=main": "needs the Hub (network); the same job on a local file: tests/integration/app/test_cli.py::test_train_tiny_cpu_config_with_overrides",
     "packing-hf train configs/smollm2_sft.yaml": "sized for a GPU (16k-token budget); parsed by tests/unit/app/test_config.py::test_every_shipped_config_parses, its trainer: sft job run by tests/integration/app/test_cli.py::test_train_sft_trainer_config_with_a_tiny_model",
     "packing-hf train configs/sft_trainer.yaml": "tests/integration/app/test_cli.py::test_train_sft_trainer_config_with_a_tiny_model",

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedModel
 
 from packing_hf import PaddingFreeCollator
 from packing_hf.app.cli import main
@@ -72,10 +73,18 @@ def batch_widths(monkeypatch) -> list[int]:
 
 
 def test_streaming_trains_max_steps_in_batches_within_the_budget(
-    tmp_path, tok, gsm8k_rows, batch_widths, capsys
+    tmp_path, tok, gsm8k_rows, batch_widths, capsys, monkeypatch
 ):
+    checkpointed = []  # the README's streaming command turns activation checkpointing on
+    enable = PreTrainedModel.activation_checkpointing_enable
+    monkeypatch.setattr(
+        PreTrainedModel,
+        "activation_checkpointing_enable",
+        lambda self, *args, **kwargs: checkpointed.append(enable(self, *args, **kwargs)),
+    )
     data = write_jsonl(tmp_path / "t.jsonl", gsm8k_rows(16))
-    assert train(tok, tmp_path, data, "num_samples=6") == 0
+    assert train(tok, tmp_path, data, "num_samples=6", "activation_checkpointing=true") == 0
+    assert len(checkpointed) == 1
     out = capsys.readouterr().out
     assert (
         f"streaming {data}: records are read, checked and tokenized as training consumes them (no total up "
