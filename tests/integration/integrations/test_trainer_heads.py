@@ -142,44 +142,41 @@ def _packed_llama(tiny_llama, seed: int = 0):
     return tiny_llama(seed=seed, attn_implementation=packing_hf.register_attention())
 
 
-def test_dpo_with_a_live_reference_builds_no_logits(tmp_path, tiny_llama, tokenizer, texts):
-    data = _rows(texts, ("prompt", "chosen", "rejected"), slice(2))
-    reference = _packed_llama(tiny_llama, seed=1)
-    trainer = DPOTrainer(
-        model=_packed_llama(tiny_llama),
-        ref_model=reference,
-        args=_args(
-            DPOConfig, tmp_path, max_length=128, per_device_train_batch_size=2, per_device_eval_batch_size=2
-        ),
-        train_dataset=data,
-        eval_dataset=data,
-        processing_class=tokenizer,
-    )
-    record = _run(trainer, "DPO", reference, evaluate=True)
-    names = sorted(name for name, _ in record.model_tokens)
-    assert names == ["policy"] * 2 + ["reference"] * 2  # training and evaluation, each on the packed row
-
-
-def test_kto_builds_no_logits(tmp_path, tiny_llama, tokenizer, texts):
-    labels = [True, False]  # desirable: the answer; undesirable: its lines reversed
+def _preference_rows(texts: dict, algorithm: str) -> datasets.Dataset:
+    """Two examples: DPO pairs, or KTO's one desirable (the answer) and one undesirable (its lines reversed)."""
+    if algorithm == "DPO":
+        return _rows(texts, ("prompt", "chosen", "rejected"), slice(2))
+    labels = [True, False]
     completions = [texts["chosen" if good else "rejected"][i] for i, good in enumerate(labels)]
-    data = datasets.Dataset.from_dict(
+    return datasets.Dataset.from_dict(
         {"prompt": texts["prompt"][:2], "completion": completions, "label": labels}
     )
+
+
+@pytest.mark.parametrize(
+    "trainer_cls, config_cls, rows",
+    [(DPOTrainer, DPOConfig, 1), (KTOTrainer, KTOConfig, 2)],
+    ids=["DPO", "KTO"],
+)
+def test_preference_trainers_with_a_live_reference_build_no_logits(
+    tmp_path, tiny_llama, tokenizer, texts, trainer_cls, config_cls, rows
+):
+    data = _preference_rows(texts, config_cls.__name__[:3])
     reference = _packed_llama(tiny_llama, seed=1)
-    trainer = KTOTrainer(
+    trainer = trainer_cls(
         model=_packed_llama(tiny_llama),
         ref_model=reference,
         args=_args(
-            KTOConfig, tmp_path, max_length=160, per_device_train_batch_size=2, per_device_eval_batch_size=2
+            config_cls, tmp_path, max_length=160, per_device_train_batch_size=2, per_device_eval_batch_size=2
         ),
         train_dataset=data,
         eval_dataset=data,
         processing_class=tokenizer,
     )
-    record = _run(trainer, "KTO", reference, evaluate=True)
+    record = _run(trainer, trainer_cls.__name__, reference, evaluate=True)
+    # packed rows per model and pass: DPO's pairs, KTO's completions and KL completions; training + evaluation
     names = sorted(name for name, _ in record.model_tokens)
-    assert names == ["policy"] * 4 + ["reference"] * 4  # completions and KL rows, in training and evaluation
+    assert names == ["policy"] * 2 * rows + ["reference"] * 2 * rows
 
 
 def _completions(trainer) -> None:
