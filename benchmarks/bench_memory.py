@@ -64,7 +64,16 @@ def _available_bytes() -> int:
     return 0
 
 
-def worker(mode: str, vocab: int, tokens: int, steps: int, device: str, dtype: str, shape: str) -> dict:
+def worker(
+    mode: str,
+    vocab: int,
+    tokens: int,
+    steps: int,
+    device: str,
+    dtype: str,
+    shape: str,
+    chunk_tokens: int | None,
+) -> dict:
     """One contender at one size in this process: ``{step_peak_bytes, process_peak_bytes, tokens_per_s}``, or
     ``{"out_of_memory": ...}`` when a GPU step does not fit."""
     import torch
@@ -98,7 +107,7 @@ def worker(mode: str, vocab: int, tokens: int, steps: int, device: str, dtype: s
         if mode == "full":
             loss = model(**inputs, labels=labels).loss  # the model's own: (tokens, vocab) logits, upcast
         else:
-            total, stats, _ = causal_lm_loss(model, inputs, labels)
+            total, stats, _ = causal_lm_loss(model, inputs, labels, chunk_size=chunk_tokens)
             loss = total / stats.count
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -147,12 +156,17 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--shape", choices=list(SHAPES), default="small", help="model shape (random init)")
     parser.add_argument(
+        "--chunk-tokens", type=int, default=None, help="the chunked head's chunk (default: automatic)"
+    )
+    parser.add_argument(
         "--worker", nargs=4, metavar=("MODE", "VOCAB", "TOKENS", "STEPS"), help=argparse_hide()
     )
     args = parser.parse_args()
     if args.worker:
         mode, vocab, tokens, steps = args.worker
-        result = worker(mode, int(vocab), int(tokens), int(steps), args.device, args.dtype, args.shape)
+        result = worker(
+            mode, int(vocab), int(tokens), int(steps), args.device, args.dtype, args.shape, args.chunk_tokens
+        )
         print(json.dumps(result))
         return
     sizes = [1024] if args.quick else args.tokens
@@ -178,6 +192,7 @@ def main() -> None:
                         str(tokens),
                         str(args.steps),
                         *("--device", args.device, "--dtype", args.dtype, "--shape", args.shape),
+                        *(("--chunk-tokens", str(args.chunk_tokens)) if args.chunk_tokens else ()),
                     ]
                     done = subprocess.run(command, capture_output=True, text=True)
                     if done.returncode != 0:

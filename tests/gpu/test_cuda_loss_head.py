@@ -2,8 +2,8 @@
 
 On CPU the same equalities are tested on five model families (``tests/integration/integrations/
 test_chunked_loss.py``); here they run where cuBLAS does the chunk matmuls: fp32 loss, per-token log-probs and
-every gradient (tied embeddings included) within 1e-5 relative, and under bf16 autocast the chunked step no further
-from the fp32 step than the full-logits step's own bf16 error. Each check has a negative control (a chunk loop
+every gradient (tied embeddings included) within 1e-5 relative, and under bf16 autocast or in a bf16 model the
+chunked step no further from the fp32 step than the full-logits step's own bf16 error. Each check has a negative control (a chunk loop
 dropping one token per chunk) that the same check catches. Skipped without a CUDA device (marked ``gpu``).
 """
 
@@ -91,16 +91,21 @@ def _check_fp32() -> None:
     assert _relative(entropy, -(log_p.exp() * log_p).sum(-1)) <= 1e-5, "entropies"
 
 
-def _check_bf16() -> None:
+def _check_bf16(weights: bool) -> None:
+    """bf16 autocast over fp32 weights (``weights=False``) or a bf16 model (its head's weight gradient then comes
+    from a bf16 matmul with fp32 accumulation): the chunked step no further from the fp32 step than the
+    full-logits step."""
     model = _model()
     inputs, labels = _row()
     exact, exact_grads = _step(model, inputs, labels, chunked=False)
     results = {}
+    if weights:
+        model = model.to(torch.bfloat16)
     for chunked in (True, False):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not weights):
             results[chunked] = _step(model, inputs, labels, chunked=chunked)
     (loss, grads), (full_loss, full_grads) = results[True], results[False]
-    assert full_loss != exact  # autocast did round
+    assert full_loss != exact  # bf16 did round
     bf16 = 2.0**-8
     assert _relative(loss, exact) <= 2 * _relative(full_loss, exact) + bf16, "loss"
     for name, grad in exact_grads.items():
@@ -117,11 +122,12 @@ def test_chunked_head_equals_full_logits_in_fp32_on_cuda(drop, monkeypatch):
         _check_fp32()
 
 
+@pytest.mark.parametrize("weights", [False, True], ids=["autocast", "bf16_model"])
 @pytest.mark.parametrize("drop", [False, True])
-def test_chunked_head_under_cuda_bf16_autocast_stays_within_bf16_noise(drop, monkeypatch):
+def test_chunked_head_in_bf16_stays_within_bf16_noise(drop, weights, monkeypatch):
     if drop:
         monkeypatch.setattr(loss_head, "_chunks", _dropping)
         with pytest.raises(AssertionError):
-            _check_bf16()
+            _check_bf16(weights)
     else:
-        _check_bf16()
+        _check_bf16(weights)
