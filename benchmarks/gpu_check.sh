@@ -28,4 +28,4 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 step gpu_tests 90 $PY -m pytest -p no:cacheprovider -q -rs -n 4 --durations=8 tests/gpu/test_cuda_loss_head.py tests/gpu/test_cuda_attention.py tests/gpu/test_cuda_hybrid.py tests/gpu/test_cuda_compile.py
 step memory_qwen3 80 $PY benchmarks/bench_memory.py --device cuda --dtype bfloat16 --shape qwen3-0.6b --vocabs qwen_152k --tokens 8192 16384 --output "$OUT/memory_qwen3.json"
 step e2e_smollm2 90 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset smollm2-135m --budget 8192 --samples 1000 --output "$OUT/e2e_smollm2.json"
-step e2e_qwen3 140 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset qwen3-0.6b --budget 16384 --samples 2000 --output "$OUT/e2e_qwen3.json"
+step e2e_qwen3 125 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset qwen3-0.6b --budget 16384 --samples 2000 --output "$OUT/e2e_qwen3.json"
