@@ -3,8 +3,8 @@
 A *bin* is one batch: a set of samples whose lengths sum to at most ``budget`` tokens
 (``max_tokens_per_batch``). Everything here works on plain integer arrays:
 
-- :func:`pack_best_fit_decreasing`: near-optimal packing (best-fit decreasing with an O(log budget)
-  segment tree, then a repair step that empties the least-filled bins when it can). On real and
+- :func:`pack_best_fit_decreasing`: near-optimal packing (best-fit decreasing with a bit set over
+  free space, then a repair step that empties the least-filled bins when it can). On real and
   synthetic length distributions it reaches the Martello-Toth lower bound or comes within a bin of it.
 - :func:`pack_best_fit_random_order`: the same best fit and repair, but over the items in a given
   (random) order, with only the items longer than half the budget placed first. Its bins are a
@@ -45,6 +45,7 @@ from ._binpack_kernels import (
     _level_light_bins,
     _long_first,
     _next_fit,
+    _shuffled_long_first,
 )
 from ._limits import INT32_MAX, check_int
 
@@ -116,7 +117,7 @@ def check_budget(budget: int, name: str = "budget") -> int:
 
 
 def _tree_budget(lengths: np.ndarray, budget: int) -> int:
-    """The budget the best-fit kernels index their free-space tree by: at most the total of the lengths.
+    """The budget the best-fit kernels index their free-space bit set by: at most the total of the lengths.
 
     A budget above the total holds everything in one bin, which a bin of exactly the total does too, so the
     plan is the same while memory stays bounded by the data, not by the budget (2**26 tokens of budget would
@@ -124,7 +125,7 @@ def _tree_budget(lengths: np.ndarray, budget: int) -> int:
     return int(min(budget, max(int(lengths.sum()), 1)))
 
 
-# The best-fit tree, the counting sort and the L2 histogram are tables indexed by token counts. Up to this
+# The best-fit bit set, the counting sort and the L2 histogram are tables indexed by token counts. Up to this
 # size (or a few slots per item) they are the fast path; past it the same results come from sorted arrays,
 # so memory follows the number of samples, never the lengths or the budget ([2**31 - 1, 2**31 - 1, 5] would
 # otherwise ask for tens of GiB).
@@ -388,6 +389,29 @@ def _pack_random_order(
 ) -> Packing:
     """:func:`pack_best_fit_random_order` on arguments already checked (``(n,)`` int64, ``n >= 1``)."""
     visit, visit_lengths, donors = _long_first(lengths, order, long_above)  # (n,) each
+    return _pack_visit(visit, visit_lengths, donors, budget, repair, level, exchange, repair_to)
+
+
+def _pack_shuffled(
+    lengths: np.ndarray, budget: int, seed: np.uint64, long_above: int, repair_to: int | None
+) -> Packing:
+    """:func:`_pack_random_order` of a uniformly random order drawn from ``seed`` by the kernel
+    (:func:`~packing_hf._random_kernels.stream_seed`), the sampler's draw: ``(n,)`` int64, ``1 <= n < 2**32``."""
+    visit, visit_lengths, donors = _shuffled_long_first(lengths, long_above, seed)  # (n,) each
+    return _pack_visit(visit, visit_lengths, donors, budget, repair_to=repair_to)
+
+
+def _pack_visit(
+    visit: np.ndarray,
+    visit_lengths: np.ndarray,
+    donors: np.ndarray,
+    budget: int,
+    repair: bool = True,
+    level: bool = True,
+    exchange: bool = True,
+    repair_to: int | None = None,
+) -> Packing:
+    """Best fit (+ exchange, repair, leveling) of the items in visiting order (see :func:`_long_first`)."""
     if exchange:
         bin_of, n_bins = _best_fit_any_order(visit_lengths, budget)
     else:
