@@ -528,7 +528,7 @@ def split_bins(packing: Packing, lengths: LengthsLike, extra: int) -> Packing:
     sizes = np.diff(offsets)  # (n_bins,)
     while extra:
         take = min(extra, int((sizes >= 2).sum()))
-        chosen = np.argsort(-sizes, kind="stable")[:take]  # (take,) the fullest bins, lowest id first
+        chosen = _fullest_bins(sizes, take)  # (take,)
         moving = sizes[chosen] // 2  # (take,) items each gives to its new bin
         first = np.repeat(np.cumsum(moving) - moving, moving)  # (moved,) where each new bin's items start
         pos = np.repeat(offsets[chosen], moving) + 2 * (np.arange(first.size) - first) + 1  # odd positions
@@ -544,6 +544,18 @@ def split_bins(packing: Packing, lengths: LengthsLike, extra: int) -> Packing:
         n_bins += take
         extra -= take
     return Packing(items=items, offsets=offsets, bin_tokens=bin_tokens, budget=packing.budget)
+
+
+def _fullest_bins(sizes: np.ndarray, take: int) -> np.ndarray:
+    """The ``take`` (>= 1) bins holding the most items, most first, ties lowest id first.
+
+    ``np.argsort(-sizes, kind="stable")[:take]`` without sorting every bin (a tenth of a million-sample
+    plan): the ``take``-th largest size is found by partition, only the bins above it are sorted.
+    """
+    threshold = np.partition(sizes, sizes.size - take)[sizes.size - take]
+    above = np.flatnonzero(sizes > threshold)  # (< take,)
+    above = above[np.argsort(-sizes[above], kind="stable")]
+    return np.concatenate([above, np.flatnonzero(sizes == threshold)[: take - above.size]])
 
 
 def pack_next_fit(lengths: LengthsLike, budget: int) -> Packing:

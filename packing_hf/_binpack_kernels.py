@@ -484,34 +484,38 @@ def _lowest_gap(words, table):  # pragma: no cover - compiled
     return -1
 
 
+# The exchange kernel keeps what it reads together about an item and about a bin in one int32 record each
+# (one cache line instead of four: the lists below are walked in random order over a million items).
+_NEXT, _KEY_NEXT, _KEY_PREV, _LENGTH = 0, 1, 2, 3  # item: next item of its bin, neighbours in its key list
+_BIN_NEXT, _BIN_PREV, _FIRST, _COUNT = 0, 1, 2, 3  # bin: neighbours among bins as free, first item, count
+
+
 @njit(cache=True)
-def _reindex_bin(
-    b, g, add, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-):  # pragma: no cover - compiled
+def _reindex_bin(b, g, add, bins, items, key_head, mask, width):  # pragma: no cover - compiled
     """The items of bin ``b`` (``g`` tokens free) enter (``add``) or leave the index under ``(length + g, g)``."""
-    i = bin_head[b]
+    i = bins[b, _FIRST]
     while i != -1:
-        t = lengths[i] + g
+        t = items[i, _LENGTH] + g
         key = t * width + g
         if add:  # push on the key's list
             first = key_head[key]
-            key_next[i] = first
-            key_prev[i] = -1
+            items[i, _KEY_NEXT] = first
+            items[i, _KEY_PREV] = -1
             if first != -1:
-                key_prev[first] = i
+                items[first, _KEY_PREV] = i
             key_head[key] = i
             mask[t, g // 63] |= 1 << (g % 63)
         else:  # unlink from it
-            before, after = key_prev[i], key_next[i]
+            before, after = items[i, _KEY_PREV], items[i, _KEY_NEXT]
             if before == -1:
                 key_head[key] = after
                 if after == -1:
                     mask[t, g // 63] &= ~(1 << (g % 63))
             else:
-                key_next[before] = after
+                items[before, _KEY_NEXT] = after
             if after != -1:
-                key_prev[after] = before
-        i = item_next[i]
+                items[after, _KEY_PREV] = before
+        i = items[i, _NEXT]
 
 
 @njit(cache=True)
@@ -532,23 +536,19 @@ def _best_fit_exchange(lengths, budget, small_gap, min_items, table):  # pragma:
        :func:`_best_fit_sorted`), or a new bin.
 
     Step 2 finds its candidate in O(1): the items of every such bin with ``1..small_gap`` tokens free are
-    indexed by ``(length + free, free)``, with a bit mask per ``length + free`` of the ``free`` values present. Which item moves depends only on lengths and order, so the result is
-    deterministic.
+    indexed by ``(length + free, free)``, with a bit mask per ``length + free`` of the ``free`` values present.
+    Which item moves depends only on lengths and order, so the result is deterministic.
     """
     n = lengths.shape[0]
     width = small_gap + 1
     words, starts = _bitset(budget + 1)  # c is a member while some open bin has exactly c tokens free
     head = np.full(budget + 1, -1, np.int32)  # head[c]: bins with c tokens free (doubly linked)
-    bin_next = np.empty(n, np.int32)
-    bin_prev = np.empty(n, np.int32)
-    bin_head = np.full(n, -1, np.int32)  # the items of every bin (singly linked)
-    count = np.zeros(n, np.int32)  # items in every bin
-    item_next = np.full(n, -1, np.int32)
+    bins = np.empty((n, 4), np.int32)  # bin records (_BIN_NEXT, ...), set when a bin opens
+    items = np.empty((n, 4), np.int32)  # item records (_NEXT, ...); the items of a bin are singly linked
+    items[:, _LENGTH] = lengths
     key_head = np.full((budget + 1) * width, -1, np.int32)
-    key_next = np.empty(n, np.int32)
-    key_prev = np.empty(n, np.int32)
     mask = np.zeros((budget + 1, small_gap // 63 + 1), np.int64)
-    bin_of = np.full(n, -1, np.int64)
+    bin_of = np.empty(n, np.int64)
     n_bins = 0
     for start in range(n):
         i = start
@@ -563,76 +563,61 @@ def _best_fit_exchange(lengths, budget, small_gap, min_items, table):  # pragma:
             if g > 0:  # 2. exchange: a nearly full bin closes, the item it held is placed next
                 out = key_head[x * width + g]
                 b = bin_of[out]
-                before, after = bin_prev[b], bin_next[b]  # b leaves the list of bins with g free
+                before, after = bins[b, _BIN_PREV], bins[b, _BIN_NEXT]  # b leaves the bins with g free
                 if before == -1:
                     head[g] = after
                     if after == -1:
                         _bit_remove(words, starts, g)
                 else:
-                    bin_next[before] = after
+                    bins[before, _BIN_NEXT] = after
                 if after != -1:
-                    bin_prev[after] = before
-                _reindex_bin(
-                    b, g, False, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-                )
-                k = bin_head[b]  # out leaves b's items, i joins them
+                    bins[after, _BIN_PREV] = before
+                _reindex_bin(b, g, False, bins, items, key_head, mask, width)
+                k = bins[b, _FIRST]  # out leaves b's items, i joins them
                 if k == out:
-                    bin_head[b] = item_next[out]
+                    bins[b, _FIRST] = items[out, _NEXT]
                 else:
-                    while item_next[k] != out:
-                        k = item_next[k]
-                    item_next[k] = item_next[out]
-                item_next[i] = bin_head[b]
-                bin_head[b] = i
+                    while items[k, _NEXT] != out:
+                        k = items[k, _NEXT]
+                    items[k, _NEXT] = items[out, _NEXT]
+                items[i, _NEXT] = bins[b, _FIRST]
+                bins[b, _FIRST] = i
                 bin_of[i] = b
-                bin_of[out] = -1
                 i = out
                 continue
             if free < 0:
                 free = _bit_next(words, starts, x, table)
             if free >= 0:
                 b = head[free]
-                after = bin_next[b]
+                after = bins[b, _BIN_NEXT]
                 head[free] = after
                 if after == -1:
                     _bit_remove(words, starts, free)
                 else:
-                    bin_prev[after] = -1
-                if free <= small_gap and count[b] >= min_items:
-                    _reindex_bin(
-                        b,
-                        free,
-                        False,
-                        bin_head,
-                        item_next,
-                        lengths,
-                        key_head,
-                        key_next,
-                        key_prev,
-                        mask,
-                        width,
-                    )
+                    bins[after, _BIN_PREV] = -1
+                if free <= small_gap and bins[b, _COUNT] >= min_items:
+                    _reindex_bin(b, free, False, bins, items, key_head, mask, width)
             else:
                 b = n_bins
                 n_bins += 1
                 free = budget
+                bins[b, _FIRST] = -1
+                bins[b, _COUNT] = 0
             bin_of[i] = b
-            item_next[i] = bin_head[b]
-            bin_head[b] = i
-            count[b] += 1
+            items[i, _NEXT] = bins[b, _FIRST]
+            bins[b, _FIRST] = i
+            bins[b, _COUNT] += 1
             free -= x
             if free > 0:
                 first = head[free]
-                bin_next[b] = first
-                bin_prev[b] = -1
+                bins[b, _BIN_NEXT] = first
+                bins[b, _BIN_PREV] = -1
                 if first == -1:
                     _bit_add(words, starts, free)
                 else:
-                    bin_prev[first] = b
+                    bins[first, _BIN_PREV] = b
                 head[free] = b
-                if free <= small_gap and count[b] >= min_items:
-                    _reindex_bin(
-                        b, free, True, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-                    )
+                if free <= small_gap and bins[b, _COUNT] >= min_items:
+                    _reindex_bin(b, free, True, bins, items, key_head, mask, width)
             break
     return bin_of, n_bins
