@@ -42,12 +42,14 @@ from ._binpack_kernels import (
     _counting_sort_decreasing,
     _empty_bin,
     _group_by_bin,
+    _item_keys,
     _level_light_bins,
     _long_first,
     _next_fit,
-    _shuffled_long_first,
+    _split_long_first,
 )
 from ._limits import INT32_MAX, check_int
+from ._random_kernels import _shuffle
 
 __all__ = [
     "Packing",
@@ -399,6 +401,17 @@ def _pack_shuffled(
     (:func:`~packing_hf._random_kernels.stream_seed`), the sampler's draw: ``(n,)`` int64, ``1 <= n < 2**32``."""
     visit, visit_lengths, donors = _shuffled_long_first(lengths, long_above, seed)  # (n,) each
     return _pack_visit(visit, visit_lengths, donors, budget, repair_to=repair_to)
+
+
+def _shuffled_long_first(
+    lengths: np.ndarray, long_above: int, seed: np.uint64
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_long_first` of a uniformly random order drawn from ``seed``: the items are shuffled with their
+    lengths (a random ``order`` then ``lengths[order]`` took three times as long). The kernels are called
+    from here, not from each other: numba's disk cache does not see a change in a kernel of another file."""
+    keys = _item_keys(lengths)  # (n,)
+    _shuffle(keys, seed)
+    return _split_long_first(keys, long_above)
 
 
 def _pack_visit(

@@ -10,8 +10,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._random_kernels import _shuffle
-
 
 @njit(cache=True)
 def _counting_sort_decreasing(lengths, order, max_length):  # pragma: no cover - compiled
@@ -211,17 +209,13 @@ def _long_first(lengths, order, long_above):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _shuffled_long_first(lengths, long_above, seed):  # pragma: no cover - compiled
-    """:func:`_long_first` of a uniformly random order drawn from ``seed`` (fewer than 2**32 items).
-
-    The items are shuffled together with their lengths (one int64 key each), so that no step reads
-    ``lengths`` at random: a random ``order`` then ``lengths[order]`` took three times as long.
-    """
+def _item_keys(lengths):  # pragma: no cover - compiled
+    """``(n,)`` int64 keys ``(length << 32) | item`` in item order (fewer than 2**32 items), for
+    :func:`_split_long_first` once shuffled: items move with their lengths, nothing reads them at random."""
     keys = np.empty(lengths.shape[0], np.int64)
     for i in range(lengths.shape[0]):
         keys[i] = (lengths[i] << 32) | i
-    _shuffle(keys, seed)
-    return _split_long_first(keys, long_above)
+    return keys
 
 
 @njit(cache=True)

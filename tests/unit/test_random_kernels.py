@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from packing_hf._binpack import _shuffled_long_first
 from packing_hf._binpack_kernels import (
     _DEBRUIJN_TABLE,
     _bit_add,
@@ -15,7 +16,6 @@ from packing_hf._binpack_kernels import (
     _bit_remove,
     _bitset,
     _long_first,
-    _shuffled_long_first,
 )
 from packing_hf._random_kernels import _order_by_cost, _shuffle, stream_seed
 
