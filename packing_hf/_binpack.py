@@ -376,41 +376,31 @@ def pack_best_fit_random_order(
     long_above = check_int(long_above, "long_above", 0)
     if n == 0:
         return Packing(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64), budget)
-    return _pack_random_order(lengths, budget, order, long_above, repair, level, exchange, repair_to)
-
-
-def _pack_random_order(
-    lengths: np.ndarray,
-    budget: int,
-    order: np.ndarray,
-    long_above: int,
-    repair: bool = True,
-    level: bool = True,
-    exchange: bool = True,
-    repair_to: int | None = None,
-) -> Packing:
-    """:func:`pack_best_fit_random_order` on arguments already checked (``(n,)`` int64, ``n >= 1``)."""
     visit, visit_lengths, donors = _long_first(lengths, order, long_above)  # (n,) each
     return _pack_visit(visit, visit_lengths, donors, budget, repair, level, exchange, repair_to)
 
 
-def _pack_shuffled(
-    lengths: np.ndarray, budget: int, seed: np.uint64, long_above: int, repair_to: int | None
+def _pack_drawn(
+    lengths: np.ndarray, budget: int, seed: np.uint64 | None, long_above: int, repair_to: int | None
 ) -> Packing:
-    """:func:`_pack_random_order` of a uniformly random order drawn from ``seed`` by the kernel
-    (:func:`~packing_hf._random_kernels.stream_seed`), the sampler's draw: ``(n,)`` int64, ``1 <= n < 2**32``."""
+    """The sampler's draw: :func:`pack_best_fit_random_order` of a uniformly random order drawn from ``seed``
+    (:func:`~packing_hf._random_kernels.stream_seed`), or of the dataset order (``None``); ``(n,)`` int64,
+    ``1 <= n < 2**32``, already checked."""
     visit, visit_lengths, donors = _shuffled_long_first(lengths, long_above, seed)  # (n,) each
     return _pack_visit(visit, visit_lengths, donors, budget, repair_to=repair_to)
 
 
 def _shuffled_long_first(
-    lengths: np.ndarray, long_above: int, seed: np.uint64
+    lengths: np.ndarray, long_above: int, seed: np.uint64 | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_long_first` of a uniformly random order drawn from ``seed``: the items are shuffled with their
-    lengths (a random ``order`` then ``lengths[order]`` took three times as long). The kernels are called
-    from here, not from each other: numba's disk cache does not see a change in a kernel of another file."""
+    """:func:`_long_first` of a uniformly random order drawn from ``seed`` (``None``: the items' own order).
+
+    The items are shuffled with their lengths (a random ``order`` then ``lengths[order]`` took three times
+    as long). The kernels are called from here, not from each other: numba's disk cache does not see a
+    change in a kernel of another file."""
     keys = _item_keys(lengths)  # (n,)
-    _shuffle(keys, seed)
+    if seed is not None:
+        _shuffle(keys, seed)
     return _split_long_first(keys, long_above)
 
 

@@ -153,13 +153,10 @@ class _EpochPlan:
         budget = self.max_tokens_per_batch
         if lengths.size == 0:
             return _binpack.pack_best_fit_random_order(lengths, budget, long_above=long_above)
-        if (
-            self.shuffle
-        ):  # a random order drawn by the kernel: numpy's permutation took as long as the packing
-            key = (self.seed, epoch) if attempt == 0 else (self.seed, epoch, attempt)
-            return _binpack._pack_shuffled(lengths, budget, stream_seed(*key), long_above, n_bins)
-        order = np.arange(lengths.size)  # dataset order
-        return _binpack._pack_random_order(lengths, budget, order, long_above, repair_to=n_bins)
+        seed = None  # shuffle=False: the dataset order
+        if self.shuffle:  # drawn by the kernel: numpy's permutation took as long as the packing itself
+            seed = stream_seed(*((self.seed, epoch) if attempt == 0 else (self.seed, epoch, attempt)))
+        return _binpack._pack_drawn(lengths, budget, seed, long_above, n_bins)
 
     def _random_bins(self, epoch: int) -> tuple[_binpack.Packing, int, int]:
         """``(packing with exactly n_bins bins, draws beyond the first, 1 if epoch 0's bins were reused)``."""
