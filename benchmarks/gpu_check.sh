@@ -4,7 +4,7 @@
 # Every step has its own time limit, so one that hangs cannot take the others' time; logs and JSON go to $OUT
 # (default benchmarks/results/gpu). Wheels the machine lacks (trl, transformers, datasets, ...) may be put in
 # .gpu/whl and the shared data in .gpu/data (both git-ignored):
-#     bash benchmarks/gpu_check.sh            # ~6 minutes on one H200
+#     bash benchmarks/gpu_check.sh            # ~5 minutes on one H200
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 if compgen -G ".gpu/whl/*.whl" >/dev/null; then
