@@ -14,13 +14,15 @@ SmolLM2 tokenizer, Alpaca template + answer + EOS, shuffled once) at a budget of
   sdpa;
 - ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd")`` rows of ``budget`` tokens in a random order, one row
   per step, TRL's padding-free collator, sdpa;
-- ``packing_hf``: ``MultipackBatchSampler(budget)`` + ``PaddingFreeCollator`` + packing_hf's attention.
+- ``packing_hf``: ``MultipackBatchSampler(budget)`` + ``PaddingFreeCollator`` + packing_hf's attention + its
+  chunked LM head (the packing trainers' default; ``--loss-head model`` takes the model's own full-logits loss).
 
 Steps are interleaved (the contender furthest behind in its epoch goes next), so load from other processes
 hits all alike. Every epoch's batches are collated before the clock starts (collation costs well under 1% of a
 step: benchmarks/bench_collator.py). Reported: real tokens per second over the epoch (forward + backward +
 optimizer step; the padded contenders' padding does not count as tokens), steps, the emitted tokens per step (with
-padding) and, on CUDA, the peak memory of each contender's steps (on CPU: the largest step in tokens).
+padding) and, on CUDA, the peak memory of each contender's steps (on CPU: the largest step in tokens). A contender
+that runs out of GPU memory stops there and is reported as such; the others go on.
 
 Presets: ``tiny`` (2-layer Llama, hidden 64, the vocabulary remapped to the ids the data uses, for CPU),
 ``smollm2-135m``, ``qwen3-0.6b`` and ``llama-1b`` (the shapes of those models, random init, for a GPU).
@@ -41,6 +43,7 @@ from _common import load_tokenizer, print_table, write_json
 
 import packing_hf
 from packing_hf import PaddingFreeCollator
+from packing_hf.integrations.chunked_head import causal_lm_loss
 from packing_hf.sampler import MultipackBatchSampler
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -77,6 +80,12 @@ def parse_args():
     )
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--loss-head",
+        choices=("chunked", "model"),
+        default="chunked",
+        help="packing_hf's loss: its chunked LM head (the packing trainers' default) or the model's own logits",
+    )
     args = parser.parse_args()
     if args.quick:
         args.samples = min(args.samples, 120)
@@ -100,7 +109,8 @@ def build_model(preset: str, vocab: int, dtype: torch.dtype, device: str, attn: 
     model_type = fields.pop("model_type")
     fields.setdefault("vocab_size", vocab)
     config = AutoConfig.for_model(model_type, use_cache=False, **fields)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).to(device).train()
+    with torch.device(device):  # initialised where it trains (a 1B model's init on the host takes a while)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).train()
 
 
 def padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -145,8 +155,12 @@ def epoch_batches(name: str, samples: list[list[int]], budget: int, seed: int) -
 
 
 class Contender:
-    def __init__(self, name: str, model, batches: list[dict[str, Any]], device: str) -> None:
+    def __init__(self, name: str, model, batches: list[dict[str, Any]], device: str, chunked: bool) -> None:
         self.name, self.model, self.batches, self.device = name, model, batches, device
+        self.chunked = (
+            chunked  # the loss through packing_hf's chunked LM head (the packing trainers' default)
+        )
+        self.out_of_memory = None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.done = 0
         self.seconds = 0.0
@@ -161,7 +175,12 @@ class Contender:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        self.model(**moved).loss.backward()
+        try:
+            self.loss(moved).backward()
+        except torch.OutOfMemoryError as error:
+            self.out_of_memory = str(error).splitlines()[0]
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device == "cuda":
@@ -174,6 +193,17 @@ class Contender:
         )
         self.emitted.append(int(batch["input_ids"].numel()))
         self.done += 1
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        if not self.chunked:
+            return self.model(**batch).loss
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        total, stats, _ = causal_lm_loss(self.model, inputs, batch["labels"])
+        return total / stats.count  # the token mean, as the model's own loss
+
+    @property
+    def running(self) -> bool:
+        return self.out_of_memory is None and self.done < len(self.batches)
 
 
 def main() -> None:
@@ -190,7 +220,7 @@ def main() -> None:
         samples = [remap[x].tolist() for x in samples]
         vocab = int(used.size)
     torch.manual_seed(args.seed)
-    reference = build_model(args.preset, vocab or 49152, dtype, "cpu", "sdpa")
+    reference = build_model(args.preset, vocab or 49152, dtype, args.device, "sdpa")
     init = copy.deepcopy(reference.state_dict())
     packed_attention = packing_hf.register_attention()
     contenders = []
@@ -203,23 +233,29 @@ def main() -> None:
             packed_attention if name == "packing_hf" else "sdpa",
         )
         model.load_state_dict(init)
-        contenders.append(
-            Contender(name, model, epoch_batches(name, samples, args.budget, args.seed), args.device)
-        )
+        batches = epoch_batches(name, samples, args.budget, args.seed)
+        chunked = name == "packing_hf" and args.loss_head == "chunked"
+        contenders.append(Contender(name, model, batches, args.device, chunked))
     del reference
     real_total = sum(map(len, samples))
-    for c in contenders:  # one untimed warm-up step each (kernels, allocator), on a copy of the weights
-        warm = copy.deepcopy(c.model)
+    for c in contenders:  # one untimed warm-up step each (kernels, allocator): its gradients are dropped
         batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in c.batches[0].items()}
-        warm(**batch).loss.backward()
-        del warm
-    while any(c.done < len(c.batches) for c in contenders):
-        behind = min(
-            (c for c in contenders if c.done < len(c.batches)), key=lambda c: c.done / len(c.batches)
-        )
+        try:
+            c.loss(batch).backward()
+        except torch.OutOfMemoryError as error:
+            c.out_of_memory = str(error).splitlines()[0]
+        c.model.zero_grad(set_to_none=True)
+    while any(c.running for c in contenders):
+        behind = min((c for c in contenders if c.running), key=lambda c: c.done / len(c.batches))
         behind.step()
     rows = []
     for c in contenders:
+        if c.out_of_memory is not None:
+            print(
+                f"{c.name}: out of memory at step {c.done + 1} of {len(c.batches)} ({c.out_of_memory[:120]})"
+            )
+            rows.append({"contender": c.name, "steps": len(c.batches), "out_of_memory": c.out_of_memory})
+            continue
         assert c.real_tokens == real_total, (c.name, c.real_tokens, real_total)  # the same samples, each once
         rows.append(
             {
@@ -233,9 +269,10 @@ def main() -> None:
                 "peak_mem_gib": c.peak_bytes / 2**30 if args.device == "cuda" else None,
             }
         )
-    best_peer = max(r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf")
+    peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf" and "tokens_per_s" in r]
     for r in rows:
-        r["vs_best_peer"] = r["tokens_per_s"] / best_peer
+        if peers and "tokens_per_s" in r:
+            r["vs_best_peer"] = r["tokens_per_s"] / max(peers)
     print(
         f"\n== {args.preset} ({args.dtype}, {args.device}), budget {args.budget} tokens/step, {len(samples)} samples "
         f"({real_total:,} tokens), one epoch per contender, interleaved =="

@@ -31,57 +31,108 @@ def _counting_sort_decreasing(lengths, order, max_length):  # pragma: no cover -
     return out
 
 
-@njit(cache=True)
-def _tree_set(tree, size, leaf, value):  # pragma: no cover - compiled
-    """Set one leaf of a max segment tree and fix its ancestors (stops early when nothing changes)."""
-    i = size + leaf
-    tree[i] = value
-    i >>= 1
-    while i >= 1:
-        left = tree[2 * i]
-        right = tree[2 * i + 1]
-        best = left if left >= right else right
-        if tree[i] == best:
-            break
-        tree[i] = best
-        i >>= 1
+# de Bruijn sequence for the index of the lowest set bit of a 64-bit word
+_DEBRUIJN = 0x03F79D71B4CB0A89
+_DEBRUIJN_TABLE = np.zeros(64, np.int64)
+for _bit in range(64):
+    _DEBRUIJN_TABLE[(((1 << _bit) * _DEBRUIJN) & 0xFFFFFFFFFFFFFFFF) >> 58] = _bit
+
+
+# The free spaces of the open bins (best fit): a bit set over 0..budget, 63 bits to an int64 word (the sign
+# bit stays clear), with a summary level above it (bit w set: word w is not empty) and so on up to one word.
+# "The smallest free space >= x" is then a masked word and a lowest set bit per level, 2-3 levels at common
+# budgets, where a segment tree took a dependent load per level of log2(budget) (13 at 4,096).
+_WORD = 63
 
 
 @njit(cache=True)
-def _tree_find(tree, size, length):  # pragma: no cover - compiled
-    """The smallest leaf (free space) >= ``length`` of a max segment tree whose root holds at least that."""
-    node = 1
-    while node < size:  # descend to the leftmost (= smallest) free space >= length
-        node <<= 1
-        if tree[node] < length:
-            node += 1
-    return node - size
+def _bitset(size):  # pragma: no cover - compiled
+    """An empty set over ``[0, size)``: ``(words, starts)``, level ``k``'s words are ``words[starts[k]:starts[k + 1]]``."""
+    n_levels = 1
+    bits = size
+    while bits > _WORD:
+        bits = bits // _WORD + 1
+        n_levels += 1
+    starts = np.zeros(n_levels + 1, np.int64)
+    bits = size
+    for level in range(n_levels):
+        starts[level + 1] = starts[level] + bits // _WORD + 1
+        bits = bits // _WORD + 1
+    return np.zeros(starts[n_levels], np.int64), starts
+
+
+@njit(cache=True)
+def _bit_add(words, starts, x):  # pragma: no cover - compiled
+    for level in range(starts.shape[0] - 1):
+        w = starts[level] + x // _WORD
+        was = words[w]
+        words[w] = was | (1 << (x % _WORD))
+        if was != 0:
+            return  # the levels above already have this word's bit
+        x //= _WORD
+
+
+@njit(cache=True)
+def _bit_remove(words, starts, x):  # pragma: no cover - compiled
+    for level in range(starts.shape[0] - 1):
+        w = starts[level] + x // _WORD
+        left = words[w] & ~(1 << (x % _WORD))
+        words[w] = left
+        if left != 0:
+            return
+        x //= _WORD
+
+
+@njit(cache=True)
+def _lowest_bit(word, table):  # pragma: no cover - compiled
+    """The index of the lowest set bit of a non-zero word."""
+    low = word & -word
+    return table[((low * _DEBRUIJN) >> 58) & 63]
+
+
+@njit(cache=True)
+def _bit_next(words, starts, x, table):  # pragma: no cover - compiled
+    """The smallest member ``>= x``, -1 if none."""
+    n_levels = starts.shape[0] - 1
+    level = 0
+    while level < n_levels:
+        w = x // _WORD
+        if starts[level] + w >= starts[level + 1]:
+            return -1
+        word = words[starts[level] + w] & ~((1 << (x % _WORD)) - 1)
+        if word != 0:
+            x = w * _WORD + _lowest_bit(word, table)
+            while level > 0:  # down to the lowest member below that summary bit
+                level -= 1
+                x = x * _WORD + _lowest_bit(words[starts[level] + x], table)
+            return x
+        x = w + 1  # no member left in this word: the next non-empty word, one level up
+        level += 1
+    return -1
 
 
 @njit(cache=True)
 def _best_fit_sorted(sorted_lengths, budget):  # pragma: no cover - compiled
     """Best fit over lengths already in decreasing order: the bin of every item, and the bin count.
 
-    Open bins are bucketed by their free space ``c`` (a linked list per value of ``c``); a max segment
-    tree over ``c`` finds the smallest free space that still fits an item in O(log budget).
+    Open bins are bucketed by their free space ``c`` (a linked list per value of ``c``); a bit set over
+    ``c`` (:func:`_bitset`) finds the smallest free space that still fits an item.
     """
     n = sorted_lengths.shape[0]
-    size = 1
-    while size < budget + 1:
-        size <<= 1
-    tree = np.zeros(2 * size, np.int64)  # leaf c holds c while some open bin has exactly c tokens free
+    table = _DEBRUIJN_TABLE
+    words, starts = _bitset(budget + 1)  # c is a member while some open bin has exactly c tokens free
     head = np.full(budget + 1, -1, np.int64)  # head[c]: an open bin with c tokens free (linked list)
     nxt = np.empty(n, np.int64)
     bin_of = np.empty(n, np.int64)
     n_bins = 0
     for i in range(n):
         length = sorted_lengths[i]
-        if tree[1] >= length:
-            free = _tree_find(tree, size, length)
+        free = _bit_next(words, starts, length, table)
+        if free >= 0:
             b = head[free]
             head[free] = nxt[b]
             if head[free] == -1:
-                _tree_set(tree, size, free, 0)
+                _bit_remove(words, starts, free)
         else:
             b = n_bins
             n_bins += 1
@@ -91,7 +142,7 @@ def _best_fit_sorted(sorted_lengths, budget):  # pragma: no cover - compiled
         if free > 0:
             nxt[b] = head[free]
             if head[free] == -1:
-                _tree_set(tree, size, free, free)
+                _bit_add(words, starts, free)
             head[free] = b
     return bin_of, n_bins
 
@@ -131,31 +182,63 @@ def _group_by_bin(bin_of, item_ids, item_lengths, n_bins):  # pragma: no cover -
 
 
 @njit(cache=True)
+def _bin_square_sums(items, offsets, lengths):  # pragma: no cover - compiled
+    """``(n_bins,)`` float64: every bin's sum of squared item lengths (the attention term of its cost)."""
+    n_bins = offsets.shape[0] - 1
+    squares = np.zeros(n_bins, np.float64)
+    for b in range(n_bins):
+        total = 0.0
+        for k in range(offsets[b], offsets[b + 1]):
+            length = np.float64(lengths[items[k]])
+            total += length * length
+        squares[b] = total
+    return squares
+
+
+@njit(cache=True)
 def _long_first(lengths, order, long_above):  # pragma: no cover - compiled
     """The visiting order of the random-order best fit: ``(visit, lengths[visit], donors)``.
 
     ``visit`` is ``order`` with the items longer than ``long_above`` moved to the front (stable);
     ``donors[j]`` is where ``order[j]`` sits in ``visit`` (the leveling's donor order).
     """
-    n = order.shape[0]
+    keys = np.empty(order.shape[0], np.int64)
+    for j in range(order.shape[0]):
+        keys[j] = (lengths[order[j]] << 32) | order[j]
+    return _split_long_first(keys, long_above)
+
+
+@njit(cache=True)
+def _item_keys(lengths):  # pragma: no cover - compiled
+    """``(n,)`` int64 keys ``(length << 32) | item`` in item order (fewer than 2**32 items), for
+    :func:`_split_long_first` once shuffled: items move with their lengths, nothing reads them at random."""
+    keys = np.empty(lengths.shape[0], np.int64)
+    for i in range(lengths.shape[0]):
+        keys[i] = (lengths[i] << 32) | i
+    return keys
+
+
+@njit(cache=True)
+def _split_long_first(keys, long_above):  # pragma: no cover - compiled
+    """:func:`_long_first` of the items in ``keys`` order, each key ``(length << 32) | item``."""
+    n = keys.shape[0]
     n_long = 0
-    for i in range(n):  # in item order: a sequential read
-        if lengths[i] > long_above:
+    for j in range(n):
+        if keys[j] >> 32 > long_above:
             n_long += 1
     visit = np.empty(n, np.int64)
     visit_lengths = np.empty(n, np.int64)
     donors = np.empty(n, np.int64)
     at_long, at_short = 0, n_long
     for j in range(n):
-        i = order[j]
-        length = lengths[i]
+        length = keys[j] >> 32
         if length > long_above:
             at = at_long
             at_long += 1
         else:
             at = at_short
             at_short += 1
-        visit[at] = i
+        visit[at] = keys[j] & 0xFFFFFFFF
         visit_lengths[at] = length
         donors[j] = at
     return visit, visit_lengths, donors
@@ -349,7 +432,7 @@ def _best_fit_sparse(sorted_lengths, budget):  # pragma: no cover - compiled
 
     The open bins' free spaces are kept as one sorted array (O(log bins) search, O(open bins) insertion),
     for budgets too large for a table indexed by free space. Among bins with the same free space the one
-    filled last is taken first, as the tree's per-value stacks do, so both kernels give identical bins.
+    filled last is taken first, as the table kernel's per-value stacks do, so both kernels give identical bins.
     """
     n = sorted_lengths.shape[0]
     frees = np.empty(n, np.int64)  # free space of every open bin, ascending; equal values by insertion order
@@ -385,52 +468,48 @@ def _best_fit_sparse(sorted_lengths, budget):  # pragma: no cover - compiled
     return bin_of, n_bins
 
 
-# de Bruijn sequence for the index of the lowest set bit of a 64-bit word
-_DEBRUIJN = 0x03F79D71B4CB0A89
-_DEBRUIJN_TABLE = np.zeros(64, np.int64)
-for _bit in range(64):
-    _DEBRUIJN_TABLE[(((1 << _bit) * _DEBRUIJN) & 0xFFFFFFFFFFFFFFFF) >> 58] = _bit
-
-
 @njit(cache=True)
 def _lowest_gap(words, table):  # pragma: no cover - compiled
     """The lowest ``g`` whose bit is set in ``words`` (63 bits a word), -1 if none."""
     for w in range(words.shape[0]):
         word = words[w]
         if word != 0:
-            low = word & -word
-            return 63 * w + table[((low * _DEBRUIJN) >> 58) & 63]
+            return _WORD * w + _lowest_bit(word, table)
     return -1
 
 
+# The exchange kernel keeps what it reads together about an item and about a bin in one int32 record each
+# (one cache line instead of four: the lists below are walked in random order over a million items).
+_NEXT, _KEY_NEXT, _KEY_PREV, _LENGTH = 0, 1, 2, 3  # item: next item of its bin, neighbours in its key list
+_BIN_NEXT, _BIN_PREV, _FIRST, _COUNT = 0, 1, 2, 3  # bin: neighbours among bins as free, first item, count
+
+
 @njit(cache=True)
-def _reindex_bin(
-    b, g, add, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-):  # pragma: no cover - compiled
+def _reindex_bin(b, g, add, bins, items, key_head, mask, width):  # pragma: no cover - compiled
     """The items of bin ``b`` (``g`` tokens free) enter (``add``) or leave the index under ``(length + g, g)``."""
-    i = bin_head[b]
+    i = bins[b, _FIRST]
     while i != -1:
-        t = lengths[i] + g
+        t = items[i, _LENGTH] + g
         key = t * width + g
         if add:  # push on the key's list
             first = key_head[key]
-            key_next[i] = first
-            key_prev[i] = -1
+            items[i, _KEY_NEXT] = first
+            items[i, _KEY_PREV] = -1
             if first != -1:
-                key_prev[first] = i
+                items[first, _KEY_PREV] = i
             key_head[key] = i
             mask[t, g // 63] |= 1 << (g % 63)
         else:  # unlink from it
-            before, after = key_prev[i], key_next[i]
+            before, after = items[i, _KEY_PREV], items[i, _KEY_NEXT]
             if before == -1:
                 key_head[key] = after
                 if after == -1:
                     mask[t, g // 63] &= ~(1 << (g % 63))
             else:
-                key_next[before] = after
+                items[before, _KEY_NEXT] = after
             if after != -1:
-                key_prev[after] = before
-        i = item_next[i]
+                items[after, _KEY_PREV] = before
+        i = items[i, _NEXT]
 
 
 @njit(cache=True)
@@ -447,30 +526,23 @@ def _best_fit_exchange(lengths, budget, small_gap, min_items, table):  # pragma:
        shorter) is placed next, by the same rules (each exchange shortens the item in hand, so this ends).
        Bins of fewer items are left out: closing a bin of two exactly pairs a sample with one of the few of
        its complement length, and the same pairs would come back epoch after epoch;
-    3. into the bin with the least free space that fits it (a max segment tree over free space, as
+    3. into the bin with the least free space that fits it (a bit set over free space, as
        :func:`_best_fit_sorted`), or a new bin.
 
     Step 2 finds its candidate in O(1): the items of every such bin with ``1..small_gap`` tokens free are
-    indexed by ``(length + free, free)``, with a bit mask per ``length + free`` of the ``free`` values present. Which item moves depends only on lengths and order, so the result is
-    deterministic.
+    indexed by ``(length + free, free)``, with a bit mask per ``length + free`` of the ``free`` values present.
+    Which item moves depends only on lengths and order, so the result is deterministic.
     """
     n = lengths.shape[0]
-    size = 1
-    while size < budget + 1:
-        size <<= 1
     width = small_gap + 1
-    tree = np.zeros(2 * size, np.int64)  # leaf c holds c while some open bin has exactly c tokens free
+    words, starts = _bitset(budget + 1)  # c is a member while some open bin has exactly c tokens free
     head = np.full(budget + 1, -1, np.int32)  # head[c]: bins with c tokens free (doubly linked)
-    bin_next = np.empty(n, np.int32)
-    bin_prev = np.empty(n, np.int32)
-    bin_head = np.full(n, -1, np.int32)  # the items of every bin (singly linked)
-    count = np.zeros(n, np.int32)  # items in every bin
-    item_next = np.full(n, -1, np.int32)
+    bins = np.empty((n, 4), np.int32)  # bin records (_BIN_NEXT, ...), set when a bin opens
+    items = np.empty((n, 4), np.int32)  # item records (_NEXT, ...); the items of a bin are singly linked
+    items[:, _LENGTH] = lengths
     key_head = np.full((budget + 1) * width, -1, np.int32)
-    key_next = np.empty(n, np.int32)
-    key_prev = np.empty(n, np.int32)
     mask = np.zeros((budget + 1, small_gap // 63 + 1), np.int64)
-    bin_of = np.full(n, -1, np.int64)
+    bin_of = np.empty(n, np.int64)
     n_bins = 0
     for start in range(n):
         i = start
@@ -485,76 +557,61 @@ def _best_fit_exchange(lengths, budget, small_gap, min_items, table):  # pragma:
             if g > 0:  # 2. exchange: a nearly full bin closes, the item it held is placed next
                 out = key_head[x * width + g]
                 b = bin_of[out]
-                before, after = bin_prev[b], bin_next[b]  # b leaves the list of bins with g free
+                before, after = bins[b, _BIN_PREV], bins[b, _BIN_NEXT]  # b leaves the bins with g free
                 if before == -1:
                     head[g] = after
                     if after == -1:
-                        _tree_set(tree, size, g, 0)
+                        _bit_remove(words, starts, g)
                 else:
-                    bin_next[before] = after
+                    bins[before, _BIN_NEXT] = after
                 if after != -1:
-                    bin_prev[after] = before
-                _reindex_bin(
-                    b, g, False, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-                )
-                k = bin_head[b]  # out leaves b's items, i joins them
+                    bins[after, _BIN_PREV] = before
+                _reindex_bin(b, g, False, bins, items, key_head, mask, width)
+                k = bins[b, _FIRST]  # out leaves b's items, i joins them
                 if k == out:
-                    bin_head[b] = item_next[out]
+                    bins[b, _FIRST] = items[out, _NEXT]
                 else:
-                    while item_next[k] != out:
-                        k = item_next[k]
-                    item_next[k] = item_next[out]
-                item_next[i] = bin_head[b]
-                bin_head[b] = i
+                    while items[k, _NEXT] != out:
+                        k = items[k, _NEXT]
+                    items[k, _NEXT] = items[out, _NEXT]
+                items[i, _NEXT] = bins[b, _FIRST]
+                bins[b, _FIRST] = i
                 bin_of[i] = b
-                bin_of[out] = -1
                 i = out
                 continue
-            if free < 0 and tree[1] >= x:
-                free = _tree_find(tree, size, x)
+            if free < 0:
+                free = _bit_next(words, starts, x, table)
             if free >= 0:
                 b = head[free]
-                after = bin_next[b]
+                after = bins[b, _BIN_NEXT]
                 head[free] = after
                 if after == -1:
-                    _tree_set(tree, size, free, 0)
+                    _bit_remove(words, starts, free)
                 else:
-                    bin_prev[after] = -1
-                if free <= small_gap and count[b] >= min_items:
-                    _reindex_bin(
-                        b,
-                        free,
-                        False,
-                        bin_head,
-                        item_next,
-                        lengths,
-                        key_head,
-                        key_next,
-                        key_prev,
-                        mask,
-                        width,
-                    )
+                    bins[after, _BIN_PREV] = -1
+                if free <= small_gap and bins[b, _COUNT] >= min_items:
+                    _reindex_bin(b, free, False, bins, items, key_head, mask, width)
             else:
                 b = n_bins
                 n_bins += 1
                 free = budget
+                bins[b, _FIRST] = -1
+                bins[b, _COUNT] = 0
             bin_of[i] = b
-            item_next[i] = bin_head[b]
-            bin_head[b] = i
-            count[b] += 1
+            items[i, _NEXT] = bins[b, _FIRST]
+            bins[b, _FIRST] = i
+            bins[b, _COUNT] += 1
             free -= x
             if free > 0:
                 first = head[free]
-                bin_next[b] = first
-                bin_prev[b] = -1
+                bins[b, _BIN_NEXT] = first
+                bins[b, _BIN_PREV] = -1
                 if first == -1:
-                    _tree_set(tree, size, free, free)
+                    _bit_add(words, starts, free)
                 else:
-                    bin_prev[first] = b
+                    bins[first, _BIN_PREV] = b
                 head[free] = b
-                if free <= small_gap and count[b] >= min_items:
-                    _reindex_bin(
-                        b, free, True, bin_head, item_next, lengths, key_head, key_next, key_prev, mask, width
-                    )
+                if free <= small_gap and bins[b, _COUNT] >= min_items:
+                    _reindex_bin(b, free, True, bins, items, key_head, mask, width)
             break
     return bin_of, n_bins

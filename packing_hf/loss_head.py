@@ -52,6 +52,13 @@ _IGNORE = -100
 #: log-probs, reused by every chunk); per-chunk costs (the fp32 ``(V, H)`` weight-gradient update, the small
 #: matmuls) are amortised from about 200 tokens at a 152k vocabulary (measured: ``benchmarks/bench_memory.py``)
 DEFAULT_CHUNK_BYTES = 128 * 2**20
+#: the same on a CUDA device: fewer, larger chunks (each chunk reads the whole ``(V, H)`` weight and its fp32
+#: gradient once), still a small share of a GPU's memory next to the full logits (``benchmarks/gpu_check.sh``)
+DEFAULT_CUDA_CHUNK_BYTES = 512 * 2**20
+#: ``torch.mm(..., out_dtype=torch.float32)`` from bf16/fp16 inputs (CUDA, torch >= 2.8): the weight gradient
+#: in the model's precision with fp32 accumulation, as the full-logits path computes it (an fp32 matmul of the
+#: same product is several times slower on a GPU)
+_MM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tens
             "(nor -100, not a target); check the labels against the model's vocab_size"
         )
     if chunk_size is None:
-        return chunk_size_for(weight.shape[0])
+        chunk_bytes = DEFAULT_CUDA_CHUNK_BYTES if weight.is_cuda else DEFAULT_CHUNK_BYTES
+        return chunk_size_for(weight.shape[0], chunk_bytes)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(
             f"chunk_size={chunk_size!r}: it must be a positive number of tokens (or None: automatic)"
@@ -200,15 +208,19 @@ def _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight, grad_bias)
     ``rows[:, None] * grad``: ``grad`` ``(c, V)`` fp32 (its rows not yet scaled: ``rows`` ``(c,)`` fp32 is
     applied to the ``(c, H)`` side), ``grad_hidden`` the chunk's ``(c, H)`` slice (or ``None``), ``grad_weight``
     ``(V, H)`` and ``grad_bias`` ``(V,)`` fp32 accumulators (or ``None``)."""
+    low = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
     if grad_hidden is not None:
-        low = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
         if grad_hidden.dtype == low.dtype and grad_hidden.is_contiguous():
             torch.mm(low, weight, out=grad_hidden)
         else:
             grad_hidden.copy_(low @ weight)
         grad_hidden.mul_(rows[:, None].to(grad_hidden.dtype))
     if grad_weight is not None:
-        grad_weight.addmm_(grad.t(), hidden.float() * rows[:, None])
+        scaled = hidden.float() * rows[:, None]
+        if low is not grad and weight.is_cuda and _MM_OUT_DTYPE:
+            grad_weight.add_(torch.mm(low.t(), scaled.to(weight.dtype), out_dtype=torch.float32))
+        else:
+            grad_weight.addmm_(grad.t(), scaled)
     if grad_bias is not None:
         grad_bias.addmv_(grad.t(), rows)
 

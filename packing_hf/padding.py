@@ -130,7 +130,9 @@ class PackedLayout:
             packed_shape = (int(cu[-1]),)
         total, rows = _numel(packed_shape), cu.numel() - 1
         tokens = torch.arange(total, device=cu.device)  # (N,)
-        segment = torch.searchsorted(cu[1:], tokens, right=True)  # (N,) in [0, n]: n past the last segment
+        # (N,) in [0, n]: n past the last segment (cu[0] = 0; the whole cu is searched, not cu[1:]: inductor of
+        # torch 2.11 cannot lower searchsorted over a slice)
+        segment = torch.searchsorted(cu, tokens, right=True) - 1
         inside = segment < rows
         offset = tokens - cu[:-1][segment.clamp(max=max(rows - 1, 0))] if rows else tokens
         index = torch.where(inside, segment * width + offset, rows * width)

@@ -21,10 +21,11 @@ How an epoch is planned (identical on every rank, no communication):
    most bins among a few epochs' draws plus 0.1% (at most 1% + 1 over the Martello-Toth lower bound),
    so that every epoch's draw fits in it. With ``drop_last=False`` the count is then rounded up to a
    multiple of ``num_replicas``. ``len()`` is exact and the same in every epoch.
-2. *Per epoch*, from ``numpy.random.default_rng([seed, epoch])``: the bins (``"random"``: a new draw;
-   one that needs more bins than the count is drawn again, and after 8 tries the epoch reuses epoch
-   0's bins, counted in :meth:`~MultipackBatchSampler.stats`; ``"sorted"``: which of several
-   equal-length samples takes which place); bins are split in two (those holding the most samples)
+2. *Per epoch*, from ``(seed, epoch)`` (through ``numpy.random.SeedSequence``, the same on every
+   machine): the bins (``"random"``: a new draw; one that needs more bins than the count is drawn
+   again, and after 8 tries the epoch reuses epoch 0's bins, counted in
+   :meth:`~MultipackBatchSampler.stats`; ``"sorted"``: which of several equal-length samples takes
+   which place); bins are split in two (those holding the most samples)
    until there are exactly the fixed number; which bins are dropped (``drop_last=True`` only); the
    order in which steps are visited (uniformly random); which rank takes which bin of a step.
 3. *Steps*: with several ranks, bins are grouped ``num_replicas`` at a time into steps of similar cost

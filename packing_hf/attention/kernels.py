@@ -42,6 +42,15 @@ def _parameters(fn: Callable) -> frozenset[str]:
         return frozenset()
 
 
+@torch.compiler.assume_constant_result
+def _parameter_names(module_name: str, attr: str) -> tuple[str, ...]:
+    """The parameter names of ``module_name.attr`` (``()`` when absent or unknown), a constant to
+    ``torch.compile``: dynamo (torch 2.11) breaks the graph at ``inspect.signature``, once per attention call."""
+    module = _import(module_name)
+    fn = getattr(module, attr, None) if module is not None else None
+    return tuple(sorted(_parameters(fn))) if fn is not None else ()
+
+
 def _flash_package_function(module_name: str) -> Callable | None:
     module = _import(module_name)
     return getattr(module, "flash_attn_varlen_func", None) if module is not None else None
@@ -66,7 +75,7 @@ def _flash_package_features(module_name: str) -> frozenset[str]:
 
 def _run_flash_package(module_name: str, call: _Call) -> torch.Tensor:
     fn = _flash_package_function(module_name)
-    params = _parameters(fn)
+    params = _parameter_names(module_name, "flash_attn_varlen_func")
     kwargs = {
         "cu_seqlens_q": call.cu_q,
         "cu_seqlens_k": call.cu_k,
@@ -106,7 +115,7 @@ def _torch_varlen_function() -> Callable | None:
 
 def _run_torch_varlen(call: _Call) -> torch.Tensor:
     fn = _torch_varlen_function()
-    params = _parameters(fn)
+    params = _parameter_names("torch.nn.attention.varlen", "varlen_attn")
     k, v = call.k, call.v
     gqa = call.q.shape[1] != k.shape[1]
     kwargs: dict = {"scale": call.scale}

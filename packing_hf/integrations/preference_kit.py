@@ -185,7 +185,7 @@ class PackedForwardsMixin:
                 )
             if getattr(self, "ref_model", None) is not None:
                 self.packing_session.acquire(
-                    self.accelerator.unwrap_model(self.ref_model), attention=attention
+                    self.accelerator.unwrap_model(self.ref_model), attention=attention, role="reference model"
                 )
             yield
 

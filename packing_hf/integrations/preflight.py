@@ -48,12 +48,13 @@ def base_model(model: Any) -> Any:
     return model
 
 
-def preflight_packing(model: Any, mode: str = "switch"):
+def preflight_packing(model: Any, mode: str = "switch", role: str = "model"):
     """Check that ``model`` keeps packed samples apart, switch its attention or refuse, then prepare it.
 
     Args:
         model: the model about to be trained (a ``PreTrainedModel``, possibly wrapped by PEFT).
         mode: ``"switch"``, ``"error"`` or ``"off"`` (see the module docstring).
+        role: what the model is to the trainer, named in the log line (``"model"``, ``"reference model"``).
 
     Returns:
         The :class:`~packing_hf.architectures.PackingPreparation` handle of the prepared model
@@ -92,8 +93,9 @@ def preflight_packing(model: Any, mode: str = "switch"):
             )
         base.set_attn_implementation(name)
         logger.warning(
-            "packing pre-flight: %s / %s lets packed samples see each other (%s); switched the model to "
+            "packing pre-flight (%s): %s / %s lets packed samples see each other (%s); switched it to "
             "attn_implementation=%r, which keeps them apart (%s)",
+            role,
             config.model_type,
             implementation,
             report.summary(),
@@ -101,6 +103,6 @@ def preflight_packing(model: Any, mode: str = "switch"):
             switched.summary(),
         )
         report = switched
-    logger.info("packing pre-flight: %s", report.summary())
+    logger.info("packing pre-flight (%s): %s", role, report.summary())
     # the check above already covered an architecture the registry does not know: do not check it twice
     return prepare_model_for_packing(base, check_unknown=False)

@@ -148,8 +148,11 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
 
     def _prepare_for_packing(self, model: Any) -> None:
         """The pre-flight check on ``model`` before its first packed forward (once, until given back)."""
+        reference = model is not None and model is getattr(self, "ref_model", None)
         self.packing_session.acquire(
-            self.accelerator.unwrap_model(model), attention=self._packing_attention()
+            self.accelerator.unwrap_model(model),
+            attention=self._packing_attention(),
+            role="reference model" if reference else "model",
         )
 
     def remove_packing_hooks(self) -> None:

@@ -78,13 +78,16 @@ class PackingSession:
             if self._depth == 0:
                 self.release()
 
-    def acquire(self, model: Any, *, attention: str | None = None, use_cache: bool | None = None) -> Any:
+    def acquire(
+        self, model: Any, *, attention: str | None = None, use_cache: bool | None = None, role: str = "model"
+    ) -> Any:
         """``model`` checked and prepared for packed batches until the session closes (once per model).
 
         Args:
             model: a ``PreTrainedModel``, possibly wrapped (PEFT, DDP, accelerate).
             attention: switch the model to this attention implementation first (given back after).
             use_cache: the user's ``config.use_cache``, given back after (``None``: the model's current value).
+            role: what the model is to the trainer, named in the pre-flight's log line.
 
         Returns:
             The :class:`~packing_hf.PackingPreparation` handle (``None`` with ``packing_preflight="off"``).
@@ -102,7 +105,7 @@ class PackingSession:
         try:
             if attention is not None and lease.attn_implementation != attention:
                 base.set_attn_implementation(attention)
-            lease.preparation = preflight_packing(base, mode=self.mode)
+            lease.preparation = preflight_packing(base, mode=self.mode, role=role)
         except BaseException:
             self._give_back(lease)
             raise

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.overflow",
             "packing_hf._binpack",
             "packing_hf._binpack_kernels",
+            "packing_hf._random_kernels",
             "packing_hf._rows",
             # per-token loss arithmetic of the loss contract (read by the collator and the trainers)
             "packing_hf._loss",

@@ -9,6 +9,7 @@ pair's prompt (``shared_prompt``, on by default where exact) unless a test says 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -218,7 +219,8 @@ class _GradientProbe(TrainerCallback):
         )
 
 
-def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, pairs):
+def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins, pairs, caplog):
+    caplog.set_level(logging.INFO, logger="packing_hf.integrations.preflight")
     config = dict(
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -245,6 +247,11 @@ def test_gradient_accumulation_training_matches_stock(tmp_path, tokenizer, twins
     # packing metrics are logged next to TRL's: the padded layout would have computed more tokens
     logged = next(h for h in packed.state.log_history if "loss" in h)
     assert logged["padding_avoided_per_step"] > 0 and "rewards/margins" in logged
+    # the pre-flight says which model each of its lines is about: one line each
+    said = sorted(
+        r.getMessage().split(":")[0] for r in caplog.records if "packing pre-flight" in r.getMessage()
+    )
+    assert said == ["packing pre-flight (model)", "packing pre-flight (reference model)"], said
 
 
 @dataclass

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The device checks in one run, for a machine with one CUDA GPU and no network: the GPU tests, then the GPU
+# benchmarks (end-to-end head-to-head at two model shapes, the chunked LM head's memory on a real-shaped model).
+# Every step has its own time limit, so one that hangs cannot take the others' time; logs and JSON go to $OUT
+# (default benchmarks/results/gpu). Wheels the machine lacks (trl, transformers, datasets, ...) may be put in
+# .gpu/whl and the shared data in .gpu/data (both git-ignored):
+#     bash benchmarks/gpu_check.sh            # ~5 minutes on one H200
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+if compgen -G ".gpu/whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+[ -d .gpu/data ] && export PACKING_HF_DATA=$PWD/.gpu/data
+PY=${PYTHON:-python3}
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, say how it ended
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit s)"
+    tail -n 25 "$OUT/$name.log"
+}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import torch, transformers, trl, datasets, accelerate, numba, packing_hf.attention; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__, 'numba', numba.__version__); print('attention backends (cuda, bf16):', packing_hf.attention.available_backends('cuda', torch.bfloat16))"
+} 2>&1 | tee "$OUT/env.log"
+step gpu_tests 90 $PY -m pytest -p no:cacheprovider -q -rs -n 4 --durations=8 tests/gpu/test_cuda_loss_head.py tests/gpu/test_cuda_attention.py tests/gpu/test_cuda_hybrid.py tests/gpu/test_cuda_compile.py
+step memory_qwen3 80 $PY benchmarks/bench_memory.py --device cuda --dtype bfloat16 --shape qwen3-0.6b --vocabs qwen_152k --tokens 8192 16384 --output "$OUT/memory_qwen3.json"
+step e2e_smollm2 90 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset smollm2-135m --budget 8192 --samples 1000 --output "$OUT/e2e_smollm2.json"
+step e2e_qwen3 125 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset qwen3-0.6b --budget 16384 --samples 2000 --output "$OUT/e2e_qwen3.json"
