@@ -5,14 +5,16 @@ trainer whose head is TRL's fused one (DPO with a live reference model, KTO, GRP
 
 Two checks on the whole step (data, every model call, backward, optimizer): the model's own ``lm_head``
 module never projects a token (a forward hook records each call's token count; TRL's fused head reads the
-weight without calling the module, packing_hf's chunked head calls it on an empty slice), and no float tensor
-any op outputs holds ``tokens x vocabulary`` elements, ``tokens`` being the fewest tokens of any model call of
+weight without calling the module, packing_hf's chunked head calls it on an empty slice), and no op outputs a
+float tensor of ``tokens x vocabulary`` elements or more, ``tokens`` being the fewest tokens of any model call of
 the step (a :class:`~torch.utils._python_dispatch.TorchDispatchMode` records the size of every non-view op
 output, gradients and optimizer state included). TRL's fused head works in tiles of at most 4,096 tokens x
 32,768 vocabulary entries, below ``tokens x 49,152`` whatever the row; packing_hf's own head is given chunks
 of 32 tokens so that its chunk is below the row too (the automatic chunk is 128 MiB of logits, 682 tokens at
 this vocabulary, more than these rows). Negative control, caught by the same checks: the full-logits path
-(``packing_hf.Trainer`` with ``chunked_loss=False``).
+(``packing_hf.Trainer`` with ``chunked_loss=False``). The exactness of every trainer against stock TRL is
+tested in its own file; the trainers are built here with the few options these checks need (those files'
+fixtures are module-local, and test modules cannot import each other under ``--import-mode=importlib``).
 """
 
 from __future__ import annotations
