@@ -223,7 +223,7 @@ def test_rl_trainers_build_no_logits(tmp_path, tiny_llama, tokenizer, texts, tra
 
 
 def test_tpo_training_and_evaluation_build_no_logits(tmp_path, tiny_llama, tokenizer, texts, monkeypatch):
-    monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size: OWN_CHUNK)
+    monkeypatch.setattr(loss_head, "DEFAULT_CHUNK_BYTES", OWN_CHUNK * 4 * VOCAB)  # fp32 logits of 32 tokens
     columns = ("prompt", "chosen", "rejected", "reference")
     trainer = TPOTrainer(
         model=_packed_llama(tiny_llama),
@@ -243,7 +243,7 @@ def test_negative_control_the_full_logits_are_caught(
     tmp_path, tiny_llama, tokenizer, texts, monkeypatch, chunked
 ):
     """The same checks on ``packing_hf.Trainer``: its chunked loss passes, its full-logits loss is caught."""
-    monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size: OWN_CHUNK)
+    monkeypatch.setattr(loss_head, "DEFAULT_CHUNK_BYTES", OWN_CHUNK * 4 * VOCAB)  # fp32 logits of 32 tokens
     ids = tokenizer([p + a for p, a in zip(texts["prompt"][:3], texts["chosen"], strict=False)])["input_ids"]
     args = _args(
         packing_hf.TrainingArguments,
