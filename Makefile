@@ -11,7 +11,6 @@ STAMP := $(VENV)/.packing_hf_installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	@# -qq: setuptools' multi-line "Editable installation" notice (a BuildBackendWarning pip shows even with
 	@# --quiet) is information only; errors are still printed
