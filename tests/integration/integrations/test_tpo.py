@@ -172,7 +172,7 @@ def test_logits_loss_gradients_and_metrics_match_stock(
     assert not got.logits[~real].any()  # padding: zeros, never read by TRL's loss
 
     # the chunked LM head (chunked_loss=True, the default), in chunks of 16 tokens: the head projects nothing
-    monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size: 16)
+    monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size, chunk_bytes=None: 16)
     projected = []
     hook = packed.model.lm_head.register_forward_hook(lambda m, a, out: projected.append(out.shape[-2]))
     loss_p, grads_p, metrics_p = _loss_grads_metrics(packed, packed_batch)
