@@ -208,7 +208,11 @@ def _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight, grad_bias)
     ``rows[:, None] * grad``: ``grad`` ``(c, V)`` fp32 (its rows not yet scaled: ``rows`` ``(c,)`` fp32 is
     applied to the ``(c, H)`` side), ``grad_hidden`` the chunk's ``(c, H)`` slice (or ``None``), ``grad_weight``
     ``(V, H)`` and ``grad_bias`` ``(V,)`` fp32 accumulators (or ``None``)."""
-    low = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
+    low_precision = weight.dtype != torch.float32
+    # the weight gradient in the weight's dtype with fp32 accumulation (CUDA), else an fp32 matmul
+    low_weight_grad = grad_weight is not None and low_precision and weight.is_cuda and _MM_OUT_DTYPE
+    # (c, V) in the weight's dtype, copied only when a matmul reads it
+    low = grad.to(weight.dtype) if low_precision and (grad_hidden is not None or low_weight_grad) else grad
     if grad_hidden is not None:
         if grad_hidden.dtype == low.dtype and grad_hidden.is_contiguous():
             torch.mm(low, weight, out=grad_hidden)
@@ -217,7 +221,7 @@ def _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight, grad_bias)
         grad_hidden.mul_(rows[:, None].to(grad_hidden.dtype))
     if grad_weight is not None:
         scaled = hidden.float() * rows[:, None]
-        if low is not grad and weight.is_cuda and _MM_OUT_DTYPE:
+        if low_weight_grad:
             grad_weight.add_(torch.mm(low.t(), scaled.to(weight.dtype), out_dtype=torch.float32))
         else:
             grad_weight.addmm_(grad.t(), scaled)
