@@ -268,8 +268,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = k * head.factor  # d loss / d raw = k * factor * derivative * (p - onehot)
             grad_rows = None if grad_hidden is None else grad_hidden[start:end]
             _accumulate(grad, rows, h, weight, grad_rows, grad_weight, grad_bias)
+        # a call without a target (every coefficient 0) is the constant 0: its gradient is exactly zero whatever
+        # the incoming one, as F.cross_entropy's over ignored targets (an incoming 0/0 would make 0 * inf = NaN)
+        trains = (coefficients != 0).any()  # () bool, on the device: no host sync
         ctx.save_for_backward(
-            *(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias))
+            trains, *(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias))
         )
         ctx.has = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -278,9 +281,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _entropy, _hits):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        trains, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         has_hidden, has_weight, has_bias = ctx.has
-        grad_loss = grad_loss.float()
+        grad_loss = torch.where(trains, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
         return (
             (grad_hidden * grad_loss.to(grad_hidden.dtype)) if has_hidden else None,
             (grad_weight * grad_loss).to(ctx.dtypes[0]) if has_weight else None,
@@ -389,8 +392,10 @@ def linear_cross_entropy(
         weights: ``(N,)`` float, each target's weight (the coefficients of :func:`target_coefficients`), or
             ``None`` (1 each).
         reduction: ``"sum"`` (``sum_i w_i CE_i``), ``"mean"`` (that over ``sum_i w_i``, as
-            ``F.cross_entropy(..., reduction="mean")`` without weights) or ``"none"`` (``(N,)`` per-token losses,
-            0 where not a target, gradients through :func:`token_logprobs`).
+            ``F.cross_entropy(..., reduction="mean")`` without weights; 0 where ``sum_i w_i`` is 0, not NaN) or
+            ``"none"`` (``(N,)`` per-token losses, 0 where not a target, gradients through :func:`token_logprobs`).
+            Without a target (every target -100 or weighing 0) the gradients are exactly zero, whatever the
+            incoming gradient (a 0/0 upstream included).
         head: the model's logit processing (default: none).
         chunk_size: tokens per chunk (default: :func:`chunk_size_for` the vocabulary).
         metrics: also compute the entropy sum and top-1 hits of the labelled targets (:class:`LogitStats`).
@@ -412,7 +417,9 @@ def linear_cross_entropy(
         logps, _, _, _ = _TokenLogProbs.apply(hidden, weight, bias, targets, head, chunk, False, False, False)
         per_token = -logps
         if weights is not None:
-            per_token = per_token * weights.to(per_token)
+            weights = weights.to(per_token)
+            # where, not a product: a token weighing 0 adds exactly 0, and no gradient, whatever comes back
+            per_token = torch.where(weights != 0, per_token * weights, torch.zeros_like(per_token))
         if not metrics:
             return per_token, LogitStats(entropy=None, hits=None, count=valid.sum())
         with torch.no_grad():
@@ -435,7 +442,9 @@ def linear_cross_entropy(
         hidden, weight, bias, targets, coefficients, head, chunk, metrics
     )
     if reduction == "mean":
-        loss = loss / coefficients.sum()
+        total = coefficients.sum()
+        # no target: 0 with zero gradients (F.cross_entropy's mean is NaN there, 0/0)
+        loss = loss / torch.where(total != 0, total, torch.ones_like(total))
     if not metrics:
         entropy = hits = None
     return loss, LogitStats(entropy=entropy, hits=hits, count=valid.sum())

@@ -45,6 +45,24 @@ def _causal_labels(batch: dict[str, Any]) -> torch.Tensor | None:
     return torch.cat([first, shift[:, :-1]], dim=1)
 
 
+def _step_count(count: Any) -> Any:
+    """Stock's target count of a training step (``num_items_in_batch``), 1 where the step has no target.
+
+    Every loss of such a step is a sum over no target, 0: over 1 it stays 0 with zero gradients and is logged as
+    0 (as :func:`packing_hf._loss.step_denominator` makes packing_hf's own denominators), where over 0 it would be
+    0/0 = NaN, whose backward turns the chunked head's zero gradients into NaN (``0 * inf``) and which the Trainer
+    logs as the previous losses' mean (``logging_nan_inf_filter``).
+
+    >>> _step_count(torch.tensor(0)), _step_count(torch.tensor(7)), _step_count(None)
+    (tensor(1), tensor(7), None)
+    """
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, count, torch.ones_like(count))  # on the device: no host sync
+    if isinstance(count, int | float) and count <= 0:
+        return 1
+    return count
+
+
 class PackingLossMixin:
     """``loss_normalization`` and ``loss_weights``; part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
@@ -103,7 +121,7 @@ class PackingLossMixin:
             # the default on one process: stock's count, nothing else to agree on
             self._packing_loss_active = False
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
-            return super()._get_num_items_in_batch(batch_samples, device)
+            return _step_count(super()._get_num_items_in_batch(batch_samples, device))
         # (any batch has weights, sum of target weights, samples), summed over micro-batches then ranks
         local = torch.zeros(3, dtype=torch.float64)
         for batch in batch_samples:
@@ -131,7 +149,7 @@ class PackingLossMixin:
         self._packing_loss_active = normalization != "token" or bool(totals[0] > 0) or sequence_parallel
         if not self._packing_loss_active:
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
-            return super()._get_num_items_in_batch(batch_samples, device)
+            return _step_count(super()._get_num_items_in_batch(batch_samples, device))
         self._check_own_loss(f"loss_normalization={normalization!r} with loss_weights")
         # the loss below is divided by the step's denominator: the Trainer must not divide it by the steps again
         self.loss_is_scaled_for_ga = True
@@ -203,7 +221,10 @@ class PackingLossMixin:
             if self.args.average_tokens_across_devices:
                 loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         else:
-            loss = total / stats.count  # the model's mean over its targets
+            # the model's mean over its targets; in training a micro-batch without one has the loss 0, zero
+            # gradients (as _step_count), in evaluation NaN as the model's own (stock's evaluation skips it)
+            count = stats.count.clamp(min=1) if model.training else stats.count
+            loss = total / count
         return loss, stats, outputs
 
     def prediction_step(

@@ -39,6 +39,16 @@ def make_samples(weighted: bool) -> list[dict]:
     return samples
 
 
+def make_untrained_samples() -> list[dict]:
+    """6 samples without a target (prompt-only, one token, only the first label): a step of them must train
+    nothing (every gradient zero) and log the loss 0."""
+    return [
+        {"input_ids": [7, 8, 9, 10], "labels": [-100] * 4},
+        {"input_ids": [11], "labels": [11]},
+        {"input_ids": [12, 13], "labels": [12, -100]},
+    ] * 2
+
+
 def make_model():
     """The tiny llama every setting starts from (fp32, no dropout, same seed)."""
     import torch
@@ -154,7 +164,7 @@ def stream_batches_per_pass(samples, max_tokens_per_batch: int) -> int:
 
 def main(out_dir: str) -> None:
     """One rank: for every normalisation, with and without weights, the packed one-step gradient and loss on
-    map-style data and on a stream (rank 0 writes them)."""
+    map-style data and on a stream, and those of a step without targets (rank 0 writes them)."""
     import torch
     import torch.distributed as dist
 
@@ -178,6 +188,11 @@ def main(out_dir: str) -> None:
                     gradient_accumulation_steps=passes, max_tokens_per_batch=budget,
                 )  # fmt: skip
                 results[key + "-stream"] = {"loss": loss, "grads": {n: g.tolist() for n, g in grads.items()}}
+    # the default loss (token, no weights: stock's count, gathered over the ranks) of a step without targets
+    grads, loss = one_step(
+        os.path.join(out_dir, "untrained"), make_untrained_samples(), "token", batch_size=3
+    )
+    results["untrained"] = {"loss": loss, "grads": {n: g.tolist() for n, g in grads.items()}}
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump({"world_size": dist.get_world_size(), "results": results}, f)

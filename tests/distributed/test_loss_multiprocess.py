@@ -1,7 +1,8 @@
 """The loss contract on 2 and 3 processes (torchrun, gloo on CPU): the DDP-averaged gradient of one optimizer
 step over the whole data set, and the logged ``loss``, equal the single-process padded reference (1e-6
 relative) for every ``loss_normalization``, with and without ``loss_weights``; also on a stream, where the
-ranks that run out first train on padding batches. The harness is ``_loss_worker.py``.
+ranks that run out first train on padding batches. A step without targets trains nothing (zero gradients, the
+loss 0). The harness is ``_loss_worker.py``.
 """
 
 from __future__ import annotations
@@ -51,5 +52,14 @@ def test_loss_is_the_same_on_2_and_3_processes(nproc, tmp_path, launch, torchrun
                     assert got["loss"] == pytest.approx(ref_loss, rel=worker.RELATIVE_TOLERANCE), name
                     checked += 1
         assert checked == 7
+        # a step without targets on any rank: zero gradients (not NaN: 0 * the inf of 0/0), the loss 0
+        untrained = record["results"]["untrained"]
+        assert untrained["grads"] and untrained["loss"] == 0.0
+        for name, grad in untrained["grads"].items():
+            grad = torch.tensor(grad)
+            assert not grad.any(), (
+                f"{name}: a step without targets has {int((grad != 0).sum())} non-zero gradient entries "
+                f"({int(grad.isnan().sum())} NaN)"
+            )
     finally:
         torch.set_num_threads(threads)

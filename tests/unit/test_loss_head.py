@@ -132,3 +132,31 @@ def test_bad_inputs_are_named():
         linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 2]), chunk_size=0)
     with pytest.raises(ValueError, match="softcap"):
         LogitHead(softcap=0.0)
+
+
+@pytest.mark.parametrize("tokens", ["ignored", "zero_weights", "none"])
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_a_call_without_targets_has_zero_gradients(tokens, reduction):
+    """No target (every target -100, every weight 0, or no token at all): the loss is 0 and every gradient exactly
+    zero, even under the incoming gradient of a 0/0 (a step's loss over its zero targets), as
+    ``F.cross_entropy``'s over ignored targets; ``"mean"`` is 0 where ``F.cross_entropy``'s is NaN. Fails with the
+    zero gradient scaled by the incoming inf (NaN, what a step without targets did to every parameter)."""
+    hidden, weight, b, targets, weights = _inputs(bias=True)
+    if tokens == "ignored":
+        targets = torch.full_like(targets, -100)
+    elif tokens == "zero_weights":
+        weights = torch.zeros_like(weights)
+    else:
+        hidden, targets, weights = hidden[:0], targets[:0], weights[:0]
+    got, stats = linear_cross_entropy(
+        hidden, weight, targets, b, weights=weights, reduction=reduction, chunk_size=CHUNK
+    )
+    assert torch.equal(got.detach(), torch.zeros_like(got))
+    upstream = got.sum() / (
+        stats.count if tokens != "zero_weights" else weights.sum()
+    )  # 0/0: NaN, and inf back
+    params = [p for p in (hidden, weight, b) if p.requires_grad]
+    grads = torch.autograd.grad(upstream, params, allow_unused=True)
+    for name, grad in zip(("hidden", "weight", "bias"), grads, strict=True):
+        if grad is not None:
+            assert torch.equal(grad, torch.zeros_like(grad)), f"d/d{name} of a call without targets: {grad}"

@@ -207,3 +207,124 @@ def test_sft_trainer_follows_the_same_contract(reference, tokenizer, tmp_path):
     trainer.train()
     loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
     _same((capture.grads, loss), reference("sample", True))
+
+
+# ---- steps without targets -------------------------------------------------------------------------------------
+
+#: no target: a prompt-only sample (a filtered conversation), a one-token sample, one whose only label is its first
+#: (the collator masks every sample's first label); one micro-batch each
+UNTRAINED = [
+    {"input_ids": [7, 8, 9, 10], "labels": [-100, -100, -100, -100], "loss_weights": [1.0] * 4},
+    {"input_ids": [11], "labels": [11], "loss_weights": [1.0]},
+    {"input_ids": [12, 13], "labels": [12, -100], "loss_weights": [1.0, 1.0]},
+]
+#: every path of the loss: stock's count (token), packing_hf's own (token with weights, sample, sample_sum)
+UNTRAINED_SETTINGS = [("token", False), ("token", True), ("sample", False), ("sample_sum", False)]
+
+
+def _sgd_step(out_dir: str, samples: list[dict], normalization: str, weighted: bool, **kwargs):
+    """One optimizer step of plain SGD (lr 1, no weight decay, no clipping) with every sample its own micro-batch
+    unless ``kwargs`` say otherwise: ``(parameters before, parameters after, logged loss)``. ``logging_nan_inf_filter``
+    is off so that a NaN loss is logged as NaN, not replaced by the previous losses' mean."""
+    samples = [s if weighted else {k: v for k, v in s.items() if k != "loss_weights"} for s in samples]
+    model = harness.make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    settings = dict(gradient_accumulation_steps=len(samples), per_device_train_batch_size=1)
+    settings.update(kwargs)
+    args = packing_hf.TrainingArguments(
+        out_dir, loss_normalization=normalization, max_steps=1, max_grad_norm=0.0, logging_steps=1,
+        logging_nan_inf_filter=False, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        packing_metrics=False, seed=harness.SEED, **settings,
+    )  # fmt: skip
+    trainer = packing_hf.Trainer(
+        model=model,
+        args=args,
+        train_dataset=samples,
+        data_collator=packing_hf.PaddingFreeCollator(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None),
+    )
+    trainer.train()
+    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss
+
+
+def _check_untrained(before: dict, after: dict, loss: float, what: str) -> None:
+    for name, value in after.items():
+        assert torch.isfinite(value).all(), f"{what}: {name} is not finite after a step without targets"
+        assert torch.equal(value, before[name]), f"{what}: {name} moved in a step without targets"
+    assert loss == 0.0, f"{what}: a step without targets logged the loss {loss}"
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize(("normalization", "weighted"), UNTRAINED_SETTINGS)
+def test_a_step_without_targets_trains_nothing(normalization, weighted, chunked, tmp_path):
+    """Three micro-batches without a target accumulated in one SGD step (lr 1): every parameter finite and
+    unchanged, the logged loss 0. Failed with the chunked head's zero gradients times the incoming inf of
+    ``0 / 0`` (every parameter NaN, the loss logged 0.0 by the NaN filter) and stock's loss 0/0 logged as NaN."""
+    what = f"{normalization} weighted={weighted} chunked_loss={chunked}"
+    _check_untrained(
+        *_sgd_step(str(tmp_path), UNTRAINED, normalization, weighted, chunked_loss=chunked), what
+    )
+
+
+def test_a_packed_step_without_targets_trains_nothing_by_default(tmp_path):
+    """The default settings (packed rows, chunked head, token normalisation), one micro-batch without a target."""
+    got = _sgd_step(
+        str(tmp_path), UNTRAINED, "token", False, max_tokens_per_batch=BUDGET, gradient_accumulation_steps=1
+    )
+    _check_untrained(*got, "packed, defaults")
+
+
+@pytest.mark.parametrize(("normalization", "weighted"), UNTRAINED_SETTINGS)
+def test_a_micro_batch_without_targets_adds_nothing(normalization, weighted, tmp_path, assert_close):
+    """A step whose micro-batches include ones without a target is the same step without them: the same
+    parameters after SGD and the same logged loss."""
+    trained = harness.make_samples(weighted=True)[:2]
+    _, alone, alone_loss = _sgd_step(str(tmp_path), trained, normalization, weighted)
+    _, mixed, mixed_loss = _sgd_step(str(tmp_path), [*trained, *UNTRAINED], normalization, weighted)
+    assert alone_loss > 0
+    assert_close(mixed_loss, alone_loss, f"{normalization} logged loss", rel=TOL)
+    for name, value in alone.items():
+        assert_close(mixed[name], value, f"{normalization} {name} after the step", rel=TOL)
+
+
+def test_negative_control_a_micro_batch_without_targets_counted_as_a_sample(
+    monkeypatch, tmp_path, assert_close
+):
+    """The same check catches a denominator that counts the samples without targets."""
+    real = _loss.loss_counts
+
+    def counting_every_sample(labels, *args, **kwargs):
+        weight, _ = real(labels, *args, **kwargs)
+        segments = _loss.target_segments(labels, *args[1:], **kwargs)
+        return weight, int(segments.unique().numel()) if segments.numel() else 1
+
+    monkeypatch.setattr(packing_hf.integrations.loss, "loss_counts", counting_every_sample)
+    with pytest.raises(AssertionError, match="logged loss"):
+        test_a_micro_batch_without_targets_adds_nothing("sample_sum", False, tmp_path, assert_close)
+
+
+def test_an_sft_step_without_targets_trains_nothing(tokenizer, tmp_path):
+    """packing_hf.SFTTrainer with its defaults (token normalisation, chunked head, TRL's metrics), SGD lr 1."""
+    import datasets
+
+    model = harness.make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = packing_hf.SFTConfig(
+        str(tmp_path), max_tokens_per_batch=BUDGET, max_steps=1, max_grad_norm=0.0, logging_steps=1,
+        logging_nan_inf_filter=False, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        packing_metrics=False, seed=harness.SEED, max_length=None, bf16=False, gradient_checkpointing=False,
+    )  # fmt: skip
+    samples = [{k: v for k, v in s.items() if k != "loss_weights"} for s in UNTRAINED]
+    trainer = packing_hf.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(samples),
+        processing_class=tokenizer,
+        data_collator=packing_hf.PaddingFreeCollator(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None),
+    )
+    trainer.train()
+    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    _check_untrained(before, after, loss, "SFTTrainer")

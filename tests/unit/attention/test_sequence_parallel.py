@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import packing_hf.attention.sequence_parallel as sequence_parallel
 from packing_hf import ATTENTION_NAME, PaddingFreeCollator, prepare_model_for_packing, register_attention
 from packing_hf._loss import loss_counts, loss_numerator, step_denominator
 from packing_hf.attention.sequence_parallel import (
@@ -18,6 +19,7 @@ from packing_hf.attention.sequence_parallel import (
     check_sequence_parallel_model,
     sequence_parallel_loss,
     shard_lengths,
+    shard_loss_counts,
     shard_packed_batch,
 )
 from packing_hf.attention.ulysses import SequenceShard, _spread_kv_heads
@@ -73,6 +75,38 @@ def test_a_one_rank_group_trains_the_row_itself(normalization, assert_close):
     unshifted = dict(shard, shift_labels=row["labels"])
     with pytest.raises(AssertionError):
         assert_close(sequence_parallel_loss(logits, unshifted, normalization), want, "loss", rel=1e-6)
+
+
+def _check_untrained_shard(normalization: str) -> None:
+    """A row without targets (a prompt-only sample, a one-token sample): the shard's loss is 0 and every gradient
+    exactly zero, under the denominator the Trainer passes (the step's counts through ``step_denominator``) and the
+    row's own."""
+    model = _llama()
+    row = PaddingFreeCollator()(
+        [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}, {"input_ids": [4], "labels": [4]}]
+    )
+    shard = shard_packed_batch(row)
+    counts = shard_loss_counts(shard)
+    assert counts == (0.0, 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for denominator in (step_denominator(counts, normalization), None):
+        loss = sequence_parallel_loss(model(**shard).logits, shard, normalization, denominator)
+        grads = torch.autograd.grad(loss, params)
+        value = float(loss.detach())
+        assert value == 0.0, f"{normalization}: the loss of a shard without targets is {value}"
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads), f"{normalization}: non-zero gradients"
+
+
+@pytest.mark.parametrize("normalization", ["token", "sample", "sample_sum"])
+def test_a_shard_without_targets_has_zero_loss_and_gradients(normalization):
+    _check_untrained_shard(normalization)
+
+
+def test_negative_control_a_zero_denominator_is_caught(monkeypatch):
+    # the row's own count as the denominator, unguarded: 0/0
+    monkeypatch.setattr(sequence_parallel, "step_denominator", lambda totals, normalization: float(totals[0]))
+    with pytest.raises(AssertionError, match="the loss of a shard without targets is nan"):
+        _check_untrained_shard("token")
 
 
 def test_the_model_check_refuses_by_name():
