@@ -10,8 +10,8 @@ A model is chunked only where that is exact: its output embeddings are the ``tor
 ``forward`` calls as ``self.lm_head``, and what the ``forward`` does to the logits between the head and the
 loss is one of the known processings (none; Cohere's ``logit_scale``; Granite's ``logits_scaling``; Gemma
 2/3's ``final_logit_softcapping``), read from the ``forward``'s source. Anything else (an unknown class, extra
-logit processing, a LoRA-wrapped or quantized head, an MoE auxiliary loss) keeps the full-logits path; the
-reason is returned so the trainer can say it once.
+logit processing, a LoRA-wrapped or quantized head, hooks on the head or on every module, an MoE auxiliary loss)
+keeps the full-logits path; the reason is returned so the trainer can say it once.
 
 Reward models score sequences with a ``(hidden, 1)`` head: they build no vocabulary logits and need none of this.
 
@@ -76,6 +76,43 @@ def _processing_of(cls: type) -> str:
     return _PROCESSINGS[between]
 
 
+def _bypassed_calls(head: torch.nn.Module) -> str | None:
+    """What a call of ``head`` runs besides ``F.linear(x, weight, bias)``, which the chunked head (reading the
+    weight itself) would skip, or ``None``: hooks registered on it (a temperature, a vocabulary mask, an
+    adapter's wrapper), hooks registered on every module (``torch.nn.modules.module.register_module_*_hook``),
+    or a ``forward`` replaced on the instance (accelerate's device hooks).
+
+    Such a head keeps the full logits, even where the hook is row-wise (a temperature, a mask) and would be exact
+    per chunk of tokens: nothing says which hooks are; one sees the ``(B, T, V)`` logits of the whole call, holds
+    state across calls, or changes the gradient (a backward hook), and each would silently compute something
+    else on ``(chunk, V)`` slices (the chunked head's projection also runs in backward, without the module)."""
+    from torch.nn.modules import module as torch_module
+
+    found = [
+        what
+        for what, hooks in (
+            ("forward pre-hooks", head._forward_pre_hooks),
+            ("forward hooks", head._forward_hooks),
+            ("backward pre-hooks", head._backward_pre_hooks),
+            ("backward hooks", head._backward_hooks),
+        )
+        if hooks
+    ]
+    found += [
+        f"global {what} (on every module)"
+        for what, hooks in (
+            ("forward pre-hooks", torch_module._global_forward_pre_hooks),
+            ("forward hooks", torch_module._global_forward_hooks),
+            ("backward pre-hooks", torch_module._global_backward_pre_hooks),
+            ("backward hooks", torch_module._global_backward_hooks),
+        )
+        if hooks
+    ]
+    if "forward" in vars(head):
+        found.append("a forward of its own (set on the module)")
+    return ", ".join(found) if found else None
+
+
 def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
     """``(lm_head, LogitHead)`` of a causal LM whose head can be chunked exactly, else why not (a sentence).
 
@@ -90,6 +127,9 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
         return (
             f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
         )
+    bypassed = _bypassed_calls(head)
+    if bypassed is not None:
+        return f"its lm_head has {bypassed}, which computing the logits in chunks would skip"
     config = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "output_router_logits", False):

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import packing_hf
 from packing_hf import _loss, loss_head
+from packing_hf.integrations import chunked_head
 from packing_hf.integrations.chunked_head import causal_lm_loss, model_token_logprobs, resolve_head
 from packing_hf.loss_head import LogitHead, target_coefficients
 
@@ -146,8 +147,10 @@ def test_trainer_builds_no_logits_and_keeps_its_losses(tmp_path, assert_close):
     results = {}
     for chunked in (True, False):
         model = _model("llama_untied")
-        hook = model.lm_head.register_forward_hook(
-            lambda m, a, out, chunked=chunked: shapes.append((chunked, tuple(out.shape)))
+        # the logits the model returns: what its head projected (a hook on the head itself would keep the full
+        # logits: the chunked head honours the head's hooks)
+        hook = model.register_forward_hook(
+            lambda m, a, out, chunked=chunked: shapes.append((chunked, tuple(out.logits.shape)))
         )
         trainer = _trainer(tmp_path, model, chunked)
         trainer.train()
@@ -174,6 +177,77 @@ def test_a_head_that_cannot_be_chunked_keeps_the_logits_and_says_why_once(tmp_pa
     said = [r.getMessage() for r in caplog.records if "chunked_loss" in r.getMessage()]
     assert len(said) == 1 and "OPTForCausalLM" in said[0], said
     assert _trainer(tmp_path, _model("llama_untied"), False)._chunked_head(model) is None  # opted out
+
+
+def _register(model, hook: str, labels: torch.Tensor):
+    """One of the hooks a user puts on the LM head (or on every module), by name; returns its handle."""
+    head = model.lm_head
+    if hook == "temperature":
+        return head.register_forward_hook(lambda module, args, out: out / 0.7)
+    if hook == "vocabulary_mask":  # every token that is never a target here is forbidden
+        masked = torch.ones(VOCAB, dtype=torch.bool)
+        masked[labels[labels != -100]] = False
+        return head.register_forward_hook(lambda module, args, out: out.masked_fill(masked, float("-inf")))
+    if (
+        hook == "gradient_scale"
+    ):  # a backward hook: the loss is unchanged, the gradients below the head are not
+        return head.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3.0,))
+    if hook == "global_temperature":  # on every module, through torch's global registry
+        return torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: out / 0.7 if module is head else None
+        )
+    raise ValueError(hook)
+
+
+HEAD_HOOKS = ("temperature", "vocabulary_mask", "gradient_scale", "global_temperature")
+
+
+def _check_hooked_head(tmp_path, hook: str, assert_close) -> None:
+    """The Trainer's training loss and gradients with a hook on the LM head equal stock's (the model's own loss,
+    ``model(**inputs, labels=labels)``, which calls the head and so its hooks)."""
+    model = _model("llama_untied")
+    inputs, labels, _ = _packed_row()
+    trainer = _trainer(tmp_path, model, True)  # first: it keeps the packed samples apart in the model
+    handle = _register(model, hook, labels)
+    try:
+        want = model(**inputs, labels=labels).loss
+        want_grads = _grads(model, want)
+        count = (labels[:, 1:] != -100).sum()
+        got = trainer.compute_loss(model, {**inputs, "labels": labels}, num_items_in_batch=count)
+        got_grads = _grads(model, got)
+    finally:
+        handle.remove()
+    assert_close(got.detach(), want.detach(), f"{hook}: loss", rel=REL)
+    assert want_grads.keys() == got_grads.keys()
+    for param, grad in want_grads.items():
+        assert_close(got_grads[param], grad, f"{hook}: d/d{param}", rel=REL)
+
+
+@pytest.mark.parametrize("hook", HEAD_HOOKS)
+def test_hooks_on_the_head_are_honoured(tmp_path, hook, assert_close):
+    """The chunked head would skip the head's hooks (it reads the weight): with any, the full logits are kept."""
+    _check_hooked_head(tmp_path, hook, assert_close)
+    model = _model("llama_untied")
+    handle = _register(model, hook, torch.tensor([[0]]))
+    assert "which computing the logits in chunks would skip" in resolve_head(model)
+    handle.remove()
+    assert not isinstance(resolve_head(model), str)  # removed: chunked again
+
+
+@pytest.mark.parametrize("hook", HEAD_HOOKS)
+def test_negative_control_hooks_skipped_by_the_chunked_head_are_caught(
+    tmp_path, hook, assert_close, monkeypatch
+):
+    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head: None)
+    with pytest.raises(AssertionError, match="loss" if hook != "gradient_scale" else "d/dmodel"):
+        _check_hooked_head(tmp_path, hook, assert_close)
+
+
+def test_a_forward_of_its_own_on_the_head_is_honoured():
+    model = _model("llama_untied")
+    head = model.lm_head
+    head.forward = lambda x: torch.nn.Linear.forward(head, x) / 0.7  # as accelerate's device hooks replace it
+    assert "a forward of its own" in resolve_head(model)
 
 
 def _step(model, inputs, labels, weights, *, chunked: bool):

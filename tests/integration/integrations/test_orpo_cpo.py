@@ -21,6 +21,7 @@ from trl.experimental.orpo import ORPOConfig as StockORPOConfig  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer as StockORPOTrainer  # noqa: E402
 
 import packing_hf  # noqa: E402
+from packing_hf.integrations import chunked_head  # noqa: E402
 from packing_hf.integrations.orpo import (  # noqa: E402
     CPOConfig,
     CPOTrainer,
@@ -186,6 +187,23 @@ def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, pair
     _close(leaked[0][:1], logps_s[0][:1].detach(), "the first sequence, which has nothing before it")
     with pytest.raises(AssertionError):
         _close(leaked[1], logps_s[1].detach(), "rejected log-probs of a leaking row")
+
+
+def test_a_hook_on_the_lm_head_is_honoured(tmp_path, tokenizer, twins, pairs, monkeypatch):
+    """A temperature hook on the LM head (both models): the packed loss and gradients still equal stock's, whose
+    full logits run it; packing_hf's chunked head, which reads the head's weight, keeps the full logits."""
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(2), "orpo", beta=0.2)
+    padded_batch, packed_batch = _batches(stock, packed, 2)
+    for trainer in (stock, packed):
+        trainer.model.lm_head.register_forward_hook(lambda module, args, out: out / 0.7)
+    loss_s, grads_s, _ = _loss_grads_metrics(stock, padded_batch)
+    loss_p, grads_p, _ = _loss_grads_metrics(packed, packed_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    # negative control: the chunked head blind to the hook
+    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head: None)
+    with pytest.raises(AssertionError, match="loss"):
+        _close(_loss_grads_metrics(packed, packed_batch)[0], loss_s, "loss")
 
 
 class _OneSequence(torch.nn.Module):

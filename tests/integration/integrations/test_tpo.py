@@ -20,6 +20,7 @@ from trl.experimental.tpo import TPOTrainer as StockTPOTrainer  # noqa: E402
 
 import packing_hf  # noqa: E402
 from packing_hf import loss_head  # noqa: E402
+from packing_hf.integrations import chunked_head  # noqa: E402
 from packing_hf.integrations.tpo import (  # noqa: E402
     PackedTripleForward,
     TPOConfig,
@@ -153,6 +154,23 @@ def _batches(stock, packed, n):
     return stock._prepare_inputs(padded), packed._prepare_inputs(packed_batch)
 
 
+def test_a_hook_on_the_lm_head_is_honoured(tmp_path, tokenizer, twins, triples, monkeypatch):
+    """A temperature hook on the LM head (both models): the packed loss and gradients still equal stock's, whose
+    full logits run it; packing_hf's chunked head, which reads the head's weight, keeps the full logits."""
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: triples(2), **CASES["sigmoid"])
+    padded_batch, packed_batch = _batches(stock, packed, 2)
+    for trainer in (stock, packed):
+        trainer.model.lm_head.register_forward_hook(lambda module, args, out: out / 0.7)
+    loss_s, grads_s, _ = _loss_grads_metrics(stock, padded_batch)
+    loss_p, grads_p, _ = _loss_grads_metrics(packed, packed_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    # negative control: the chunked head blind to the hook
+    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head: None)
+    with pytest.raises(AssertionError, match="loss"):
+        _close(_loss_grads_metrics(packed, packed_batch)[0], loss_s, "loss")
+
+
 @pytest.mark.parametrize("case", ["sigmoid", "tpo-l", "sigmoid-no-reference"])
 def test_logits_loss_gradients_and_metrics_match_stock(
     tmp_path, tokenizer, twins, triples, case, assert_close, monkeypatch
@@ -174,7 +192,8 @@ def test_logits_loss_gradients_and_metrics_match_stock(
     # the chunked LM head (chunked_loss=True, the default), in chunks of 16 tokens: the head projects nothing
     monkeypatch.setattr(loss_head, "chunk_size_for", lambda vocab_size, chunk_bytes=None: 16)
     projected = []
-    hook = packed.model.lm_head.register_forward_hook(lambda m, a, out: projected.append(out.shape[-2]))
+    # the tokens the head projected: the logits the model returns (a hook on the head would keep the full logits)
+    hook = packed.model.register_forward_hook(lambda m, a, out: projected.append(out.logits.shape[-2]))
     loss_p, grads_p, metrics_p = _loss_grads_metrics(packed, packed_batch)
     hook.remove()
     assert projected == [0]

@@ -4,8 +4,9 @@ trainer whose head is TRL's fused one (DPO with a live reference model, KTO, GRP
 (49,152 entries, hidden size 32) and real GSM8K text.
 
 Two checks on the whole step (data, every model call, backward, optimizer): the model's own ``lm_head``
-module never projects a token (a forward hook records each call's token count; TRL's fused head reads the
-weight without calling the module, packing_hf's chunked head calls it on an empty slice), and no op outputs a
+module never projects a token (``torch.nn.Linear.forward``, wrapped, records each of its calls' token count: a
+hook on it would make packing_hf's chunked head keep the full logits; TRL's fused head reads the weight without
+calling the module, packing_hf's chunked head calls it on an empty slice), and no op outputs a
 float tensor of ``tokens x vocabulary`` elements or more, ``tokens`` being the fewest tokens of any model call of
 the step (a :class:`~torch.utils._python_dispatch.TorchDispatchMode` records the size of every non-view op
 output, gradients and optimizer state included). TRL's fused head works in tiles of at most 4,096 tokens x
@@ -19,8 +20,10 @@ fixtures are module-local, and test modules cannot import each other under ``--i
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
+from unittest import mock
 
 import datasets
 import pytest
@@ -52,6 +55,7 @@ class _StepRecord(TorchDispatchMode):
     model_tokens: list[tuple[str, int]] = field(default_factory=list)
     head_tokens: list[int] = field(default_factory=list)
     largest: tuple[int, str] = (0, "")
+    heads: list[torch.nn.Module] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -74,12 +78,23 @@ class _StepRecord(TorchDispatchMode):
             embeds = kwargs.get("inputs_embeds")
             self.model_tokens.append((name, ids.numel() if ids is not None else embeds.shape[:-1].numel()))
 
-        return [
-            backbone.register_forward_pre_hook(decoder_call, with_kwargs=True),
-            model.get_output_embeddings().register_forward_hook(
-                lambda module, args, out: self.head_tokens.append(args[0].shape[:-1].numel())
-            ),
-        ]
+        self.heads.append(model.get_output_embeddings())
+        return [backbone.register_forward_pre_hook(decoder_call, with_kwargs=True)]
+
+    @contextlib.contextmanager
+    def watching_heads(self):
+        """Every call of a watched ``lm_head`` records its token count, through ``torch.nn.Linear.forward``
+        wrapped for the duration: a hook on the head would make packing_hf's chunked head keep the full logits
+        (it honours the head's hooks)."""
+        forward = torch.nn.Linear.forward
+
+        def recording(module, x):
+            if any(module is head for head in self.heads):
+                self.head_tokens.append(x.shape[:-1].numel())
+            return forward(module, x)
+
+        with mock.patch.object(torch.nn.Linear, "forward", recording):
+            yield
 
     def problems(self) -> list[str]:
         """What the step did that the chunked heads never do (empty: nothing)."""
@@ -104,7 +119,7 @@ def _run(trainer, what: str, reference=None, evaluate: bool = False) -> _StepRec
     if reference is not None:
         hooks += record.watch(reference, "reference")
     try:
-        with record:
+        with record, record.watching_heads():
             trainer.train()
             if evaluate:
                 trainer.evaluate()
