@@ -275,10 +275,11 @@ def test_a_packed_step_without_targets_trains_nothing_by_default(tmp_path):
     _check_untrained(*got, "packed, defaults")
 
 
-@pytest.mark.parametrize(("normalization", "weighted"), UNTRAINED_SETTINGS)
+@pytest.mark.parametrize(("normalization", "weighted"), [("token", False), ("sample", False)])
 def test_a_micro_batch_without_targets_adds_nothing(normalization, weighted, tmp_path, assert_close):
     """A step whose micro-batches include ones without a target is the same step without them: the same
-    parameters after SGD and the same logged loss."""
+    parameters after SGD and the same logged loss (stock's count, and packing_hf's sample count, which is what
+    a micro-batch without targets could change)."""
     trained = harness.make_samples(weighted=True)[:2]
     _, alone, alone_loss = _sgd_step(str(tmp_path), trained, normalization, weighted)
     _, mixed, mixed_loss = _sgd_step(str(tmp_path), [*trained, *UNTRAINED], normalization, weighted)
@@ -301,7 +302,7 @@ def test_negative_control_a_micro_batch_without_targets_counted_as_a_sample(
 
     monkeypatch.setattr(packing_hf.integrations.loss, "loss_counts", counting_every_sample)
     with pytest.raises(AssertionError, match="logged loss"):
-        test_a_micro_batch_without_targets_adds_nothing("sample_sum", False, tmp_path, assert_close)
+        test_a_micro_batch_without_targets_adds_nothing("sample", False, tmp_path, assert_close)
 
 
 def test_an_sft_step_without_targets_trains_nothing(tokenizer, tmp_path):
