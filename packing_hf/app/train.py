@@ -112,13 +112,11 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
         records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         say(records.describe())
     eval_records = None
-    if data.eval_dataset is not None and cfg.job.trainer != "sft":
+    if data.eval_dataset is not None:  # trainer: trainer (the config refuses it for the others)
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
         eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
         eval_records.limit_key = "eval_num_samples"
         say(eval_records.describe())
-    elif data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: sft (TRL tokenizes; no eval loss)")
     return records, eval_records
 
 

@@ -176,8 +176,6 @@ def _read_dataset(cfg: TrainConfig, say) -> tuple[Any, str]:
     if data.dataset == "embedded":
         records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
     say(records)
-    if data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: {trainer_name} (no held-out loss)")
     return dataset, records
 
 
