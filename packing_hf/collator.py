@@ -335,6 +335,24 @@ class PaddingFreeCollator:
                 "see sample boundaries, so packed samples would attend to each other; enable one of them"
             )
 
+    def _row_padding(self, n_tokens: int) -> int:
+        """Padding tokens that end a row of ``n_tokens``: up to its length bucket, or to a multiple of
+        ``pad_to_multiple_of``; 0 without either."""
+        if self.length_buckets is not None:
+            return self._bucket_padding(n_tokens)
+        return (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+
+    def _with_empty_segments(
+        self, seg_lengths: np.ndarray, cu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """``seg_lengths`` ``(n,)`` and ``cu`` ``(n + 1,)`` closed with the empty segments of ``segment_buckets``
+        (repeats of ``T`` in ``cu``), and how many were added."""
+        n_empty = self._empty_segments(seg_lengths.size) if self.segment_buckets is not None else 0
+        if n_empty:
+            seg_lengths = np.concatenate([seg_lengths, np.zeros(n_empty, seg_lengths.dtype)])
+            cu = np.concatenate([cu, np.full(n_empty, cu[-1], cu.dtype)])
+        return seg_lengths, cu, n_empty
+
     def _bucket_padding(self, n_tokens: int) -> int:
         """Tokens to add so the row is the smallest bucket that holds ``n_tokens``."""
         index = bisect.bisect_left(self.length_buckets, n_tokens)
@@ -413,18 +431,14 @@ class PaddingFreeCollator:
             ids, labels, seg_lengths, features, lengths, weights
         )
         n_tokens = ids.size
-        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
-        if self.length_buckets is not None:
-            n_pad = self._bucket_padding(n_tokens)
+        n_pad = self._row_padding(n_tokens)
         if n_pad:
             ids, labels, seg_lengths, weights = self._pad(n_pad, ids, labels, seg_lengths, weights)
         cu = _cu_seqlens(seg_lengths)  # (n + 1,)
         # Every segment's first label is masked: its logit would come from the previous sample's last token.
         labels[cu[:-1]] = self.label_pad_id
-        n_empty = self._empty_segments(seg_lengths.size) if self.segment_buckets is not None else 0
-        if n_empty:  # after the labels: an empty segment has no first token to mask
-            seg_lengths = np.concatenate([seg_lengths, np.zeros(n_empty, seg_lengths.dtype)])
-            cu = np.concatenate([cu, np.full(n_empty, cu[-1], cu.dtype)])
+        # after the labels: an empty segment has no first token to mask
+        seg_lengths, cu, n_empty = self._with_empty_segments(seg_lengths, cu)
 
         self.stats["batches"] += 1
         self.stats["tokens"] += n_tokens

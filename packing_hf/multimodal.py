@@ -325,10 +325,12 @@ class MultimodalCollator:
         max_length: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("overflow", "error") != "error" or kwargs.get("pad_to_multiple_of"):
+        padding = [k for k in ("pad_to_multiple_of", "length_buckets", "segment_buckets") if kwargs.get(k)]
+        if kwargs.get("overflow", "error") != "error" or padding:
             raise ValueError(
                 "MultimodalCollator keeps every sample whole: overflow must be 'error' (truncating or splitting "
-                "would cut an image block away from its pixels) and pad_to_multiple_of is not supported"
+                "would cut an image block away from its pixels) and pad_to_multiple_of, length_buckets and "
+                f"segment_buckets are not supported (got {', '.join(padding) or 'none of them'})"
             )
         if kwargs.get("return_tensors", "pt") != "pt":
             raise ValueError("MultimodalCollator returns torch tensors only (return_tensors='pt')")

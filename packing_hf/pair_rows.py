@@ -52,17 +52,13 @@ class PaddingFreePairCollator(PaddingFreePreferenceCollator):
     """
 
     input_columns: ClassVar[tuple[str, ...]] = _SEQUENCE_KEYS
+    no_row_padding: ClassVar[str | None] = "packed ORPO / CPO rows take no padding segment"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.shared_prompt:
             raise ValueError(
                 "TRL's ORPO / CPO rows hold the prompt inside both sequences; leave shared_prompt=False"
-            )
-        if self.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={self.pad_to_multiple_of}: packed ORPO / CPO rows take no padding segment; "
-                "leave it unset"
             )
 
     def __call__(
@@ -93,6 +89,12 @@ class PaddingFreePairCollator(PaddingFreePreferenceCollator):
         batch = super().__call__(pairs, "np")
         del batch["completion_mask"]  # prompt-less pairs: all ones, and TRL's labels say what is trained
         padded = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int64)
+        if self.max_length is not None:  # the labels cut as the ids were (overflow="truncate")
+            m = self.max_length
+            labels = [
+                lab[:m] if self.truncation_mode == "keep_start" else lab[max(lab.size - m, 0) :]
+                for lab in labels
+            ]
         padded[batch["attention_mask"].astype(bool)] = np.concatenate(labels)  # row-major: sequence order
         batch[LABELS_KEY] = padded
         if return_tensors == "pt":
@@ -119,7 +121,7 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
         max_length, overflow, truncation_mode: a sequence longer than ``max_length``: ``"error"`` (default)
             raises; ``"truncate"`` cuts it as TRL's ``DataCollatorForTriplePreference`` does, counted in
             :attr:`stats`. Other arguments as :class:`~packing_hf.preference.PaddingFreePreferenceCollator`;
-            ``shared_prompt`` and ``pad_to_multiple_of`` are refused.
+            ``shared_prompt``, ``pad_to_multiple_of``, ``length_buckets`` and ``segment_buckets`` are refused.
 
     >>> collator = PaddingFreeTripleCollator()
     >>> batch = collator([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3, 4], "reference_ids": [5]}])
@@ -132,15 +134,12 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
     include_reference: bool = True
 
     input_columns: ClassVar[tuple[str, ...]] = ("prompt_ids", "chosen_ids", "rejected_ids", "reference_ids")
+    no_row_padding: ClassVar[str | None] = "packed TPO rows take no padding"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.shared_prompt:
             raise ValueError("PaddingFreeTripleCollator does not share prompts; leave shared_prompt=False")
-        if self.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={self.pad_to_multiple_of}: packed TPO rows take no padding; leave it unset"
-            )
         if not (self.return_flash_attn_kwargs and self.return_position_ids):
             raise ValueError(
                 "PaddingFreeTripleCollator needs return_flash_attn_kwargs=True and return_position_ids=True: "
@@ -206,10 +205,9 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
             "packed_input_ids": ids[None],
             "packed_index": packed_index,
             "position_ids": (offsets + self.position_ids_start)[None],
-            "cu_seq_lens_q": cu.astype(np.int32),
-            "cu_seq_lens_k": cu.astype(np.int32),
             **{k: v.reshape(n_seq, width) for k, v in padded.items()},
         }
+        self._segment_keys(batch, cu, seq_len)  # cu_seq_lens_q/k, and seq_idx when return_seq_idx
         if return_tensors == "pt":
             batch = {k: torch.from_numpy(v) for k, v in batch.items()}
         batch["max_length_q"] = batch["max_length_k"] = width

@@ -64,7 +64,8 @@ def _new_stats() -> dict[str, int]:
         "pairs": 0,
         "samples": 0,  # sequences: two per pair
         "tokens": 0,  # real tokens emitted (after truncation, before padding)
-        "padding_tokens": 0,  # added by pad_to_multiple_of
+        "padding_tokens": 0,  # added by pad_to_multiple_of / length_buckets
+        "empty_segments": 0,  # segment_buckets: zero-length segments closing cu_seq_lens
         "padded_layout_tokens": 0,  # 2B x longest: what a right-padded batch of the same pairs would run
         "truncated_samples": 0,
         "truncated_tokens": 0,
@@ -232,10 +233,13 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             segment (``prefix_seq_idx`` ``(n,)`` int32 in the batch, positions continuing the prompt's; see
             :mod:`packing_hf.shared_prefix`). Needs packing_hf's attention. Pairs whose two sequences kept
             different prompt tokens (``keep_end`` truncation) or a one-token prompt are packed unshared.
-        pad_to_multiple_of, pad_token_id, position_ids_start, return_seq_idx, return_flash_attn_kwargs,
-            return_position_ids, return_tensors: as in :class:`~packing_hf.PaddingFreeCollator`
-            (``pad_token_id`` also fills the padded layout's ``input_ids``). ``label_pad_id`` is unused:
-            labels are derived by the trainer from ``input_ids`` and ``completion_mask``.
+        pad_to_multiple_of, length_buckets, segment_buckets, pad_token_id, position_ids_start, return_seq_idx,
+            return_flash_attn_kwargs, return_position_ids, return_tensors: as in
+            :class:`~packing_hf.PaddingFreeCollator` (``pad_token_id`` also fills the padded layout's
+            ``input_ids``; the padding of ``length_buckets`` is its own segment, never a target, and the empty
+            segments of ``segment_buckets`` hold no token). ``label_pad_id``, ``passthrough_keys`` and
+            ``drop_keys`` are refused: labels are derived by the trainer from ``input_ids`` and
+            ``completion_mask``, and no other key reaches the model.
 
     Attributes:
         stats: running counters: ``batches``, ``pairs``, ``samples`` (sequences), ``tokens``,
@@ -261,9 +265,26 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
     stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
 
     input_columns: ClassVar[tuple[str, ...]] = (*_PAIR_KEYS, *_REF_KEYS)
+    # why a subclass's rows take no padding (pad_to_multiple_of, length_buckets, segment_buckets), or None
+    no_row_padding: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        name = type(self).__name__
+        for key in ("pad_to_multiple_of", "length_buckets", "segment_buckets"):
+            if self.no_row_padding is not None and getattr(self, key):
+                raise ValueError(f"{key}={getattr(self, key)}: {self.no_row_padding}; leave it unset")
+        # fields of PaddingFreeCollator that a pair's rows have no use for: refused rather than ignored
+        if self.label_pad_id != -100:
+            raise ValueError(
+                f"label_pad_id={self.label_pad_id}: {name} returns no labels (the trainer derives them from "
+                "input_ids and completion_mask); leave it unset"
+            )
+        if self.passthrough_keys or self.drop_keys:
+            raise ValueError(
+                f"passthrough_keys={self.passthrough_keys} / drop_keys={self.drop_keys}: {name} reads only its "
+                f"input_columns {self.input_columns} and hands no other key to the model; leave them unset"
+            )
         if self.overflow == "split":
             raise ValueError(
                 "overflow='split' cannot be used for preference pairs: a sequence cut into pieces has no single "
@@ -304,12 +325,13 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         seg_len, seg_seq, seg_offset, prefix_idx = _row_segments(seq_len, shared, self.shared_prompt)
         n_tokens = int(seg_len.sum())
 
-        n_pad = (-n_tokens) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        n_pad = self._row_padding(n_tokens)
         seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
         cu = _row_offsets(seg_lengths, n_seq, width)  # (segments + 1,)
         in_segment, seq, offsets, packed_index = _token_sources(
             cu, seg_lengths, seg_len, seg_seq, seg_offset, n_tokens, n_seq, width
         )
+        seg_lengths, cu, n_empty = self._with_empty_segments(seg_lengths, cu)
         padded_ids, attention, completion = _padded_layout(
             ids, is_completion, seq_len, seq_start, width, self.pad_token_id
         )
@@ -319,6 +341,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         self.stats["samples"] += n_seq
         self.stats["tokens"] += n_tokens
         self.stats["padding_tokens"] += n_pad
+        self.stats["empty_segments"] += n_empty
         self.stats["padded_layout_tokens"] += n_seq * width
         self.stats["shared_prompt_tokens"] += int(shared.sum())
 
@@ -337,8 +360,9 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             positions = np.concatenate([offsets, in_segment[n_tokens:]])  # padding restarts at 0
             batch["position_ids"] = (positions + self.position_ids_start)[None]
         self._segment_keys(batch, cu, seg_lengths)
-        if self.shared_prompt:
-            batch[PREFIX_KEY] = (np.append(prefix_idx, -1) if n_pad else prefix_idx).astype(np.int32)
+        if self.shared_prompt:  # padding and empty segments are no branch: -1
+            extra = seg_lengths.size - prefix_idx.size
+            batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
                 batch[key] = _reference_logps(features, key)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -208,8 +209,8 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
 
     Using it with accelerate / the HF Trainer: the sampler is already rank-aware. ``accelerator.prepare``
     wraps a ``DataLoader``'s batch sampler in ``BatchSamplerShard`` when there are several processes,
-    which would shard a second time (each rank would keep ``1 / num_replicas`` of its own batches).
-    Either build the sampler with ``shard=False`` (accelerate then deals batch ``i`` to rank
+    which would shard a second time (each rank would keep ``1 / num_replicas`` of its own batches): iterating
+    the sampler so raises a ``ValueError`` naming the two fixes. Either build the sampler with ``shard=False`` (accelerate then deals batch ``i`` to rank
     ``i % num_replicas``, which is exactly this sampler's assignment, and ``len()`` stays a multiple of
     ``num_replicas`` so ``BatchSamplerShard`` never pads), or keep ``shard=True`` and make the wrapper a
     pass-through after ``prepare`` (``num_processes = 1``, ``process_index = 0``, as transformers
@@ -382,6 +383,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
                 "dataset view serves: build the DataLoader on sampler.wrap_dataset(dataset) (packing_hf.Trainer "
                 "does), else the batches would exceed max_tokens_per_batch or index past the dataset"
             )
+        self._refuse_double_sharding()
         plan = self._plan()
         steps = plan["steps"]
         # shard=False: step-major, so batch i belongs to rank i % num_replicas
@@ -392,6 +394,38 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             batch = self._batch(plan, int(bins[i]))
             self._consumed = i + 1
             yield batch
+
+    def _refuse_double_sharding(self) -> None:
+        """Raise when accelerate's ``BatchSamplerShard`` deals this rank's batches out again.
+
+        ``accelerator.prepare(DataLoader(batch_sampler=sampler))`` wraps a batch sampler in ``BatchSamplerShard``
+        with several processes; around a sampler that already yields this rank's batches (``shard=True``) it
+        keeps every ``num_processes``-th of them, and each epoch silently loses ``1 - 1 / num_processes`` of
+        the data. accelerate offers no hook to tell a batch sampler who wraps it, so the wrapper is found as
+        the caller of this generator (the frames of ``BatchSamplerShard.__iter__``), only when accelerate is
+        imported."""
+        shard_module = sys.modules.get("accelerate.data_loader")
+        if not self.shard or self.num_replicas == 1 or shard_module is None:
+            return
+        frame = sys._getframe(2)  # past this method and the generator body: who called next()
+        for _ in range(3):  # _iter_with_no_split / _iter_with_split <- __iter__ <- the DataLoader
+            if frame is None:
+                return
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, shard_module.BatchSamplerShard) and owner.batch_sampler is self:
+                if owner.num_processes > 1:
+                    raise ValueError(
+                        f"MultipackBatchSampler(shard=True) already yields the batches of rank {self.rank} of "
+                        f"{self.num_replicas}, and accelerate's BatchSamplerShard (accelerator.prepare of its "
+                        f"DataLoader) shards them again over {owner.num_processes} processes: each rank would "
+                        f"see 1/{owner.num_processes} of its batches and the rest of the data would be lost. "
+                        "Build the sampler with shard=False (accelerate then deals batch i to rank "
+                        "i % num_replicas, the sampler's own assignment), or after accelerator.prepare call "
+                        "packing_hf.integrations.accelerator.pass_through_batch_shard(prepared_dataloader, "
+                        "sampler) (what packing_hf.Trainer does)"
+                    )
+                return
+            frame = frame.f_back
 
     def set_epoch(self, epoch: int) -> None:
         """Use the plan of ``epoch`` from the next iteration on (call it before every epoch, on every rank).

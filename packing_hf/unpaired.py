@@ -63,8 +63,8 @@ class PaddingFreeUnpairedCollator(PaddingFreePreferenceCollator):
     Args: those of :class:`~packing_hf.preference.PaddingFreePreferenceCollator`. ``max_length`` with
         ``overflow="truncate"`` keeps the first ``max_length`` tokens of every sequence, as TRL's
         ``DataCollatorForUnpairedPreference`` does (``truncation_mode`` must stay ``"keep_start"``).
-        Refused: ``shared_prompt`` (the two rows run in separate forwards) and ``pad_to_multiple_of``
-        (it would pad only one of the rows).
+        Refused: ``shared_prompt`` (the two rows run in separate forwards) and ``pad_to_multiple_of``,
+        ``length_buckets``, ``segment_buckets`` (they would pad only one of the rows).
 
     >>> collator = PaddingFreeUnpairedCollator(max_length=2, overflow="truncate")
     >>> batch = collator([{"prompt_ids": [1], "completion_ids": [2, 3], "label": False, "ref_logps": -1.0}])
@@ -82,6 +82,11 @@ class PaddingFreeUnpairedCollator(PaddingFreePreferenceCollator):
         "ref_logps",
         "ref_KL_logps",
     )
+    # the completions and the KL completions are cut into two rows: a padding segment would end only one
+    no_row_padding: ClassVar[str | None] = (
+        "unpaired (KTO) batches are split into a row of completions and a row of KL completions, and padding "
+        "would end only one of them"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,11 +94,6 @@ class PaddingFreeUnpairedCollator(PaddingFreePreferenceCollator):
             raise ValueError(
                 "shared_prompt=True: the completions and the KL completions run in separate forwards, so "
                 "there is no pair to share a prompt with; leave shared_prompt=False"
-            )
-        if self.pad_to_multiple_of:
-            raise ValueError(
-                f"pad_to_multiple_of={self.pad_to_multiple_of} is not supported for unpaired (KTO) batches; "
-                "leave it unset (packed rows need no padding)"
             )
         if self.truncation_mode != "keep_start":
             raise ValueError(

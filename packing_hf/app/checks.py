@@ -15,9 +15,160 @@ from typing import Any
 
 from .record_stream import STREAM_OVERFLOWS
 
-__all__ = ["check_attn_implementation", "check_model_type", "trl_packs"]
+__all__ = [
+    "TRAINERS",
+    "TRAINER_KEYS",
+    "TRL_JOB_TRAINERS",
+    "check_attn_implementation",
+    "check_model_type",
+    "trl_packs",
+    "unused_keys",
+]
 
 logger = logging.getLogger("packing_hf.app.config")
+
+TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo")
+# the trainers whose job is `packing_hf.app.trl_job` (TRL's data formats, TRL's own evaluation)
+TRL_JOB_TRAINERS = TRAINERS[2:]
+_GENERATING = ("grpo", "rloo")  # their samples are prompts plus what the model generates
+_TOKENIZE_AHEAD = tuple(t for t in TRAINERS if t not in _GENERATING)
+
+# A key of packing_hf's own config groups (model, data, job) that some trainers have no use for:
+# key -> (the trainers that use it, why another trainer does not, with what to use instead).
+TRAINER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+    "mixed_formats": (
+        ("trainer", "sft"),
+        "trainer: {trainer} reads one TRL format (its columns, renamed by column_mapping), not packing_hf's "
+        "record formats",
+    ),
+    "column_mapping": (
+        TRL_JOB_TRAINERS,
+        "trainer: {trainer} reads packing_hf's record formats (messages, conversations, question/answer, "
+        "...), whose fields are found by name; column_mapping renames the columns of the TRL trainers' data",
+    ),
+    "eval_dataset": (
+        ("trainer",),
+        "trainer: {trainer} measures no held-out eval loss (trainer: trainer does, before and after training)",
+    ),
+    "eval_num_samples": (
+        ("trainer",),
+        "trainer: {trainer} measures no held-out eval loss (trainer: trainer does, before and after training)",
+    ),
+    "prompt_format": (
+        ("trainer",),
+        "trainer: {trainer} has TRL render the records (the tokenizer's chat template, or prompt + "
+        "completion without one)",
+    ),
+    "overflow": (
+        ("trainer",),
+        "trainer: {trainer} has TRL truncate a sample to its max_length itself; for a sample longer than "
+        "max_tokens_per_batch set packing_overflow",
+    ),
+    "completion_only_loss": (
+        ("trainer", "sft"),
+        "trainer: {trainer} trains on the completions by construction",
+    ),
+    "max_length": (
+        _TOKENIZE_AHEAD,
+        "a trainer: {trainer} sample is a prompt and its generated completion; set max_completion_length",
+    ),
+    "dataset_num_proc": (
+        _TOKENIZE_AHEAD,
+        "trainer: {trainer} tokenizes no dataset ahead (the prompts are tokenized as completions are generated)",
+    ),
+    "streaming": (
+        ("trainer", "sft"),
+        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for trainer and sft",
+    ),
+    "stream_check_records": (
+        ("trainer", "sft"),
+        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for trainer and sft",
+    ),
+    "sample_packing": (
+        ("trainer", "sft"),
+        "trainer: {trainer} always packs (its pairs, examples or rollouts as packed rows); set "
+        "max_tokens_per_batch for multipack batches of at most that many tokens",
+    ),
+    "baseline_batches": (
+        ("trainer",),
+        "trainer: {trainer} times no padded baseline (trainer: trainer does; benchmarks/ compares the other "
+        "trainers with TRL's padded ones)",
+    ),
+    "baseline_time_share": (
+        ("trainer",),
+        "trainer: {trainer} times no padded baseline (trainer: trainer does; benchmarks/ compares the other "
+        "trainers with TRL's padded ones)",
+    ),
+    "reward_funcs": (
+        _GENERATING,
+        "trainer: {trainer} generates no completions to score (reward_funcs are for grpo and rloo)",
+    ),
+}
+
+
+def _is_hub_name(source: str | None) -> bool:
+    """Whether ``dataset`` / ``eval_dataset`` names a Hub dataset (the only sources with splits and
+    configurations), not the embedded rows or a local file."""
+    from pathlib import Path
+
+    from ..streaming.files import RECORD_FILE_SUFFIXES
+
+    if source is None or source.split(":")[0] == "embedded":
+        return False
+    path = Path(source).expanduser()
+    return path.suffix.lower() not in (*RECORD_FILE_SUFFIXES, ".json") and not path.exists()
+
+
+def unused_keys(cfg: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The keys of packing_hf's own config groups (model, data, job) that this run would not use:
+    ``key -> (why, the keys whose values make it so)``. ``load_train_config`` refuses such a key when it is
+    given, naming the reason, or drops it with a note when the command line changed what it depended on
+    (``trainer=sft`` for a config written for ``trainer: trainer``).
+
+    >>> from packing_hf.app.config import load_train_config
+    >>> unused_keys(load_train_config({"trainer": "dpo"}))["reward_funcs"][0]
+    'trainer: dpo generates no completions to score (reward_funcs are for grpo and rloo)'
+    """
+    model, data, job = cfg.model, cfg.data, cfg.job
+    unused: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for key, (trainers, why) in TRAINER_KEYS.items():
+        if job.trainer not in trainers:
+            unused[key] = (why.format(trainer=job.trainer), ("trainer",))
+    if not data.streaming:
+        unused.setdefault(
+            "stream_check_records",
+            ("it checks the first records of a stream (streaming: true)", ("streaming",)),
+        )
+    if job.trainer == "trainer" and data.eval_dataset is None:
+        unused.setdefault(
+            "eval_num_samples",
+            (
+                "there is no eval data (eval_dataset is none; auto means none for a dataset other than "
+                "embedded); set eval_dataset",
+                ("dataset", "eval_dataset"),
+            ),
+        )
+    if job.baseline_batches == 0:
+        unused.setdefault(
+            "baseline_time_share", ("baseline_batches: 0 skips the padded baseline", ("baseline_batches",))
+        )
+    sources = [data.dataset] + (
+        [data.eval_dataset] if data.eval_dataset and "eval_dataset" not in unused else []
+    )
+    if not any(_is_hub_name(source) for source in sources):
+        for key in ("dataset_split", "dataset_config"):
+            unused[key] = (
+                f"it selects a Hub dataset's split or configuration, and {' and '.join(sources)} "
+                f"{'is' if len(sources) == 1 else 'are'} not on the Hub",
+                ("dataset", "eval_dataset"),
+            )
+    if model.model_type is not None and model.tokenizer_name_or_path is not None:
+        for key in ("gguf_file", "gguf_package"):
+            unused[key] = (
+                "the model is built from model_type and the tokenizer read from tokenizer_name_or_path",
+                ("model_type", "tokenizer_name_or_path"),
+            )
+    return unused
 
 
 def check_model_type(model_type: str) -> None:
@@ -166,13 +317,10 @@ def _resolve_batching(cfg: Any) -> str:
     budget = getattr(training, "max_tokens_per_batch", None)
     batching = job.batching
     if job.trainer not in ("trainer", "sft"):  # TRL's preference / RL trainers: always packed
-        if (
-            batching not in ("auto", "multipack" if budget is not None else "padding_free")
-            or job.sample_packing is False
-        ):
+        if batching not in ("auto", "multipack" if budget is not None else "padding_free"):
             raise ValueError(
                 f"trainer: {job.trainer} always packs (its pairs, examples or rollouts as packed rows, of at most "
-                f"max_tokens_per_batch tokens when set); remove batching: {batching} / sample_packing"
+                f"max_tokens_per_batch tokens when set); remove batching: {batching}"
             )
         return "multipack" if budget is not None else "padding_free"
     if job.sample_packing is not None:

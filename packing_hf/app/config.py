@@ -15,7 +15,8 @@ to both. Command-line overrides follow the YAML: ``--learning_rate 1e-4``, ``--l
 ``learning_rate=1e-4``; values are converted by the field's type, exactly as ``HfArgumentParser`` does,
 and ``key=null`` sets None.
 Axolotl's ``sample_packing: true`` is accepted (see :class:`JobArguments`). Unknown keys are refused
-with the closest valid names.
+with the closest valid names, and so is a key the run would not use (``reward_funcs`` for ``trainer: dpo``,
+``stream_check_records`` without ``streaming``: :func:`~packing_hf.app.checks.unused_keys`), naming why.
 
 >>> cfg = load_train_config({"max_steps": 2, "output_dir": "/tmp/x"}, ["learning_rate=1e-4"])
 >>> cfg.training.learning_rate, cfg.training.max_steps, cfg.data.dataset
@@ -37,18 +38,19 @@ from typing import Any, Literal
 from .._limits import option
 from ..overflow import check_overflow
 from .checks import (
+    TRAINERS,
+    TRL_JOB_TRAINERS,
     _check_streaming,
     _check_training,
     _resolve_batching,
     check_attn_implementation,
     check_model_type,
     trl_packs,
+    unused_keys,
 )
 from .data import DATA_OVERFLOWS
 
 __all__ = [
-    "TRAINERS",
-    "TRL_JOB_TRAINERS",
     "TRAINERS",
     "TRL_JOB_TRAINERS",
     "DataArguments",
@@ -176,9 +178,9 @@ class DataArguments:
     )
     eval_dataset: str | None = option(
         "auto",
-        "Held-out records for the eval loss before and after training: a path or Hub name; "
-        "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded' and the trainer is trainer or "
-        "sft, else none (the TRL trainers' jobs measure no held-out loss).",
+        "trainer: trainer: held-out records for the eval loss before and after training, a path or Hub name; "
+        "auto = 'embedded:eval' (200 GSM8K test rows) when dataset is 'embedded', else none (the other "
+        "trainers' jobs measure no held-out loss and refuse the key).",
     )
     eval_num_samples: int | None = option(None, "Use only the first N eval records (reported); default: all.")
     prompt_format: Literal["auto", "chat", "alpaca", "text"] = option(
@@ -406,11 +408,6 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
     return overrides
 
 
-TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo")
-# the trainers whose job is `packing_hf.app.trl_job` (TRL's data formats, TRL's own evaluation)
-TRL_JOB_TRAINERS = TRAINERS[2:]
-
-
 def _training_class(trainer: str):
     """packing_hf's training-arguments class for ``trainer`` (imported lazily: it pulls transformers/TRL)."""
     from .. import integrations
@@ -503,6 +500,8 @@ def load_train_config(
         f"training ({training_cls.__module__.split('.')[0]}.{training_cls.__name__})": training_cls,
     }
     _check_keys(classes, values, cli, source)
+    own = {name for cls in (ModelArguments, DataArguments, JobArguments) for name in _field_names(cls)}
+    from_cli = {key[3:] if key.startswith("no_") and key not in own else key for key in cli}
     for key, tokens in list(cli.items()):
         if tokens in (["null"], ["None"]):  # `key=null` unsets a YAML value (argparse cannot type None)
             del cli[key]
@@ -526,8 +525,9 @@ def load_train_config(
 
     _check_training(training_args, origin)
     _own_output_dir(result, values, cli)
-    if job_args.trainer in TRL_JOB_TRAINERS and "eval_dataset" not in values | cli:
-        data_args.eval_dataset = None  # auto: no held-out loss to announce for the TRL trainers' jobs
+    if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
+        data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss
+    _refuse_unused(result, {key for key in values if key in own} | (from_cli & own), from_cli, origin)
     result.batching = _resolve_batching(result)
     try:
         if model_args.model_type is not None:
@@ -539,6 +539,23 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     return result
+
+
+def _refuse_unused(cfg: TrainConfig, given: set[str], from_cli: set[str], origin) -> None:
+    """A key of packing_hf's own groups that the run would not use (:func:`~packing_hf.app.checks.unused_keys`)
+    is refused by name, never ignored; unless it comes from the config file and the command line changed what
+    it depended on (``trainer=sft`` on a config written for ``trainer: trainer``, ``dataset=my.jsonl`` on a
+    config whose eval settings were for its own data): then it is dropped with a note, as ``model=...``
+    drops the config's model."""
+    groups = (cfg.model, cfg.data, cfg.job)
+    for key, (why, depends_on) in unused_keys(cfg).items():
+        value = next(getattr(group, key) for group in groups if hasattr(group, key))
+        if key not in given or value is None:  # `key: null` is no setting
+            continue
+        if key not in from_cli and from_cli & set(depends_on):
+            cfg.notes.append(f"{key}: {value!r} from {cfg.source} is not used: {why}")
+            continue
+        raise ValueError(f"{origin(key)}: {key}: {value!r} is not used: {why} (remove {key})")
 
 
 def _config_values(config: str | Path | Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:

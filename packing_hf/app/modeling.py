@@ -22,6 +22,8 @@ import torch
 from .config import ModelArguments
 
 __all__ = [
+    "BASE_MODEL_DIR",
+    "anchor_adapter_base",
     "cache_dir",
     "file_digest",
     "load_model",
@@ -32,6 +34,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# in output_dir: the base weights of an adapter trained on a model built from config
+BASE_MODEL_DIR = "base_model"
 
 
 def resolve_model_source(model_args: ModelArguments) -> tuple[str | None, str | None]:
@@ -192,9 +197,48 @@ def _load_gguf(auto, path: str, gguf_file: str, head: str, common: dict[str, Any
             model.save_pretrained(partial)
             partial.replace(folder)
             logger.info("GGUF %s: conversion cached in %s (the next run loads it)", gguf_file, folder)
+            _name(model, folder)  # as if loaded from the cache: an adapter's base can be found again there
         except OSError as error:
             logger.warning("GGUF %s: could not cache the conversion in %s (%s)", gguf_file, folder, error)
     return model
+
+
+def _name(model, folder: Path) -> None:
+    """Make ``folder`` the model's ``name_or_path``: what PEFT writes as an adapter's
+    ``base_model_name_or_path`` (and TRL reloads a reference model from)."""
+    model.name_or_path = model.config._name_or_path = str(folder)
+
+
+def anchor_adapter_base(
+    model, model_args: ModelArguments, tokenizer, output_dir: str | Path, *, write: bool
+) -> str:
+    """Make an adapter trained on ``model`` reloadable on its own: its ``adapter_config.json`` must name base
+    weights that ``AutoPeftModelForCausalLM.from_pretrained(output_dir)`` can load.
+
+    A model loaded by name keeps its folder or Hub id, a GGUF file its de-quantized conversion in the cache
+    (an ordinary model folder). A model built from config (``model_type``), or a GGUF file whose conversion
+    could not be cached, has no such name: its weights as they are before training (the base an adapter
+    leaves untouched) are saved to ``<output_dir>/base_model`` with the tokenizer (when ``write``: on the
+    process that saves), and the model is named after that folder (absolute), before PEFT wraps it.
+
+    Returns:
+        Where the adapter's base is, in words (for the summary).
+    """
+    name = str(getattr(model, "name_or_path", "") or "")
+    by_name = model_args.model_type is None and (
+        model_args.gguf_file is None or (Path(name) / "config.json").is_file()
+    )
+    if by_name and name:
+        if Path(name).is_dir():  # a local folder: named absolutely, so the adapter reloads from anywhere
+            name = str(Path(name).resolve())
+            _name(model, Path(name))
+        return name
+    folder = (Path(output_dir) / BASE_MODEL_DIR).resolve()
+    if write:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    _name(model, folder)
+    return f"{folder} (the weights before training, saved for the adapter)"
 
 
 def peft_config_from(values: dict[str, Any] | None, task_type: str = "CAUSAL_LM"):

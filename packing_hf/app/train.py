@@ -46,7 +46,7 @@ from .baseline import (
 )
 from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
-from .modeling import load_model, load_tokenizer, model_source
+from .modeling import anchor_adapter_base, load_model, load_tokenizer, model_source, peft_config_from
 from .record_stream import RecordStream
 from .records import RecordSet, read_records
 from .render import trl_records
@@ -75,8 +75,31 @@ def _describe_model(model_args: ModelArguments, model) -> str:
         name = f"randomly initialised {model_args.model_type} (from config)"
     else:
         name = model_args.gguf_file or model_args.model_name_or_path
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    return f"{name} ({model.config.model_type}, {params:.1f}M parameters)"
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
+    return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
+
+
+def saves_anything(cfg: TrainConfig) -> bool:
+    """Whether the job writes to ``output_dir``: the final model or checkpoints."""
+    return (
+        cfg.job.save_model
+        or str(getattr(cfg.training.save_strategy, "value", cfg.training.save_strategy)) != "no"
+    )
+
+
+def prepare_adapter(cfg: TrainConfig, model, tokenizer, say, task_type: str = "CAUSAL_LM"):
+    """The ``peft:`` block as a ``peft.PeftConfig`` (None without one), with the adapter's base made
+    reloadable first (:func:`~packing_hf.app.modeling.anchor_adapter_base`): every trainer of the job trains
+    and saves an adapter the same way."""
+    peft_config = peft_config_from(cfg.model.peft, task_type)
+    if peft_config is None:
+        return None
+    write = saves_anything(cfg) and cfg.training.should_save
+    base = anchor_adapter_base(model, cfg.model, tokenizer, cfg.training.output_dir, write=write)
+    say(f"training a {peft_config.peft_type.value} adapter; its base model: {base}")
+    return peft_config
 
 
 def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
@@ -89,13 +112,11 @@ def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
         records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         say(records.describe())
     eval_records = None
-    if data.eval_dataset is not None and cfg.job.trainer != "sft":
+    if data.eval_dataset is not None:  # trainer: trainer (the config refuses it for the others)
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
         eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
         eval_records.limit_key = "eval_num_samples"
         say(eval_records.describe())
-    elif data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: sft (TRL tokenizes; no eval loss)")
     return records, eval_records
 
 
@@ -130,9 +151,10 @@ def _build_trainer(
     records: RecordSet | None,
     prepared: PreparedDataset | None,
     stream: RecordStream | None = None,
+    peft_config=None,
 ):
-    """The Trainer for ``cfg`` (``trainer: sft``: TRL tokenizes; ``prompt_format`` does not apply there,
-    TRL renders conversations with the chat template). With ``stream`` the Trainer packs it online (a
+    """The Trainer for ``cfg``, training an adapter of ``model`` when ``peft_config`` is given (``trainer: sft``:
+    TRL tokenizes and renders conversations with the chat template). With ``stream`` the Trainer packs it online (a
     ``PackedStream`` of ``max_tokens_per_batch``, the default buffer); ``trainer: sft`` gets its records as
     a ``datasets.IterableDataset`` that TRL tokenizes as it reads."""
     import packing_hf
@@ -145,6 +167,7 @@ def _build_trainer(
             train_dataset=stream.stream,
             processing_class=tokenizer,
             data_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
+            peft_config=peft_config,
         )
     if cfg.job.trainer == "sft":
         collator = (
@@ -158,6 +181,7 @@ def _build_trainer(
             train_dataset=stream.trl_dataset() if stream is not None else trl_records(records, tokenizer),
             processing_class=tokenizer,
             data_collator=collator,
+            peft_config=peft_config,
         )
     collator = (
         padded_collator(tokenizer)
@@ -170,6 +194,7 @@ def _build_trainer(
         train_dataset=prepared.dataset.remove_columns("where"),
         processing_class=tokenizer,
         data_collator=collator,
+        peft_config=peft_config,
     )
 
 
@@ -291,6 +316,7 @@ class TrainJob:
         self.eval_prepared: PreparedDataset | None = None
         self.stream: RecordStream | None = None
         self.model = None
+        self.peft_config = None
         self.lengths: np.ndarray | None = None
         self.trainer = None
         self.eval_samples: list[dict[str, Any]] | None = None
@@ -371,6 +397,7 @@ class TrainJob:
         self.phases.start("load")
         self.say(f"loading the model: {model_source(cfg.model)}")
         model = self.model = load_model(cfg.model, self.tokenizer, seed=training.seed)
+        self.peft_config = prepare_adapter(cfg, model, self.tokenizer, self.say)
         self.user_use_cache = getattr(model.config, "use_cache", None)
         self.user_attention = getattr(model.config, "_attn_implementation", None)
         self.device = training.device
@@ -387,6 +414,7 @@ class TrainJob:
             "streaming": cfg.data.streaming,
             "records": self.records.describe() if self.records is not None else None,
             "eval_dataset": cfg.data.eval_dataset if self.eval_prepared is not None else None,
+            "peft": cfg.model.peft,
         }
         self.say(f"model: {summary['model']} on {self.device}, {precision}, attention {self.user_attention}")
         prepared = self.prepared
@@ -413,8 +441,10 @@ class TrainJob:
         self.phases.start("plan")
         self.say(f"planning {cfg.batching} batches")
         self.trainer = _build_trainer(
-            cfg, self.model, self.tokenizer, self.records, self.prepared, self.stream
+            cfg, self.model, self.tokenizer, self.records, self.prepared, self.stream, self.peft_config
         )
+        if self.peft_config is not None:
+            self.summary["model"] = _describe_model(cfg.model, self.trainer.model)
         self.autocast = None
         if torch.device(self.device).type == "cuda":
             self.autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
@@ -532,7 +562,7 @@ class TrainJob:
         if not self.cfg.job.save_model:
             return
         self.phases.start("save")
-        self.say(f"saving the model to {self.output_dir}")
+        self.say(f"saving the {'adapter' if self.peft_config is not None else 'model'} to {self.output_dir}")
         self.trainer.save_model(str(self.output_dir))
         summary["output_dir"] = str(self.output_dir)
         _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)

@@ -29,10 +29,17 @@ from typing import Any
 
 from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
-from .modeling import load_model, load_tokenizer, model_source, peft_config_from
+from .modeling import load_model, load_tokenizer, model_source
 from .report import print_summary
 from .rewards import resolve_reward_funcs
-from .train import SUMMARY_NAME, _Phases, _restore_user_config, _write_summary, run_training
+from .train import (
+    SUMMARY_NAME,
+    _Phases,
+    _restore_user_config,
+    _write_summary,
+    prepare_adapter,
+    run_training,
+)
 from .trl_data import FORMATS, load_trl_dataset
 
 __all__ = ["reference_plan", "run_job", "run_trl_training"]
@@ -113,7 +120,9 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     )
     user_use_cache = getattr(model.config, "use_cache", None)
     user_attention = getattr(model.config, "_attn_implementation", None)
-    peft_config = peft_config_from(cfg.model.peft, "SEQ_CLS" if trainer_name == "reward" else "CAUSAL_LM")
+    peft_config = prepare_adapter(
+        cfg, model, tokenizer, say, "SEQ_CLS" if trainer_name == "reward" else "CAUSAL_LM"
+    )
     plan, kwargs = _trainer_kwargs(cfg, model, tokenizer, peft_config, say)
 
     phases.start("plan")
@@ -167,8 +176,6 @@ def _read_dataset(cfg: TrainConfig, say) -> tuple[Any, str]:
     if data.dataset == "embedded":
         records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
     say(records)
-    if data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: {trainer_name} (no held-out loss)")
     return dataset, records
 
 

@@ -5,7 +5,10 @@ Run as ``torchrun --nproc_per_node 2 _train_worker.py OUT_DIR`` or ``accelerate 
 llama with ``packing_hf.Trainer(max_tokens_per_batch=...)`` for two epochs, then resumes a second run from
 the checkpoint saved in the middle of epoch 1, and writes ``rank{r}.json``: the dataset indices of every
 micro-batch it collated (in both runs), where each epoch started, its step count, and the (DDP-averaged)
-gradient of the first optimizer step, for the test to compare with a single-process reference. Importing this module does nothing (pytest collects it for doctests).
+gradient of the first optimizer step, for the test to compare with a single-process reference; and the
+indices each rank sees in one epoch of plain accelerate loops over a ``MultipackBatchSampler`` (``shard=False``,
+a pass-through shard, and the double sharding that is refused). Importing this module does nothing (pytest
+collects it for doctests).
 """
 
 from __future__ import annotations
@@ -56,6 +59,38 @@ def make_model():
     )
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def _plain_accelerate_loops() -> dict:
+    """The dataset indices this rank sees in one epoch of a plain accelerate loop over
+    ``accelerator.prepare(DataLoader(batch_sampler=MultipackBatchSampler(...)))``: with ``shard=False``, with
+    ``shard=True`` and the shard made a pass-through, and (refused) with ``shard=True`` alone."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    import packing_hf
+    from packing_hf.integrations.accelerator import pass_through_batch_shard
+
+    lengths = [len(s["input_ids"]) for s in make_samples()]
+    accelerator = Accelerator(cpu=True)
+
+    def epoch(shard: bool, pass_through: bool = False) -> list[int]:
+        sampler = packing_hf.MultipackBatchSampler(lengths, MAX_TOKENS_PER_BATCH, seed=SEED, shard=shard)
+        loader = accelerator.prepare(DataLoader(list(range(NUM_SAMPLES)), batch_sampler=sampler))
+        if pass_through:
+            pass_through_batch_shard(loader, sampler)
+        return [int(i) for batch in loader for i in batch]
+
+    try:
+        epoch(shard=True)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "accelerate_shard_false": epoch(shard=False),
+        "accelerate_pass_through": epoch(shard=True, pass_through=True),
+        "accelerate_double_shard_error": refused,
+    }
 
 
 def main(out_dir: str) -> None:
@@ -145,6 +180,7 @@ def main(out_dir: str) -> None:
 
     rank = trainer.args.process_index
     record = {
+        **_plain_accelerate_loops(),
         "rank": rank,
         "world_size": trainer.args.world_size,
         "global_step": result.global_step,

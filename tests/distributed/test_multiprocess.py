@@ -4,7 +4,10 @@ Both ranks must run the same number of optimizer steps, see disjoint samples tha
 dataset exactly once per epoch, finish without hanging (every launch has a timeout), and their
 DDP-averaged first-step gradient must equal the single-process gradient of the same samples' mean
 per-token loss (``num_items_in_batch`` gathered across ranks). A run resumed on both ranks from a
-checkpoint in the middle of epoch 1 consumes exactly the batches each rank had left.
+checkpoint in the middle of epoch 1 consumes exactly the batches each rank had left. A plain accelerate
+loop over a prepared ``DataLoader(batch_sampler=MultipackBatchSampler(...))`` sees every sample once across the
+ranks with ``shard=False`` or a pass-through shard, and is refused by name when accelerate would shard the
+rank's batches a second time.
 """
 
 from __future__ import annotations
@@ -102,6 +105,19 @@ def _check_run(worker, records: list[dict], right_padded_batch) -> None:
             f"rank {rec['rank']}: resume replayed/skipped"
         )
         assert rec["resumed_global_step"] == rec["global_step"]
+
+    # issue 40: a plain accelerate loop over a prepared DataLoader(batch_sampler=MultipackBatchSampler): with
+    # shard=False, or the shard made a pass-through, the two ranks see every sample exactly once; shard=True
+    # alone (accelerate shards the rank's own batches again: 2/3 of the data seen before) is refused, naming
+    # both fixes
+    for key in ("accelerate_shard_false", "accelerate_pass_through"):
+        seen0, seen1 = r0[key], r1[key]
+        assert sorted(seen0 + seen1) == list(range(worker.NUM_SAMPLES)), key
+        assert seen0 and seen1, key
+    for rec in records:
+        error = rec["accelerate_double_shard_error"]
+        assert error is not None and "shards them again over 2 processes" in error
+        assert "shard=False" in error and "pass_through_batch_shard" in error
 
 
 def test_torchrun_two_processes(right_padded_batch, tmp_path, launch, torchrun_command, load_worker):

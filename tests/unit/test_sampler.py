@@ -352,6 +352,30 @@ def test_unsharded_view_matches_accelerate_batch_sampler_shard():
         assert list(wrapped) == list(mine)
 
 
+def test_a_rank_aware_sampler_sharded_again_by_accelerate_is_refused():
+    """Issue 40: accelerate's BatchSamplerShard around a sampler that already yields one rank's batches would keep
+    1 / num_processes of them (the rest of the epoch lost); iterating it so names the two fixes. Negative
+    controls: the same shard made a pass-through (packing_hf.Trainer's way), and a shard around a sampler that
+    does not shard itself, are iterated as before."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    from packing_hf.integrations.accelerator import pass_through_batch_shard
+
+    lengths = np.random.default_rng(7).integers(1, 400, size=300)
+    mine = MultipackBatchSampler(lengths, 1024, num_replicas=2, rank=1, seed=2)
+    with pytest.raises(
+        ValueError, match=r"shards them again over 2 processes.*shard=False.*pass_through_batch_shard"
+    ):
+        list(BatchSamplerShard(mine, num_processes=2, process_index=1))
+    loader = torch.utils.data.DataLoader(
+        range(300), batch_sampler=BatchSamplerShard(mine, num_processes=2, process_index=1)
+    )
+    pass_through_batch_shard(loader, mine)
+    assert [b.tolist() for b in loader] == list(mine)
+    single = MultipackBatchSampler(lengths, 1024, num_replicas=1, seed=2)  # accelerate shards it, once
+    assert len(list(BatchSamplerShard(single, num_processes=2, process_index=1))) == len(single) // 2
+
+
 def test_attention_balance_evens_out_quadratic_cost_across_ranks():
     rng = np.random.default_rng(0)
     # long-context mix: a few long documents among many short samples

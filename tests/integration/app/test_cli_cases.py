@@ -38,7 +38,8 @@ def train(tok: str, tmp_path: Path, *overrides: str) -> int:
             TINY_CONFIG,
             f"tokenizer_name_or_path={tok}",
             "max_steps=1",
-            "eval_num_samples=2",
+            # the embedded data's held-out rows (your own dataset= has none unless eval_dataset= is given)
+            *([] if any(o.startswith("dataset=") for o in overrides) else ["eval_num_samples=2"]),
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",
             *overrides,

@@ -48,7 +48,7 @@ def train(tok: str, tmp_path: Path, data: str, *overrides: str) -> int:
             f"max_tokens_per_batch={BUDGET}",
             f"max_length={BUDGET}",
             "num_samples=null",
-            "baseline_batches=0",
+            *([] if "trainer=sft" in overrides else ["baseline_batches=0"]),  # trainer: sft times none
             "save_model=false",
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",

@@ -193,12 +193,14 @@ def test_eval_dataset_auto_follows_the_dataset():
         load_train_config({"dataset": "mine.jsonl", "eval_dataset": "held.jsonl"}).data.eval_dataset
         == "held.jsonl"
     )
-    # the TRL trainers' jobs measure no held-out loss: auto announces none; one given is kept (and reported
-    # as unused by the job)
-    assert load_train_config({"trainer": "dpo"}).data.eval_dataset is None
-    assert (
-        load_train_config({"trainer": "dpo"}, ["eval_dataset=held.jsonl"]).data.eval_dataset == "held.jsonl"
-    )
+    # only trainer: trainer measures a held-out loss: auto is none for the others, and one given is refused
+    for trainer in ("sft", "dpo"):
+        assert load_train_config({"trainer": trainer}).data.eval_dataset is None
+        with pytest.raises(
+            ValueError,
+            match=f"eval_dataset: .held.jsonl. is not used: trainer: {trainer} measures no held-out eval loss",
+        ):
+            load_train_config({"trainer": trainer}, ["eval_dataset=held.jsonl"])
 
 
 def test_own_data_on_the_command_line_gets_its_own_output_dir():
@@ -213,7 +215,12 @@ def test_own_data_on_the_command_line_gets_its_own_output_dir():
     assert own.training.output_dir == "outputs/My-Chats.v2"
     assert "outputs/smollm2-demo is kept" in own.notes[0]
     chosen = load_train_config(demo, ["dataset=my.jsonl", "output_dir=runs/x"])
-    assert chosen.training.output_dir == "runs/x" and not chosen.notes
+    assert chosen.training.output_dir == "runs/x" and not any("output_dir" in n for n in chosen.notes)
+    # the demo's eval settings were for its own data: with yours (no eval_dataset) they are dropped, said so
+    assert chosen.notes == [
+        f"eval_num_samples: 16 from {demo} is not used: there is no eval data (eval_dataset is none; auto "
+        "means none for a dataset other than embedded); set eval_dataset"
+    ]
 
 
 def test_model_override_replaces_the_configs_model():
