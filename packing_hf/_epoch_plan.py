@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _binpack
-from ._binpack_kernels import _bin_square_sums
+from ._binpack_kernels import _balance_steps, _bin_square_sums, _group_by_bin
 from ._random_kernels import _order_by_cost, stream_seed
 
 logger = logging.getLogger("packing_hf.sampler")
@@ -37,6 +37,10 @@ _LONG_DIVISORS = (2, 3, 4)
 _MIX_TOLERANCE = 1.15
 _CALIBRATION_ITEMS = 20_000  # the threshold is chosen on a random subset of this many lengths
 _CALIBRATION_STREAM = 0x6D6978  # keeps the calibration draw apart from every epoch's draw
+# Steps: a step whose costliest bin is over 1 + _BALANCE_TOLERANCE times the step's mean has items moved
+# between its bins; the work is bounded by _BALANCE_WORK visits per item (deterministic on every rank).
+_BALANCE_TOLERANCE = 0.01
+_BALANCE_WORK = 2000
 
 
 def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
@@ -226,6 +230,8 @@ class _EpochPlan:
         else:
             by_cost = bins[np.argsort(cost[bins], kind="stable")]
         steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
+        if replicas > 1:
+            items, offsets, bin_tokens, squares = self._balance(steps, items, offsets, bin_tokens, squares)
         if rng is not None:
             steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
             steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
@@ -245,6 +251,33 @@ class _EpochPlan:
         }
         self._plan_cache = (epoch, plan)
         return plan
+
+    def _balance(
+        self,
+        steps: np.ndarray,
+        items: np.ndarray,
+        offsets: np.ndarray,
+        bin_tokens: np.ndarray,
+        squares: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Even out the cost of the bins within every step (items move between a step's bins only):
+        ``(items, offsets, bin_tokens, squares)`` of the same bins, each still within the budget."""
+        lengths = self._item_lengths
+        linear, quadratic = self._balance_weights()
+        bin_of, moved = _balance_steps(
+            items, offsets, steps, lengths, linear, quadratic, self.max_tokens_per_batch,
+            _BALANCE_TOLERANCE, _BALANCE_WORK * items.size + 1_000_000,
+        )  # fmt: skip
+        if not moved:
+            return items, offsets, bin_tokens, squares
+        items, offsets, bin_tokens = _group_by_bin(bin_of, items, lengths[items], offsets.size - 1)
+        return items, offsets, bin_tokens, _bin_square_sums(items, offsets, lengths)
+
+    def _balance_weights(self) -> tuple[float, float]:
+        """``(linear, quadratic)``: what a sample of length ``L`` adds to its bin's balanced measure."""
+        if self.balance == "cost":
+            return float(self.cost_model.linear), float(self.cost_model.quadratic)
+        return (1.0, 0.0) if self.balance == "tokens" else (0.0, 1.0)
 
     def _batch(self, plan: dict[str, Any], b: int) -> list[int]:
         start, stop = plan["offsets"][b], plan["offsets"][b + 1]
