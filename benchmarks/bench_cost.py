@@ -41,6 +41,7 @@ from _common import base_parser, load_tokenizer, print_table, write_json
 
 from packing_hf import CostModel, PaddingFreeCollator, register_attention
 from packing_hf.collator import length_buckets, segment_buckets
+from packing_hf.cost import rank_cost_spread
 from packing_hf.sampler import MultipackBatchSampler
 
 SMOLLM2_135M = dict(
@@ -53,16 +54,30 @@ LLAMA_1B = dict(
 )  # fmt: skip
 
 
-def real_turn_lengths() -> np.ndarray:
-    """Token counts of every real sample in ../shared/data (the turns of the long-tail conversations)."""
-    from bench_sampler import alpaca_text, real_datasets
+def real_turn_lengths_by_set() -> dict[str, np.ndarray]:
+    """Token counts of every real sample in ../shared/data, by data set (SmolLM2 tokenizer, Alpaca template)."""
+    import json
+
+    from _common import DATA_DIR, load_gsm8k
+    from bench_sampler import alpaca_text
 
     tokenizer = load_tokenizer()
-    lengths = []
-    for records in real_datasets(False).values():
+    sets = {
+        "gsm8k_train": [{"instruction": r["question"], "output": r["answer"]} for r in load_gsm8k("train")]
+    }
+    for name in ("gpteacher_roleplay", "gpteacher_toolformer", "alpaca_gpt4_1k"):
+        with open(DATA_DIR / f"{name}.json") as f:
+            sets[name] = json.load(f)
+    out = {}
+    for name, records in sets.items():
         ids = tokenizer([alpaca_text(r, tokenizer.eos_token) for r in records])["input_ids"]
-        lengths += [len(x) for x in ids]
-    return np.array(lengths, dtype=np.int64)
+        out[name] = np.array([len(x) for x in ids], dtype=np.int64)
+    return out
+
+
+def real_turn_lengths() -> np.ndarray:
+    """Token counts of every real sample in ../shared/data (the turns of the long-tail conversations)."""
+    return np.concatenate(list(real_turn_lengths_by_set().values()))
 
 
 def long_tail_lengths(turns_pool: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
@@ -88,24 +103,133 @@ def cost_models() -> dict[str, CostModel]:
     }
 
 
+def multipack_step_costs(sampler: MultipackBatchSampler, cost: CostModel, epochs: range) -> list[np.ndarray]:
+    """``(num_steps, num_ranks)`` predicted cost of every rank's batch, for each epoch."""
+    out = []
+    for epoch in epochs:
+        plan = sampler._plan(epoch)
+        out.append(cost.bin_costs(plan["bin_tokens"], plan["bin_squares"])[plan["steps"]])
+    return out
+
+
+def batch_rebalance_steps(
+    lengths: np.ndarray, ranks: int, per_rank: int, epoch: int
+) -> list[list[list[int]]]:
+    """transformers' ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``) as the Trainer
+    builds it (no gradient accumulation, ``dataloader_drop_last=False``): every rank's padded micro-batches."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    plans = []
+    for rank in range(ranks):
+        sampler = BatchRebalanceSampler(
+            lengths.tolist(), per_rank * ranks, ranks, 1, rank=rank, drop_last=False, seed=42
+        )
+        sampler.set_epoch(epoch)
+        plans.append(list(sampler))
+    return plans
+
+
+def padded_step_costs(plans: list[list[list[int]]], lengths: np.ndarray, cost: CostModel) -> np.ndarray:
+    """``(num_steps, num_ranks)``: the cost of every padded micro-batch, ``rows x cost(longest)``."""
+    return np.array(
+        [
+            [len(b) * float(cost([int(lengths[b].max())])[0]) for b in step]
+            for step in zip(*plans, strict=True)
+        ]
+    )
+
+
+def spread_figures(step_costs: list[np.ndarray]) -> tuple[float, float]:
+    """``(median over steps of max / mean across ranks, sum of the slowest rank / sum of the mean)``."""
+    stacked = np.concatenate(step_costs)
+    return float(np.median(stacked.max(axis=1) / stacked.mean(axis=1))), rank_cost_spread(stacked)
+
+
+def spread_row(
+    lengths: np.ndarray, budget: int, ranks: int, costs: dict[str, CostModel], epochs: range
+) -> list[dict]:
+    """Token-balanced, cost-balanced and ``batch_rebalance`` figures for every cost model."""
+    samplers = {
+        "tokens": MultipackBatchSampler(lengths, budget, num_replicas=ranks, rank=0),
+        "cost": MultipackBatchSampler(
+            lengths, budget, num_replicas=ranks, rank=0, cost_model=next(iter(costs.values()))
+        ),
+    }
+    steps = len(samplers["tokens"])
+    # batch_rebalance with as many steps, so a step holds as many real tokens on average
+    per_rank = max(1, round(lengths.size / (steps * ranks)))
+    rebalanced = [batch_rebalance_steps(lengths, ranks, per_rank, epoch) for epoch in epochs]
+    rows_emitted = sum(len(b) * int(lengths[b].max()) for plan in rebalanced for rank in plan for b in rank)
+    real = sum(int(lengths[b].sum()) for plan in rebalanced for rank in plan for b in rank)
+    yielded = sum(len(b) for plan in rebalanced for rank in plan for b in rank)
+    rows = []
+    for name, cost in costs.items():
+        # the same packing (the epoch-independent template is kept); the steps are re-planned for this model
+        samplers["cost"].cost_model, samplers["cost"]._plan_cache = cost, None
+        row = {"cost_model": name, "ranks": ranks, "steps": steps}
+        for balance, sampler in samplers.items():
+            median, total = spread_figures(multipack_step_costs(sampler, cost, epochs))
+            row[f"{balance}_median"], row[f"{balance}_sum"] = median, total
+        row["fill"] = samplers["cost"].efficiency()
+        row["fill_tokens_balanced"] = samplers["tokens"].efficiency()
+        median, total = spread_figures([padded_step_costs(plan, lengths, cost) for plan in rebalanced])
+        row.update(
+            batch_rebalance_median=median,
+            batch_rebalance_sum=total,
+            batch_rebalance_steps=len(rebalanced[0][0]),
+            batch_rebalance_padding_pct=100 * (1 - real / rows_emitted),
+            batch_rebalance_repeats=yielded - lengths.size * len(epochs),
+        )
+        rows.append(row)
+    return rows
+
+
+SPREAD_COLUMNS = [
+    "ranks", "steps", "tokens_median", "tokens_sum", "cost_median", "cost_sum", "fill", "batch_rebalance_median",
+    "batch_rebalance_sum", "batch_rebalance_steps", "batch_rebalance_padding_pct", "batch_rebalance_repeats",
+]  # fmt: skip
+
+
 def spread(lengths: np.ndarray, quick: bool) -> list[dict]:
     rows = []
     caps = (4096, 8192) if quick else (4096, 8192, 16384)
     for cap in caps:
         capped = np.minimum(lengths, cap)
         for ranks in (2, 4, 8):
-            sampler = MultipackBatchSampler(capped, cap, num_replicas=ranks, rank=0)
-            for name, cost in cost_models().items():
-                row = {"cap": cap, "cost_model": name, "ranks": ranks}
-                for balance in ("tokens", "cost"):
-                    # the same bins (the epoch-independent template is kept); only their grouping is re-planned
-                    sampler.balance, sampler.cost_model, sampler._plan_cache = balance, cost, None
-                    stats = sampler.stats()
-                    row[f"{balance}_balanced"] = stats["rank_cost_max_over_mean"]
-                    row["batches"], row["fill"] = stats["batches"], stats["efficiency"]
-                rows.append(row)
-    print("\n== slowest rank / mean predicted cost per step, summed over an epoch (1.0 = nobody waits) ==")
-    print_table(rows, ["cap", "cost_model", "ranks", "tokens_balanced", "cost_balanced", "batches", "fill"])
+            for row in spread_row(capped, cap, ranks, cost_models(), range(1)):
+                rows.append({"cap": cap, **row})
+    print(
+        "\n== per-step spread of the ranks' predicted cost (max / mean; median over steps, and the sum of the slowest "
+        "rank over the sum of the mean: 1.0 = nobody waits), long-tail lengths capped at the budget =="
+    )
+    print_table(rows, ["cap", "cost_model", *SPREAD_COLUMNS])
+    return rows
+
+
+def small_sets(pools: dict[str, np.ndarray], quick: bool) -> list[dict]:
+    """The same figures on data sets of a few hundred conversations: few steps, no bins of similar cost to group."""
+    budget, cap, cost = 16384, 4096, CostModel(1.0, 1 / 2048)
+    sets = {
+        "300 tool-call conversations": long_tail_lengths(pools["gpteacher_toolformer"], 300, seed=1),
+        "200 long-tail conversations": long_tail_lengths(np.concatenate(list(pools.values())), 200, seed=2),
+        "1,000 long-tail conversations": long_tail_lengths(
+            np.concatenate(list(pools.values())), 1000, seed=3
+        ),
+        "999 Alpaca-GPT4 samples": pools["alpaca_gpt4_1k"],
+    }
+    rows = []
+    for name, lengths in sets.items():
+        capped = np.minimum(lengths, cap)
+        for ranks in (2, 4, 8):
+            for row in spread_row(
+                capped, budget, ranks, {"CostModel(1, 1/2048)": cost}, range(2 if quick else 5)
+            ):
+                rows.append({"data": name, "samples": capped.size, "tokens": int(capped.sum()), **row})
+    print(
+        f"\n== the same on small sets (capped at {cap}, budget {budget}, CostModel(1, 1/2048); all steps of "
+        f"{2 if quick else 5} epochs) =="
+    )
+    print_table(rows, ["data", "samples", "tokens", *SPREAD_COLUMNS])
     return rows
 
 
@@ -290,7 +414,8 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["spread", "recurrence", "speed", "shapes"])
     args = parser.parse_args()
-    pool = real_turn_lengths()
+    pools = real_turn_lengths_by_set()
+    pool = np.concatenate(list(pools.values()))
     long_tail = long_tail_lengths(pool, 20_000 if args.quick else 100_000)
     q = np.percentile(long_tail, [50, 90, 99])
     print(
@@ -307,6 +432,7 @@ def main() -> None:
     }
     if "spread" in args.parts:
         result["spread"] = spread(long_tail, args.quick)
+        result["small_sets"] = small_sets(pools, args.quick)
     if "recurrence" in args.parts:
         result["recurrence"] = recurring(long_tail, args.quick)
     if "speed" in args.parts:
