@@ -393,8 +393,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         bins = steps[:, self.rank] if self.shard else steps.reshape(-1)
         start, self._start = self._start, 0
         self._consumed = start
-        for i in range(start, bins.size):
-            batch = self._batch(plan, int(bins[i]))
+        for i, batch in enumerate(self._batches(plan, bins[start:]), start):
             self._consumed = i + 1
             yield batch
 
