@@ -41,7 +41,7 @@ _CALIBRATION_STREAM = 0x6D6978  # keeps the calibration draw apart from every ep
 # Steps: a step whose costliest bin is over 1 + _BALANCE_TOLERANCE times the step's mean has items moved
 # between its bins; the work is bounded by _BALANCE_WORK visits per item (deterministic on every rank).
 _BALANCE_TOLERANCE = 0.01
-_BALANCE_WORK = 2000
+_BALANCE_WORK = 200
 _CHUNK_BATCHES = 4096  # iteration: batches converted to Python lists together (see _EpochPlan._batches)
 
 
@@ -233,7 +233,9 @@ class _EpochPlan:
             by_cost = bins[np.argsort(cost[bins], kind="stable")]
         steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
         if replicas > 1:
-            items, offsets, bin_tokens, squares = self._balance(steps, items, offsets, bin_tokens, squares)
+            items, offsets, bin_tokens, squares = self._balance(
+                steps, cost, items, offsets, bin_tokens, squares
+            )
         if rng is not None:
             steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
             steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
@@ -257,18 +259,25 @@ class _EpochPlan:
     def _balance(
         self,
         steps: np.ndarray,
+        cost: np.ndarray,
         items: np.ndarray,
         offsets: np.ndarray,
         bin_tokens: np.ndarray,
         squares: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Even out the cost of the bins within every step (items move between a step's bins only):
-        ``(items, offsets, bin_tokens, squares)`` of the same bins, each still within the budget."""
+        ``(items, offsets, bin_tokens, squares)`` of the same bins, each still within the budget.
+
+        ``steps`` ``(num_steps, num_replicas)`` bins, ``cost`` ``(n_bins,)`` what they are balanced by."""
+        step_cost = cost[steps]  # (num_steps, num_replicas)
+        uneven = steps[step_cost.max(axis=1) > (1 + _BALANCE_TOLERANCE) * step_cost.mean(axis=1)]
+        if uneven.size == 0:  # most steps of a large dataset, once grouped by cost
+            return items, offsets, bin_tokens, squares
         lengths = self._item_lengths
         linear, quadratic = self._balance_weights()
         bin_of, moved = _balance_steps(
-            items, offsets, steps, lengths, linear, quadratic, self.max_tokens_per_batch,
-            _BALANCE_TOLERANCE, _BALANCE_WORK * items.size + 1_000_000,
+            items, offsets, uneven, lengths, linear, quadratic, self.max_tokens_per_batch,
+            _BALANCE_TOLERANCE, _BALANCE_WORK * items.size + 10_000_000,
         )  # fmt: skip
         if not moved:
             return items, offsets, bin_tokens, squares

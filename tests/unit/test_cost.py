@@ -102,7 +102,7 @@ def test_small_datasets_balance_every_step_of_the_epoch():
         assert len(by_tokens) == len(samplers[0]) and by_tokens.efficiency() == samplers[0].efficiency()
     # the negative control: the same steps without the moves (each step's batches as packed) wait 15-40%
     unmoved = MultipackBatchSampler(lengths, 16384, num_replicas=8, rank=0, cost_model=cost)
-    unmoved._balance = lambda steps, *bins: bins
+    unmoved._balance = lambda steps, cost, *bins: bins
     assert unmoved.stats()["rank_cost_max_over_mean"] > 1.1
 
 
