@@ -2,7 +2,8 @@
 
 Two parts, both measured in the same run as the baselines:
 
-1. Speed on 1,000,000 synthetic lengths (lognormal, mean ~640, clipped to 16..4096) at a 4096-token
+1. Speed on 1,000,000 synthetic lengths (lognormal, mean ~640, clipped to 16..4096; then the harder mix of
+   median 500 and sigma 0.7, which has few samples under 100 tokens to fill gaps with) at a 4096-token
    budget, after the one-time numba compilation: ``pack_best_fit_decreasing``, the random-order best
    fit, and the sampler's plan for both ``mixing="random"`` (default) and ``"sorted"`` (first epoch,
    which includes the epoch-independent work, and later epochs), against naive next-fit on the same
@@ -101,15 +102,21 @@ def trl_bfd_rows(dataset, budget: int, whole: bool = False) -> tuple[int, int]:
     return len(packed), int(lengths_from_dataset(packed).sum())
 
 
-def speed(args) -> dict:
+def hard_mix_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` lognormal lengths of median 500 and sigma 0.7 clipped to [16, 4096]: few samples under 100
+    tokens, so the gaps a random-order best fit leaves are hard to close."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.exp(math.log(500.0) + 0.7 * rng.standard_normal(n)).round(), 16, 4096).astype(np.int64)
+
+
+def speed(args, lengths: np.ndarray, label: str) -> dict:
     from trl.data_utils import pack_dataset
 
-    n = 100_000 if args.quick else 1_000_000
+    n = lengths.size
     n_trl = 20_000 if args.quick else 100_000
     repeat = 3 if args.quick else 7
     budget = 4096
-    lengths = synthetic_lengths(n)
-    print(f"\n== speed: {n:,} lognormal lengths (mean {lengths.mean():.1f}, 16..4096), budget {budget} ==")
+    print(f"\n== speed: {n:,} {label} (mean {lengths.mean():.1f}, 16..4096), budget {budget} ==")
 
     start = time.perf_counter()
     _binpack.pack_best_fit_decreasing(lengths[:1000], budget)
@@ -345,9 +352,13 @@ def fill(args) -> list[dict]:
 
 def main() -> None:
     args = base_parser(__doc__.splitlines()[0]).parse_args()
-    speed_result = speed(args)
+    n = 100_000 if args.quick else 1_000_000
+    speed_result = speed(args, synthetic_lengths(n), "lognormal lengths (sigma 1.0)")
+    hard_result = speed(args, hard_mix_lengths(n), "lognormal lengths (median 500, sigma 0.7)")
     fill_rows = fill(args)
-    write_json("bench_sampler", {"speed": speed_result, "fill": fill_rows}, args)
+    write_json(
+        "bench_sampler", {"speed": speed_result, "speed_sigma_0_7": hard_result, "fill": fill_rows}, args
+    )
 
 
 if __name__ == "__main__":

@@ -147,13 +147,16 @@ def _best_fit(sorted_lengths: np.ndarray, budget: int) -> tuple[np.ndarray, int]
 
 
 # The exchange step of the random-order best fit (:func:`_best_fit_exchange`) closes bins with up to
-# budget // _EXCHANGE_GAP_DIVISOR tokens free (64 at a 4,096 budget: the gaps random-order best fit leaves on
-# lognormal lengths are 1-70 tokens and grow with the lengths, hence with the budget); its index has
+# budget // _EXCHANGE_GAP_DIVISOR tokens free (256 at a 4,096 budget: the gaps random-order best fit leaves grow
+# with the lengths, hence with the budget; a gap of 64 closed lognormal lengths of median 500 and sigma 1.0 to
+# the L2 bound, but left 0.25% more bins than it on sigma 0.7, which has few samples under 100 tokens: 256
+# reaches 0.001% on a million of either, and lowered the count at a 2,048 budget on long-tail lengths, with
+# the same recurring-batch share and batch mean-length spread, bench_cost.py); its index has
 # (budget + 1) x (gap + 1) slots, kept under _EXCHANGE_TABLE_LIMIT by lowering the gap on huge budgets. Only
 # bins of _EXCHANGE_MIN_ITEMS items or more are closed: closing bins of two raised the share of batches that
 # recur in the next epoch from 3.9% to 6.4% (lognormal lengths of median 1,200 at a 2,048 budget, bench_cost.py)
 # for no fill (the fill gain is in bins of many short samples).
-_EXCHANGE_GAP_DIVISOR = 64
+_EXCHANGE_GAP_DIVISOR = 16
 _EXCHANGE_TABLE_LIMIT = 1 << 23
 _EXCHANGE_MIN_ITEMS = 3
 

@@ -10,12 +10,13 @@ epoch-independent template and the current epoch's plan on it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from . import _binpack
-from ._binpack_kernels import _bin_square_sums
+from ._binpack_kernels import _balance_steps, _bin_square_sums, _group_by_bin
 from ._random_kernels import _order_by_cost, stream_seed
 
 logger = logging.getLogger("packing_hf.sampler")
@@ -37,6 +38,11 @@ _LONG_DIVISORS = (2, 3, 4)
 _MIX_TOLERANCE = 1.15
 _CALIBRATION_ITEMS = 20_000  # the threshold is chosen on a random subset of this many lengths
 _CALIBRATION_STREAM = 0x6D6978  # keeps the calibration draw apart from every epoch's draw
+# Steps: a step whose costliest bin is over 1 + _BALANCE_TOLERANCE times the step's mean has items moved
+# between its bins; the work is bounded by _BALANCE_WORK visits per item (deterministic on every rank).
+_BALANCE_TOLERANCE = 0.01
+_BALANCE_WORK = 200
+_CHUNK_BATCHES = 4096  # iteration: batches converted to Python lists together (see _EpochPlan._batches)
 
 
 def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
@@ -226,6 +232,10 @@ class _EpochPlan:
         else:
             by_cost = bins[np.argsort(cost[bins], kind="stable")]
         steps = by_cost.reshape(-1, replicas)  # (num_steps, num_replicas)
+        if replicas > 1:
+            items, offsets, bin_tokens, squares = self._balance(
+                steps, cost, items, offsets, bin_tokens, squares
+            )
         if rng is not None:
             steps = rng.permuted(steps, axis=1)  # which rank takes which bin of a step
             steps = steps[rng.permutation(steps.shape[0])]  # step visiting order: uniformly random
@@ -246,6 +256,54 @@ class _EpochPlan:
         self._plan_cache = (epoch, plan)
         return plan
 
-    def _batch(self, plan: dict[str, Any], b: int) -> list[int]:
-        start, stop = plan["offsets"][b], plan["offsets"][b + 1]
-        return self._keys[plan["items"][start:stop]].tolist()
+    def _balance(
+        self,
+        steps: np.ndarray,
+        cost: np.ndarray,
+        items: np.ndarray,
+        offsets: np.ndarray,
+        bin_tokens: np.ndarray,
+        squares: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Even out the cost of the bins within every step (items move between a step's bins only):
+        ``(items, offsets, bin_tokens, squares)`` of the same bins, each still within the budget.
+
+        ``steps`` ``(num_steps, num_replicas)`` bins, ``cost`` ``(n_bins,)`` what they are balanced by."""
+        step_cost = cost[steps]  # (num_steps, num_replicas)
+        uneven = steps[step_cost.max(axis=1) > (1 + _BALANCE_TOLERANCE) * step_cost.mean(axis=1)]
+        if uneven.size == 0:  # most steps of a large dataset, once grouped by cost
+            return items, offsets, bin_tokens, squares
+        lengths = self._item_lengths
+        linear, quadratic = self._balance_weights()
+        bin_of, moved = _balance_steps(
+            items, offsets, uneven, lengths, linear, quadratic, self.max_tokens_per_batch,
+            _BALANCE_TOLERANCE, _BALANCE_WORK * items.size + 10_000_000,
+        )  # fmt: skip
+        if not moved:
+            return items, offsets, bin_tokens, squares
+        items, offsets, bin_tokens = _group_by_bin(bin_of, items, lengths[items], offsets.size - 1)
+        return items, offsets, bin_tokens, _bin_square_sums(items, offsets, lengths)
+
+    def _balance_weights(self) -> tuple[float, float]:
+        """``(linear, quadratic)``: what a sample of length ``L`` adds to its bin's balanced measure."""
+        if self.balance == "cost":
+            return float(self.cost_model.linear), float(self.cost_model.quadratic)
+        return (1.0, 0.0) if self.balance == "tokens" else (0.0, 1.0)
+
+    def _batches(self, plan: dict[str, Any], bins: np.ndarray) -> Iterator[list[int]]:
+        """The batches of ``bins`` ``(k,)`` in that order, as lists of keys, made as they are asked for.
+
+        A chunk of ``_CHUNK_BATCHES`` batches is gathered and converted to Python ints at once, then cut into
+        lists: a numpy slice and ``tolist()`` per batch took 2.4 us, 0.37 s for an epoch of 156,000 batches.
+        """
+        offsets, items, keys = plan["offsets"], plan["items"], self._keys
+        for first in range(0, bins.size, _CHUNK_BATCHES):
+            chunk = bins[first : first + _CHUNK_BATCHES]  # (c,)
+            starts, sizes = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
+            ends = np.cumsum(sizes)  # (c,) where every batch ends in the chunk's items
+            positions = np.repeat(starts - (ends - sizes), sizes) + np.arange(int(ends[-1]))
+            flat = keys[items[positions]].tolist()
+            start = 0
+            for end in ends.tolist():
+                yield flat[start:end]
+                start = end

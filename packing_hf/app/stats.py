@@ -167,8 +167,8 @@ def balance_spread(
 ) -> dict[str, float]:
     """How long the ranks of a multipack plan wait on each other, token-balanced vs cost-balanced.
 
-    Both plans have the same batches (epoch 0 of :class:`~packing_hf.MultipackBatchSampler` with
-    ``seed``); they differ in which batches share a step. The figure is ``rank_cost_max_over_mean``: the
+    Both plans have as many batches, as full (epoch 0 of :class:`~packing_hf.MultipackBatchSampler` with
+    ``seed``); they differ in which batches share a step and in how samples are spread over a step's batches. The figure is ``rank_cost_max_over_mean``: the
     sum over steps of the slowest rank's predicted cost over the sum of the ranks' mean (1.0: nobody waits).
 
     >>> spread = balance_spread([4000, 90, 100, 3900, 60, 50, 40, 30] * 4, 4096, 2, CostModel(1.0, 1.0))

@@ -185,6 +185,25 @@ def test_resume_yields_exactly_the_remaining_batches(epoch, shard, mixing):
     assert len(list(resumed)) == len(full)
 
 
+def test_iteration_in_chunks_yields_every_planned_batch_in_order(monkeypatch):
+    # batches are made a chunk at a time: a chunk boundary inside the epoch and a resume inside a chunk
+    from packing_hf import _epoch_plan
+
+    monkeypatch.setattr(_epoch_plan, "_CHUNK_BATCHES", 3)
+    lengths = np.random.default_rng(2).integers(1, 500, size=600)
+    for shard in (True, False):
+        sampler = MultipackBatchSampler(lengths, 2000, seed=4, num_replicas=2, rank=1, shard=shard)
+        plan = sampler._plan()
+        bins = plan["steps"][:, 1] if shard else plan["steps"].reshape(-1)
+        offsets = plan["offsets"]
+        expected = [plan["items"][offsets[b] : offsets[b + 1]].tolist() for b in bins]
+        assert list(sampler) == expected and len(expected) > 7
+        state = {**sampler.state_dict(), "batches_consumed": 7}
+        resumed = MultipackBatchSampler(lengths, 2000, seed=4, num_replicas=2, rank=1, shard=shard)
+        resumed.load_state_dict(state)
+        assert list(resumed) == expected[7:]
+
+
 def test_load_state_dict_rejects_a_different_plan():
     sampler = MultipackBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0)
     state = sampler.state_dict()
@@ -640,13 +659,17 @@ def test_the_sparse_best_fit_and_bound_equal_the_table_ones(seed):
         assert _binpack.lower_bound_l2(lengths, budget) == _binpack._lower_bound_l2_sorted(lengths, budget)
 
 
-@pytest.mark.parametrize("name", ["lognormal", "long_tailed"])
+@pytest.mark.parametrize("name", ["lognormal", "lognormal_sigma_0.7", "long_tailed"])
 def test_on_large_data_one_draw_sets_the_count_and_the_fill_stays_within_0_1_percent_of_sorted(name):
     # over 20,000 samples the count comes from epoch 0's draw alone, with 0.02% slack: every later epoch
     # must still fit it (repaired or drawn again, never the fallback), and the fill stays that of "sorted"
     rng = np.random.default_rng(7)
     if name == "lognormal":
         lengths = np.clip(np.exp(np.log(500) + rng.standard_normal(60_000)).round(), 1, 4096).astype(np.int64)
+    elif name == "lognormal_sigma_0.7":  # few samples under 100 tokens: the gaps are hard to close
+        lengths = np.clip(np.exp(np.log(500) + 0.7 * rng.standard_normal(60_000)).round(), 16, 4096).astype(
+            np.int64
+        )
     else:
         lengths = np.clip(rng.pareto(1.2, 60_000) * 60 + 10, 1, 4096).astype(np.int64)
     mixed = MultipackBatchSampler(lengths, 4096, num_replicas=8, rank=0, seed=3)
@@ -657,6 +680,23 @@ def test_on_large_data_one_draw_sets_the_count_and_the_fill_stays_within_0_1_per
         assert plan["fallback"] == 0 and plan["steps"].shape == (len(mixed), 8)
         assert np.array_equal(np.sort(plan["items"]), np.arange(lengths.size))
         assert (plan["bin_tokens"] <= 4096).all()
+    # on one rank (no rounding up for the ranks) the batch count is within 0.1% of the L2 lower bound
+    assert len(MultipackBatchSampler(lengths, 4096, seed=3)) <= 1.001 * mixed.lower_bound()
+
+
+def test_the_exchange_closes_the_gaps_of_a_mix_with_few_short_samples(monkeypatch):
+    # lognormal lengths of median 500 and sigma 0.7: samples under 100 tokens are rare, and random-order best
+    # fit leaves gaps of up to a few hundred tokens; the exchange closes bins up to budget // 16 tokens short
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.exp(np.log(500) + 0.7 * rng.standard_normal(60_000)).round(), 16, 4096).astype(
+        np.int64
+    )
+    bound = _binpack.lower_bound_l2(lengths, 4096)
+    order = rng.permutation(lengths.size)
+    assert _binpack.pack_best_fit_random_order(lengths, 4096, order, repair=False).num_bins <= 1.0005 * bound
+    # negative control: closing only bins up to budget // 64 short (64 tokens) leaves 0.2% more bins
+    monkeypatch.setattr(_binpack, "_EXCHANGE_GAP_DIVISOR", 64)
+    assert _binpack.pack_best_fit_random_order(lengths, 4096, order, repair=False).num_bins > 1.001 * bound
 
 
 def test_batches_rarely_come_back_in_the_next_epoch(monkeypatch):
