@@ -46,9 +46,11 @@ from .baseline import (
 )
 from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
+from .data_first import DataFirst, read_job_data
+from .interrupt import TrainingInterrupted, interrupted_message, resume_checkpoint, train_until_interrupted
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
-from .records import RecordSet, read_records
+from .records import RecordSet
 from .render import trl_records
 from .report import _describe_stream, _plural, load_average, plot_losses, print_summary
 from .token_cache import cached_prepare
@@ -66,7 +68,7 @@ LOSS_CURVE_NAME = "loss_curve.png"
 # --------------------------------------------------------------------------------------------------
 
 
-def _loss_history(log_history: list[dict[str, Any]]) -> list[float]:
+def _loss_history(log_history) -> list[float]:
     return [float(entry["loss"]) for entry in log_history if "loss" in entry]
 
 
@@ -77,26 +79,6 @@ def _describe_model(model_args: ModelArguments, model) -> str:
         name = model_args.gguf_file or model_args.model_name_or_path
     params = sum(p.numel() for p in model.parameters()) / 1e6
     return f"{name} ({model.config.model_type}, {params:.1f}M parameters)"
-
-
-def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
-    """The checked training and eval records (no training records with ``streaming``: they are read as
-    training consumes them)."""
-    data = cfg.data
-    records = None
-    if not data.streaming:
-        say(f"reading and checking the records of {data.dataset}")
-        records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
-        say(records.describe())
-    eval_records = None
-    if data.eval_dataset is not None and cfg.job.trainer != "sft":
-        say(f"reading and checking the held-out eval records of {data.eval_dataset}")
-        eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
-        eval_records.limit_key = "eval_num_samples"
-        say(eval_records.describe())
-    elif data.eval_dataset is not None:
-        say(f"eval_dataset {data.eval_dataset} is not used with trainer: sft (TRL tokenizes; no eval loss)")
-    return records, eval_records
 
 
 def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:
@@ -277,8 +259,9 @@ class TrainJob:
     ['read', 'plan', 'train', 'save', 'baseline', 'finish']
     """
 
-    def __init__(self, cfg: TrainConfig, *, print_fn=print) -> None:
+    def __init__(self, cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> None:
         self.cfg = cfg
+        self.data_first = data_first
         self.print_fn = print_fn
         self.phases = _Phases()
         self.training = cfg.training
@@ -295,6 +278,8 @@ class TrainJob:
         self.trainer = None
         self.eval_samples: list[dict[str, Any]] | None = None
         self.output_dir = Path(self.training.output_dir)
+        self.resume_from: str | None = None
+        self.run_info = None
 
     def say(self, message: str) -> None:
         self.print_fn(f"[packing-hf] {message}")
@@ -310,9 +295,14 @@ class TrainJob:
                 "packing_hf.app.trl_job.run_job"
             )
         check_model(cfg.model, cfg.source)
+        self.resume_from = resume_checkpoint(
+            cfg.job.resume, self.training.resume_from_checkpoint, str(self.training.output_dir)
+        )
         set_seed(self.training.seed)
         for note in cfg.notes:
             self.say(note)
+        if self.resume_from is not None:
+            self.say(f"resuming from {self.resume_from} (model, optimizer, scheduler, data position)")
         self.read()
         self.load_tokenizer()
         self.tokenize()
@@ -328,7 +318,11 @@ class TrainJob:
     def read(self) -> None:
         """Every record of the training and eval data read and checked (none with ``streaming: true``)."""
         self.phases.start("read")
-        self.records, self.eval_records = _read(self.cfg, self.say)
+        first, cfg = self.data_first, self.cfg
+        if first is not None and first.matches(cfg):
+            self.records, self.eval_records = first.records, first.eval_records  # read before the imports
+        else:
+            self.records, self.eval_records = read_job_data(cfg.data, cfg.job.trainer, self.say)
 
     def load_tokenizer(self) -> None:
         """The tokenizer; with ``streaming: true`` the record stream, its first records checked."""
@@ -460,18 +454,13 @@ class TrainJob:
                 else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
             )
         )
-        resume = training.resume_from_checkpoint
-        if resume is not None:
-            # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
-            resume = True if str(resume).lower() in ("true", "last") else resume
-            say(
-                f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
-            )
-        train_result = trainer.train(resume_from_checkpoint=resume)
+        run = self.run_info = train_until_interrupted(trainer, self.resume_from, say)
+        train_result = run.result
         train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
-        losses = _loss_history(trainer.state.log_history)
+        # a resumed run's log history holds the earlier run's logs too: its losses are this run's steps only
+        losses = _loss_history(e for e in trainer.state.log_history if e.get("step", 0) > run.started_at)
         summary.update(
-            global_step=int(trainer.state.global_step),
+            **run.summary(trainer.state.global_step),
             train_runtime=train_runtime,
             train_loss=float(train_result.training_loss),
             losses=losses,
@@ -505,6 +494,25 @@ class TrainJob:
             summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
         else:
             summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+        if run.interrupted:
+            self.stop_interrupted()
+
+    def stop_interrupted(self) -> None:
+        """After Ctrl-C stopped training (a checkpoint is saved): the summary so far written beside it, then
+        :class:`~packing_hf.app.interrupt.TrainingInterrupted` with how to resume (no eval, save or baseline)."""
+        summary, run = self.summary, self.run_info
+        summary["interrupted"] = {"global_step": summary["global_step"], "checkpoint": run.checkpoint}
+        summary["output_dir"] = None
+        summary["baseline"] = None
+        self.phases.stop()
+        _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
+        message = interrupted_message(
+            run, summary["global_step"], self.training.max_steps, str(self.output_dir / SUMMARY_NAME)
+        )
+        self.say(message)
+        raise TrainingInterrupted(
+            message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
+        )
 
     def eval_after(self) -> None:
         """The held-out eval loss after training, printed beside the loss before."""
@@ -580,7 +588,7 @@ class TrainJob:
         return summary
 
 
-def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> dict[str, Any]:
     """Run the whole job for a parsed config (:class:`TrainJob`); print progress and the final table, return
     the summary.
 
@@ -594,8 +602,13 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     ``output_dir``. With ``streaming: true``: ``stream`` (``PackedStream.stats()`` of the running pass),
     ``records`` (what was read, skipped and truncated), ``packing_efficiency`` the pass's fill, no sample
     count and no padded fill; the padded baseline draws its samples from the stream's first ones.
+    ``data_first``: the records :func:`packing_hf.app.data_first.read_data_first` read for this config
+    (used when its data settings are the config's; read again otherwise).
+
+    Ctrl-C during training saves a checkpoint, writes the summary so far and raises
+    :class:`~packing_hf.app.interrupt.TrainingInterrupted`; ``resume: true`` continues from it.
     """
-    return TrainJob(cfg, print_fn=print_fn).run()
+    return TrainJob(cfg, print_fn=print_fn, data_first=data_first).run()
 
 
 def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
