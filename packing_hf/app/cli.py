@@ -95,8 +95,8 @@ def _train_help(every: bool = False) -> str:
         "usage: packing-hf train CONFIG.yaml [--key value | --key=value | key=value ...]",
         "",
         "Fine-tune with packing. CONFIG.yaml is a flat mapping of the keys below; command-line overrides",
-        "win; key=null unsets a value. Example: packing-hf train configs/smollm2_demo.yaml "
-        "dataset=my.jsonl max_steps=100",
+        "win; key=null unsets a value. Example:",
+        "  packing-hf train configs/smollm2_demo.yaml dataset=my.jsonl max_steps=100",
         "Ctrl-C during training finishes the step, saves a checkpoint in output_dir and stops; the same command",
         "with resume=true continues from the latest checkpoint there.",
     ]
@@ -111,8 +111,8 @@ def _train_help(every: bool = False) -> str:
         )
         lines += [_help_line(training[name]) for name in sorted(training)]
         lines.append(
-            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf config "
-            "(SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
+            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf "
+            "config\n  (SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
         )
     else:
         lines.append(
