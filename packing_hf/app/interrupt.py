@@ -29,9 +29,11 @@ from typing import Any
 __all__ = [
     "TrainRun",
     "TrainingInterrupted",
+    "checkpoint_step",
     "interrupted_message",
     "latest_checkpoint",
     "resume_checkpoint",
+    "resumed_note",
     "train_until_interrupted",
 ]
 
@@ -99,6 +101,18 @@ def resume_checkpoint(resume: bool, resume_from_checkpoint: str | None, output_d
             "checkpoint-<step> folder, or resume=true for the latest one in output_dir"
         )
     return given
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer steps a checkpoint holds (its ``trainer_state.json``'s ``global_step``)."""
+    import json
+
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+
+
+def resumed_note(checkpoint: str | None) -> str:
+    """`` (resuming after step N of <checkpoint>)`` for the training announcement, or nothing."""
+    return f" (resuming after step {checkpoint_step(checkpoint)} of {checkpoint})" if checkpoint else ""
 
 
 @dataclass

@@ -47,7 +47,13 @@ from .baseline import (
 from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .data_first import DataFirst, read_job_data
-from .interrupt import TrainingInterrupted, interrupted_message, resume_checkpoint, train_until_interrupted
+from .interrupt import (
+    TrainingInterrupted,
+    interrupted_message,
+    resume_checkpoint,
+    resumed_note,
+    train_until_interrupted,
+)
 from .modeling import load_model, load_tokenizer, model_source
 from .record_stream import RecordStream
 from .records import RecordSet
@@ -453,6 +459,7 @@ class TrainJob:
                 if training.max_steps > 0
                 else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
             )
+            + resumed_note(self.resume_from)
         )
         run = self.run_info = train_until_interrupted(trainer, self.resume_from, say)
         train_result = run.result

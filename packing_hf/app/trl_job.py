@@ -30,7 +30,13 @@ from typing import Any
 from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .data_first import DataFirst, read_trl_data
-from .interrupt import TrainingInterrupted, interrupted_message, resume_checkpoint, train_until_interrupted
+from .interrupt import (
+    TrainingInterrupted,
+    interrupted_message,
+    resume_checkpoint,
+    resumed_note,
+    train_until_interrupted,
+)
 from .modeling import load_model, load_tokenizer, model_source, peft_config_from
 from .report import print_summary
 from .rewards import resolve_reward_funcs
@@ -137,6 +143,7 @@ def run_trl_training(
     phases.start("train")
     say(
         f"training ({_CLASSES[trainer_name]}): {training.max_steps if training.max_steps > 0 else 'all'} steps"
+        + resumed_note(resume_from)
     )
     run = _train(trainer, resume_from, summary, say)
 

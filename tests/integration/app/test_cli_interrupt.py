@@ -97,7 +97,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_true_ends_where_the_uninterrupted_
     monkeypatch.undo()  # no more Ctrl-C
     assert main(_args(data_dir, out, "resume=true")) == 0
     printed = capsys.readouterr().out
-    assert f"resuming from {checkpoint}" in printed
+    assert f"resuming from {checkpoint}" in printed and f"(resuming after step 1 of {checkpoint})" in printed
     assert "2 steps in" in printed and f"resumed from {checkpoint} (1 step before): 3 steps in all" in printed
     summary = json.loads((out / SUMMARY_NAME).read_text())
     assert (summary["global_step"], summary["steps_this_run"]) == (STEPS, STEPS - 1)
@@ -116,6 +116,43 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_true_ends_where_the_uninterrupted_
     assert main(_args(data_dir, replay, "resume=true", "ignore_data_skip=true")) == 0
     replayed = _weights(replay)
     assert any(not torch.equal(replayed[name], expected[name]) for name in expected)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_trl_trainer_run_stopped_by_ctrl_c_resumes_and_counts_both_runs(
+    data_dir, tmp_path, capsys, ctrl_c_during_step, monkeypatch
+):
+    """The TRL trainers' job (here ORPO) stops, saves and resumes the same way."""
+    out = tmp_path / "orpo"
+    args = [
+        "train",
+        str(ROOT / "configs" / "tiny_orpo.yaml"),
+        f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+        "gguf_file=null",
+        "gguf_package=null",
+        f"model_config={SMALL}",
+        "num_samples=4",
+        "max_length=384",
+        "max_steps=2",
+        "per_device_train_batch_size=1",
+        "packing_preflight=off",
+        f"output_dir={out}",
+        "disable_tqdm=true",
+    ]
+    ctrl_c_during_step(1)
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert f"stopped by Ctrl-C after step 1 of 2: checkpoint saved to {out / 'checkpoint-1'}" in err
+    assert json.loads((out / SUMMARY_NAME).read_text())["interrupted"]["global_step"] == 1
+    monkeypatch.undo()
+    assert main([*args, "resume=true"]) == 0
+    summary = json.loads((out / SUMMARY_NAME).read_text())
+    assert (summary["global_step"], summary["steps_this_run"], summary["resumed_from"]["global_step"]) == (
+        2,
+        1,
+        1,
+    )
+    assert len(summary["losses"]) == 1 and (out / "model.safetensors").is_file()
 
 
 def test_resume_without_a_checkpoint_is_refused_before_anything_loads(data_dir, tmp_path, capsys):
