@@ -505,20 +505,16 @@ class TrainJob:
             self.stop_interrupted()
 
     def stop_interrupted(self) -> None:
-        """After Ctrl-C stopped training (a checkpoint is saved): the summary so far written beside it, then
-        :class:`~packing_hf.app.interrupt.TrainingInterrupted` with how to resume (no eval, save or baseline)."""
-        summary, run = self.summary, self.run_info
-        summary["interrupted"] = {"global_step": summary["global_step"], "checkpoint": run.checkpoint}
-        summary["output_dir"] = None
-        summary["baseline"] = None
-        self.phases.stop()
-        _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
-        message = interrupted_message(
-            run, summary["global_step"], self.training.max_steps, str(self.output_dir / SUMMARY_NAME)
-        )
-        self.say(message)
-        raise TrainingInterrupted(
-            message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
+        """After Ctrl-C stopped training: :func:`_stop_interrupted` (no eval, save or baseline)."""
+        self.summary["baseline"] = None
+        _stop_interrupted(
+            self.run_info,
+            self.summary,
+            self.phases,
+            self.trainer,
+            self.output_dir,
+            self.training.max_steps,
+            self.say,
         )
 
     def eval_after(self) -> None:
@@ -645,6 +641,21 @@ def _write_summary(summary: dict[str, Any], phases: _Phases, trainer, output_dir
         summary["loss_curve"] = plot_losses(trainer.state.log_history, output_dir / LOSS_CURVE_NAME)
         if summary["loss_curve"] is None:
             say("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")
+
+
+def _stop_interrupted(
+    run, summary: dict[str, Any], phases: _Phases, trainer, output_dir: Path, max_steps: int, say
+):
+    """After Ctrl-C stopped training (its checkpoint saved): the summary so far written to output_dir, then
+    :class:`~packing_hf.app.interrupt.TrainingInterrupted` saying where things are and how to resume."""
+    summary["interrupted"] = {"global_step": summary["global_step"], "checkpoint": run.checkpoint}
+    summary["output_dir"] = None
+    phases.stop()
+    _write_summary(summary, phases, trainer, output_dir, say)
+    message = interrupted_message(run, summary["global_step"], max_steps, str(output_dir / SUMMARY_NAME))
+    raise TrainingInterrupted(
+        message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
+    )
 
 
 @contextlib.contextmanager

@@ -30,17 +30,18 @@ from typing import Any
 from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .data_first import DataFirst, read_trl_data
-from .interrupt import (
-    TrainingInterrupted,
-    interrupted_message,
-    resume_checkpoint,
-    resumed_note,
-    train_until_interrupted,
-)
+from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
 from .modeling import load_model, load_tokenizer, model_source, peft_config_from
 from .report import print_summary
 from .rewards import resolve_reward_funcs
-from .train import SUMMARY_NAME, _Phases, _restore_user_config, _write_summary, run_training
+from .train import (
+    SUMMARY_NAME,
+    _Phases,
+    _restore_user_config,
+    _stop_interrupted,
+    _write_summary,
+    run_training,
+)
 
 __all__ = ["reference_plan", "run_job", "run_trl_training"]
 
@@ -149,17 +150,7 @@ def run_trl_training(
 
     output_dir = Path(training.output_dir)
     if run.interrupted:
-        summary["interrupted"] = {"global_step": summary["global_step"], "checkpoint": run.checkpoint}
-        summary["output_dir"] = None
-        phases.stop()
-        _write_summary(summary, phases, trainer, output_dir, say)
-        message = interrupted_message(
-            run, summary["global_step"], training.max_steps, str(output_dir / SUMMARY_NAME)
-        )
-        say(message)
-        raise TrainingInterrupted(
-            message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
-        )
+        _stop_interrupted(run, summary, phases, trainer, output_dir, training.max_steps, say)
     _restore_user_config(model, user_use_cache, user_attention)
     summary["output_dir"] = None
     if cfg.job.save_model:
