@@ -42,6 +42,7 @@ def train(tok: str, tmp_path: Path, *overrides: str) -> int:
             f"tokenizer_name_or_path={tok}",
             "max_steps=1",
             "eval_num_samples=2",
+            "save_strategy=no",  # no checkpoint: these runs test other things (kept out of the suite's time)
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",
             *overrides,

@@ -50,6 +50,7 @@ def train(tok: str, tmp_path: Path, data: str, *overrides: str) -> int:
             "num_samples=null",
             "baseline_batches=0",
             "save_model=false",
+            "save_strategy=no",  # the config's checkpoint only where a test asks for one
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",
             *overrides,
