@@ -8,7 +8,8 @@ works as is; ``patch_flash_attention()`` is the only call that swaps a transform
 The top level names what users call: the trainers and their configs, the collators, the sampler, the
 streams, the attention (its name and ``varlen_attention``), ``prepare_model_for_packing`` and the checks.
 Everything else stays importable from its module (``packing_hf.varlen.lengths_to_cu_seqlens``,
-``packing_hf.fixed.pack_sequences``, ``packing_hf.attention.patch_flash_attention``, ...).
+``packing_hf.fixed.pack_sequences``, ``packing_hf.attention.patch_flash_attention``, ...). The names an earlier
+top level exported still answer for this release, with a ``FutureWarning`` naming their module (``_MOVED``).
 
 >>> import packing_hf
 >>> packing_hf.PaddingFreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])["cu_seq_lens_q"].tolist()
@@ -18,6 +19,7 @@ Everything else stays importable from its module (``packing_hf.varlen.lengths_to
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -81,6 +83,49 @@ _LAZY: dict[str, str] = {
 
 __all__ = sorted([*_LAZY, "__version__"])
 
+# Names the top level held in earlier versions -> the module each lives in now. Reading one still works for this
+# release, with a FutureWarning naming the import to use: a forward, not an AttributeError, because
+# `from packing_hf import pack_sequences` turns any AttributeError into a bare "cannot import name" and the
+# pointer would be lost where old code meets it most.
+_MOVED: dict[str, str] = {
+    # boundary bookkeeping
+    "lengths_to_cu_seqlens": "varlen",
+    "cu_seqlens_to_lengths": "varlen",
+    "lengths_to_position_ids": "varlen",
+    "lengths_to_seq_idx": "varlen",
+    "cu_seqlens_to_position_ids": "varlen",
+    "cu_seqlens_to_seq_idx": "varlen",
+    "position_ids_to_cu_seqlens": "varlen",
+    "seq_lengths_to_cu_seqlens": "varlen",
+    "max_length_from_cu_seqlens": "varlen",
+    # shared-prefix layout
+    "shared_prefix_position_ids": "shared_prefix",
+    "shared_prefix_plan": "shared_prefix",
+    "check_prefix_seq_idx": "shared_prefix",
+    # fixed-length rows, online-RL rollouts
+    "pack_sequences": "fixed",
+    "concatenate_and_pack": "fixed",
+    "pack_rollouts": "rollouts",
+    "unpack_rollouts": "rollouts",
+    # attention: backends, the flash-attention patch, shared-prefix attention, sequence parallelism
+    "available_backends": "attention",
+    "select_backend": "attention",
+    "patch_flash_attention": "attention",
+    "unpatch_flash_attention": "attention",
+    "flash_attention_patched": "attention",
+    "shared_prefix_attention": "attention",
+    "shard_packed_batch": "attention.sequence_parallel",
+    "sequence_parallel_loss": "attention.sequence_parallel",
+    "sequence_parallel_groups": "attention.sequence_parallel",
+    "shard_loss_counts": "attention.sequence_parallel",
+    "check_sequence_parallel_model": "attention.sequence_parallel",
+    # architectures
+    "PackingPreparation": "architectures",
+    "tiny_config": "architectures",
+}
+
+_TOLD: set[str] = set()  # the moved names whose warning was shown
+
 _DISTILLATION = (
     "a distillation trainer: its loss compares the student's and a teacher's per-token distributions on "
     "the same padded batch, and packing_hf packs neither forward"
@@ -116,6 +161,21 @@ _NOT_PACKED: dict[str, tuple[str, str]] = {
 def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
+        if name in _MOVED:
+            home = f"packing_hf.{_MOVED[name]}"
+            value = getattr(importlib.import_module(home), name)
+            # once per name and process, kept here: `from packing_hf import x` reads the name twice, and the
+            # warnings registry that would show it once is reset whenever an import changes the filters
+            # (transformers' does)
+            if name not in _TOLD:
+                _TOLD.add(name)
+                warnings.warn(
+                    f"packing_hf.{name} moved to {home}: import it from there (`from {home} import {name}`); "
+                    "the top-level name is a forward that will be removed in the next release",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+            return value
         if name in _NOT_PACKED:
             where, why = _NOT_PACKED[name]
             packed = ", ".join(n for n in __all__ if n.endswith("Trainer"))

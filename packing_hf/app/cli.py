@@ -49,6 +49,8 @@ _COMMON_TRAINING_KEYS = (
     "bf16",
     "logging_steps",
     "save_strategy",
+    "save_steps",
+    "save_total_limit",
     "report_to",
     "seed",
     "use_cpu",
@@ -56,15 +58,32 @@ _COMMON_TRAINING_KEYS = (
 )
 
 
+# What `train` does with a training argument where transformers' own help says otherwise (its text is written
+# for Python scripts that call Trainer.train() themselves)
+_TRAIN_HELP = {
+    "resume_from_checkpoint": (
+        "A checkpoint-<step> folder to continue from (model, optimizer, scheduler, RNG and data position); "
+        "true = the latest one in output_dir, as resume=true. `packing-hf train` passes it to Trainer.train()."
+    ),
+}
+
+
 def _help_line(f) -> str:
+    """One key of `train --help`: its name, default and whole help text, wrapped (never cut)."""
     import dataclasses
+    import textwrap
 
     default = f.default if f.default is not dataclasses.MISSING else None
     # transformers escapes % for argparse ("~20%%"); this help is printed directly
-    text = " ".join(str(f.metadata.get("help", "")).replace("%%", "%").split())
-    if len(text) > 160:
-        text = text[:157] + "..."
-    return f"    {f.name} (default {default!r}): {text}"
+    text = _TRAIN_HELP.get(f.name) or " ".join(str(f.metadata.get("help", "")).replace("%%", "%").split())
+    return textwrap.fill(
+        f"{f.name} (default {default!r}): {text}",
+        width=110,
+        initial_indent="    ",
+        subsequent_indent="        ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _train_help(every: bool = False) -> str:
@@ -76,8 +95,10 @@ def _train_help(every: bool = False) -> str:
         "usage: packing-hf train CONFIG.yaml [--key value | --key=value | key=value ...]",
         "",
         "Fine-tune with packing. CONFIG.yaml is a flat mapping of the keys below; command-line overrides",
-        "win; key=null unsets a value. Example: packing-hf train configs/smollm2_demo.yaml "
-        "dataset=my.jsonl max_steps=100",
+        "win; key=null unsets a value. Example:",
+        "  packing-hf train configs/smollm2_demo.yaml dataset=my.jsonl max_steps=100",
+        "Ctrl-C during training finishes the step, saves a checkpoint in output_dir and stops; the same command",
+        "with resume=true continues from the latest checkpoint there.",
     ]
     groups = (("model", ModelArguments), ("data", DataArguments), ("job", JobArguments))
     for title, cls in groups:
@@ -90,8 +111,8 @@ def _train_help(every: bool = False) -> str:
         )
         lines += [_help_line(training[name]) for name in sorted(training)]
         lines.append(
-            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf config "
-            "(SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
+            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf "
+            "config\n  (SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
         )
     else:
         lines.append(
@@ -160,16 +181,27 @@ def _train(argv: Sequence[str]) -> int:
         )
         return 2
     print(f"[packing-hf] reading the config {config}", flush=True)
-    from .config import load_train_config
-
+    output_dir = None
     try:
-        cfg = load_train_config(config, overrides)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        return _error("train", error, 2)
-    from .trl_job import run_job
+        # the data first, before torch / transformers / TRL are imported: a bad record fails in a second
+        from .data_first import read_data_first
 
-    try:
-        run_job(cfg)
+        data_first = read_data_first(config, overrides, say=_say)
+        from .config import load_train_config
+
+        try:
+            cfg = load_train_config(config, overrides)
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            return _error("train", error, 2)
+        output_dir = cfg.training.output_dir
+        from .trl_job import run_job
+
+        run_job(cfg, data_first=data_first)
+    except ImportError as error:  # an optional package (TRL, PEFT): the message says how to install it
+        if os.environ.get("PACKING_HF_TRACEBACK"):
+            raise
+        print(f"packing-hf train: error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
@@ -178,7 +210,43 @@ def _train(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    except KeyboardInterrupt as interrupt:
+        print(_interrupted(interrupt, config, overrides, output_dir), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     return 0
+
+
+def _say(message: str) -> None:
+    print(f"[packing-hf] {message}", flush=True)
+
+
+def _interrupted(interrupt: KeyboardInterrupt, config: str, overrides: list[str], output_dir) -> str:
+    """What `train` prints when Ctrl-C stopped it: the job's message and the command that resumes, or (a
+    Ctrl-C outside training, or a second one) what is left in output_dir."""
+    import shlex
+
+    from .interrupt import TrainingInterrupted, latest_checkpoint
+
+    again = shlex.join(
+        [
+            "packing-hf",
+            "train",
+            config,
+            *(o for o in overrides if not o.lstrip("-").startswith("resume=")),
+            "resume=true",
+        ]
+    )
+    if isinstance(interrupt, TrainingInterrupted):
+        if interrupt.checkpoint is None:
+            return f"packing-hf train: {interrupt}"
+        return f"packing-hf train: {interrupt}:\n  {again}"
+    checkpoint = latest_checkpoint(output_dir) if output_dir is not None else None
+    if checkpoint is None:
+        return "packing-hf train: stopped by Ctrl-C; no checkpoint of this run to resume from"
+    return (
+        f"packing-hf train: stopped by Ctrl-C (at once: no checkpoint saved now); the latest checkpoint in "
+        f"{output_dir} is {checkpoint}; to continue from it:\n  {again}"
+    )
 
 
 def _preview_parser():

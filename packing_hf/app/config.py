@@ -294,6 +294,12 @@ class JobArguments:
         "it trains), else 0.15.",
     )
     save_model: bool = option(True, "Save the fine-tuned model to output_dir.")
+    resume: bool = option(
+        False,
+        "Continue from the latest checkpoint-* in output_dir (the one Ctrl-C saved, or save_strategy's): "
+        "model, optimizer, scheduler and data position, for the remaining steps; resume_from_checkpoint=PATH "
+        "picks another checkpoint.",
+    )
     reward_funcs: str | None = option(
         None,
         "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..errors import missing_extra
 from .config import ModelArguments
 
 __all__ = [
@@ -257,9 +258,7 @@ def peft_config_from(values: dict[str, Any] | None, task_type: str = "CAUSAL_LM"
     try:
         import peft
     except ImportError as error:
-        raise ImportError(
-            f"peft: needs PEFT ({error}); install it with `pip install 'packing-hf[peft]'`"
-        ) from None
+        raise missing_extra("the config's peft: adapter", "peft", error) from None
     import dataclasses
     import difflib
 

@@ -318,11 +318,19 @@ def _openai_messages(raw: Any, where: str) -> list[dict[str, Any]]:
         role = turn.get("role")
         if role not in _ROLES:
             raise ValueError(f"{where}: {name}.role is {role!r}; expected one of {', '.join(_ROLES)}")
+        calls = turn.get("tool_calls")
+        if turn.get("content") is None and not (role == "assistant" and calls):
+            # OpenAI leaves out content only on an assistant turn that calls tools; anywhere else a turn with no
+            # content is a broken record (a renamed key, a lost field), not an empty answer to skip
+            missing = "has no content" if "content" not in turn else "has content null"
+            raise ValueError(
+                f"{where}: {name} ({role}) {missing}; every message needs its text in `content` (only an "
+                "assistant turn with tool_calls may leave it out); fix or remove the record"
+            )
         message: dict[str, Any] = {
             "role": role,
             "content": _content(turn.get("content"), where, f"{name}.content"),
         }
-        calls = turn.get("tool_calls")
         if calls:
             if role != "assistant":
                 raise ValueError(

@@ -138,16 +138,63 @@ def _run_lines(summary: dict[str, Any]) -> list[str]:
     budget = summary.get("max_tokens_per_batch")
     losses = summary.get("losses") or []
     batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
-    lines.append(
-        f"training     {batching}: {_plural(summary['global_step'], 'step')} in {summary['train_runtime']:.1f} s"
-        + (f", train loss {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last step)" if losses else "")
-    )
+    lines.append(f"training     {batching}: {_steps(summary)}" + _losses(summary, losses))
     rewards = summary.get("rewards") or []
     if rewards:
         lines.append(
             f"reward       {rewards[0]:.4f} (first step) -> {rewards[-1]:.4f} (last step), mean per logged step"
         )
     return lines
+
+
+def _steps(summary: dict[str, Any]) -> str:
+    """The steps this run trained and their time; a resumed run also names its checkpoint and the total.
+
+    >>> _steps({"global_step": 100, "steps_this_run": 90, "train_runtime": 12.0,
+    ...         "resumed_from": {"checkpoint": "out/checkpoint-10", "global_step": 10}})
+    '90 steps in 12.0 s, resumed from out/checkpoint-10 (10 steps before): 100 steps in all'
+    """
+    done = summary.get("steps_this_run", summary["global_step"])
+    text = f"{_plural(done, 'step')} in {summary['train_runtime']:.1f} s"
+    resumed = summary.get("resumed_from")
+    if resumed:
+        text += (
+            f", resumed from {resumed['checkpoint']} ({_plural(resumed['global_step'], 'step')} before): "
+            f"{_plural(summary['global_step'], 'step')} in all"
+        )
+    return text
+
+
+# Why a demo's loss looks the way it does, where it would puzzle (printed beside the loss of the summary).
+_LOSS_NOTES = {
+    "grpo": (
+        "GRPO's loss reads ~0 by design: with num_iterations=1 the policy ratio is 1 and the advantages are "
+        "centred on each prompt's group (exactly 0 when the completions are equally long), so the value is ~0 "
+        "while the gradient is not; beta > 0 adds a KL term. Watch the reward, not the loss"
+    ),
+    "rloo": (
+        "RLOO's loss reads ~0 by design: with num_iterations=1 the policy ratio is 1 and the leave-one-out "
+        "advantages of a prompt's completions sum to 0 (beta's KL is taken from the rewards, not added to the "
+        "loss), so the value is ~0 while the gradient is not. Watch the reward, not the loss"
+    ),
+    "cpo": (
+        "CPO's loss is -logsigmoid(beta x (log-prob of chosen - of rejected)) + cpo_alpha x the chosen answer's "
+        "NLL, the log-probs summed over each answer: on an untrained model the NLL alone is about "
+        "ln(vocabulary size) (10.8 for 49,152 tokens), and a pair whose chosen answer is 10 tokens longer than "
+        "its rejected one adds about beta x 108; values in the tens that follow each batch's pairs more than a "
+        "few steps of training"
+    ),
+}
+
+
+def _losses(summary: dict[str, Any], losses: list[float]) -> str:
+    """The first and last logged loss of this run, with a note where the trainer's loss reads oddly."""
+    if not losses:
+        return ""
+    first = "first step" if not summary.get("resumed_from") else "first step of this run"
+    text = f", train loss {losses[0]:.4f} ({first}) -> {losses[-1]:.4f} (last step)"
+    note = _LOSS_NOTES.get(summary.get("trainer", ""))
+    return text + (f"\n             ({note})" if note else "")
 
 
 def _table_lines(summary: dict[str, Any], busy: bool) -> list[str]:

@@ -46,9 +46,17 @@ from .baseline import (
 )
 from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
+from .data_first import DataFirst, read_job_data
+from .interrupt import (
+    TrainingInterrupted,
+    interrupted_message,
+    resume_checkpoint,
+    resumed_note,
+    train_until_interrupted,
+)
 from .modeling import anchor_adapter_base, load_model, load_tokenizer, model_source, peft_config_from
 from .record_stream import RecordStream
-from .records import RecordSet, read_records
+from .records import RecordSet
 from .render import trl_records
 from .report import _describe_stream, _plural, load_average, plot_losses, print_summary
 from .token_cache import cached_prepare
@@ -66,7 +74,7 @@ LOSS_CURVE_NAME = "loss_curve.png"
 # --------------------------------------------------------------------------------------------------
 
 
-def _loss_history(log_history: list[dict[str, Any]]) -> list[float]:
+def _loss_history(log_history) -> list[float]:
     return [float(entry["loss"]) for entry in log_history if "loss" in entry]
 
 
@@ -100,24 +108,6 @@ def prepare_adapter(cfg: TrainConfig, model, tokenizer, say, task_type: str = "C
     base = anchor_adapter_base(model, cfg.model, tokenizer, cfg.training.output_dir, write=write)
     say(f"training a {peft_config.peft_type.value} adapter; its base model: {base}")
     return peft_config
-
-
-def _read(cfg: TrainConfig, say) -> tuple[RecordSet | None, RecordSet | None]:
-    """The checked training and eval records (no training records with ``streaming``: they are read as
-    training consumes them)."""
-    data = cfg.data
-    records = None
-    if not data.streaming:
-        say(f"reading and checking the records of {data.dataset}")
-        records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
-        say(records.describe())
-    eval_records = None
-    if data.eval_dataset is not None:  # trainer: trainer (the config refuses it for the others)
-        say(f"reading and checking the held-out eval records of {data.eval_dataset}")
-        eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
-        eval_records.limit_key = "eval_num_samples"
-        say(eval_records.describe())
-    return records, eval_records
 
 
 def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:
@@ -302,8 +292,9 @@ class TrainJob:
     ['read', 'plan', 'train', 'save', 'baseline', 'finish']
     """
 
-    def __init__(self, cfg: TrainConfig, *, print_fn=print) -> None:
+    def __init__(self, cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> None:
         self.cfg = cfg
+        self.data_first = data_first
         self.print_fn = print_fn
         self.phases = _Phases()
         self.training = cfg.training
@@ -321,6 +312,8 @@ class TrainJob:
         self.trainer = None
         self.eval_samples: list[dict[str, Any]] | None = None
         self.output_dir = Path(self.training.output_dir)
+        self.resume_from: str | None = None
+        self.run_info = None
 
     def say(self, message: str) -> None:
         self.print_fn(f"[packing-hf] {message}")
@@ -336,9 +329,14 @@ class TrainJob:
                 "packing_hf.app.trl_job.run_job"
             )
         check_model(cfg.model, cfg.source)
+        self.resume_from = resume_checkpoint(
+            cfg.job.resume, self.training.resume_from_checkpoint, str(self.training.output_dir)
+        )
         set_seed(self.training.seed)
         for note in cfg.notes:
             self.say(note)
+        if self.resume_from is not None:
+            self.say(f"resuming from {self.resume_from} (model, optimizer, scheduler, data position)")
         self.read()
         self.load_tokenizer()
         self.tokenize()
@@ -354,7 +352,11 @@ class TrainJob:
     def read(self) -> None:
         """Every record of the training and eval data read and checked (none with ``streaming: true``)."""
         self.phases.start("read")
-        self.records, self.eval_records = _read(self.cfg, self.say)
+        first, cfg = self.data_first, self.cfg
+        if first is not None and first.matches(cfg):
+            self.records, self.eval_records = first.records, first.eval_records  # read before the imports
+        else:
+            self.records, self.eval_records = read_job_data(cfg.data, cfg.job.trainer, self.say)
 
     def load_tokenizer(self) -> None:
         """The tokenizer; with ``streaming: true`` the record stream, its first records checked."""
@@ -489,19 +491,15 @@ class TrainJob:
                 if training.max_steps > 0
                 else f"{training.num_train_epochs:g} epoch{'' if training.num_train_epochs == 1 else 's'}"
             )
+            + resumed_note(self.resume_from)
         )
-        resume = training.resume_from_checkpoint
-        if resume is not None:
-            # transformers reads the key only through train(): True (the spelling "true") = the last checkpoint
-            resume = True if str(resume).lower() in ("true", "last") else resume
-            say(
-                f"resuming from {'the last checkpoint in ' + str(training.output_dir) if resume is True else resume}"
-            )
-        train_result = trainer.train(resume_from_checkpoint=resume)
+        run = self.run_info = train_until_interrupted(trainer, self.resume_from, say)
+        train_result = run.result
         train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
-        losses = _loss_history(trainer.state.log_history)
+        # a resumed run's log history holds the earlier run's logs too: its losses are this run's steps only
+        losses = _loss_history(e for e in trainer.state.log_history if e.get("step", 0) > run.started_at)
         summary.update(
-            global_step=int(trainer.state.global_step),
+            **run.summary(trainer.state.global_step),
             train_runtime=train_runtime,
             train_loss=float(train_result.training_loss),
             losses=losses,
@@ -535,6 +533,21 @@ class TrainJob:
             summary["padded_to_longest_efficiency"] = float(lengths.mean() / lengths.max())
         else:
             summary["packing_efficiency"] = summary["logged_packing_efficiency"]
+        if run.interrupted:
+            self.stop_interrupted()
+
+    def stop_interrupted(self) -> None:
+        """After Ctrl-C stopped training: :func:`_stop_interrupted` (no eval, save or baseline)."""
+        self.summary["baseline"] = None
+        _stop_interrupted(
+            self.run_info,
+            self.summary,
+            self.phases,
+            self.trainer,
+            self.output_dir,
+            self.training.max_steps,
+            self.say,
+        )
 
     def eval_after(self) -> None:
         """The held-out eval loss after training, printed beside the loss before."""
@@ -610,7 +623,7 @@ class TrainJob:
         return summary
 
 
-def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> dict[str, Any]:
     """Run the whole job for a parsed config (:class:`TrainJob`); print progress and the final table, return
     the summary.
 
@@ -624,8 +637,13 @@ def run_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     ``output_dir``. With ``streaming: true``: ``stream`` (``PackedStream.stats()`` of the running pass),
     ``records`` (what was read, skipped and truncated), ``packing_efficiency`` the pass's fill, no sample
     count and no padded fill; the padded baseline draws its samples from the stream's first ones.
+    ``data_first``: the records :func:`packing_hf.app.data_first.read_data_first` read for this config
+    (used when its data settings are the config's; read again otherwise).
+
+    Ctrl-C during training saves a checkpoint, writes the summary so far and raises
+    :class:`~packing_hf.app.interrupt.TrainingInterrupted`; ``resume: true`` continues from it.
     """
-    return TrainJob(cfg, print_fn=print_fn).run()
+    return TrainJob(cfg, print_fn=print_fn, data_first=data_first).run()
 
 
 def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:
@@ -655,6 +673,21 @@ def _write_summary(summary: dict[str, Any], phases: _Phases, trainer, output_dir
         summary["loss_curve"] = plot_losses(trainer.state.log_history, output_dir / LOSS_CURVE_NAME)
         if summary["loss_curve"] is None:
             say("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")
+
+
+def _stop_interrupted(
+    run, summary: dict[str, Any], phases: _Phases, trainer, output_dir: Path, max_steps: int, say
+):
+    """After Ctrl-C stopped training (its checkpoint saved): the summary so far written to output_dir, then
+    :class:`~packing_hf.app.interrupt.TrainingInterrupted` saying where things are and how to resume."""
+    summary["interrupted"] = {"global_step": summary["global_step"], "checkpoint": run.checkpoint}
+    summary["output_dir"] = None
+    phases.stop()
+    _write_summary(summary, phases, trainer, output_dir, say)
+    message = interrupted_message(run, summary["global_step"], max_steps, str(output_dir / SUMMARY_NAME))
+    raise TrainingInterrupted(
+        message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
+    )
 
 
 @contextlib.contextmanager

@@ -88,7 +88,7 @@ def _read_embedded(name: str, limit: int | None) -> list[dict[str, Any]]:
     return rows
 
 
-def _load(source: str, *, split: str, config_name: str | None):
+def _load(source: str, *, split: str, config_name: str | None, limit: int | None = None):
     import datasets
 
     path = Path(source).expanduser()
@@ -96,11 +96,34 @@ def _load(source: str, *, split: str, config_name: str | None):
     if suffix in (".json", ".jsonl", ".parquet"):
         if not path.is_file():
             raise FileNotFoundError(f"dataset file {path} does not exist; check the `dataset` path")
-        builder = "parquet" if suffix == ".parquet" else "json"
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if suffix == ".parquet":
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+        return _json_rows(path, limit)
     if path.exists():
         raise ValueError(f"{path}: expected a .json/.jsonl/.parquet file or a Hub dataset name")
     return datasets.load_dataset(source, config_name, split=split)
+
+
+def _json_rows(path: Path, limit: int | None):
+    """A JSON / JSON Lines file read by the reader every ``packing-hf`` data goes through, so a malformed line
+    or a record that is not an object is refused with its file and line (``datasets``' JSON builder would raise
+    a ``DatasetGenerationError`` without either)."""
+    import datasets
+
+    from ..streaming.files import read_record_file
+
+    rows = []
+    for _, record in read_record_file(path):
+        rows.append(record)
+        if limit is not None and len(rows) >= limit:
+            break
+    try:
+        return datasets.Dataset.from_list(rows)
+    except (ValueError, TypeError) as error:  # pyarrow's ArrowInvalid / ArrowTypeError
+        raise ValueError(
+            f"{path}: a column holds values of different types in different records ({error}); give each "
+            "column one type (text, or a list of {role, content} messages) in every record"
+        ) from None
 
 
 def load_trl_dataset(
@@ -138,7 +161,7 @@ def load_trl_dataset(
     if source in ("embedded", "embedded:eval"):
         dataset = datasets.Dataset.from_list(gsm8k_as(trainer, _read_embedded(source, limit)))
     else:
-        dataset = _load(source, split=split, config_name=config_name)
+        dataset = _load(source, split=split, config_name=config_name, limit=limit)
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
     if column_mapping:

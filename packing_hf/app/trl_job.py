@@ -29,6 +29,8 @@ from typing import Any
 
 from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
+from .data_first import DataFirst, read_trl_data
+from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
 from .modeling import load_model, load_tokenizer, model_source
 from .report import print_summary
 from .rewards import resolve_reward_funcs
@@ -36,11 +38,11 @@ from .train import (
     SUMMARY_NAME,
     _Phases,
     _restore_user_config,
+    _stop_interrupted,
     _write_summary,
     prepare_adapter,
     run_training,
 )
-from .trl_data import FORMATS, load_trl_dataset
 
 __all__ = ["reference_plan", "run_job", "run_trl_training"]
 
@@ -57,12 +59,13 @@ _CLASSES = {
 }
 
 
-def run_job(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+def run_job(cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> dict[str, Any]:
     """The job of ``cfg.job.trainer``: :func:`run_trl_training` for the TRL trainers, else
-    :func:`packing_hf.app.train.run_training`."""
+    :func:`packing_hf.app.train.run_training` (``data_first``: the data read before the heavy imports, see
+    :mod:`packing_hf.app.data_first`)."""
     if cfg.job.trainer in TRL_JOB_TRAINERS:
-        return run_trl_training(cfg, print_fn=print_fn)
-    return run_training(cfg, print_fn=print_fn)
+        return run_trl_training(cfg, print_fn=print_fn, data_first=data_first)
+    return run_training(cfg, print_fn=print_fn, data_first=data_first)
 
 
 def reference_plan(trainer: str, *, peft: bool, beta: float | None, loadable: bool) -> str:
@@ -86,7 +89,9 @@ def _loadable(model) -> bool:
     return bool(name) and (Path(name) / "config.json").is_file()
 
 
-def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
+def run_trl_training(
+    cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None
+) -> dict[str, Any]:
     """Run the job of a TRL trainer for a parsed config; print progress and the summary, return it.
 
     The summary holds the model and data description, ``trainer``, ``batching``, ``reference`` (how the
@@ -103,13 +108,19 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
 
     trainer_name, training = cfg.job.trainer, cfg.training
     check_model(cfg.model, cfg.source)
+    resume_from = resume_checkpoint(cfg.job.resume, training.resume_from_checkpoint, str(training.output_dir))
     phases = _Phases()
     set_seed(training.seed)
     for note in cfg.notes:
         say(note)
+    if resume_from is not None:
+        say(f"resuming from {resume_from} (model, optimizer, scheduler, data position)")
 
     phases.start("read")
-    dataset, records = _read_dataset(cfg, say)
+    if data_first is not None and data_first.matches(cfg):
+        dataset, records = data_first.trl_rows, data_first.trl_description  # read before the imports
+    else:
+        dataset, records = read_trl_data(cfg.data, trainer_name, say)
 
     phases.start("load")
     say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
@@ -136,10 +147,13 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     phases.start("train")
     say(
         f"training ({_CLASSES[trainer_name]}): {training.max_steps if training.max_steps > 0 else 'all'} steps"
+        + resumed_note(resume_from)
     )
-    _train(trainer, training, summary, say)
+    run = _train(trainer, resume_from, summary, say)
 
     output_dir = Path(training.output_dir)
+    if run.interrupted:
+        _stop_interrupted(run, summary, phases, trainer, output_dir, training.max_steps, say)
     _restore_user_config(model, user_use_cache, user_attention)
     summary["output_dir"] = None
     if cfg.job.save_model:
@@ -157,26 +171,6 @@ def run_trl_training(cfg: TrainConfig, *, print_fn=print) -> dict[str, Any]:
     print_summary(summary, print_fn)
     logger.debug("summary written to %s", output_dir / SUMMARY_NAME)
     return summary
-
-
-def _read_dataset(cfg: TrainConfig, say) -> tuple[Any, str]:
-    """The training rows in TRL's format for the trainer, and their description."""
-    trainer_name, data = cfg.job.trainer, cfg.data
-    kind = FORMATS[trainer_name][0]
-    say(f"reading {data.dataset} as TRL's {kind} format for trainer: {trainer_name}")
-    dataset = load_trl_dataset(
-        trainer_name,
-        data.dataset,
-        split=data.dataset_split,
-        config_name=data.dataset_config,
-        limit=data.num_samples,
-        column_mapping=data.column_mapping,
-    )
-    records = f"{data.dataset}: {len(dataset):,} records, columns {dataset.column_names}"
-    if data.dataset == "embedded":
-        records += " (GSM8K; rejected / label-false answers are other questions' reference answers)"
-    say(records)
-    return dataset, records
 
 
 def _trainer_kwargs(cfg: TrainConfig, model, tokenizer, peft_config, say) -> tuple[str, dict[str, Any]]:
@@ -232,13 +226,16 @@ def _summary(cfg: TrainConfig, trainer, records: str, plan: str) -> dict[str, An
     }
 
 
-def _train(trainer, training, summary: dict[str, Any], say) -> None:
-    """Train, and record the steps, runtime, losses, rewards and fill in ``summary``."""
+def _train(trainer, resume_from: str | None, summary: dict[str, Any], say):
+    """Train (a first Ctrl-C saves a checkpoint and stops: :mod:`packing_hf.app.interrupt`), and record the
+    steps, runtime, losses, rewards and fill in ``summary``; returns the :class:`TrainRun`."""
     started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
-    history = trainer.state.log_history
+    run = train_until_interrupted(trainer, resume_from, say)
+    result = run.result
+    # a resumed run's log history holds the earlier run's logs too: the losses and rewards are this run's
+    history = [e for e in trainer.state.log_history if e.get("step", 0) > run.started_at]
     summary.update(
-        global_step=int(trainer.state.global_step),
+        **run.summary(trainer.state.global_step),
         train_runtime=float(result.metrics.get("train_runtime", time.perf_counter() - started)),
         train_loss=float(result.training_loss),
         losses=[float(e["loss"]) for e in history if "loss" in e],
@@ -249,6 +246,7 @@ def _train(trainer, training, summary: dict[str, Any], say) -> None:
     summary["packing_efficiency"] = summary["logged_packing_efficiency"]
     if summary["rewards"]:
         say(f"mean reward per logged step: {', '.join(f'{r:.3f}' for r in summary['rewards'])}")
+    return run
 
 
 def _describe(cfg: TrainConfig, model) -> str:

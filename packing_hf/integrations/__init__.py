@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..errors import missing_extra
 from .args import PackingArguments
 from .trainer import PackingTrainerMixin, Trainer, TrainingArguments
 
@@ -70,14 +71,19 @@ _TRL_NAMES = {
 }
 
 
+def _from_trl(error: ImportError) -> bool:
+    """Whether an ImportError comes from TRL (or PEFT, which TRL's trainers import), not from packing_hf."""
+    return (getattr(error, "name", None) or "").split(".")[0] in ("trl", "peft")
+
+
 def __getattr__(name: str) -> Any:
     if name in _TRL_NAMES:
         try:
             module = importlib.import_module(f"{__name__}.{_TRL_NAMES[name]}")
         except ImportError as exc:
-            raise ImportError(
-                f"packing_hf.{name} needs TRL ({exc}); install it with `pip install 'packing-hf[trl]'`"
-            ) from exc
+            if not _from_trl(exc):
+                raise
+            raise missing_extra(f"packing_hf.{name}", "trl", exc) from None
         value = getattr(module, name)
         globals()[name] = value
         return value

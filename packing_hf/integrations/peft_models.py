@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import missing_extra
+
 __all__ = ["apply_peft", "is_peft_model", "peft_configs", "refuse_prompt_learning"]
 
 
@@ -81,9 +83,7 @@ def apply_peft(model: Any, peft_config: Any, *, stock: str = "transformers.Train
     try:
         from peft import PeftConfig, get_peft_model
     except ImportError as error:
-        raise ImportError(
-            f"peft_config needs PEFT ({error}); install it with `pip install 'packing-hf[peft]'`"
-        ) from error
+        raise missing_extra("peft_config", "peft", error) from None
     if not isinstance(peft_config, PeftConfig):
         raise TypeError(
             f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig(r=16)), got {type(peft_config).__name__}"

@@ -90,7 +90,7 @@ class PackingSession:
             role: what the model is to the trainer, named in the pre-flight's log line.
 
         Returns:
-            The :class:`~packing_hf.PackingPreparation` handle (``None`` with ``packing_preflight="off"``).
+            The :class:`~packing_hf.architectures.PackingPreparation` handle (``None`` with ``packing_preflight="off"``).
         """
         base = base_model(model)
         lease = self._leases.get(id(base))

@@ -106,7 +106,7 @@ class PackedTrainerSkeleton:
 
     @property
     def packing_preparation(self) -> Any:
-        """The :class:`~packing_hf.PackingPreparation` of the model while it trains or evaluates (else None)."""
+        """The :class:`~packing_hf.architectures.PackingPreparation` of the model while it trains or evaluates (else None)."""
         return self.packing_session.preparation(self.model)
 
     @contextlib.contextmanager

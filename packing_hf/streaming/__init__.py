@@ -22,9 +22,19 @@ See ``docs/streaming.md``.
 
 from __future__ import annotations
 
-from .packer import StreamPacker
-from .reader import TokenizedStream, read_stream, streaming_dataset_reader
-from .stream import PackedStream, fixed_length_rows
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> submodule. Resolved on first access, so ``packing_hf.streaming.files`` (the record readers the
+# ``packing-hf`` app checks a dataset with before anything heavy loads) is imported without torch.
+_LAZY = {
+    "PackedStream": "stream",
+    "StreamPacker": "packer",
+    "TokenizedStream": "reader",
+    "fixed_length_rows": "stream",
+    "read_stream": "reader",
+    "streaming_dataset_reader": "reader",
+}
 
 __all__ = [
     "PackedStream",
@@ -34,3 +44,22 @@ __all__ = [
     "read_stream",
     "streaming_dataset_reader",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'packing_hf.streaming' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from .packer import StreamPacker
+    from .reader import TokenizedStream, read_stream, streaming_dataset_reader
+    from .stream import PackedStream, fixed_length_rows

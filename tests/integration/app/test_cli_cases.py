@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,7 @@ def train(tok: str, tmp_path: Path, *overrides: str) -> int:
             "max_steps=1",
             # the embedded data's held-out rows (your own dataset= has none unless eval_dataset= is given)
             *([] if any(o.startswith("dataset=") for o in overrides) else ["eval_num_samples=2"]),
+            "save_strategy=no",  # no checkpoint: these runs test other things (kept out of the suite's time)
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",
             *overrides,
@@ -249,7 +253,15 @@ def test_train_help_lists_the_keys_by_group(capsys):
     ):
         assert f"    {key} (default" in out
     assert main(["train", "--help", "all"]) == 0
-    assert "    adam_beta1 (default" in capsys.readouterr().out
+    every = capsys.readouterr().out
+    assert "    adam_beta1 (default" in every
+    # whole help texts, wrapped, never cut with "..."; the keys `train` gives a meaning of its own say it
+    assert not [line for line in every.splitlines() if line.rstrip().endswith("...")]
+    assert max(len(line) for line in every.splitlines()) <= 110
+    assert "Prompt-learning methods are refused (not exact when packed)." in " ".join(every.split())
+    entry = re.search(r"\n    resume_from_checkpoint \(default None\):(.*?)\n    \S", every, re.S)
+    resume = " ".join(entry.group(1).split())
+    assert "true = the latest one in output_dir" in resume and "Not directly used" not in resume
 
 
 # ---- a run: progress before every phase, the user's config saved, one final table -------------------
@@ -317,3 +329,59 @@ def test_stats_takes_the_train_configs_max_length_and_flags_what_train_refuses(t
     assert main(["stats", data, "--tokenizer", tok, "--config", TINY_CONFIG, "--overflow", "drop"]) == 0
     out = capsys.readouterr().out
     assert "train drops them: the figures below leave them out" in out and ": 30 samples," in out
+
+
+# ---- what fails fast: bad data and missing optional packages, before the heavy imports ---------------
+
+
+_FIRST_THINGS = r"""
+import json, sys
+from packing_hf.app.cli import main
+
+heavy = ("torch", "transformers", "trl", "peft", "datasets")
+out = {"data": main(["train", "configs/smollm2_demo.yaml", f"dataset={sys.argv[1]}", f"output_dir={sys.argv[2]}"])}
+out["loaded_at_data_error"] = sorted(m for m in heavy if m in sys.modules)
+sys.modules["trl"] = sys.modules["peft"] = None  # as after `make train`, which installs neither
+out["trl"] = main(["train", "configs/tiny_dpo.yaml", f"output_dir={sys.argv[2]}"])
+out["peft"] = main(["train", "configs/tiny_cpu.yaml", 'peft={"r": 4}', f"output_dir={sys.argv[2]}"])
+out["loaded_at_import_error"] = sorted(m for m in heavy if sys.modules.get(m) is not None)
+import packing_hf
+from packing_hf.app.modeling import peft_config_from
+for name, call in (("api_trl", lambda: packing_hf.DPOTrainer), ("api_peft", lambda: peft_config_from({"r": 4}))):
+    try:
+        call()
+    except ImportError as error:
+        out[name] = str(error)
+print(json.dumps(out))
+"""
+
+
+def test_bad_data_and_missing_trl_or_peft_fail_before_the_heavy_imports_in_one_line(tmp_path):
+    """A fresh interpreter: a bad record is reported before torch / transformers / TRL are imported; after
+    `make train` (no TRL, no PEFT) a config that needs one says `make setup` and the pip extra, one line each,
+    no traceback; the Python API raises ImportError with the same advice."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "2+2?", "answer": "4"}\n{"question": "3+3?"\n')
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_THINGS, str(bad), str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("packing-hf train: error:")]
+    assert out["data"] == 1 and f"{bad}:2: malformed JSON" in errors[0]
+    assert out["loaded_at_data_error"] == []
+    assert out["trl"] == 1 and out["peft"] == 1 and "Traceback" not in done.stderr
+    for line, package, extra in ((errors[1], "TRL", "trl"), (errors[2], "PEFT", "peft")):
+        assert f"needs {package}, which is not installed: run `make setup`" in line
+        assert f"`pip install 'packing-hf[{extra}]'`" in line
+    assert "trainer: dpo needs TRL" in errors[1] and "peft: adapter needs PEFT" in errors[2]
+    assert not {"torch", "transformers", "datasets"} & set(out["loaded_at_import_error"])
+    assert out["api_trl"].startswith(
+        "packing_hf.DPOTrainer needs TRL, which is not installed: run `make setup`"
+    )
+    assert "pip install 'packing-hf[peft]'" in out["api_peft"]

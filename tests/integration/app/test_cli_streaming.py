@@ -50,6 +50,7 @@ def train(tok: str, tmp_path: Path, data: str, *overrides: str) -> int:
             "num_samples=null",
             *([] if "trainer=sft" in overrides else ["baseline_batches=0"]),  # trainer: sft times none
             "save_model=false",
+            "save_strategy=no",  # the config's checkpoint only where a test asks for one
             f"output_dir={tmp_path / 'out'}",
             "disable_tqdm=true",
             *overrides,
@@ -220,7 +221,10 @@ def test_a_streamed_run_resumes_from_its_checkpoint(tmp_path, tok, gsm8k_rows, c
     capsys.readouterr()
     assert train(tok, tmp_path, data, "resume_from_checkpoint=true") == 0
     out = capsys.readouterr().out
-    assert f"resuming from the last checkpoint in {tmp_path / 'out'}" in out
-    assert f"max_tokens_per_batch={BUDGET}: 3 steps in" in out
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert f"resuming from {checkpoint}" in out  # resume_from_checkpoint=true: the latest in output_dir
+    # the summary counts this run's step and the resumed ones (it said "3 steps" for the 1 it trained)
+    assert f"max_tokens_per_batch={BUDGET}: 1 step in" in out
+    assert f"resumed from {checkpoint} (2 steps before): 3 steps in all" in out
     # steps 1 and 2 came from the checkpoint: the resumed run logs the loss of step 3 only
     assert sum(line.startswith("{'loss'") for line in out.splitlines()) == 1

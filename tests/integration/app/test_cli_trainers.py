@@ -62,6 +62,7 @@ def test_shipped_trainer_config_runs_and_saves(trainer, data_dir, tmp_path):
     else:
         assert (out / "model.safetensors").is_file()
     assert json.loads((out / SUMMARY_NAME).read_text())["global_step"] == 1
+    assert (out / "checkpoint-1" / "trainer_state.json").is_file()  # the shipped config keeps one to resume
     assert (out / LOSS_CURVE_NAME).is_file() or "no loss curve drawn" in "\n".join(printed)
     if trainer in ("grpo", "rloo"):
         assert summary["rewards"] is not None and all(0.0 <= r <= 1.0 for r in summary["rewards"])

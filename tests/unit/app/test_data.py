@@ -108,6 +108,21 @@ def test_mixed_formats_are_an_error_with_the_line_unless_allowed(tokenizer, tmp_
             ValueError,
             r"x.jsonl:2: messages\[0\].content\[0\]",
         ),
+        (  # a message without content is a broken record, not an empty answer to skip
+            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant"}]},
+            ValueError,
+            r"x.jsonl:2: messages\[1\] \(assistant\) has no content; every message needs its text",
+        ),
+        (
+            {"messages": [{"role": "user"}, {"role": "assistant", "content": "4"}]},
+            ValueError,
+            r"x.jsonl:2: messages\[0\] \(user\) has no content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "4"}]},
+            ValueError,
+            r"x.jsonl:2: messages\[0\] \(user\) has content null",
+        ),
         (
             {"conversations": [{"from": "robot", "value": "x"}]},
             ValueError,

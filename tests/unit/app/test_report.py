@@ -50,3 +50,27 @@ def test_a_busy_machine_is_said_beside_the_ratio_and_the_times():
 def test_the_load_average_is_read_with_the_cores_it_is_compared_to():
     now = load_average()
     assert now["cores"] >= 1 and (now["load"] is None or now["load"] >= 0)
+
+
+def test_a_resumed_run_counts_its_steps_and_the_earlier_ones():
+    summary = _summary(0.1, 0.1) | {
+        "global_step": 100,
+        "steps_this_run": 90,
+        "resumed_from": {"checkpoint": "out/checkpoint-10", "global_step": 10},
+    }
+    printed = _printed(summary)
+    assert "90 steps in 3.0 s, resumed from out/checkpoint-10 (10 steps before): 100 steps in all" in printed
+    assert "(first step of this run)" in printed
+    assert "2 steps in 3.0 s, train loss" in _printed(_summary(0.1, 0.1))
+
+
+def test_losses_that_look_odd_are_explained_where_they_print():
+    for trainer, words in (
+        ("grpo", "num_iterations=1 the policy ratio is 1"),
+        ("rloo", "leave-one-out advantages of a prompt's completions sum to 0"),
+        ("cpo", "ln(vocabulary size)"),
+    ):
+        printed = _printed(_summary(0.1, 0.1) | {"trainer": trainer, "losses": [17.3, 37.2]})
+        training = printed.split("training     ")[1].split("\n---")[0]
+        assert words in " ".join(training.split()), trainer
+    assert "(" not in _printed(_summary(0.1, 0.1) | {"trainer": "dpo"}).split("(last step)")[1].split("\n")[0]
