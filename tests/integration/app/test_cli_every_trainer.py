@@ -247,6 +247,7 @@ KEYS: dict[str, tuple[frozenset, object, dict]] = {
     "baseline_batches": (frozenset({"trainer"}), 2, {}),
     "baseline_time_share": (frozenset({"trainer"}), 0.5, {}),
     "save_model": (EVERY, False, {}),
+    "resume": (EVERY, True, {}),  # resumes the latest checkpoint of output_dir (test_cli_interrupt runs it)
     "reward_funcs": (frozenset({"grpo", "rloo"}), "gsm8k", {}),
 }
 OWN_KEYS = [f.name for cls in (ModelArguments, DataArguments, JobArguments) for f in dataclasses.fields(cls)]
