@@ -30,7 +30,7 @@ from ..attention import ATTENTION_NAME
 from ..attention.admission import PREPARED_ATTRIBUTE, note_split_config
 from ..attention.guards import check_forward_call
 from ..attention.host import remember_host_values
-from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
+from ..multimodal import check_media, image_block_masks, mm_token_types, mrope_position_ids
 from ..padding import PackedLayout
 from ..registry import IMAGE_BLOCK_MASK, ArchitectureSupport, multimodal_refusal, wrapper_text_config
 from .boundaries import LAYOUT_KEY, call_starts, derived
@@ -260,7 +260,7 @@ class PackingPreparation:
         self._impl = str(getattr(model.config, "_attn_implementation", None))
         # multimodal RoPE wrapper (Qwen-VL family): packed rows get (4, B, T) positions, computed per sample
         self._rope_index = _rope_index(model) if wrapper_text_config(model.config) is not None else None
-        wrapper_type = str(getattr(model.config, "model_type", ""))
+        wrapper_type = self._wrapper_type = str(getattr(model.config, "model_type", ""))
         wrapper = wrapper_text_config(model.config) is not None
         self._image_refusal = multimodal_refusal(wrapper_type, "image") if wrapper else None
         if self._image_refusal is not None:
@@ -339,8 +339,13 @@ class PackingPreparation:
         else:
             self._note_configs(True)  # a copy, or a twin's revert, may have left its config without the note
             args, checked, starts = check_forward_call(module, args, kwargs)
-            if starts is not None and self._image_refusal is not None and _media_present(checked):
-                raise ValueError(self._image_refusal)
+            if starts is not None and _media_present(checked):
+                if self._image_refusal is not None:
+                    raise ValueError(self._image_refusal)
+                # before the vision tower and the per-sample positions fail on them far from the cause
+                check_media(
+                    checked, f"{self._wrapper_type}: the packed row", needs_grid=self._rope_index is not None
+                )
             if self._rope_index is not None and starts is not None and module is self._model:
                 checked = self._multimodal_positions(module, args, checked, starts)
             if self._image_blocks and starts is not None and checked.get("token_type_ids") is not None:
