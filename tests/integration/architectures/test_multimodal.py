@@ -477,6 +477,21 @@ def test_packed_image_rows_are_refused_by_the_attention_of_an_unprepared_model(m
     assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
 
 
+def test_validate_packed_batch_refuses_packed_image_rows_for_an_unprepared_model(qwen_models):
+    """Under sdpa nothing of packing_hf runs inside a stock model: given the model, validate_packed_batch sees that
+    it is not prepared (the predict test below measures what such a model computes on such a row)."""
+    import packing_hf
+
+    model = qwen_models["qwen2_vl"].eval()
+    batch = MultimodalCollator(image_token_id=model.config.image_token_id)(_qwen_samples(model))
+    with pytest.raises(
+        ValueError, match="several image samples .* has not prepared.*prepare_model_for_packing"
+    ):
+        packing_hf.validate_packed_batch(batch, model=model)
+    with prepare_model_for_packing(model):
+        assert packing_hf.validate_packed_batch(batch, model=model)[PACKED_MEDIA_KEY] is True
+
+
 def test_text_only_rows_and_one_sample_rows_carry_no_media_key():
     model = build_tiny_model("qwen2_vl", "packing_hf").eval()
     samples = _qwen_samples(model)

@@ -431,7 +431,7 @@ def test_two_threads_calling_one_prepared_hybrid_get_their_own_rows(model_type, 
         {k: v for k, v in _row(lengths, seed, vocab).items() if k != "labels"}
         for seed, lengths in enumerate(layouts)
     ]
-    rounds = 12
+    rounds = 6
     barrier = threading.Barrier(len(rows))
     results: list[list] = [[] for _ in rows]
 
