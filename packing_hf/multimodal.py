@@ -39,6 +39,7 @@ from .varlen import cu_seqlens_to_position_ids
 __all__ = [
     "VisionSFTCollator",
     "IMAGE_KEYS",
+    "check_media",
     "PACKED_MEDIA_KEY",
     "TOKEN_KEYS",
     "MultimodalCollator",
@@ -65,7 +66,9 @@ TOKEN_KEYS: tuple[str, ...] = ("token_type_ids", "mm_token_type_ids")
 # packing_hf.prepare_model_for_packing handles such a row (per-sample multimodal positions and image masks, the
 # wrapper's image refusals), and its forward pre-hook consumes the key. An unprepared model passes it down to
 # its attention layers, where packing_hf's attention (attn_implementation=packing_hf.ATTENTION_NAME) refuses it;
-# eager / sdpa ignore it, nothing of packing_hf runs there.
+# validate_packed_batch(batch, model=model) refuses it too, and packing_hf's trainers prepare the model for train,
+# evaluate and predict. A stock model under eager / sdpa ignores it: nothing of packing_hf runs in its forward
+# (positions from MultimodalCollator(rope_index=...) keep such a model exact; (1, T) positions do not).
 PACKED_MEDIA_KEY = "packing_hf_packed_media"
 
 
@@ -85,6 +88,74 @@ def refuse_unprepared_media(kwargs: Mapping[str, Any]) -> None:
             "Call packing_hf.prepare_model_for_packing(model) before the forward (packing_hf.Trainer does), or "
             "collate one sample per row"
         )
+
+
+# (pixels, their grid, what they are): flattened patches of the Qwen-VL / GLM-4V layout come with a grid each
+_MEDIA = (("pixel_values", "image_grid_thw", "image"), ("pixel_values_videos", "video_grid_thw", "video"))
+
+
+def _dtype_and_shape(value: Any) -> tuple[Any, tuple[int, ...]]:
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape)
+    array = np.asarray(value)
+    return array.dtype, array.shape
+
+
+def _is_float(dtype: Any) -> bool:
+    return dtype.is_floating_point if isinstance(dtype, torch.dtype) else np.dtype(dtype).kind == "f"
+
+
+def check_media(media: Mapping[str, Any], where: str, *, needs_grid: bool = False) -> None:
+    """Refuse pixels a vision tower would misread or fail on far from the cause, naming the problem and the fix.
+
+    - ``pixel_values`` / ``pixel_values_videos`` that are not floating point (raw ``uint8`` / ``int64`` pixels):
+      the vision tower casts them to its dtype and embeds 0..255 integers as if they were the processor's
+      normalised values, with no error;
+    - flattened patches ``(N, D)`` next to their grid whose ``N`` is not the ``t * h * w`` patches the grid rows
+      ask for (a truncated or mismatched image): the vision tower fails with a bare size mismatch;
+    - ``needs_grid``: pixels without their grid (``image_grid_thw`` / ``video_grid_thw``), which a multimodal-RoPE
+      model (Qwen-VL family, GLM-4V) needs to place and embed the patches.
+
+    Args:
+        media: a sample, a batch or a model call's keyword arguments.
+        where: how the error names what it checked (``"sample 3"``, ``"qwen2_vl: the packed row"``).
+        needs_grid: refuse pixels that come without their grid.
+
+    >>> check_media({"pixel_values": torch.zeros(4, 6), "image_grid_thw": torch.tensor([[1, 2, 2]])}, "sample 0")
+    >>> check_media({"pixel_values": torch.zeros(4, 6, dtype=torch.int64)}, "sample 0")
+    Traceback (most recent call last):
+    ...
+    ValueError: sample 0: pixel_values are torch.int64, but a vision tower takes floating-point pixels normalised by the model's image processor (integer pixels would be cast and embedded as if normalised, silently wrong); pass the processor's pixel_values, or run the image processor on the raw pixels
+    """
+    for pixels_key, grid_key, kind in _MEDIA:
+        pixels = media.get(pixels_key)
+        if pixels is None:
+            continue
+        dtype, shape = _dtype_and_shape(pixels)
+        if not _is_float(dtype):
+            raise ValueError(
+                f"{where}: {pixels_key} are {dtype}, but a vision tower takes floating-point pixels normalised by "
+                "the model's image processor (integer pixels would be cast and embedded as if normalised, silently "
+                f"wrong); pass the processor's {pixels_key}, or run the image processor on the raw pixels"
+            )
+        grid = media.get(grid_key)
+        if grid is None:
+            if needs_grid and shape and shape[0] > 0:
+                raise ValueError(
+                    f"{where}: {pixels_key} of shape {shape} come without {grid_key}, which this model needs to "
+                    f"place and embed each {kind}'s patches (its multimodal positions and vision tower read it); "
+                    f"keep the processor's {grid_key} with the sample (MultimodalCollator passes it on)"
+                )
+            continue
+        grid_rows = torch.as_tensor(np.asarray(grid) if not isinstance(grid, torch.Tensor) else grid)
+        patches = int(grid_rows.reshape(-1, 3).prod(-1).sum()) if grid_rows.numel() else 0
+        if len(shape) == 2 and shape[0] != patches:
+            raise ValueError(
+                f"{where}: {pixels_key} has {shape[0]} patch rows but its {grid_key} asks for {patches} (t * h * w "
+                f"summed over its {grid_rows.reshape(-1, 3).shape[0]} rows): a truncated {kind}, or one "
+                f"paired with another's grid. Keep each {kind}'s {pixels_key} rows and {grid_key} row together, as "
+                "the model's processor returns them"
+            )
 
 
 def mm_token_types(
@@ -307,7 +378,13 @@ class MultimodalCollator:
     ``cu_seq_lens_q/k``, ``max_length_q/k``) plus the image keys and per-token keys present, and
     :data:`PACKED_MEDIA_KEY` when several samples with images share the row: such a batch is for a model prepared
     by :func:`packing_hf.prepare_model_for_packing` (``packing_hf.Trainer`` prepares it); packing_hf's attention
-    refuses it in an unprepared model.
+    and :func:`packing_hf.validate_packed_batch` (given the model) refuse it in an unprepared model. A stock model
+    under eager / sdpa runs no packing_hf code to refuse it: without ``rope_index`` its image tokens get text
+    positions (wrong logits, no error), so give a model you do not prepare ``rope_index``.
+
+    Raises (``__call__``): ``ValueError`` for a sample announcing images without their pixels, pixels that are
+    not floating point, flattened patches whose count is not what their grid asks for, or pixels without their
+    grid where the model needs one (:func:`check_media`).
 
     >>> collator = MultimodalCollator()
     >>> batch = collator([{"input_ids": [5, 9, 9], "pixel_values": torch.ones(2, 4)},
@@ -359,8 +436,14 @@ class MultimodalCollator:
 
     def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, Any]:
         features = [self._normalize(f) for f in features]
+        # a multimodal-RoPE model (its get_rope_index given, or other samples with grids) reads every image's grid:
+        # pixels without theirs would fail there, or take another sample's
+        needs_grid = _spatial_merge_size(self.rope_index) is not None or any(
+            f.get(g) is not None for f in features for g in ("image_grid_thw", "video_grid_thw")
+        )
         for i, feature in enumerate(features):
             self._check_pixels(i, feature)
+            check_media(feature, f"sample {i}", needs_grid=needs_grid)
         token_keys = [k for k in TOKEN_KEYS if any(k in f for f in features)]
         for key in token_keys:  # a text-only sample next to image samples: every token is text (0)
             features = [

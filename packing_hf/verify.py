@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ATTENTION_NAME, last_backend
-from .attention.admission import mark_mixers_prepared, mixers_prepared
 from .collator import PaddingFreeCollator
 from .errors import PackingRefused
 
@@ -481,9 +480,6 @@ def _float64_copy(model, notes: list[str]):
     except Exception as exc:  # quantized or exotic modules: fall back to the fixed tolerance, and say so
         notes.append(f"no fp64 reference ({type(exc).__name__}: {exc}); fixed tolerance only"[:300])
         return None
-    if mixers_prepared(getattr(model, "config", None)):
-        # the copy runs samples alone, through the attention name too: served like the prepared model
-        mark_mixers_prepared(reference.config, True)
     experts = getattr(getattr(reference, "config", None), "_experts_implementation", None)
     if experts not in (None, "eager") and hasattr(reference, "set_experts_implementation"):
         # grouped matmul kernels (MoE experts) take no float64; the per-expert loop computes the same thing

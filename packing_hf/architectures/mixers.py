@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -40,16 +41,62 @@ __all__ = [
     "MASK_ARGUMENTS",
     "PACKED_ONLY_ARGUMENTS",
     "MixerRepacking",
+    "calls_in_flight",
     "find_mixers",
     "forward_names",
+    "pop_layout",
+    "push_layout",
     "takes_kwargs",
     "unpad_outputs",
 ]
 
-# on a hooked mixer module: the layouts pushed by its decoder layer's calls in flight, [(layout, checkpointed)]
-SCOPE_ATTRIBUTE = "_packing_hf_scope"
-# on a hooked mixer module: the layout of its own split in flight (pre-hook to post-hook)
-ACTIVE_ATTRIBUTE = "_packing_hf_active"
+
+class _CallState(threading.local):
+    """The packed calls in flight on this thread, per hooked mixer module (by ``id``): never on the module, which
+    two threads calling one model share. ``scopes``: the layouts pushed by the mixer's decoder layer,
+    ``[(layout, checkpointed)]``; ``active``: the layouts of the mixer's own splits, pre-hook to post-hook."""
+
+    def __init__(self) -> None:
+        self.scopes: dict[int, list[tuple[PackedLayout, bool]]] = {}
+        self.active: dict[int, list[PackedLayout]] = {}
+
+
+_CALLS = _CallState()
+
+
+def _push(table: dict[int, list], module: torch.nn.Module, value: Any) -> None:
+    table.setdefault(id(module), []).append(value)
+
+
+def _pop(table: dict[int, list], module: torch.nn.Module) -> Any:
+    stack = table.get(id(module))
+    if not stack:
+        return None
+    value = stack.pop()
+    if not stack:
+        del table[id(module)]
+    return value
+
+
+def push_layout(mixer: torch.nn.Module, layout: PackedLayout, checkpointed: bool) -> None:
+    """Put ``layout`` in ``mixer``'s call scope on this thread (its decoder layer's pre-hook, for a layer that
+    does not hand its keyword arguments on); :func:`pop_layout` takes it off (the layer's post-hook)."""
+    _push(_CALLS.scopes, mixer, (layout, checkpointed))
+
+
+def pop_layout(mixer: torch.nn.Module) -> None:
+    """Take the newest layout :func:`push_layout` put in ``mixer``'s call scope on this thread off it."""
+    _pop(_CALLS.scopes, mixer)
+
+
+def calls_in_flight() -> int:
+    """How many layouts this thread holds for mixer calls in flight (0 between forwards, also after one raised).
+
+    >>> calls_in_flight()
+    0
+    """
+    return sum(map(len, _CALLS.scopes.values())) + sum(map(len, _CALLS.active.values()))
+
 
 # arguments describing padding of the packed row: the padded batch has its own (trailing zeros, no mask)
 MASK_ARGUMENTS = frozenset({"attention_mask", "conv_mask", "causal_mask", "mask"})
@@ -147,14 +194,16 @@ class MixerRepacking:
     - the keyword argument ``packing_hf_layout`` of the mixer's call, which the layer adds to its own
       keyword arguments and hands on: activation checkpointing saves it with the layer's arguments, so the
       layer re-run during backward splits its mixer with the layout of the forward being re-run;
-    - the mixer's call scope (``module._packing_hf_scope``), pushed by the layer's pre-hook and popped by its
-      post-hook (also when the forward raises): for layers that do not hand their keyword arguments on. A
-      layer that does not, and is checkpointed, would re-run its mixer with no layout during backward: that is
-      refused at the forward, by name.
+    - the mixer's call scope on the calling thread (:func:`push_layout`), pushed by the layer's pre-hook and
+      popped by its post-hook (also when the forward raises): for layers that do not hand their keyword
+      arguments on. A layer that does not, and is checkpointed, would re-run its mixer with no layout during
+      backward: that is refused at the forward, by name.
 
-    The layout of a split in flight is kept on the mixer module from its pre-hook to its post-hook (popped
-    also when the mixer raises). Hooks are bound methods of this object and their state lives on the hooked
-    modules, so ``copy.deepcopy`` / ``pickle`` of the model copy them with it: a copy is prepared on its own.
+    The layout of a split in flight is kept for the calling thread from the mixer's pre-hook to its post-hook
+    (popped also when the mixer raises), keyed by the mixer module: two threads calling one prepared model
+    each see their own call's layout, and a copy of the model (other modules) has nothing in flight. Hooks are
+    bound methods of this object, so ``copy.deepcopy`` / ``pickle`` of the model copy them with it: a copy is
+    prepared on its own.
 
     Args:
         mixers: the modules to hook.
@@ -173,9 +222,19 @@ class MixerRepacking:
             self.handles.append(module.register_forward_hook(self._post_hook, always_call=True))
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        (args, kwargs), split = self._split_call(module, args, kwargs)
+        # one entry per call that did not raise, split or not, so that the post-hook pops this call's own
+        _push(_CALLS.active, module, split)
+        return args, kwargs
+
+    def _split_call(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple[tuple, dict], PackedLayout | None]:
+        """The mixer's arguments for this call, and the layout its output is to be unpadded with (``None``: not
+        split)."""
         kwargs = dict(kwargs)
         layout = kwargs.pop(LAYOUT_KEY, None)
-        scope = module.__dict__.get(SCOPE_ATTRIBUTE)
+        scope = _CALLS.scopes.get(id(module))
         if layout is None and scope:
             layout, checkpointed = scope[-1]
             if checkpointed:
@@ -186,11 +245,11 @@ class MixerRepacking:
                     "this model when training on packed rows, or train it padded"
                 )
         if layout is None:
-            return args, kwargs
+            return (args, kwargs), None
         names = forward_names(type(module))
         hidden = args[0] if args else kwargs.get(names[0]) if names else None
         if not layout.matches(hidden):
-            return args, kwargs  # not this packed row (e.g. a decode step): leave the call alone
+            return (args, kwargs), None  # not this packed row (e.g. a decode step): leave the call alone
         # A packed row has no padding, so the mixer needs no mask (a per-sample 4-D attention mask may
         # reach it through its decoder layer); the padded batch's padding trails every sample.
         split = layout if self.enabled else None  # disabled: the whole row as one sequence (leaks)
@@ -202,12 +261,10 @@ class MixerRepacking:
             if name in PACKED_ONLY_ARGUMENTS:
                 continue
             new_kwargs[name] = None if name in MASK_ARGUMENTS else _repack(value, split)
-        if split is not None:
-            module.__dict__[ACTIVE_ATTRIBUTE] = layout
-        return tuple(new_args) + tuple(args[len(new_args) :]), new_kwargs
+        return (tuple(new_args) + tuple(args[len(new_args) :]), new_kwargs), split
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        layout = module.__dict__.pop(ACTIVE_ATTRIBUTE, None)
+        layout = _pop(_CALLS.active, module)
         if layout is None or output is None:  # not split, or the mixer raised (the hook runs then too)
             return None
         return unpad_outputs(output, layout)

@@ -27,23 +27,24 @@ from typing import Any
 import torch
 
 from ..attention import ATTENTION_NAME
-from ..attention.admission import mark_mask_prepared, mark_mixers_prepared
+from ..attention.admission import PREPARED_ATTRIBUTE, note_split_config
 from ..attention.guards import check_forward_call
 from ..attention.host import remember_host_values
-from ..multimodal import image_block_masks, mm_token_types, mrope_position_ids
+from ..multimodal import check_media, image_block_masks, mm_token_types, mrope_position_ids
 from ..padding import PackedLayout
 from ..registry import IMAGE_BLOCK_MASK, ArchitectureSupport, multimodal_refusal, wrapper_text_config
 from .boundaries import LAYOUT_KEY, call_starts, derived
 from .mixers import (
     PACKED_ONLY_ARGUMENTS,
-    SCOPE_ATTRIBUTE,
     MixerRepacking,
     forward_names,
+    pop_layout,
+    push_layout,
     takes_kwargs,
     unpad_outputs,
 )
 
-__all__ = ["PackingPreparation", "served_configs"]
+__all__ = ["PackingPreparation"]
 
 # --------------------------------------------------------------------------------------------------
 # the mask fix: every decoder layer sees only same-sample pairs
@@ -122,8 +123,8 @@ def _rope_index(model: torch.nn.Module) -> Any:
     return None
 
 
-def served_configs(config: Any) -> list[Any]:
-    """The configs the attention layers see: the model's, and a multimodal wrapper's text config."""
+def _served_configs(config: Any) -> list[Any]:
+    """The configs the attention and mask functions see: the model's, and a multimodal wrapper's text config."""
     text = wrapper_text_config(config)
     return [config] if text is None else [config, text]
 
@@ -259,7 +260,7 @@ class PackingPreparation:
         self._impl = str(getattr(model.config, "_attn_implementation", None))
         # multimodal RoPE wrapper (Qwen-VL family): packed rows get (4, B, T) positions, computed per sample
         self._rope_index = _rope_index(model) if wrapper_text_config(model.config) is not None else None
-        wrapper_type = str(getattr(model.config, "model_type", ""))
+        wrapper_type = self._wrapper_type = str(getattr(model.config, "model_type", ""))
         wrapper = wrapper_text_config(model.config) is not None
         self._image_refusal = multimodal_refusal(wrapper_type, "image") if wrapper else None
         if self._image_refusal is not None:
@@ -270,7 +271,11 @@ class PackingPreparation:
         self._split = True
         self._repacking = MixerRepacking(mixers) if mixers and not self.split_stack else None
         self.mixers = len(mixers)
-        self._mark(True)
+        # the attention and the batch guards ask a module whether its model is prepared (not the config,
+        # which an unprepared twin built from it may share): every module of this model points at this handle
+        for module in model.modules():
+            setattr(module, PREPARED_ATTRIBUTE, self)
+        self._note_configs(True)
 
         specs: dict[int, tuple[torch.nn.Module, int | None, list[torch.nn.Module]]] = {}
         if mask_fix:
@@ -314,13 +319,12 @@ class PackingPreparation:
                 )
 
     # -- model and decoder hooks --------------------------------------------------------------------
-    def _mark(self, prepared: bool) -> None:
-        """Tell the attention and the batch guards (which read the config) what this model has prepared."""
-        for config in served_configs(self._model.config):
-            if self.mixers:
-                mark_mixers_prepared(config, prepared)
-            if self.mask_fix:
-                mark_mask_prepared(config, prepared)
+    def _note_configs(self, used: bool) -> None:
+        """Tell the mask function that a model with split mixers uses these configs: a hint only, which lets it
+        leave the decision to the attention layers (they read this model's tag, not the config)."""
+        if self.mixers:
+            for config in _served_configs(self._model.config):
+                note_split_config(config, used)
 
     @property
     def _needs_boundaries(self) -> bool:
@@ -333,10 +337,15 @@ class PackingPreparation:
             starts = entries[-1][1]
             checked = dict(kwargs)
         else:
-            self._mark(True)  # a copied or unpickled model has a config object of its own: mark it too
+            self._note_configs(True)  # a copy, or a twin's revert, may have left its config without the note
             args, checked, starts = check_forward_call(module, args, kwargs)
-            if starts is not None and self._image_refusal is not None and _media_present(checked):
-                raise ValueError(self._image_refusal)
+            if starts is not None and _media_present(checked):
+                if self._image_refusal is not None:
+                    raise ValueError(self._image_refusal)
+                # before the vision tower and the per-sample positions fail on them far from the cause
+                check_media(
+                    checked, f"{self._wrapper_type}: the packed row", needs_grid=self._rope_index is not None
+                )
             if self._rope_index is not None and starts is not None and module is self._model:
                 checked = self._multimodal_positions(module, args, checked, starts)
             if self._image_blocks and starts is not None and checked.get("token_type_ids") is not None:
@@ -429,16 +438,14 @@ class PackingPreparation:
                 getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
             )
             for mixer in spec.mixers:
-                mixer.__dict__.setdefault(SCOPE_ATTRIBUTE, []).append((layout, checkpointed))
+                push_layout(mixer, layout, checkpointed)
             if spec.passes_kwargs:
                 kwargs[LAYOUT_KEY] = layout
         return tuple(args), kwargs
 
     def _layer_post(self, spec: _LayerSpec, layer: torch.nn.Module, args: tuple, output: Any) -> None:
         for mixer in spec.mixers:
-            scope = mixer.__dict__.get(SCOPE_ATTRIBUTE)
-            if scope:
-                scope.pop()
+            pop_layout(mixer)
 
     def _multimodal_positions(
         self, module: torch.nn.Module, args: tuple, kwargs: dict, starts: torch.Tensor
@@ -546,7 +553,10 @@ class PackingPreparation:
         model = self._model
         if self._repacking is not None:
             self._repacking.remove()
-        self._mark(False)
+        for module in model.modules():
+            if module.__dict__.get(PREPARED_ATTRIBUTE) is self:
+                delattr(module, PREPARED_ATTRIBUTE)
+        self._note_configs(False)
         if getattr(model, "_packing_hf_preparation", None) is self:
             del model._packing_hf_preparation
 

@@ -26,7 +26,6 @@ from ..attention import ATTENTION_NAME, resolve_attn_implementation
 from ..attention.admission import (
     bidirectional_attention,
     check_served_config,
-    mark_mixers_prepared,
     unsupported_layers,
 )
 from ..registry import REGISTRY, support, wrapper_text_config
@@ -209,13 +208,7 @@ def prepare_model_for_packing(model: torch.nn.Module, *, check_unknown: bool = T
     if mixers:  # fla refuses its gated DeltaNet backward on some Triton/GPU stacks: say so before training
         check_fla_triton(rules_config, next(model.parameters()).device)
     if varlen:  # the rules the attention itself applies (own attention, chunked attention, ...)
-        if mixers:
-            mark_mixers_prepared(rules_config, True)
-        try:
-            check_served_config(rules_config)
-        finally:
-            if mixers:
-                mark_mixers_prepared(rules_config, False)
+        check_served_config(rules_config, mixers_split=bool(mixers))
     if entry.status == "unknown" and check_unknown and text_config is not None:
         report = check_architecture(config, impl, prepare=True)
         if report.leaked:

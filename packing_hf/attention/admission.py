@@ -1,11 +1,11 @@
-"""Admission: which models packing_hf's varlen attention serves, and the process state that decides it.
+"""Admission: which models packing_hf's varlen attention serves, and what decides it.
 
 The registry (:mod:`packing_hf.registry`) says, as data, how every ``model_type`` packs. This module is the
 policy the attention applies to a model it is asked to serve: the rules over a config's layers
-(:func:`unsupported_layers`, :func:`mixer_free`, :func:`bidirectional_attention`), the marks
-:func:`packing_hf.prepare_model_for_packing` leaves on the configs it prepared (``_ConfigMarks``:
-``mark_mixers_prepared``, ``mark_mask_prepared``), what a model still needs before it packs exactly (:func:`needs_preparation`) and
-the refusal of what the attention cannot keep exact (:func:`check_served_config`, raising
+(:func:`unsupported_layers`, :func:`mixer_free`, :func:`bidirectional_attention`), how a module tells
+whether the model holding it was prepared (:func:`preparation_of`: a tag on the model's modules, never on the
+config, which twins may share), what a model still needs before it packs exactly (:func:`needs_preparation`)
+and the refusal of what the attention cannot keep exact (:func:`check_served_config`, raising
 :class:`~packing_hf.errors.PackingRefused` with the registry's reason as ``.reason``).
 
 >>> from transformers import AutoConfig
@@ -22,14 +22,14 @@ from ..errors import PackingRefused
 from ..registry import MIXERS_BY_LAYER_TYPE, REGISTRY, support, wrapper_text_config
 
 __all__ = [
+    "PREPARED_ATTRIBUTE",
     "bidirectional_attention",
     "check_served_config",
-    "mark_mask_prepared",
-    "mark_mixers_prepared",
-    "mask_prepared",
+    "config_has_split_model",
     "mixer_free",
-    "mixers_prepared",
     "needs_preparation",
+    "note_split_config",
+    "preparation_of",
     "served_config_key",
     "unsupported_layers",
 ]
@@ -102,32 +102,51 @@ def bidirectional_attention(config: Any) -> str | None:
     return None
 
 
-class _ConfigMarks:
-    """Configs marked by :func:`packing_hf.prepare_model_for_packing` (unmarked by its ``revert()``), as
-    ``id(config) -> weakref``: a config is not hashable, and nothing is written on it (a saved model stays stock).
+# On every module of a model that packing_hf.prepare_model_for_packing prepared: its PackingPreparation handle.
+# Held by the modules, not by the config: two models built from one config object (``type(model)(model.config)``)
+# share it, and only the prepared one may be served as prepared. A deep copy or pickle of the model carries the
+# tags to its own handle; ``revert()`` removes them.
+PREPARED_ATTRIBUTE = "_packing_hf_prepared_by"
 
-    Two marks, read by :func:`needs_preparation` (and so by :func:`packing_hf.validate_packed_batch`) and by
-    :func:`check_served_config`, so that the attention name serves a prepared model and still refuses an
-    unprepared one: ``mark_mixers_prepared`` / ``mixers_prepared`` (the mixers run per sample, registry
-    status ``"mixers"``), ``mark_mask_prepared`` / ``mask_prepared`` (per-sample masks in the decoder layers,
-    status ``"mask"`` or a hybrid's mask fix).
+
+def preparation_of(module: Any) -> Any | None:
+    """The active :class:`~packing_hf.architectures.PackingPreparation` of the model holding ``module`` (the
+    model itself or any of its submodules, e.g. the attention layer a call reaches), else ``None``.
+
+    What the attention and the batch guards read to tell a prepared model from an unprepared one, the twin
+    built from the same config object included.
+
+    >>> import torch
+    >>> preparation_of(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    handle = getattr(module, PREPARED_ATTRIBUTE, None)
+    return handle if getattr(handle, "active", False) else None
+
+
+class _ConfigsInUse:
+    """The configs of models whose mixers a preparation splits, as ``id(config) -> weakref`` (a config is not
+    hashable, and nothing is written on it): a hint for the mask function, which sees the config only. No
+    prepared model uses the config: the model calling is not prepared, refused before any layer runs. One
+    does: the model calling may be it or an unprepared twin sharing the config, so the attention layers decide,
+    from their own model (:func:`preparation_of`). Never read as proof that a model is prepared.
 
     >>> from transformers import AutoConfig
     >>> config = AutoConfig.for_model("bamba")
-    >>> mark_mixers_prepared(config, True)
-    >>> mixers_prepared(config), mask_prepared(config)
-    (True, False)
-    >>> mark_mixers_prepared(config, False)
-    >>> mixers_prepared(config)
+    >>> note_split_config(config, True)
+    >>> config_has_split_model(config)
+    True
+    >>> note_split_config(config, False)
+    >>> config_has_split_model(config)
     False
     """
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
 
-    def set(self, config: Any, marked: bool) -> None:
+    def set(self, config: Any, used: bool) -> None:
         key = id(config)
-        if marked:
+        if used:
             self._refs[key] = weakref.ref(config, lambda _: self._refs.pop(key, None))
         else:
             self._refs.pop(key, None)
@@ -136,27 +155,40 @@ class _ConfigMarks:
         return (seen := self._refs.get(id(config))) is not None and seen() is config
 
 
-_PREPARED_MIXERS, _PREPARED_MASKS = _ConfigMarks(), _ConfigMarks()
-mark_mixers_prepared, mixers_prepared = _PREPARED_MIXERS.set, _PREPARED_MIXERS.__contains__
-mark_mask_prepared, mask_prepared = _PREPARED_MASKS.set, _PREPARED_MASKS.__contains__
+_SPLIT_CONFIGS = _ConfigsInUse()
+note_split_config, config_has_split_model = _SPLIT_CONFIGS.set, _SPLIT_CONFIGS.__contains__
 
 
-def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
+def _splits_mixers(preparation: Any) -> bool:
+    return preparation is not None and bool(getattr(preparation, "mixers", 0))
+
+
+def _fixes_mask(preparation: Any) -> bool:
+    return preparation is not None and bool(getattr(preparation, "mask_fix", False))
+
+
+def needs_preparation(config: Any, *, varlen: bool = False, preparation: Any = None) -> str | None:
     """Why the model of ``config``, as loaded, lets packed samples see each other until
     :func:`packing_hf.prepare_model_for_packing` prepares it; ``None`` when it needs nothing or is prepared.
 
     Reads the registry entry of the config (of a multimodal wrapper's language model when the wrapper is not
     registered itself) and its layers:
 
-    - ``"mixers"``: its mixers carry state across the row unless they are split per sample
-      (:func:`mixers_prepared`), or the config has no mixer (:func:`mixer_free`);
-    - ``"mask"`` (or a hybrid's ``mask_fix``): its mask ignores ``position_ids`` unless its layers get per-sample
-      masks (:func:`mask_prepared`), or it runs packing_hf's varlen attention (``varlen=True``: the config's
+    - ``"mixers"``: its mixers carry state across the row unless ``preparation`` splits them per sample, or
+      the config has no mixer (:func:`mixer_free`);
+    - ``"mask"`` (or a hybrid's ``mask_fix``): its mask ignores ``position_ids`` unless ``preparation`` gave its
+      layers per-sample masks, or it runs packing_hf's varlen attention (``varlen=True``: the config's
       ``_attn_implementation`` is ``packing_hf.ATTENTION_NAME``), which keeps the samples apart itself (and
       refuses a model computing attention in its own code).
 
     Other statuses say ``None`` here: ``"refused"`` and ``"unknown"`` are decided by
     :func:`check_served_config` and ``prepare_model_for_packing``.
+
+    Args:
+        config: the model's config.
+        varlen: the model runs packing_hf's varlen attention.
+        preparation: the model's active preparation (:func:`preparation_of`), ``None`` if it has none. A
+            config alone cannot say it: several models may share one config object.
 
     >>> from transformers import AutoConfig
     >>> needs_preparation(AutoConfig.for_model("llama")) is None
@@ -168,12 +200,11 @@ def needs_preparation(config: Any, *, varlen: bool = False) -> str | None:
     text = wrapper_text_config(config) if model_type not in REGISTRY else None
     rules = config if text is None else text
     entry = support(str(getattr(rules, "model_type", model_type)))
-    marked = (config, rules)
-    if entry.status == "mixers" and not any(mixers_prepared(c) for c in marked) and not mixer_free(rules):
+    mixers_split = entry.status == "mixers" and _splits_mixers(preparation)
+    if entry.status == "mixers" and not mixers_split and not mixer_free(rules):
         return entry.reason
-    mixers_split = entry.status == "mixers" and any(mixers_prepared(c) for c in marked)
     if entry.status == "mask" or (entry.mask_fix and not mixers_split):
-        if not (varlen and not entry.own_attention) and not any(mask_prepared(c) for c in marked):
+        if not (varlen and not entry.own_attention) and not _fixes_mask(preparation):
             return entry.reason
     return None
 
@@ -184,18 +215,17 @@ def served_config_key(config: Any) -> tuple:
 
     >>> from types import SimpleNamespace
     >>> served_config_key(SimpleNamespace(model_type="llama", layer_types=["full_attention"]))
-    ('llama', ('full_attention',), None, False)
+    ('llama', ('full_attention',), None)
     """
     layer_types = getattr(config, "layer_types", None)
     return (
         str(getattr(config, "model_type", "") or type(config).__name__),
         tuple(str(t) for t in layer_types) if isinstance(layer_types, list | tuple) else layer_types,
         getattr(config, "attention_chunk_size", None),
-        mixers_prepared(config),
     )
 
 
-def check_served_config(config: Any) -> None:
+def check_served_config(config: Any, *, mixers_split: bool | None = False) -> None:
     """Refuse a model that packing_hf's varlen attention (the registered name) cannot keep exact.
 
     Run by the attention itself, once per model config, on the first call: it is the only place that sees
@@ -205,6 +235,13 @@ def check_served_config(config: Any) -> None:
     :func:`packing_hf.prepare_model_for_packing` split their mixers per sample (the attention cannot reach
     the mixers), and chunked local attention whose chunked layers are not named by ``layer_types``, each with
     the reason and what to do instead.
+
+    Args:
+        config: the config of the model (of its language model for a wrapper) the attention serves.
+        mixers_split: the model calling the attention has its mixers split per sample by its preparation
+            (:func:`preparation_of`); read from the model, since another model may share ``config``. ``None``:
+            not known here (the mask function sees the config only), so what depends on it is left to the
+            attention layers, which see their model.
 
     Raises:
         PackingRefused: a ``ValueError`` naming the architecture and the fix; ``.reason`` is the why.
@@ -224,7 +261,7 @@ def check_served_config(config: Any) -> None:
             entry.reason, head + entry.reason + "; train it without packing (padded batches)"
         )
     # an attention-only config of a type whose mixers follow layer_types has nothing to prepare
-    prepared = entry.status == "mixers" and (mixers_prepared(config) or mixer_free(config))
+    prepared = entry.status == "mixers" and (mixers_split is not False or mixer_free(config))
     if entry.status == "mixers" and not prepared:
         raise PackingRefused(
             entry.reason,

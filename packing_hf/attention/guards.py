@@ -19,8 +19,11 @@ few vectorized comparisons, at most one host sync) and returns the batch to pass
   shorter than a sample: refused;
 - ``labels`` at a sample start that are not ``-100``: the last token of one sample would be trained to
   predict the first token of the next, refused;
-- (:func:`validate_packed_batch` given a ``config``) a model that leaks until it is prepared (a hybrid's
-  mixers, a mask built without ``position_ids``) and is not: refused, naming the fix.
+- (:func:`validate_packed_batch` given the ``model`` or its ``config``) a model that leaks until it is prepared
+  (a hybrid's mixers, a mask built without ``position_ids``) and is not: refused, naming the fix; so is a
+  packed row of several image samples (:data:`packing_hf.multimodal.PACKED_MEDIA_KEY`) for a model not
+  prepared. Whether a model is prepared is read from the model, never from its config (two models built
+  from one config object share it).
 
 :func:`packed_forward_pre_hook` applies the same checks inside ``model.forward`` (installed by
 :func:`packing_hf.attention.models.prepare_model_for_packing`).
@@ -49,7 +52,7 @@ from ..varlen import (
     cu_seqlens_to_starts,
     position_restarts,
 )
-from .admission import needs_preparation
+from .admission import needs_preparation, preparation_of
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
@@ -184,7 +187,9 @@ def _check_prefix_attention(config: Any) -> None:
         )
 
 
-def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[str, Any]:
+def validate_packed_batch(
+    batch: Mapping[str, Any], config: Any = None, *, model: torch.nn.Module | None = None
+) -> dict[str, Any]:
     """Check a packed batch and return it ready for ``model(**batch)``; non-packed batches pass unchanged.
 
     Args:
@@ -192,10 +197,13 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
             ``cu_seq_lens_q/k`` ``(n + 1,)`` int32, ``max_length_q/k``, ``attention_mask`` ``(B, T)``,
             ``labels`` ``(B, T)``, ``use_cache``, ``past_key_values`` / ``cache``.
         config: the model config (optional); its ``use_cache`` decides whether ``use_cache=False`` must be
-            added, and a packed batch is refused for a model that leaks until
+            added, and a packed batch is refused for a model type that leaks until
             :func:`packing_hf.prepare_model_for_packing` prepares it (a hybrid's mixers, a mask built without
-            ``position_ids``: :func:`packing_hf.attention.admission.needs_preparation`): pass ``model.config`` after
-            preparing.
+            ``position_ids``: :func:`packing_hf.attention.admission.needs_preparation`). A config cannot say
+            whether its model was prepared (twins built from one config object share it): pass ``model``.
+        model: the model the batch is for (optional; ``config`` defaults to ``model.config``): a packed batch
+            it would leak on is refused unless this model instance is prepared, and so is a packed row of
+            several image samples (:data:`packing_hf.multimodal.PACKED_MEDIA_KEY`) for a model not prepared.
 
     Returns:
         A shallow copy of ``batch``: an all-ones ``attention_mask`` removed and ``use_cache=False`` set when
@@ -209,16 +217,37 @@ def validate_packed_batch(batch: Mapping[str, Any], config: Any = None) -> dict[
     >>> validate_packed_batch(ok)["use_cache"]
     False
     """
+    if model is not None and config is None:
+        config = getattr(model, "config", None)
+    preparation = preparation_of(model) if model is not None else None
     out, starts = _validate(batch, config)
-    varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
-    reason = needs_preparation(config, varlen=varlen) if starts is not None and config is not None else None
-    if reason is not None:
-        model_type = getattr(config, "model_type", type(config).__name__)
+    if starts is None:
+        return out
+    model_type = getattr(config, "model_type", type(model if config is None else config).__name__)
+    if model is not None and preparation is None and out.get(PACKED_MEDIA_KEY):
         raise ValueError(
-            f"config: a {model_type!r} model not prepared for packing leaks on this packed batch ({reason}); call "
-            "packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does) and pass its model.config"
+            f"model: a packed row holding several image samples (packing_hf.MultimodalCollator) is for a "
+            f"{model_type!r} model that packing_hf.prepare_model_for_packing has not prepared: only a prepared "
+            "model keeps their multimodal positions and image masks per sample. Call "
+            "packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or collate one sample "
+            "per row"
         )
-    return out
+    varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    reason = needs_preparation(config, varlen=varlen, preparation=preparation) if config is not None else None
+    if reason is None:
+        return out
+    if model is None:
+        raise ValueError(
+            f"config: a {model_type!r} model leaks on this packed batch unless it is prepared ({reason}), and a "
+            "config cannot say whether its model was (models built from one config object share it). Call "
+            "packing_hf.prepare_model_for_packing(model) and pass the model: "
+            "validate_packed_batch(batch, model=model)"
+        )
+    raise ValueError(
+        f"model: a {model_type!r} model not prepared for packing leaks on this packed batch ({reason}); call "
+        "packing_hf.prepare_model_for_packing(model) on this model first (packing_hf.Trainer does); a model "
+        "sharing its config with a prepared one is not prepared itself"
+    )
 
 
 def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -353,12 +382,6 @@ def packed_forward_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) 
     return args, checked
 
 
-def _prepared(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a model :func:`packing_hf.prepare_model_for_packing` prepared (and not reverted)."""
-    handle = getattr(module, "_packing_hf_preparation", None)
-    return bool(getattr(handle, "active", False))
-
-
 def check_forward_call(
     module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict, torch.Tensor | None]:
@@ -366,7 +389,7 @@ def check_forward_call(
     view = dict(kwargs)
     if args and isinstance(args[0], torch.Tensor) and "input_ids" not in view:
         view["input_ids"] = args[0]
-    if _prepared(module):
+    if preparation_of(module) is not None:
         # the packed image rows of MultimodalCollator are this model's to handle (per-sample positions and
         # masks, the wrapper's image refusals): consumed here, so that the attention does not refuse them
         view.pop(PACKED_MEDIA_KEY, None)

@@ -31,7 +31,7 @@ from ..multimodal import refuse_unprepared_media
 from ..padding import PackedLayout
 from ..varlen import check_int32_tokens, position_restarts
 from . import host
-from .admission import check_served_config, served_config_key
+from .admission import check_served_config, config_has_split_model, preparation_of, served_config_key
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .chunks import chunk_position_ids
 from .host import cached_host_values, host_values
@@ -428,21 +428,31 @@ def _dense_segment_mask(dense: torch.Tensor, batch: int, tq: int, tk: int):
 
 _WARNED_ATTENTIONS = False
 
-# the configs checked, with the fields check_served_config read: one check per model config and state of
-# those fields, so a config changed after the first forward (e.g. layer_types) is checked again
+# the configs checked, with the fields check_served_config read and whether the calling model's mixers were split:
+# one check per model config and state of those, so a config changed after the first forward (e.g. layer_types)
+# is checked again, and so is a model sharing the config of another one that is prepared differently
 _SERVED = IdentityCache(size=16)
 
 
-def _check_served(config: Any) -> None:
+def _check_served(config: Any, module: torch.nn.Module | None = None) -> None:
     """Refuse a model this attention cannot keep exact (see ``check_served_config``): once per config, and
-    again whenever a field the check reads has changed."""
+    again whenever a field the check reads, or the preparation of the model calling, has changed.
+
+    ``module`` is the attention layer called. Without it (the mask function sees the config only), the model
+    calling is unprepared when no prepared model splits mixers under this config; otherwise it is not known
+    here (an unprepared twin may share the config), and that part of the check is left to the layers.
+    """
     if config is None:
         return
-    key = served_config_key(config)
+    mixers_split = None if config_has_split_model(config) else False
+    if module is not None:
+        preparation = preparation_of(module)  # the model's own, not its config's: twins share a config object
+        mixers_split = preparation is not None and bool(preparation.mixers)
+    key = (served_config_key(config), mixers_split)
     if _SERVED.get((config,), data=key):
         return
-    check_served_config(config)
-    # the key holds whether a hybrid's mixers are prepared: a reverted hybrid is checked (and refused) again
+    check_served_config(config, mixers_split=mixers_split)
+    # a reverted hybrid, or an unprepared twin of a prepared one, is checked (and refused) again
     _SERVED.put((config,), True, data=key)
 
 
@@ -497,7 +507,7 @@ def varlen_attention_forward(
         return shard.attention(
             varlen_attention_forward, module, query, key, value, attention_mask, **named, **kwargs
         )
-    _check_served(getattr(module, "config", None))
+    _check_served(getattr(module, "config", None), module)
     refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
     if kwargs.get("cache") is not None:
         raise ValueError(

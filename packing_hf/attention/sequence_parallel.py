@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
 from ..registry import support
 from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
-from .admission import needs_preparation
+from .admission import needs_preparation, preparation_of
 from .guards import validate_packed_batch
 from .interface import ATTENTION_NAME
 from .ulysses import SHARD_KEY, SequenceShard, shard_lengths
@@ -85,7 +85,7 @@ def check_sequence_parallel_model(model: torch.nn.Module, sp_size: int) -> None:
             "run along whole samples, which a rank's shard does not hold; train it with data parallelism only "
             "(sp_size=1)"
         )
-    reason = needs_preparation(config, varlen=True)
+    reason = needs_preparation(config, varlen=True, preparation=preparation_of(model))
     if reason is not None or entry.own_attention or entry.status == "refused":
         raise ValueError(
             f"{entry.model_type}: sequence parallelism needs a model whose attention layers all dispatch to "

@@ -74,6 +74,15 @@ class PackingEvalMixin:
                 eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
             )
 
+    def predict(
+        self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ):
+        """Stock ``predict`` on the prepared model, like :meth:`evaluate`: its collator packs the test batches
+        too, and an unprepared model would run them with samples seeing each other (a hybrid's mixers, a mask
+        without positions, image tokens of a multimodal-RoPE model placed by text positions)."""
+        with self._packing_model(self.model):
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def evaluation_loop(self, dataloader: DataLoader, description: str, *args: Any, **kwargs: Any):
         if not self._packs_eval():
             return super().evaluation_loop(dataloader, description, *args, **kwargs)

@@ -138,9 +138,12 @@ def test_a_sample_announcing_images_without_their_pixels_is_refused(sample, matc
     }
     with pytest.raises(ValueError, match="sample 1 has " + match):
         collator([with_pixels, sample])
-    # control: the same samples with their pixels (or with no image at all) are collated
-    pixels = "pixel_values_videos" if "video" in match else "pixel_values"
-    collator([with_pixels, {**sample, pixels: np.ones((4, 6), np.float32)}])
+    # control: the same samples with their pixels and grid (or with no image at all) are collated
+    kind = "video" if "video" in match else "image"
+    grid = sample.get(f"{kind}_grid_thw", [[1, 2, 2]])
+    patches = int(np.prod(grid, axis=-1).sum())
+    pixels = "pixel_values_videos" if kind == "video" else "pixel_values"
+    collator([with_pixels, {**sample, pixels: np.ones((patches, 6), np.float32), f"{kind}_grid_thw": grid}])
     collator([with_pixels, {"input_ids": [5, 6, 7], "image_grid_thw": np.zeros((0, 3), dtype=np.int64)}])
 
 
@@ -167,7 +170,11 @@ def test_placeholders_not_matching_the_grid_are_named_before_the_model_runs():
         ValueError, match="Image features and image tokens do not match: sample 1 of the packed row"
     ):
         collator([rows[0], short, rows[2]])
-    extra = dict(rows[0], image_grid_thw=[*rows[0]["image_grid_thw"], [1, 2, 2]])  # a grid row with no tokens
+    extra = dict(  # a grid row (and its 4 patches) with no tokens
+        rows[0],
+        image_grid_thw=[*rows[0]["image_grid_thw"], [1, 2, 2]],
+        pixel_values=np.ones((len(rows[0]["pixel_values"]) + 4, 6), np.float32),
+    )
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         collator([extra])
     assert wanted > 0

@@ -477,6 +477,21 @@ def test_packed_image_rows_are_refused_by_the_attention_of_an_unprepared_model(m
     assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
 
 
+def test_validate_packed_batch_refuses_packed_image_rows_for_an_unprepared_model(qwen_models):
+    """Under sdpa nothing of packing_hf runs inside a stock model: given the model, validate_packed_batch sees that
+    it is not prepared (the predict test below measures what such a model computes on such a row)."""
+    import packing_hf
+
+    model = qwen_models["qwen2_vl"].eval()
+    batch = MultimodalCollator(image_token_id=model.config.image_token_id)(_qwen_samples(model))
+    with pytest.raises(
+        ValueError, match="several image samples .* has not prepared.*prepare_model_for_packing"
+    ):
+        packing_hf.validate_packed_batch(batch, model=model)
+    with prepare_model_for_packing(model):
+        assert packing_hf.validate_packed_batch(batch, model=model)[PACKED_MEDIA_KEY] is True
+
+
 def test_text_only_rows_and_one_sample_rows_carry_no_media_key():
     model = build_tiny_model("qwen2_vl", "packing_hf").eval()
     samples = _qwen_samples(model)
@@ -513,3 +528,88 @@ def test_one_placeholder_short_is_named_as_transformers_names_it_before_the_mode
     finally:
         hook.remove()
     assert calls == []  # refused before the language model ran
+
+
+def test_trainer_predict_runs_packed_image_rows_on_the_prepared_model(tmp_path):
+    """``Trainer.predict`` packs its test batches with the same collator as evaluation: it prepares the model like
+    ``evaluate`` does (issue 40: an unprepared Qwen2-VL gave image tokens text positions there, without an error)."""
+    import datasets
+
+    import packing_hf
+
+    model = build_tiny_model("qwen2_vl", "sdpa").eval()
+    samples = [s for s in _qwen_samples(model) if "pixel_values" in s]  # a dataset column is in every row
+    dataset = datasets.Dataset.from_list(
+        [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in samples]
+    )
+    collator = MultimodalCollator(image_token_id=model.config.image_token_id)
+    args = packing_hf.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_tokens_per_batch=256, per_device_eval_batch_size=len(samples),
+    )  # fmt: skip
+    trainer = packing_hf.Trainer(model=model, args=args, data_collator=collator)
+    predictions = trainer.predict(dataset).predictions  # the logits, then the model's other outputs
+    predicted = torch.as_tensor(predictions[0] if isinstance(predictions, tuple) else predictions)[
+        0
+    ]  # (T, V)
+    batch = collator(samples)
+    cu = batch["cu_seq_lens_q"].tolist()
+    with torch.no_grad():
+        alone = torch.cat([model(**_alone_kwargs(model, s)).logits[0] for s in samples])
+        assert float((predicted - alone).abs().max()) <= DEFAULT_TOLERANCE
+        # negative control: the same packed row through the model as it is outside the trainer (unprepared)
+        stock = model(**batch, use_cache=False).logits[0]
+    assert predicted.shape[0] == cu[-1]
+    assert float((stock - alone).abs().max()) > 100 * DEFAULT_TOLERANCE
+
+
+def _short_patches(samples: list[dict]) -> list[dict]:
+    """The first sample's image loses its last 4 patch rows: fewer patches than its image_grid_thw asks for."""
+    return [{**samples[0], "pixel_values": samples[0]["pixel_values"][:-4]}, *samples[1:]]
+
+
+def _without_grid(samples: list[dict]) -> list[dict]:
+    return [{k: v for k, v in s.items() if k != "image_grid_thw"} for s in samples]
+
+
+def _integer_pixels(samples: list[dict]) -> list[dict]:
+    return [{**s, "pixel_values": s["pixel_values"].long()} if "pixel_values" in s else s for s in samples]
+
+
+MALFORMED = {
+    "fewer patches than the grid": (
+        _short_patches,
+        "pixel_values has 12 patch rows but its image_grid_thw asks for 16",
+    ),
+    "no image_grid_thw": (_without_grid, "pixel_values of shape .* come without image_grid_thw"),
+    "int64 pixel_values": (
+        _integer_pixels,
+        "pixel_values are torch.int64, but a vision tower takes floating-point",
+    ),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(MALFORMED))
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_malformed_image_inputs_are_refused_by_name(qwen_models, model_type, problem):
+    """At collation (the samples) and in the prepared model (the packed row), instead of a bare size mismatch
+    or an attribute error inside the vision tower, or integer pixels embedded as if normalised."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    spoil, message = MALFORMED[problem]
+    positions = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)
+    with pytest.raises(ValueError, match=f"sample 0: {message}"):
+        positions(spoil(samples))
+    collator = MultimodalCollator(image_token_id=model.config.image_token_id)
+    batch = collator(samples)
+    if problem == "fewer patches than the grid":
+        batch["pixel_values"] = batch["pixel_values"][:-4]
+        message = message.replace("12", "56").replace("16", "60")
+    elif problem == "no image_grid_thw":
+        del batch["image_grid_thw"]
+    else:
+        batch["pixel_values"] = batch["pixel_values"].long()
+    with torch.no_grad(), prepare_model_for_packing(model):
+        with pytest.raises(ValueError, match=f"{model_type}: the packed row: {message}"):
+            model(**batch)
+        model(**collator(samples))  # negative control: the well-formed row of the same samples is served

@@ -9,20 +9,26 @@ with another's:
   with the first forward's boundaries, which is what a layer re-run with stale boundaries computes;
 - ``copy.deepcopy`` / ``trl.create_reference_model`` / a ``torch.save`` round trip: the copy is exact alone,
   the original is unaffected, and ``revert()`` of one leaves the other prepared;
+- a twin built from the same config object (``type(model)(model.config)``): preparation is held by the model,
+  so the unprepared twin of a prepared model is refused (or exact), whichever of the two is prepared or
+  reverted first;
 - the decoder (``model.model``, ``get_decoder()``) called directly on a packed row;
-- an exception inside a mixer during a packed forward leaves nothing stale behind.
+- an exception inside a mixer during a packed forward leaves nothing stale behind;
+- two threads calling one prepared hybrid at once, on different packed rows: each gets its own row's result.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
 
 import packing_hf
 from packing_hf import prepare_model_for_packing
+from packing_hf.architectures.mixers import calls_in_flight
 from packing_hf.architectures.tiny import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -182,6 +188,71 @@ def test_a_copy_of_a_prepared_model_is_prepared_on_its_own(model_type, attention
     assert _packed_error(other, row, ROWS[0]) < 1e-5  # reverting the original leaves a copy prepared
 
 
+# (model type, attention, what a stock twin gets): refused by packing_hf's attention (hybrids), exact (the varlen
+# attention keeps OPT's samples apart itself), or, under sdpa, where nothing of packing_hf runs inside a stock
+# model, refused by validate_packed_batch(batch, model=...) while its forward leaks
+TWINS = [
+    ("bamba", packing_hf.ATTENTION_NAME, "refused"),
+    ("lfm2", packing_hf.ATTENTION_NAME, "refused"),
+    ("opt", packing_hf.ATTENTION_NAME, "exact"),
+    ("opt", "sdpa", "leaks unless checked"),
+]
+
+
+@pytest.mark.parametrize("model_type, attention, stock", TWINS, ids=[f"{m}-{a}" for m, a, _ in TWINS])
+def test_a_twin_sharing_the_config_of_a_prepared_model_is_not_served_as_prepared(
+    model_type, attention, stock
+):
+    """Preparation is held by the model, not by the config it shares with a twin: issue 40 measured the
+    unprepared twin of a prepared model leaking (Bamba 0.38, LFM2 5.8e-4) where it was served as prepared."""
+    first = _model(model_type, attention).eval()
+    row = _row(ROWS[0], 0, _vocab(first))
+    torch.manual_seed(1)
+    twin = type(first)(first.config).eval()  # the common way to build a second model: the same config object
+    assert twin.config is first.config
+
+    def check_stock(model: torch.nn.Module) -> None:
+        if stock == "exact":
+            packing_hf.validate_packed_batch(row, model=model)
+            assert _packed_error(model, row, ROWS[0]) < 1e-5
+            return
+        with pytest.raises(ValueError, match="not prepared for packing.*prepare_model_for_packing"):
+            packing_hf.validate_packed_batch(row, model=model)
+        if stock == "refused":
+            with pytest.raises(ValueError, match="cannot be packed exactly.*prepare_model_for_packing"):
+                _packed_error(model, row, ROWS[0])
+
+    def check_prepared(model: torch.nn.Module) -> None:
+        packing_hf.validate_packed_batch(row, model=model)
+        assert _packed_error(model, row, ROWS[0]) < 1e-5
+
+    handle = prepare_model_for_packing(first)
+    check_prepared(first)
+    check_stock(twin)
+    check_prepared(first)  # the twin's refusal left the prepared model served
+    twin_handle = prepare_model_for_packing(twin)
+    check_prepared(twin)
+    handle.revert()  # reverting one leaves the other prepared, and the reverted one stock
+    check_prepared(twin)
+    check_stock(first)
+    prepare_model_for_packing(first)
+    twin_handle.revert()
+    check_prepared(first)
+    check_stock(twin)
+    # negative control, the same measure: what the twin computed when it was served as prepared (its mixers over
+    # the whole row for the hybrids, the stock sdpa mask for OPT); OPT under the varlen attention cannot leak, so
+    # there the measure is shown to catch a row laid out with other boundaries
+    if stock == "refused":
+        with prepare_model_for_packing(twin) as leaky:
+            leaky.split_mixers = False
+            assert _packed_error(twin, row, ROWS[0]) > 1e-4
+    elif stock == "exact":
+        stale = _row(ROWS[0], 0, _vocab(twin), boundaries=ROWS[1])
+        assert _packed_error(twin, stale, ROWS[0]) > 1e-3
+    else:
+        assert _packed_error(twin, row, ROWS[0]) > 1e-3
+
+
 DECODER_MODELS = [
     ("bamba", "sdpa"),
     ("lfm2", "sdpa"),
@@ -224,8 +295,7 @@ def test_an_exception_inside_a_mixer_leaves_no_stale_state():
         with pytest.raises(torch.OutOfMemoryError):
             model(**{k: v for k, v in row.items() if k != "labels"})
         failing.remove()
-        assert not any(vars(m).get("_packing_hf_scope") for m in model.modules())
-        assert not any("_packing_hf_active" in vars(m) for m in model.modules())
+        assert calls_in_flight() == 0
         # the next unpacked batch shaped like the failed row's padded samples (n, L), and the next packed
         # row, are exact
         ids = torch.randint(3, vocab, (len(ROWS[0]), max(ROWS[0])))
@@ -344,3 +414,53 @@ def test_several_packed_rows_per_forward_under_checkpointing_are_exact(model_typ
         stale["position_ids"] = step[0]["position_ids"]
         stale["labels"][stale["position_ids"] == 0] = -100
         assert _worst(_step(model, [step[0], stale]), expected) > 1e-3
+
+
+THREADED = [("lfm2", "sdpa"), ("bamba", "sdpa"), ("qwen3_5_text", "sdpa")]
+
+
+@pytest.mark.parametrize("model_type, attention", THREADED, ids=[m for m, _ in THREADED])
+def test_two_threads_calling_one_prepared_hybrid_get_their_own_rows(model_type, attention):
+    """The layout a mixer runs with belongs to its call (issue 40: it was kept in the mixer module's __dict__,
+    shared by the threads, and a second thread's call failed with a tensor-size error or took the other row's
+    boundaries). Rows of different layouts and lengths, started together at a barrier, many times."""
+    model = _model(model_type, attention).eval()
+    vocab = _vocab(model)
+    layouts = ([5, 7, 4], [3, 9, 2, 6])  # (1, 16) and (1, 20): 3 and 4 samples, longest 7 and 9
+    rows = [
+        {k: v for k, v in _row(lengths, seed, vocab).items() if k != "labels"}
+        for seed, lengths in enumerate(layouts)
+    ]
+    rounds = 6
+    barrier = threading.Barrier(len(rows))
+    results: list[list] = [[] for _ in rows]
+
+    def run(index: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(rounds):
+                    barrier.wait()
+                    results[index].append(model(**rows[index]).logits)
+        except BaseException as exc:  # the failure goes to the main thread's assertion, not a thread's stderr
+            barrier.abort()
+            results[index].append(exc)
+
+    with prepare_model_for_packing(model):
+        with torch.no_grad():
+            expected = [model(**row).logits for row in rows]
+        for row, lengths, logits in zip(rows, layouts, expected, strict=True):
+            assert float((logits[0] - _alone_logits(model, row, lengths)).abs().max()) < 1e-5
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rows))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for index, got in enumerate(results):
+        failures = [r for r in got if isinstance(r, BaseException)]
+        assert not failures, f"thread {index}: {failures[0]!r}"
+        assert len(got) == rounds
+        assert all(torch.equal(logits, expected[index]) for logits in got)
+    # negative control: the comparison tells the two rows' results apart (a row run with the other's layout)
+    other = {k: v for k, v in _row(layouts[0], 0, vocab, boundaries=[7, 5, 4]).items() if k != "labels"}
+    with torch.no_grad(), prepare_model_for_packing(model):
+        assert not torch.equal(model(**other).logits, expected[0])
