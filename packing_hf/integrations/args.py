@@ -127,6 +127,26 @@ class PackingArguments:
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
+        if getattr(self, "deepspeed", None):
+            _join_deepspeed_comm()
+
+
+def _join_deepspeed_comm() -> None:
+    """``deepspeed.comm`` over the process group transformers started, where transformers did not start DeepSpeed's.
+
+    With ``use_cpu=True`` (DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``) transformers starts ``torch.distributed`` (gloo)
+    but not ``deepspeed.comm``, so a model built after the arguments under ZeRO-3 (``deepspeed.zero.Init``) would
+    count one process and fail on the batch sizes ("train_batch_size is not equal to ..."); DeepSpeed adopts an
+    existing group. On GPUs transformers starts ``deepspeed.comm`` itself and this does nothing.
+    """
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
 
 @dataclass
