@@ -11,6 +11,8 @@ epoch (gathered whole under ZeRO-3):
   transformers partitions it at construction (``deepspeed.zero.Init``) and the pre-flight check runs next to
   partitioned parameters; ``check_packing`` of the partitioned model is recorded too.
 - ``sft_ddp``, ``sft_zero2``, ``sft_zero3``: ``packing_hf.SFTTrainer`` on the same tokenized rows.
+- ``sp2_ddp``, ``sp2_zero3``: ``packing_hf.Trainer`` with ``ParallelismConfig(sp_size=2)``: every packed row cut
+  over both processes, next to DDP, then inside ZeRO-3 (parameters partitioned over the same processes).
 - ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
   two: the error message.
 
@@ -30,7 +32,7 @@ MAX_TOKENS_PER_BATCH = 128
 SEED = 0
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 # DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
-CASES = ("ddp", "sft_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3")
+CASES = ("ddp", "sft_ddp", "sp2_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3", "sp2_zero3")
 IDS_KEY = "packing_hf_test_sample_ids"
 
 
@@ -127,6 +129,7 @@ def whole_parameters(model) -> dict[str, list]:
 def main(out_dir: str) -> None:
     import datasets
     import torch
+    from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
 
     import packing_hf
@@ -161,8 +164,9 @@ def main(out_dir: str) -> None:
     start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
     results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
     for case in CASES:
-        stage = {"zero2": 2, "zero3": 3}.get(case.removeprefix("sft_"))
+        stage = {"zero2": 2, "zero3": 3}.get(case.split("_")[-1])
         sft = case.startswith("sft_")
+        sequence_parallel = case.startswith("sp2_")
         common = dict(
             max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
             num_train_epochs=1,
@@ -179,6 +183,7 @@ def main(out_dir: str) -> None:
             ddp_timeout=120,
             disable_tqdm=True,
             deepspeed=deepspeed_config(stage) if stage else None,
+            parallelism_config=ParallelismConfig(sp_size=2) if sequence_parallel else None,
         )
         output = os.path.join(out_dir, case)
         args = (

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo) through ``packing_hf.Trainer`` and ``SFTTrainer`` equal
 gloo DDP on the same 2 processes: the loss of every step and every parameter after an epoch of SGD (fp32
-rounding), every sample trained exactly once per epoch across the ranks, the ZeRO-3 model partitioned at
+rounding), every sample trained exactly once per epoch across the ranks; sequence parallelism (``sp_size=2``)
+inside ZeRO-3 equals it beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s); the ZeRO-3 model partitioned at
 construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured (not "failed"),
 and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by name. One launch
 runs every case: ``_deepspeed_worker.py``. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
@@ -46,15 +47,22 @@ def _max_difference(a: dict[str, list], b: dict[str, list]) -> float:
         ("zero3", "ddp", "deepspeed ZeRO-3"),
         ("sft_zero2", "sft_ddp", "deepspeed ZeRO-2"),
         ("sft_zero3", "sft_ddp", "deepspeed ZeRO-3"),
+        ("sp2_ddp", None, "ddp"),
+        ("sp2_zero3", "sp2_ddp", "deepspeed ZeRO-3"),
     ],
 )
 def test_zero_equals_ddp(ranks, load_worker, case, reference, engine):
     worker = load_worker(WORKER)
     mine = [r[case] for r in ranks]
-    assert all(m["plan"] == f"{engine}, 2 processes" and m["world_size"] == 2 for m in mine)
-    # every sample once per epoch across the ranks, counted in training_step
+    layout = " (dp 1 x sp 2)" if case.startswith("sp2_") else ""
+    assert all(m["plan"] == f"{engine}, 2 processes{layout}" and m["world_size"] == 2 for m in mine)
+    # every sample once per epoch across the data-parallel replicas, counted in training_step
     seen = [m["seen"] for m in mine]
-    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(worker.NUM_SAMPLES))
+    everything = list(range(worker.NUM_SAMPLES))
+    if layout:  # one replica: both processes of the SP group train on every row, cut
+        assert seen[0] == seen[1] and sorted(seen[0]) == everything
+    else:
+        assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == everything
     assert mine[0]["losses"] == mine[1]["losses"] and len(mine[0]["losses"]) > 2
     if reference is None:
         return
