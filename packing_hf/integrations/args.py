@@ -22,6 +22,7 @@ from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
+from .parallel import with_sp_size
 
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
 
@@ -94,6 +95,14 @@ class PackingArguments:
         "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
         "logits and loss.",
     )
+    sp_size: int | None = option(
+        None,
+        "Sequence parallelism: cut every packed row (max_tokens_per_batch tokens) over this many processes, "
+        "with the one-process loss and gradients (packing_hf's Ulysses all-to-all around its varlen attention; "
+        "Trainer, SFTTrainer, DPOTrainer). The same as parallelism_config=ParallelismConfig(sp_size=N); the "
+        "processes are sp_size-groups of data-parallel replicas (DDP or DeepSpeed ZeRO beside it). See "
+        "docs/distributed.md.",
+    )
     packing_metrics: bool = option(
         True,
         "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
@@ -102,6 +111,9 @@ class PackingArguments:
     )
 
     def __post_init__(self) -> None:
+        if self.sp_size is not None:
+            self.sp_size = check_int(self.sp_size, "sp_size", 1)
+            self.parallelism_config = with_sp_size(getattr(self, "parallelism_config", None), self.sp_size)
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments base this is mixed into
         budget = self.max_tokens_per_batch
         # tokens per micro-batch per device; None flattens per_device_train_batch_size samples per step

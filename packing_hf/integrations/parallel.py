@@ -41,6 +41,7 @@ __all__ = [
     "hidden_sequence_parallelism",
     "process_world",
     "sequence_parallel_size",
+    "with_sp_size",
 ]
 
 # set by ``accelerate launch --parallelism_config_*``: accelerate then builds its ParallelismConfig from the
@@ -69,6 +70,25 @@ def _sizes(config: Any, names: tuple[str, ...]) -> dict[str, int]:
     """The sizes ``names`` of a ``ParallelismConfig`` that are above 1."""
     sizes = {name: int(getattr(config, name, 1) or 1) for name in names} if config is not None else {}
     return {name: size for name, size in sizes.items() if size > 1}
+
+
+def with_sp_size(parallelism_config: Any, sp_size: int) -> Any:
+    """The ``ParallelismConfig`` of ``TrainingArguments(sp_size=N)``: a new one with ``sp_size`` (``None`` for 1), or
+    the given one when it says the same; a given one that says otherwise is refused.
+
+    >>> with_sp_size(None, 2).sp_size, with_sp_size(None, 1)
+    (2, None)
+    """
+    given = int(getattr(parallelism_config, "sp_size", 1) or 1) if parallelism_config is not None else None
+    if given is not None and given != sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} but parallelism_config has sp_size={given}: set the size in one place"
+        )
+    if parallelism_config is not None or sp_size == 1:
+        return parallelism_config
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(sp_size=sp_size)
 
 
 def sequence_parallel_size(parallelism_config: Any) -> int:

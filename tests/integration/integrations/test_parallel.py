@@ -45,3 +45,19 @@ def test_sequence_parallel_sizes_it_cannot_serve_are_refused(tmp_path, tiny_llam
         sequence_parallel_size(ParallelismConfig(sp_size=2, tp_size=2))
     with pytest.raises(ValueError, match="sp_size=2 must divide the number of processes \\(1\\)"):
         _trainer(tmp_path, tiny_llama, parallelism_config=ParallelismConfig(sp_size=2))
+
+
+def test_sp_size_is_an_argument_and_a_config_key(tmp_path):
+    """``sp_size`` is a training argument (the same as ``ParallelismConfig(sp_size=N)``), so the ``packing-hf train``
+    YAML and command line take it; a ``parallelism_config`` saying otherwise is refused."""
+    from packing_hf.app.config import load_train_config
+
+    args = packing_hf.TrainingArguments(str(tmp_path), report_to="none", sp_size=2)
+    assert args.parallelism_config.sp_size == 2
+    with pytest.raises(ValueError, match="sp_size=2 but parallelism_config has sp_size=4"):
+        packing_hf.TrainingArguments(
+            str(tmp_path), report_to="none", sp_size=2, parallelism_config=ParallelismConfig(sp_size=4)
+        )
+    config = {"output_dir": str(tmp_path), "max_steps": 2, "max_tokens_per_batch": 2048, "trainer": "sft"}
+    cfg = load_train_config(config, ["sp_size=2"])
+    assert type(cfg.training).__name__ == "SFTConfig" and cfg.training.parallelism_config.sp_size == 2
