@@ -13,6 +13,11 @@ epoch (gathered whole under ZeRO-3):
 - ``sft_ddp``, ``sft_zero2``, ``sft_zero3``: ``packing_hf.SFTTrainer`` on the same tokenized rows.
 - ``sp2_ddp``, ``sp2_zero3``: ``packing_hf.Trainer`` with ``ParallelismConfig(sp_size=2)``: every packed row cut
   over both processes, next to DDP, then inside ZeRO-3 (parameters partitioned over the same processes).
+- ``dpo_ddp``, ``dpo_zero3``: ``packing_hf.DPOTrainer`` with a live reference model (other weights than the policy),
+  GSM8K pairs tokenized by TRL (the SmolLM2 vocabulary); under ZeRO-3 TRL prepares the reference model as a
+  DeepSpeed engine too. Losses only (the policy's parameters are compared in the Trainer cases).
+- ``local_mean_zero3`` (negative control): ZeRO-3 with every rank's loss normalised by its own token count
+  (``average_tokens_across_devices=False``, what a miscounted world does to the loss): not DDP's training.
 - ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
   two: the error message.
 
@@ -32,7 +37,8 @@ MAX_TOKENS_PER_BATCH = 128
 SEED = 0
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 # DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
-CASES = ("ddp", "sft_ddp", "sp2_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3", "sp2_zero3")
+DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
+CASES = ("ddp", "sft_ddp", "sp2_ddp", "dpo_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3", "sp2_zero3", "dpo_zero3", "local_mean_zero3")
 IDS_KEY = "packing_hf_test_sample_ids"
 
 
@@ -47,7 +53,7 @@ def make_samples() -> list[dict]:
     ]
 
 
-def make_model():
+def make_model(vocab: int = VOCAB, seed: int = SEED):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,15 +61,60 @@ def make_model():
 
     config = AutoConfig.for_model(
         "llama",
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=packing_hf.register_attention()).float()
+
+
+def make_pairs(count: int):
+    """``count`` GSM8K preference pairs: the reference answer vs. its lines reversed."""
+    import datasets
+
+    rows = []
+    with open(os.path.join(os.path.dirname(TOKENIZER), "gsm8k_train.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if len(row["question"]) < 160 and len(row["answer"]) < 250:
+                rows.append(row)
+            if len(rows) == count:
+                break
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
+            "chosen": [" " + r["answer"] for r in rows],
+            "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
+        }
+    )
+
+
+def dpo_losses(out_dir: str, case: str, common: dict, starts: dict) -> dict:
+    """DPO with a live reference model; ``common``: the case's training arguments, ``starts``: the policy's and
+    the reference's weights (built whole, before any ZeRO-3 arguments)."""
+    from transformers import AutoTokenizer
+
+    import packing_hf
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    options = {**common, "max_tokens_per_batch": DPO_TOKENS}
+    args = packing_hf.DPOConfig(os.path.join(out_dir, case), bf16=False, shared_prompt=False, **options)
+    policy, reference = make_model(len(tokenizer)), make_model(len(tokenizer), seed=1)
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):  # zero.Init initialised its own weights
+        load_whole(policy, starts["policy"])
+        load_whole(reference, starts["reference"])
+    trainer = packing_hf.DPOTrainer(
+        model=policy, ref_model=reference, args=args, processing_class=tokenizer, train_dataset=make_pairs(6)
+    )
+    trainer.train()
+    return {
+        "plan": trainer.parallel_plan.describe(),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -163,6 +214,8 @@ def main(out_dir: str) -> None:
     results = {"refused_without_cpu": refused_without_cpu(out_dir)}
     start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
     results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
+    vocab = len(AutoTokenizer.from_pretrained(TOKENIZER))
+    dpo_starts = {"policy": make_model(vocab).state_dict(), "reference": make_model(vocab, seed=1).state_dict()}
     for case in CASES:
         stage = {"zero2": 2, "zero3": 3}.get(case.split("_")[-1])
         sft = case.startswith("sft_")
@@ -184,7 +237,12 @@ def main(out_dir: str) -> None:
             disable_tqdm=True,
             deepspeed=deepspeed_config(stage) if stage else None,
             parallelism_config=ParallelismConfig(sp_size=2) if sequence_parallel else None,
+            # the negative control: each rank's loss over its own token count (not the step's, over both ranks)
+            average_tokens_across_devices=not case.startswith("local_mean_"),
         )
+        if case.startswith("dpo_"):
+            results[case] = dpo_losses(out_dir, case, common, dpo_starts)
+            continue
         output = os.path.join(out_dir, case)
         args = (
             packing_hf.SFTConfig(output, bf16=False, **common)

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo) through ``packing_hf.Trainer`` and ``SFTTrainer`` equal
 gloo DDP on the same 2 processes: the loss of every step and every parameter after an epoch of SGD (fp32
 rounding), every sample trained exactly once per epoch across the ranks; sequence parallelism (``sp_size=2``)
-inside ZeRO-3 equals it beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s); the ZeRO-3 model partitioned at
+inside ZeRO-3 equals it beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s);
+``DPOTrainer`` with a ZeRO-3 reference model equals DDP (losses); the ZeRO-3 model partitioned at
 construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured (not "failed"),
 and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by name. One launch
 runs every case: ``_deepspeed_worker.py``. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
@@ -71,6 +72,24 @@ def test_zero_equals_ddp(ranks, load_worker, case, reference, engine):
     assert _max_difference(want["parameters"], mine[0]["parameters"]) <= 1e-6, "parameters after the epoch differ"
     # and the epoch did move them: the equality is not that of untrained models
     assert _max_difference(ranks[0]["start"], mine[0]["parameters"]) > 1e-3
+
+
+def test_negative_control_a_loss_normalised_per_rank_is_caught(ranks):
+    """ZeRO-3 whose ranks normalise their loss by their own token count, not the step's: the comparison that the
+    ZeRO cases pass fails on its parameters."""
+    wrong = ranks[0]["local_mean_zero3"]
+    assert wrong["plan"] == "deepspeed ZeRO-3, 2 processes"
+    assert _max_difference(ranks[0]["ddp"]["parameters"], wrong["parameters"]) > 1e-4
+
+
+def test_dpo_with_a_zero3_reference_model_equals_ddp(ranks):
+    """``packing_hf.DPOTrainer`` with a live reference model (TRL prepares it as a ZeRO-3 engine too): the loss of
+    every step equals DDP's (a loss that is not ``log 2``: the reference has other weights than the policy)."""
+    ddp, zero3 = ranks[0]["dpo_ddp"], ranks[0]["dpo_zero3"]
+    assert (ddp["plan"], zero3["plan"]) == ("ddp, 2 processes", "deepspeed ZeRO-3, 2 processes")
+    assert len(ddp["losses"]) >= 2 and abs(ddp["losses"][0] - 0.6931) > 1e-3
+    assert zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
+    assert ranks[1]["dpo_zero3"]["losses"] == zero3["losses"]
 
 
 def test_zero3_partitioned_at_construction_is_checked_not_refused(ranks):
