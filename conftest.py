@@ -25,6 +25,19 @@ def _shared_data_dir() -> Path:
 os.environ["PACKING_HF_DATA"] = str(_shared_data_dir())
 
 
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# DeepSpeed (a test extra) is imported by accelerate whenever a model is unwrapped (save_pretrained, the Trainer),
+# and on a machine where it detects no accelerator it says so at import, on stdout, which outputs compared in tests
+# and doctests would then start with. Naming its CPU accelerator is what the DeepSpeed tests do anyway.
+if _no_gpu():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 @pytest.fixture(autouse=True)
 def _shared_data_in_doctests(doctest_namespace):
     doctest_namespace["SHARED_DATA"] = Path(os.environ["PACKING_HF_DATA"])

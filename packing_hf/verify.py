@@ -262,6 +262,21 @@ def _checking_mode(model) -> Iterator[None]:
             module.training = training
 
 
+@contextlib.contextmanager
+def _whole_parameters(model) -> Iterator[None]:
+    """DeepSpeed ZeRO-3 partitioned parameters (they carry ``ds_id``) gathered whole for the duration, and
+    partitioned again after; a no-op for any other model. Gathering is collective: under ZeRO-3 every process of
+    the group must run the check together (as the trainers' ranks do)."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed  # only a model DeepSpeed partitioned gets here
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
 def check_packing(
     model,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
@@ -283,7 +298,9 @@ def check_packing(
     own summed next-token cross-entropy. Any difference above ``tolerance`` is a leak.
 
     The model is not changed: it runs in eval mode (no dropout) and gets its train/eval flags back;
-    gradients are taken with ``torch.autograd.grad``, so ``param.grad`` is untouched.
+    gradients are taken with ``torch.autograd.grad``, so ``param.grad`` is untouched. Parameters DeepSpeed ZeRO-3
+    partitioned over processes (a model built after ``TrainingArguments(deepspeed=...)``) are gathered whole for
+    the check (a collective: every process of the group calls it), so it measures the whole model.
 
     Args:
         model: a causal LM (``...ForCausalLM``), on any device and dtype (use fp32 for a 1e-5 tolerance).
@@ -310,6 +327,15 @@ def check_packing(
     >>> check_packing(model, lengths=(4, 6), gradients=False).leaked  # stock OPT ignores position_ids
     True
     """
+    with _whole_parameters(model):
+        return _check_packing(
+            model, lengths, input_ids, gradients, tolerance, noise_floor, use_cache, attention_mask, seed
+        )
+
+
+def _check_packing(
+    model, lengths, input_ids, gradients, tolerance, noise_floor, use_cache, attention_mask, seed
+) -> PackingReport:
     config = model.config
     samples = _samples_on_device(model, lengths, input_ids, seed)
     lengths = tuple(int(s.numel()) for s in samples)

@@ -12,6 +12,7 @@ run on these.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -326,6 +327,30 @@ def _apply_support_tiny(base, data: dict, new: dict) -> None:
         new[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
 
 
+def _built_whole() -> contextlib.AbstractContextManager:
+    """A context in which ``from_config`` builds a model whole on this process.
+
+    Once ``TrainingArguments`` name a DeepSpeed ZeRO-3 config, transformers builds every model inside
+    ``deepspeed.zero.Init``, which partitions its parameters over the processes (each holds an empty shard until
+    DeepSpeed's engine gathers it): a tiny copy checked on one process would fail in its first layer ("'weight' must
+    be 2-D"). transformers skips ``zero.Init`` inside its own ``set_zero3_state`` (meant for nested builds).
+    """
+    from transformers import modeling_utils
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+    skip = getattr(modeling_utils, "set_zero3_state", None)
+    if skip is None:  # pragma: no cover - a transformers without it: say what cannot be checked
+        raise RuntimeError(
+            "DeepSpeed ZeRO-3 is enabled and this transformers version has no way to build a model outside "
+            "deepspeed.zero.Init (modeling_utils.set_zero3_state), so packing_hf cannot build the whole tiny copy "
+            "its pre-flight check runs; set packing_preflight='off' and check the architecture with "
+            "packing_hf.check_architecture in a process without the DeepSpeed config"
+        )
+    return skip()
+
+
 def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
     """A tiny fp32 CPU causal LM from ``tiny_config(config)``, seeded, in eval mode.
 
@@ -346,7 +371,8 @@ def build_tiny_model(config, attn_implementation: str = "sdpa", seed: int = 0):
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = auto.from_config(cfg, attn_implementation=resolve_attn_implementation(attn_implementation))
+        with _built_whole():
+            model = auto.from_config(cfg, attn_implementation=resolve_attn_implementation(attn_implementation))
     finally:
         torch.random.set_rng_state(generator_state)  # do not disturb the caller's random stream
     return model.float().eval()

@@ -46,6 +46,8 @@ __all__ = [
     "shard_loss_counts",
     "shard_lengths",
     "shard_packed_batch",
+    "shard_row_denominator",
+    "shard_target_coefficients",
 ]
 
 # the per-token keys a shard keeps (cut), the keys consumed into the shard, and what else it may carry
@@ -322,14 +324,7 @@ def sequence_parallel_loss(
     >>> round(float(sequence_parallel_loss(logits, shard)), 4)
     2.3026
     """
-    shard: SequenceShard = batch[SHARD_KEY]
-    if shard.labels is None:
-        raise ValueError("the sharded row had no labels, so it has no loss; collate with labels")
-    coefficients = target_coefficients(
-        shard.labels, normalization, shard.loss_weights, shard.position_ids, shard.cu_seq_lens
-    )  # (1, T - 1): the factor of the target of every token but the last
-    coefficients = F.pad(coefficients, (0, 1))[:, shard.offset : shard.offset + shard.length]
-    coefficients = coefficients.to(logits.device)
+    coefficients = shard_target_coefficients(batch, normalization).to(logits.device)
     targets = batch["shift_labels"].to(logits.device)
     per_token = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
@@ -340,8 +335,37 @@ def sequence_parallel_loss(
     # where, not a product: an ignored target's loss must add exactly 0
     numerator = torch.where(coefficients > 0, per_token * coefficients, torch.zeros_like(per_token)).sum()
     if denominator is None:
-        denominator = step_denominator(_row_counts(shard), normalization)
+        denominator = shard_row_denominator(batch, normalization)
     return numerator / denominator
+
+
+def shard_target_coefficients(batch: dict, normalization: str = "token") -> torch.Tensor:
+    """``(1, T_rank)`` float: the factor of each target of this rank's shard (``shift_labels``) in the row's loss
+    numerator, computed on the whole row (a sample cut by a shard edge is normalised by its whole weight).
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> shard_target_coefficients(shard, "sample").tolist()  # 2 targets in sample 0, 1 in sample 1
+    [[0.5, 0.5, 0.0, 1.0, 0.0]]
+    """
+    shard: SequenceShard = batch[SHARD_KEY]
+    if shard.labels is None:
+        raise ValueError("the sharded row had no labels, so it has no loss; collate with labels")
+    coefficients = target_coefficients(
+        shard.labels, normalization, shard.loss_weights, shard.position_ids, shard.cu_seq_lens
+    )  # (1, T - 1): the factor of the target of every token but the last
+    return F.pad(coefficients, (0, 1))[:, shard.offset : shard.offset + shard.length]
+
+
+def shard_row_denominator(batch: dict, normalization: str = "token") -> float:
+    """The denominator of the loss of this shard's whole row alone (its target weight, or sample count).
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> shard_row_denominator(shard), shard_row_denominator(shard, "sample")
+    (3.0, 2.0)
+    """
+    return float(step_denominator(_row_counts(batch[SHARD_KEY]), normalization))
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -22,6 +22,7 @@ from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
+from .parallel import with_sp_size
 
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
 
@@ -94,6 +95,14 @@ class PackingArguments:
         "cannot be chunked exactly keeps the full logits, and the log says why once. False: the model's own "
         "logits and loss.",
     )
+    sp_size: int | None = option(
+        None,
+        "Sequence parallelism: cut every packed row (max_tokens_per_batch tokens) over this many processes, "
+        "with the one-process loss and gradients (packing_hf's Ulysses all-to-all around its varlen attention; "
+        "Trainer, SFTTrainer, DPOTrainer). The same as parallelism_config=ParallelismConfig(sp_size=N); the "
+        "processes are sp_size-groups of data-parallel replicas (DDP or DeepSpeed ZeRO beside it). See "
+        "docs/distributed.md.",
+    )
     packing_metrics: bool = option(
         True,
         "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
@@ -102,6 +111,9 @@ class PackingArguments:
     )
 
     def __post_init__(self) -> None:
+        if self.sp_size is not None:
+            self.sp_size = check_int(self.sp_size, "sp_size", 1)
+            self.parallelism_config = with_sp_size(getattr(self, "parallelism_config", None), self.sp_size)
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments base this is mixed into
         budget = self.max_tokens_per_batch
         # tokens per micro-batch per device; None flattens per_device_train_batch_size samples per step
@@ -127,6 +139,26 @@ class PackingArguments:
             setattr(self, name, check_bool(getattr(self, name), name))
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
+        if getattr(self, "deepspeed", None):
+            _join_deepspeed_comm()
+
+
+def _join_deepspeed_comm() -> None:
+    """``deepspeed.comm`` over the process group transformers started, where transformers did not start DeepSpeed's.
+
+    With ``use_cpu=True`` (DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``) transformers starts ``torch.distributed`` (gloo)
+    but not ``deepspeed.comm``, so a model built after the arguments under ZeRO-3 (``deepspeed.zero.Init``) would
+    count one process and fail on the batch sizes ("train_batch_size is not equal to ..."); DeepSpeed adopts an
+    existing group. On GPUs transformers starts ``deepspeed.comm`` itself and this does nothing.
+    """
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
 
 @dataclass

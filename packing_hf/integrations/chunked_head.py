@@ -35,7 +35,7 @@ from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entro
 from .adapters import head_inputs
 from .preflight import base_model
 
-__all__ = ["causal_lm_loss", "model_token_logprobs", "resolve_head"]
+__all__ = ["causal_lm_loss", "model_token_logprobs", "resolve_head", "shard_lm_loss"]
 
 _HEAD_CALL = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)$")
 # what a causal LM's forward may do to the logits between its head and its loss, and what it means
@@ -192,16 +192,50 @@ def causal_lm_loss(
         outputs (their ``logits`` are empty).
     """
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
-    targets = labels[:, 1:].to(hidden.device)
+    loss, stats = _summed_cross_entropy(
+        hidden[:, :-1], head, logit_head, labels[:, 1:], coefficients, chunk_size, metrics
+    )
+    return loss, stats, outputs
+
+
+def shard_lm_loss(
+    model: Any,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    coefficients: torch.Tensor,
+    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """The weighted cross-entropy sum of targets already shifted, chunked: ``(loss, outputs)``; what a rank's shard
+    of a sequence-parallel row needs (its last token's target is the next shard's first token).
+
+    Args:
+        model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss`.
+        targets: ``(B, T)`` int64, the target of every position (position ``t`` predicts ``targets[:, t]``),
+            -100 = not a target.
+        coefficients: ``(B, T)`` float, each target's weight in the sum.
+    """
+    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
+    loss, _ = _summed_cross_entropy(hidden, head, logit_head, targets, coefficients, chunk_size, False)
+    return loss, outputs
+
+
+def _summed_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    logit_head: LogitHead,
+    targets: torch.Tensor,
+    coefficients: torch.Tensor | None,
+    chunk_size: int | None,
+    metrics: bool,
+) -> tuple[torch.Tensor, LogitStats]:
+    """``sum c * CE`` of the targets of ``hidden`` ``(B, T, H)`` (position ``t`` predicts ``targets[:, t]``)."""
+    targets = targets.to(hidden.device)
     mask = targets != -100
-    if coefficients is not None:
-        coefficients = coefficients.to(hidden.device)
-        weights = coefficients[mask]
-    else:
-        weights = None
+    weights = coefficients.to(hidden.device)[mask] if coefficients is not None else None
     # only the targets are projected: prompt tokens and sample boundaries cost nothing
-    loss, stats = linear_cross_entropy(
-        hidden[:, :-1][mask],
+    return linear_cross_entropy(
+        hidden[mask],
         head.weight,
         targets[mask],
         head.bias,
@@ -210,7 +244,6 @@ def causal_lm_loss(
         chunk_size=chunk_size,
         metrics=metrics,
     )
-    return loss, stats, outputs
 
 
 def model_token_logprobs(

@@ -105,10 +105,9 @@ class PackingDataMixin(PackingStreamMixin):
     # ---- data ------------------------------------------------------------------------------------
 
     def _data_parallel_world(self) -> tuple[int, int]:
-        """``(num_replicas, rank)`` of the data-parallel group (TP/CP are refused in set-up; the ``sp_size``
-        processes of a sequence-parallel group are one replica: they share its rows)."""
-        sp_size = getattr(self, "_packing_sp_size", 1)
-        return max(1, self.accelerator.num_processes) // sp_size, self.accelerator.process_index // sp_size
+        """``(num_replicas, rank)`` the training and evaluation data are sharded over: the run's data-parallel
+        replicas, from its process group (:attr:`~packing_hf.integrations.parallel.ParallelPlan.data_parallel`)."""
+        return self.parallel_plan.data_parallel
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Token length of every training sample: the ``length_column_name`` column if the dataset has
@@ -229,7 +228,7 @@ class PackingDataMixin(PackingStreamMixin):
             "multiprocessing_context": args.dataloader_multiprocessing_context,
             "prefetch_factor": args.dataloader_prefetch_factor,
             "worker_init_fn": partial(
-                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+                seed_worker, num_workers=args.dataloader_num_workers, rank=self.parallel_plan.rank
             ),
         }
         if "in_order" in inspect.signature(DataLoader).parameters:

@@ -62,6 +62,7 @@ from ..attention import register_attention
 from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments
+from .parallel import configured_parallelism, sequence_parallel_size
 from .preference_kit import (
     PackedForwardsMixin,
     PreferenceStatsCollator,
@@ -71,7 +72,6 @@ from .preference_kit import (
     shared_prompt_is_exact,
 )
 from .refusals import WHOLE_ROW_REFUSALS, Wording
-from .sequence_parallel import configured_parallelism, sequence_parallel_size
 from .trainer import PackingTrainerMixin
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -190,7 +190,7 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
             args.padding_free = padding_free
 
     def _after_stock_init(self, call: dict[str, Any]) -> None:
-        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1
+        sequence_parallel = self.parallel_plan.sequence_parallel
         if (
             self._own_collator
             and call["args"].shared_prompt is None
@@ -214,7 +214,7 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
         ``prefix_seq_idx``) or rows are cut over a sequence-parallel group (its all-to-alls live there); the
         models' own otherwise."""
         shared = getattr(self.data_collator, "shared_prompt", False)
-        return register_attention() if shared or getattr(self, "_packing_sp_size", 1) > 1 else None
+        return register_attention() if shared or self.parallel_plan.sequence_parallel else None
 
     # ---- multipack over pairs --------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class PackingEvalMixin:
         try:
             output = super().evaluation_loop(dataloader, description, *args, **kwargs)
             totals = self._packing_eval_sums
-            if self.accelerator.num_processes > 1:
+            if self.parallel_plan.world_size > 1:
                 totals = self.accelerator.reduce(totals, reduction="sum")
         finally:
             self._packing_eval_sums = None

@@ -8,9 +8,15 @@ over the ranks, so the denominator of the step is known before the first backwar
 then its own numerator (:func:`packing_hf._loss.loss_numerator`) over that denominator, times the number of
 processes (DDP averages gradients over ranks). The logged ``loss`` is thus the normalised loss of the step.
 
-With ``chunked_loss=True`` (default) both that loss and stock's (the model's own causal-LM loss, in training and
-evaluation) are computed from the model's hidden states in chunks (:mod:`packing_hf.integrations.chunked_head`):
-the same values and gradients without the ``(tokens, vocabulary)`` logits.
+With ``chunked_loss=True`` (default) that loss, stock's (the model's own causal-LM loss, in training and
+evaluation) and a sequence-parallel shard's share are computed from the model's hidden states in chunks
+(:mod:`packing_hf.integrations.chunked_head`): the same values and gradients without the ``(tokens, vocabulary)``
+logits.
+
+Which of these computes a micro-batch's loss is one value, its :class:`LossRoute`: the step's route is decided
+when the step's micro-batches are counted (:meth:`PackingLossMixin._get_num_items_in_batch`), and
+:meth:`PackingLossMixin.loss_route` refines it per call (evaluation, logits wanted), together with the chunked
+head that serves it, if any.
 
 >>> PackingLossMixin.__name__
 'PackingLossMixin'
@@ -18,6 +24,7 @@ the same values and gradients without the ``(tokens, vocabulary)`` logits.
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any
 
@@ -28,8 +35,9 @@ import transformers
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, loss_numerator, step_denominator, target_coefficients
 from .args import PackingArguments
 from .chunked_head import causal_lm_loss, resolve_head
+from .parallel import ParallelPlan
 
-__all__ = ["PackingLossMixin"]
+__all__ = ["LossRoute", "PackingLossMixin"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +71,33 @@ def _step_count(count: Any) -> Any:
     return count
 
 
+class LossRoute(enum.Enum):
+    """Which code computes a micro-batch's loss (one value per call; the chunked head may serve any but ``STOCK``).
+
+    >>> LossRoute.SEQUENCE_PARALLEL.value
+    'sequence_parallel'
+    """
+
+    #: the next ``compute_loss`` in the class chain (stock's, TRL's), on the model's full logits
+    STOCK = "stock"
+    #: the model's own causal-LM loss, scaled as ``transformers.Trainer.compute_loss`` scales it
+    MODEL = "model"
+    #: packing_hf's numerator over the step's denominator (``loss_normalization``, ``loss_weights``; docs/loss.md)
+    PACKED = "packed"
+    #: this process's shard of a row cut over the sequence-parallel group, its share of the row's loss
+    SEQUENCE_PARALLEL = "sequence_parallel"
+
+
 class PackingLossMixin:
     """``loss_normalization`` and ``loss_weights``; part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
 
     args: PackingArguments
+    parallel_plan: ParallelPlan
 
     def _loss_setup(self) -> None:
         """Called by the set-up: refuse what the loss contract cannot honour, each with its fix."""
-        self._packing_loss_active = False  # this step's loss is computed here (set per step)
+        self._packing_step_route = LossRoute.STOCK  # the training step's route (set per step)
         self._packing_counting = False
         self._packing_user_loss_scaled = self.loss_is_scaled_for_ga
         if self.args.loss_normalization != "token":
@@ -90,12 +116,10 @@ class PackingLossMixin:
             conflicts.append(f"label_smoothing_factor={args.label_smoothing_factor}: set it to 0")
         if getattr(args, "loss_type", "nll") != "nll":
             conflicts.append(f"TRL's loss_type={args.loss_type!r}: use loss_type='nll'")
-        if args.n_gpu > 1:
+        if self.parallel_plan.engine == "data_parallel":
             conflicts.append(f"{args.n_gpu} GPUs in one process (DataParallel): launch one process per GPU")
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("tp_size", "cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                conflicts.append(f"{name}={getattr(parallelism, name)}: data parallelism only")
+        for name, size in self.parallel_plan.shards_sample_tokens.items():
+            conflicts.append(f"{name}={size}: data parallelism only")
         if conflicts:
             raise ValueError(
                 f"{what} computes the loss in packing_hf's Trainer, which does not support "
@@ -116,10 +140,11 @@ class PackingLossMixin:
         if not self._packing_counting:
             return super()._get_num_items_in_batch(batch_samples, device)
         normalization = self.args.loss_normalization
-        single = self.accelerator.num_processes == 1
+        plan = self.parallel_plan
+        single = plan.world_size == 1
         if normalization == "token" and single and not any(LOSS_WEIGHTS_KEY in b for b in batch_samples):
             # the default on one process: stock's count, nothing else to agree on
-            self._packing_loss_active = False
+            self._packing_step_route = LossRoute.STOCK
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
             return _step_count(super()._get_num_items_in_batch(batch_samples, device))
         # (any batch has weights, sum of target weights, samples), summed over micro-batches then ranks
@@ -138,16 +163,21 @@ class PackingLossMixin:
                 labels, weights, batch.get("position_ids"), batch.get("cu_seq_lens_q")
             )
             local += torch.tensor([float(weights is not None), target_weight, samples], dtype=torch.float64)
-        if getattr(self, "_packing_sp_rank", 0):
+        if not plan.counts_rows:
             local.zero_()  # sequence parallelism: the group's ranks share the row, its first rank counts it
         totals = local.to(device)
         if not single:
             # every rank must take the same path this step (a stream's padding batch carries no weights)
             totals = self.accelerator.reduce(totals, reduction="sum")
-        # its loss is always computed here, unless the trainer computes its own (DPO: per pair, over the group)
-        sequence_parallel = getattr(self, "_packing_sp_size", 1) > 1 and not self.wording.own_loss
-        self._packing_loss_active = normalization != "token" or bool(totals[0] > 0) or sequence_parallel
-        if not self._packing_loss_active:
+        # a cut row's loss is always computed here, unless the trainer computes its own (DPO: per pair, over the
+        # group); else here when normalised otherwise than stock or weighted
+        if plan.sequence_parallel and not self.wording.own_loss:
+            self._packing_step_route = LossRoute.SEQUENCE_PARALLEL
+        elif normalization != "token" or bool(totals[0] > 0):
+            self._packing_step_route = LossRoute.PACKED
+        else:
+            self._packing_step_route = LossRoute.STOCK
+        if self._packing_step_route is LossRoute.STOCK:
             self.loss_is_scaled_for_ga = self._packing_user_loss_scaled
             return _step_count(super()._get_num_items_in_batch(batch_samples, device))
         self._check_own_loss(f"loss_normalization={normalization!r} with loss_weights")
@@ -165,17 +195,15 @@ class PackingLossMixin:
         if not getattr(self.args, "chunked_loss", False):
             return None
         reason = None
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        plan = self.parallel_plan
         if self.compute_loss_func is not None:
             reason = "a compute_loss_func reads the logits"
         elif self.label_smoother is not None:
             reason = f"label_smoothing_factor={self.args.label_smoothing_factor}"
-        elif self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.n_gpu > 1:
-            reason = "FSDP / DeepSpeed / DataParallel hold the head's weight themselves"
-        elif parallelism is not None and any(
-            (getattr(parallelism, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size")
-        ):
-            reason = "tensor / context / sequence parallelism"
+        elif plan.holds_weights_itself:
+            reason = f"the engine ({plan.describe()}) holds the head's weight itself between calls"
+        elif plan.shards_sample_tokens:
+            reason = f"accelerate cuts a sample over processes ({plan.shards_sample_tokens})"
         else:
             resolved = resolve_head(model)
             if not isinstance(resolved, str):
@@ -219,7 +247,7 @@ class PackingLossMixin:
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
             if self.args.average_tokens_across_devices:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+                loss = loss * (self.parallel_plan.world_size // self.get_tp_size())
         else:
             # the model's mean over its targets; in training a micro-batch without one has the loss 0, zero
             # gradients (as _step_count), in evaluation NaN as the model's own (stock's evaluation skips it)
@@ -237,27 +265,53 @@ class PackingLossMixin:
         finally:
             self._packing_loss_only = False
 
+    def loss_route(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> tuple[LossRoute, Any]:
+        """``(route, head)`` of this call: the step's route (training) or the call's (evaluation), and the resolved
+        chunked LM head serving it (``None``: full logits)."""
+        loss_only = not return_outputs or getattr(self, "_packing_loss_only", False)
+        # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
+        if self.parallel_plan.sequence_parallel and not self.wording.own_loss:
+            if model.training or getattr(self, "_packing_loss_only", False):
+                return LossRoute.SEQUENCE_PARALLEL, self._chunked_head(model) if loss_only else None
+        if (
+            self._packing_step_route is not LossRoute.STOCK
+            and model.training
+            and num_items_in_batch is not None
+        ):
+            return LossRoute.PACKED, None if return_outputs else self._chunked_head(model)
+        if self._stock_loss_is_causal_lm(inputs, return_outputs):
+            head = self._chunked_head(model)
+            if head is not None:
+                return LossRoute.MODEL, head
+        return LossRoute.STOCK, None
+
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """Stock's (``loss_weights`` removed: the model never sees them), or, when this step's loss is packing_hf's,
-        this micro-batch's numerator over the step's denominator ``num_items_in_batch``, times the number of
-        processes; both from the chunked head when ``chunked_loss`` (see the module docstring)."""
+        """This call's loss by its :class:`LossRoute`: stock's (``loss_weights`` removed: the model never sees
+        them), the model's own from the chunked head, packing_hf's (this micro-batch's numerator over the step's
+        denominator ``num_items_in_batch``, times the number of processes) or a sequence-parallel shard's share
+        (see the module docstring)."""
         weights = inputs.pop(LOSS_WEIGHTS_KEY, None)
-        # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
-        sharded = model.training or getattr(self, "_packing_loss_only", False)
-        if getattr(self, "_packing_sp_size", 1) > 1 and sharded and not self.wording.own_loss:
-            return self._sequence_parallel_loss(model, inputs, weights, num_items_in_batch, return_outputs)
-        own = self._packing_loss_active and model.training and num_items_in_batch is not None
-        if not own and self._stock_loss_is_causal_lm(inputs, return_outputs):
-            resolved = self._chunked_head(model)
-            if resolved is not None:
-                loss, _, outputs = self._chunked_stock_loss(model, inputs, num_items_in_batch, resolved)
-                return (loss, outputs) if return_outputs else loss
-        resolved = self._chunked_head(model) if own and not return_outputs else None
-        if resolved is not None:
-            labels = _causal_labels(inputs)
-            model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        route, head = self.loss_route(model, inputs, return_outputs, num_items_in_batch)
+        if route is LossRoute.SEQUENCE_PARALLEL:
+            return self._sequence_parallel_loss(
+                model, inputs, weights, num_items_in_batch, return_outputs, head
+            )
+        if route is LossRoute.MODEL:
+            loss, _, outputs = self._chunked_stock_loss(model, inputs, num_items_in_batch, head)
+            return (loss, outputs) if return_outputs else loss
+        if route is LossRoute.STOCK:
+            # evaluation: eval_loss stays the unweighted token mean (see docs/loss.md)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        labels = _causal_labels(inputs)
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        scale = self.parallel_plan.world_size / float(num_items_in_batch)
+        if head is not None:
             coefficients = target_coefficients(
                 labels,
                 self.args.loss_normalization,
@@ -265,15 +319,8 @@ class PackingLossMixin:
                 position_ids=inputs.get("position_ids"),
                 cu_seq_lens=inputs.get("cu_seq_lens_q"),
             )
-            total, _, outputs = causal_lm_loss(model, model_inputs, labels, coefficients, resolved)
-            return total * (self.accelerator.num_processes / float(num_items_in_batch))
-        if not own:
-            # evaluation: eval_loss stays the unweighted token mean (see docs/loss.md)
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        labels = _causal_labels(inputs)
-        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            total, _, outputs = causal_lm_loss(model, model_inputs, labels, coefficients, head)
+            return total * scale
         outputs = model(**model_inputs)  # no labels: the model computes no loss of its own
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # (B, T, V)
         batch, length = labels.shape
@@ -291,5 +338,5 @@ class PackingLossMixin:
             position_ids=inputs.get("position_ids"),
             cu_seq_lens=inputs.get("cu_seq_lens_q"),
         )
-        loss = numerator * (self.accelerator.num_processes / float(num_items_in_batch))
+        loss = numerator * scale
         return (loss, outputs) if return_outputs else loss

@@ -207,8 +207,9 @@ class PackedForwardsMixin:
         self._install_packed_forward(model)
         if self.ref_model is not None:
             self._install_packed_forward(self.ref_model)
-        if getattr(self, "_packing_sp_size", 1) > 1:  # the adapters cut the row over the SP group
-            inputs = {**inputs, SEQUENCE_PARALLEL_KEY: self._packing_sp_group}
+        plan = self.parallel_plan
+        if plan.sequence_parallel:  # the adapters cut the row over the SP group
+            inputs = {**inputs, SEQUENCE_PARALLEL_KEY: plan.sp_group}
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

@@ -48,6 +48,16 @@ def base_model(model: Any) -> Any:
     return model
 
 
+def _finding(config: Any, implementation: str, report: Any) -> str:
+    """What a failed check found: a measured leak, or a packed forward that could not run (no leak measured)."""
+    if report.error is not None:
+        return (
+            f"the pre-flight check could not run a tiny {config.model_type} / {implementation} on a packed row "
+            f"({report.error}), so whether packed samples stay apart was not measured"
+        )
+    return f"packed samples would see each other with {config.model_type} / {implementation}: {report.summary()}"
+
+
 def preflight_packing(model: Any, mode: str = "switch", role: str = "model"):
     """Check that ``model`` keeps packed samples apart, switch its attention or refuse, then prepare it.
 
@@ -79,17 +89,14 @@ def preflight_packing(model: Any, mode: str = "switch", role: str = "model"):
             "attn_implementation=packing_hf.ATTENTION_NAME, or train without packing"
         )
         if mode == "error":
-            raise ValueError(
-                f"packed samples would see each other with {config.model_type} / {implementation}: "
-                f"{report.summary()}; {fix}"
-            )
+            raise ValueError(f"{_finding(config, implementation, report)}; {fix}")
         name = register_attention()
         switched = check_architecture(config, name)
         if switched.leaked:
             raise ValueError(
-                f"packed samples would see each other with {config.model_type} / {implementation} "
-                f"({report.summary()}), and packing_hf's attention does not fix it ({switched.summary()}); "
-                "train this architecture without packing (max_tokens_per_batch=None and a padding collator)"
+                f"{_finding(config, implementation, report)}, and with packing_hf's attention: "
+                f"{_finding(config, name, switched)}; train this architecture without packing "
+                "(max_tokens_per_batch=None and a padding collator)"
             )
         base.set_attn_implementation(name)
         logger.warning(

@@ -217,9 +217,10 @@ def _router_aux_loss(t: Any, c: Mapping[str, Any]) -> str | None:
 
 
 def _sequence_parallelism(t: Any, c: Mapping[str, Any]) -> str | None:
-    parallelism = getattr(getattr(c.get("trainer"), "accelerator", None), "parallelism_config", None)
+    # the sizes accelerate was given (a trainer that cuts rows itself keeps sp_size from it: not refused here)
+    sizes = c["trainer"].parallel_plan.shards_sample_tokens
     for name in ("cp_size", "sp_size"):
-        size = getattr(parallelism, name, 1) or 1
+        size = sizes.get(name, 1)
         if size > 1:
             return (
                 f"{name}={size}: context/sequence parallelism shards sequences, which a packed row of this "

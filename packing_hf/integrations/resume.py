@@ -60,7 +60,7 @@ class PackingResumeMixin:
     def _save_stream_state(self, output_dir: str) -> None:
         """Every data-parallel replica's stream position and buffer (``STREAM_STATE_NAME``) into ``output_dir``, written
         by each rank (under sequence parallelism by the first rank of each group)."""
-        if getattr(self, "_packing_sp_rank", 0):
+        if not self.parallel_plan.counts_rows:
             return  # sequence parallelism: the group shares one stream replica, its first rank writes it
         stream = self.packing_stream
         consumed = self._stream_batches_consumed

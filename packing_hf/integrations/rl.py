@@ -180,7 +180,7 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
         plans = [
             pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, 1, share) for c in chunks
         ]
-        if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
+        if self.parallel_plan.world_size > 1:
             # a forward through DDP may communicate (buffer broadcast): every rank runs as many
             counts = torch.tensor([len(p) for p in plans], device=self.accelerator.device)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)

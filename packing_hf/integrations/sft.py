@@ -46,6 +46,7 @@ from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
 from .args import PackingArguments
+from .loss import LossRoute
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
@@ -202,8 +203,9 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         args = self.args
         return (
             getattr(args, "logit_metrics", "labelled") == "labelled"
-            # packing_hf's own loss (loss_normalization sample/sample_sum, loss_weights) is the mixin's
-            and not getattr(self, "_packing_loss_active", False)
+            # packing_hf's own loss (loss_normalization sample/sample_sum, loss_weights, a cut row) is the mixin's
+            and self._packing_step_route is LossRoute.STOCK
+            and not self.parallel_plan.sequence_parallel
             and getattr(args, "loss_normalization", "token") == "token"
             and LOSS_WEIGHTS_KEY not in inputs
             and not return_outputs
@@ -213,7 +215,7 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
             and not self.aux_loss_enabled
             and "shift_labels" not in inputs
             and "labels" in inputs
-            and self.accelerator.parallelism_config is None
+            and not self.parallel_plan.shards_sample_tokens
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from ..collator import PaddingFreeCollator
 from .args import TrainingArguments, as_config
+from .parallel import ParallelPlan, hidden_sequence_parallelism
 from .refusals import Wording, check_refusals
 from .session import PackingSession
 
@@ -49,6 +50,10 @@ class PackedTrainerSkeleton:
     packing_collator: ClassVar[type | tuple[type, ...]] = PaddingFreeCollator  # the collators it packs with
     packing_refusals: ClassVar[tuple[str, ...]] = ("prompt_learning",)
     wording: ClassVar[Wording] = Wording()  # what the refusal messages call its packed things
+    #: whether this trainer cuts packed rows over ``sp_size`` processes itself (else ``sp_size`` stays accelerate's)
+    packing_sequence_parallel: ClassVar[bool] = False
+    #: the run's parallel layout, built once with the accelerator (:mod:`~packing_hf.integrations.parallel`)
+    parallel_plan: ParallelPlan
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stock_init = super().__init__
@@ -76,6 +81,14 @@ class PackedTrainerSkeleton:
         check_refusals(self.packing_refusals, self, {**call, "trainer": self, "model": self.model, "given": given},
                        built=True)  # fmt: skip
         self._packing_setup()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Stock's, then the run's :class:`~packing_hf.integrations.parallel.ParallelPlan` (``sp_size`` kept
+        from accelerate where this trainer serves it)."""
+        with hidden_sequence_parallelism(self.args, self.packing_sequence_parallel) as sp_size:
+            result = super().create_accelerator_and_postprocess()
+        self.parallel_plan = ParallelPlan.of(self, sp_size)
+        return result
 
     def _packing_setup(self) -> None:
         """Last in ``__init__``: the packing set-up of the built trainer."""

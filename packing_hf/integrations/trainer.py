@@ -123,7 +123,6 @@ class PackingTrainerMixin(
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         self._packing_last_logged_step = 0
         self._loss_setup()
-        self._sequence_parallel_setup()
         gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples
         if args.max_tokens_per_batch is None:
             return
@@ -146,14 +145,12 @@ class PackingTrainerMixin(
                 "max_tokens_per_batch gives every rank its own packed batches; accelerator_config with "
                 "split_batches=True or dispatch_batches=True would re-split or re-send them. Unset both."
             )
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("tp_size", "cp_size", "sp_size"):
-            if parallelism is not None and (getattr(parallelism, name, 1) or 1) > 1:
-                raise PackingRefused(
-                    "multipack_parallelism",
-                    f"max_tokens_per_batch does not support {name}={getattr(parallelism, name)}: multipack shards "
-                    "batches over data-parallel ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch.",
-                )
+        for name, size in self.parallel_plan.shards_sample_tokens.items():
+            raise PackingRefused(
+                "multipack_parallelism",
+                f"max_tokens_per_batch does not support {name}={size}: multipack shards batches over data-parallel "
+                "ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch.",
+            )
         if is_stream(self.train_dataset):
             self._check_stream_settings(self.train_dataset)
         if args.train_sampling_strategy not in ("random", None) and not is_stream(self.train_dataset):
@@ -236,7 +233,7 @@ class PackingTrainerMixin(
         if self.args.packing_metrics and "loss" in logs:
             totals = self._packing_metrics.as_tensor(self.args.device)
             tables = self._packing_metrics.rank_table(self.args.device)[None]  # (1, micro_batches, 2)
-            if self.accelerator.num_processes > 1:
+            if self.parallel_plan.world_size > 1:
                 totals = self.accelerator.reduce(totals, reduction="sum")
                 # ranks may have seen different micro-batch counts (a stream's last step): pad with nan rows
                 tables = self.accelerator.pad_across_processes(tables, dim=1, pad_index=math.nan)

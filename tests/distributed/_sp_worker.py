@@ -284,6 +284,10 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
             finally:
                 SequenceShard.attention = original
 
+        def _sequence_parallel_loss(self, *args, **kwargs):  # whether the chunked LM head served the shard
+            capture["sp_chunked"] = (args[5] if len(args) > 5 else kwargs.get("head")) is not None
+            return super()._sequence_parallel_loss(*args, **kwargs)
+
         def training_step(self, model, inputs, *args, **kwargs):
             ids = inputs.get("packed_input_ids", inputs.get("input_ids"))
             capture.setdefault("batches", []).append(ids.tolist())
@@ -354,6 +358,7 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
             result["eval"] = trainer.evaluate()["eval_loss"]
             result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)
     result["batches"] = capture["batches"]
+    result["sp_chunked"] = capture.get("sp_chunked")
     loss = capture["loss"].double()
     if sp_size > 1:
         dist.all_reduce(loss)

@@ -67,6 +67,14 @@ def test_sequence_parallel_equals_one_process(results, case, assert_close):
         assert_close(grads[name], want, f"{case}: grad of {name}", rel=RELATIVE_TOLERANCE)
 
 
+@pytest.mark.parametrize("case", ["trainer_sp2", "sft_sp2", "stream_sp2"])
+def test_sequence_parallel_shards_use_the_chunked_head(results, case):
+    """With ``chunked_loss`` (default) a shard's loss comes from the chunked LM head, not the shard's full logits
+    (the exactness above then holds for it)."""
+    reference, got = results[case]
+    assert got["sp_chunked"] is True and reference["sp_chunked"] is None
+
+
 @pytest.mark.parametrize("case", ["trainer_sp2", "dpo_sp2"])
 def test_evaluation_under_sequence_parallelism_equals_one_process(results, case, assert_close):
     """The eval loss of a sequence-parallel trainer, evaluated on shards (the attention ran on them), equals the

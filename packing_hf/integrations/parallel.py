@@ -1,0 +1,290 @@
+"""The run's parallel layout, owned by one object: :class:`ParallelPlan`, built once when a packed trainer makes its
+accelerator, asked by every other integrations module.
+
+What it holds: the engine (none, DDP, DeepSpeed ZeRO-1/2/3, FSDP1/2, DataParallel), the world and this process's
+rank **from the process group it runs in** (``torch.distributed``), the data-parallel size and rank the samplers
+and streams shard over, the sequence-parallel (SP) size, rank and group (a real ``DeviceMesh`` with dimensions
+``("dp", "sp")``), and the sizes accelerate was told (``tp_size`` / ``cp_size`` / ``sp_size`` of the
+``ParallelismConfig`` it got: packing_hf keeps ``sp_size`` to itself where it serves it, see
+:mod:`packing_hf.integrations.sequence_parallel`).
+
+Why from the process group: transformers and accelerate count the processes themselves, and can be wrong about
+it. Under DeepSpeed on a machine without GPUs and without ``use_cpu=True``, accelerate starts DeepSpeed's
+process group of N processes but reports one process (``args.world_size == 1``): every rank would draw the
+whole dataset, each sample trained N times per epoch. Under ``torchrun`` on CPU without ``use_cpu=True`` no
+process group is started at all, and each of the N processes trains its own copy on all the data. Both are
+refused by name here, with the fix (:func:`process_world`): a user launching N processes expects each sample
+once per epoch across them, and neither set-up can give that (the first one's loss scaling and gradient
+averaging disagree; the second one has no group to average over).
+
+This module and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
+that read the parallel sizes of a configuration.
+
+>>> plan = ParallelPlan()  # one process, no engine
+>>> plan.engine, plan.world_size, plan.data_parallel, plan.sequence_parallel
+('none', 1, (1, 0), False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ParallelPlan",
+    "configured_parallelism",
+    "hidden_sequence_parallelism",
+    "process_world",
+    "sequence_parallel_size",
+    "with_sp_size",
+]
+
+# set by ``accelerate launch --parallelism_config_*``: accelerate then builds its ParallelismConfig from the
+# environment when the Trainer hands it none
+_LAUNCHER_FLAG = "ACCELERATE_USE_PARALLELISM_CONFIG"
+# the sizes of a ParallelismConfig that cut one sample's tokens (or its model) over processes
+_TOKEN_SPLITS = ("tp_size", "cp_size", "sp_size")
+
+
+def configured_parallelism(args: Any) -> Any:
+    """The ``ParallelismConfig`` of training arguments: theirs, else the one ``accelerate launch
+    --parallelism_config_*`` set up in the environment, else ``None``.
+
+    >>> configured_parallelism(None) is None
+    True
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is None and os.environ.get(_LAUNCHER_FLAG, "false").lower() == "true":
+        from accelerate import ParallelismConfig
+
+        config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables the launcher set
+    return config
+
+
+def _sizes(config: Any, names: tuple[str, ...]) -> dict[str, int]:
+    """The sizes ``names`` of a ``ParallelismConfig`` that are above 1."""
+    sizes = {name: int(getattr(config, name, 1) or 1) for name in names} if config is not None else {}
+    return {name: size for name, size in sizes.items() if size > 1}
+
+
+def with_sp_size(parallelism_config: Any, sp_size: int) -> Any:
+    """The ``ParallelismConfig`` of ``TrainingArguments(sp_size=N)``: a new one with ``sp_size`` (``None`` for 1), or
+    the given one when it says the same; a given one that says otherwise is refused.
+
+    >>> with_sp_size(None, 2).sp_size, with_sp_size(None, 1)
+    (2, None)
+    """
+    given = int(getattr(parallelism_config, "sp_size", 1) or 1) if parallelism_config is not None else None
+    if given is not None and given != sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} but parallelism_config has sp_size={given}: set the size in one place"
+        )
+    if parallelism_config is not None or sp_size == 1:
+        return parallelism_config
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(sp_size=sp_size)
+
+
+def sequence_parallel_size(parallelism_config: Any) -> int:
+    """``sp_size`` of a ``ParallelismConfig`` packing_hf can serve (1 without one), else a ``ValueError``.
+
+    packing_hf's SP runs beside any data-parallel engine (DDP, DeepSpeed ZeRO-1/2/3: the processes of an SP group
+    are data-parallel for the parameters), not beside accelerate's tensor or context parallelism, nor beside
+    accelerate's FSDP mesh (``dp_shard_size``: accelerate would build its own mesh without the SP dimension).
+
+    >>> from accelerate import ParallelismConfig
+    >>> sequence_parallel_size(ParallelismConfig(sp_size=2)), sequence_parallel_size(None)
+    (2, 1)
+    """
+    size = int(getattr(parallelism_config, "sp_size", 1) or 1) if parallelism_config is not None else 1
+    if size == 1:
+        return 1
+    clashing = _sizes(parallelism_config, ("tp_size", "cp_size", "dp_shard_size"))
+    if clashing:
+        raise ValueError(
+            f"packing_hf's sequence parallelism (sp_size={size}) runs next to data parallelism (DDP, DeepSpeed "
+            f"ZeRO) only, not with {clashing}; set those to 1 (FSDP2 with SP: see docs/distributed.md)"
+        )
+    return size
+
+
+def process_world(accelerator_processes: int) -> tuple[int, int]:
+    """``(world_size, rank)`` of the process group this process runs in; refuses, by name, a launch whose
+    processes accelerate does not count as it (``accelerator_processes``: ``accelerator.num_processes``).
+
+    >>> process_world(1)  # no process group, no launcher: one process
+    (1, 0)
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    else:
+        world, rank = 1, 0
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world == 1 and launched > 1:
+        raise ValueError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}), but no process group joins them: "
+            "each would train its own copy of the model on all the data. On CPU transformers starts the group "
+            "(gloo) only with use_cpu=True: set TrainingArguments(use_cpu=True), or run one process"
+        )
+    if accelerator_processes != world:
+        raise ValueError(
+            f"the process group has {world} processes but accelerate counts {accelerator_processes} "
+            "(TrainingArguments.world_size), so every process would draw the whole dataset and the loss would be "
+            "scaled for the wrong world. This happens under DeepSpeed on a machine without GPUs (DS_ACCELERATOR="
+            "cpu): set TrainingArguments(use_cpu=True), which starts the group with gloo and counts it"
+        )
+    return world, rank
+
+
+@contextlib.contextmanager
+def hidden_sequence_parallelism(args: Any, serve: bool) -> Iterator[int]:
+    """While accelerate is made: ``sp_size`` hidden from it when this trainer serves it (``serve``), yielding the
+    size kept (1 when there is none, or when accelerate gets the config unchanged).
+
+    accelerate 1.15 and transformers 5.24 read ``sp_size > 1`` as DeepSpeed's ALST/Ulysses; packing_hf's trainers
+    run their own all-to-all, so accelerate is built without the config (and without the launcher's flag), and
+    both are put back after.
+    """
+    size = sequence_parallel_size(configured_parallelism(args))
+    if not serve or size == 1:
+        yield 1
+        return
+    given, args.parallelism_config = args.parallelism_config, None
+    flag = os.environ.pop(_LAUNCHER_FLAG, None)
+    try:
+        yield size
+    finally:
+        args.parallelism_config = given
+        if flag is not None:
+            os.environ[_LAUNCHER_FLAG] = flag
+
+
+def _engine(trainer: Any) -> tuple[str, int | None]:
+    """``(engine, stage or version)`` of a trainer whose accelerator is made."""
+    state = getattr(trainer.accelerator, "state", None)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        plugin = getattr(state, "deepspeed_plugin", None)
+        return "deepspeed", int(getattr(plugin, "zero_stage", 0) or 0)
+    if getattr(trainer, "is_fsdp_enabled", False):
+        plugin = getattr(state, "fsdp_plugin", None)
+        return "fsdp", int(getattr(plugin, "fsdp_version", 1) or 1)
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        return "data_parallel", None
+    return ("ddp" if trainer.accelerator.num_processes > 1 else "none"), None
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the run is laid out over processes; :meth:`of` builds it from a trainer whose accelerator is made.
+
+    Attributes:
+        engine: ``"none"`` (one process), ``"ddp"``, ``"deepspeed"``, ``"fsdp"`` or ``"data_parallel"`` (several
+            GPUs in one process).
+        engine_level: the ZeRO stage (``"deepspeed"``) or the FSDP version (``"fsdp"``), else ``None``.
+        world_size, rank: the process group's (``torch.distributed``), 1 and 0 without one.
+        sp_size, sp_rank, sp_group: the sequence-parallel group this process cuts packed rows with (``sp_size``
+            consecutive ranks; ``None`` group without SP).
+        mesh: the ``DeviceMesh`` ``("dp", "sp")`` the SP groups come from (``None`` without SP).
+        accelerate_sizes: the ``tp_size`` / ``cp_size`` / ``sp_size`` above 1 of the ``ParallelismConfig``
+            accelerate was given (``sp_size`` is absent where packing_hf serves it).
+    """
+
+    engine: str = "none"
+    engine_level: int | None = None
+    world_size: int = 1
+    rank: int = 0
+    sp_size: int = 1
+    sp_rank: int = 0
+    sp_group: Any = None
+    mesh: Any = None
+    accelerate_sizes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, trainer: Any, sp_size: int = 1) -> ParallelPlan:
+        """The plan of ``trainer`` (its accelerator made), with ``sp_size`` kept from accelerate (1: none).
+
+        Collective when ``sp_size > 1`` (every process builds the mesh): called once per trainer, in its
+        ``__init__``.
+        """
+        accelerator = trainer.accelerator
+        world, rank = process_world(accelerator.num_processes)
+        engine, level = _engine(trainer)
+        accelerate_sizes = _sizes(getattr(accelerator, "parallelism_config", None), _TOKEN_SPLITS)
+        if sp_size == 1:
+            return cls(engine, level, world, rank, accelerate_sizes=accelerate_sizes)
+        if trainer.args.max_tokens_per_batch is None:
+            raise ValueError(
+                f"sp_size={sp_size} cuts packed rows over processes; set max_tokens_per_batch (the row's token budget)"
+            )
+        if world % sp_size:
+            raise ValueError(f"sp_size={sp_size} must divide the number of processes ({world})")
+        if engine == "fsdp":
+            raise ValueError(
+                f"sp_size={sp_size} with FSDP through the Trainer is not supported yet (FSDP's own mesh has no SP "
+                "dimension); use DDP or DeepSpeed ZeRO beside sp_size, see docs/distributed.md"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            accelerator.device.type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp")
+        )
+        return cls(
+            engine,
+            level,
+            world,
+            rank,
+            sp_size,
+            mesh.get_local_rank("sp"),
+            mesh.get_group("sp"),
+            mesh,
+            accelerate_sizes,
+        )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether packed rows are cut over an SP group."""
+        return self.sp_size > 1
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(replicas, replica index)`` the samplers and streams shard the data over: the SP groups are the
+        replicas (every process of a group holds its row)."""
+        return self.world_size // self.sp_size, self.rank // self.sp_size
+
+    @property
+    def counts_rows(self) -> bool:
+        """Whether this process counts its rows into a step's totals (under SP only the group's first one does,
+        so that each row counts once); also the process that writes a replica's stream state."""
+        return self.sp_rank == 0
+
+    @property
+    def shards_sample_tokens(self) -> dict[str, int]:
+        """The sizes accelerate was told that cut one sample's tokens or model over processes (tensor, context or
+        DeepSpeed's sequence parallelism): multipack and packing_hf's loss refuse them by name."""
+        return dict(self.accelerate_sizes)
+
+    @property
+    def holds_weights_itself(self) -> bool:
+        """Whether the engine keeps parameters outside the modules' reach between calls (ZeRO-3, FSDP) or
+        replicates the module per device (DataParallel): code that reads a weight outside its module's call
+        (the chunked LM head) would see a shard or a copy."""
+        return (
+            (self.engine == "deepspeed" and (self.engine_level or 0) >= 3)
+            or self.engine in ("fsdp", "data_parallel")
+        )
+
+    def describe(self) -> str:
+        """One line for logs and errors: ``deepspeed ZeRO-3, 4 processes (dp 2 x sp 2)``.
+
+        >>> ParallelPlan("deepspeed", 3, 4, 0, 2).describe()
+        'deepspeed ZeRO-3, 4 processes (dp 2 x sp 2)'
+        """
+        level = {"deepspeed": f" ZeRO-{self.engine_level}", "fsdp": f"{self.engine_level}"}.get(self.engine, "")
+        layout = f" (dp {self.data_parallel[0]} x sp {self.sp_size})" if self.sequence_parallel else ""
+        return f"{self.engine}{level}, {self.world_size} process{'es' if self.world_size > 1 else ''}{layout}"

@@ -1,0 +1,282 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 through ``packing_hf.Trainer`` and ``SFTTrainer`` next to gloo DDP, on the same 2 CPU
+processes (``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _deepspeed_worker.py OUT_DIR``, launched by
+``test_deepspeed_multiprocess.py``).
+
+Every case trains a tiny Llama on packing_hf's attention with ``max_tokens_per_batch`` for one epoch of SGD steps
+(``use_cpu=True``: gloo; DeepSpeed's engine when a config is given) and writes, per rank, the loss of every step,
+the dataset indices each rank trained on (counted in ``training_step``) and, on rank 0, every parameter after the
+epoch (gathered whole under ZeRO-3):
+
+- ``ddp``, ``zero2``, ``zero3``: ``packing_hf.Trainer``; under ZeRO-3 the model is built after the arguments, so
+  transformers partitions it at construction (``deepspeed.zero.Init``) and the pre-flight check runs next to
+  partitioned parameters; ``check_packing`` of the partitioned model is recorded too.
+- ``sft_ddp``, ``sft_zero2``, ``sft_zero3``: ``packing_hf.SFTTrainer`` on the same tokenized rows.
+- ``sp2_ddp``, ``sp2_zero3``: ``packing_hf.Trainer`` with ``ParallelismConfig(sp_size=2)``: every packed row cut
+  over both processes, next to DDP, then inside ZeRO-3 (parameters partitioned over the same processes).
+- ``dpo_ddp``, ``dpo_zero3``: ``packing_hf.DPOTrainer`` with a live reference model (other weights than the policy),
+  GSM8K pairs tokenized by TRL (the SmolLM2 vocabulary); under ZeRO-3 TRL prepares the reference model as a
+  DeepSpeed engine too. Losses only (the policy's parameters are compared in the Trainer cases).
+- ``local_mean_zero3`` (negative control): ZeRO-3 with every rank's loss normalised by its own token count
+  (``average_tokens_across_devices=False``, what a miscounted world does to the loss): not DDP's training.
+- ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
+  two: the error message.
+
+Importing this module does nothing (pytest collects it for doctests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+NUM_SAMPLES = 40
+VOCAB = 128
+MAX_TOKENS_PER_BATCH = 128
+SEED = 0
+TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
+# DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
+DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
+CASES = ("ddp", "sft_ddp", "sp2_ddp", "dpo_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3", "sp2_zero3", "dpo_zero3", "local_mean_zero3")
+IDS_KEY = "packing_hf_test_sample_ids"
+
+
+def make_samples() -> list[dict]:
+    """Deterministic samples of 8..43 tokens, ids in [1, VOCAB), each with its index."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        {"input_ids": torch.randint(1, VOCAB, (8 + (i * 13) % 36,), generator=generator).tolist(), "idx": i}
+        for i in range(NUM_SAMPLES)
+    ]
+
+
+def make_model(vocab: int = VOCAB, seed: int = SEED):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import packing_hf
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=packing_hf.register_attention()).float()
+
+
+def make_pairs(count: int):
+    """``count`` GSM8K preference pairs: the reference answer vs. its lines reversed."""
+    import datasets
+
+    rows = []
+    with open(os.path.join(os.path.dirname(TOKENIZER), "gsm8k_train.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if len(row["question"]) < 160 and len(row["answer"]) < 250:
+                rows.append(row)
+            if len(rows) == count:
+                break
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
+            "chosen": [" " + r["answer"] for r in rows],
+            "rejected": [" " + "\n".join(reversed(r["answer"].split("\n"))) for r in rows],
+        }
+    )
+
+
+def dpo_losses(out_dir: str, case: str, common: dict, starts: dict) -> dict:
+    """DPO with a live reference model; ``common``: the case's training arguments, ``starts``: the policy's and
+    the reference's weights (built whole, before any ZeRO-3 arguments)."""
+    from transformers import AutoTokenizer
+
+    import packing_hf
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    options = {**common, "max_tokens_per_batch": DPO_TOKENS}
+    args = packing_hf.DPOConfig(os.path.join(out_dir, case), bf16=False, shared_prompt=False, **options)
+    policy, reference = make_model(len(tokenizer)), make_model(len(tokenizer), seed=1)
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):  # zero.Init initialised its own weights
+        load_whole(policy, starts["policy"])
+        load_whole(reference, starts["reference"])
+    trainer = packing_hf.DPOTrainer(
+        model=policy, ref_model=reference, args=args, processing_class=tokenizer, train_dataset=make_pairs(6)
+    )
+    trainer.train()
+    return {
+        "plan": trainer.parallel_plan.describe(),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def deepspeed_config(stage: int) -> dict:
+    return {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,  # the Trainer's own torch SGD
+    }
+
+
+def load_whole(model, state: dict) -> None:
+    """``state`` into ``model``, whose parameters ZeRO-3 partitioned at construction (collective)."""
+    import deepspeed
+    import torch
+
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            for name, p in params.items():
+                p.data.copy_(state[name])
+
+
+def refused_without_cpu(out_dir: str) -> str:
+    """The message of the refusal of DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts 1 process of 2);
+    accelerate's state is reset after it, for the cases."""
+    from accelerate.state import AcceleratorState
+
+    import packing_hf
+
+    args = packing_hf.TrainingArguments(
+        os.path.join(out_dir, "refused"),
+        max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
+        report_to="none",
+        deepspeed=deepspeed_config(2),
+    )
+    try:
+        packing_hf.Trainer(model=make_model(), args=args, train_dataset=make_samples())
+    except ValueError as error:
+        return str(error)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by the Accelerator given a plugin
+    return ""
+
+
+def whole_parameters(model) -> dict[str, list]:
+    """Every parameter of ``model`` as lists (gathered whole when ZeRO-3 partitioned it; collective)."""
+    import contextlib
+
+    params = dict(model.named_parameters())
+    context = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params.values()):
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None)
+    with context:
+        return {name: p.detach().double().flatten().tolist() for name, p in params.items()}
+
+
+def main(out_dir: str) -> None:
+    import datasets
+    import torch
+    from accelerate import ParallelismConfig
+    from transformers import AutoTokenizer
+
+    import packing_hf
+
+    @dataclass
+    class Recording(packing_hf.PaddingFreeCollator):
+        """Puts the indices of the batch's samples in the batch (taken out again in ``training_step``)."""
+
+        drop_keys: tuple = ("idx",)
+        input_columns = (*packing_hf.PaddingFreeCollator.input_columns, "idx")
+
+        def __call__(self, features, return_tensors=None):
+            batch = super().__call__(features, return_tensors)
+            batch[IDS_KEY] = torch.tensor([int(f["idx"]) for f in features])
+            return batch
+
+    def counting(base):
+        class Counting(base):
+            """Counts the samples every training step gets."""
+
+            seen: list
+
+            def training_step(self, model, inputs, *args, **kwargs):
+                self.seen.extend(inputs.pop(IDS_KEY).tolist())
+                return super().training_step(model, inputs, *args, **kwargs)
+
+        return Counting
+
+    rank = int(os.environ["RANK"])
+    dataset = datasets.Dataset.from_list(make_samples())
+    results = {"refused_without_cpu": refused_without_cpu(out_dir)}
+    start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
+    results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
+    vocab = len(AutoTokenizer.from_pretrained(TOKENIZER))
+    dpo_starts = {"policy": make_model(vocab).state_dict(), "reference": make_model(vocab, seed=1).state_dict()}
+    for case in CASES:
+        stage = {"zero2": 2, "zero3": 3}.get(case.split("_")[-1])
+        sft = case.startswith("sft_")
+        sequence_parallel = case.startswith("sp2_")
+        common = dict(
+            max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
+            num_train_epochs=1,
+            optim="sgd",
+            learning_rate=0.5,
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            seed=SEED,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            use_cpu=True,
+            ddp_backend="gloo",
+            ddp_timeout=120,
+            disable_tqdm=True,
+            deepspeed=deepspeed_config(stage) if stage else None,
+            parallelism_config=ParallelismConfig(sp_size=2) if sequence_parallel else None,
+            # the negative control: each rank's loss over its own token count (not the step's, over both ranks)
+            average_tokens_across_devices=not case.startswith("local_mean_"),
+        )
+        if case.startswith("dpo_"):
+            results[case] = dpo_losses(out_dir, case, common, dpo_starts)
+            continue
+        output = os.path.join(out_dir, case)
+        args = (
+            packing_hf.SFTConfig(output, bf16=False, **common)
+            if sft
+            else packing_hf.TrainingArguments(output, **common)
+        )
+        model = make_model()  # built after the arguments: under ZeRO-3, partitioned at construction
+        record = {}
+        if stage == 3:
+            record["partitioned"] = all(hasattr(p, "ds_id") for p in model.parameters())
+            load_whole(model, start)  # zero.Init initialised its own weights
+            report = packing_hf.check_packing(model, gradients=False, noise_floor=False)
+            record["check"] = {"leaked": report.leaked, "error": report.error, "diff": report.max_logits_diff}
+        trainer_class = counting(packing_hf.SFTTrainer if sft else packing_hf.Trainer)
+        extra = {"processing_class": AutoTokenizer.from_pretrained(TOKENIZER)} if sft else {}
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, data_collator=Recording(), **extra)
+        trainer.seen = []
+        trainer.train()
+        record.update(
+            plan=trainer.parallel_plan.describe(),
+            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+            seen=trainer.seen,
+            world_size=trainer.args.world_size,
+        )
+        parameters = whole_parameters(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        if rank == 0:
+            record["parameters"] = parameters
+        results[case] = record
+        del trainer, model
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,63 @@
+"""The run's parallel layout (``packing_hf/integrations/parallel.py``): one plan per trainer, built with its
+accelerator, and the launches whose processes the Trainer would not run together refused by name.
+
+The multi-process plans (DDP, DeepSpeed ZeRO-2/3, sequence parallelism inside them) are checked with real processes in
+``tests/distributed/test_deepspeed_multiprocess.py`` and ``test_sequence_parallel_multiprocess.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from accelerate import ParallelismConfig
+
+import packing_hf
+from packing_hf.integrations.parallel import ParallelPlan, sequence_parallel_size
+
+
+def _trainer(tmp_path, tiny_llama, **options):
+    args = packing_hf.TrainingArguments(
+        str(tmp_path), report_to="none", max_tokens_per_batch=64, use_cpu=True, **options
+    )
+    data = [{"input_ids": list(range(1, n))} for n in (5, 9, 7)]
+    return packing_hf.Trainer(model=tiny_llama(vocab_size=32), args=args, train_dataset=data)
+
+
+def test_one_plan_per_trainer(tmp_path, tiny_llama):
+    plan = _trainer(tmp_path, tiny_llama).parallel_plan
+    assert isinstance(plan, ParallelPlan)
+    assert (plan.engine, plan.world_size, plan.rank, plan.data_parallel) == ("none", 1, 0, (1, 0))
+    assert not plan.sequence_parallel and plan.counts_rows and plan.describe() == "none, 1 process"
+
+
+def test_a_launch_the_trainer_runs_as_one_process_is_refused(tmp_path, tiny_llama, monkeypatch):
+    """``torchrun --nproc_per_node 2`` on CPU without ``use_cpu=True``: no process group joins the processes
+    (transformers' parallel mode is NOT_PARALLEL), so each would train its own copy on all the data."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = packing_hf.TrainingArguments(str(tmp_path), report_to="none", max_tokens_per_batch=64)
+    data = [{"input_ids": list(range(1, n))} for n in (5, 9, 7)]
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2.*no process group.*use_cpu=True"):
+        packing_hf.Trainer(model=tiny_llama(vocab_size=32), args=args, train_dataset=data)
+
+
+def test_sequence_parallel_sizes_it_cannot_serve_are_refused(tmp_path, tiny_llama):
+    assert sequence_parallel_size(ParallelismConfig(sp_size=2)) == 2
+    with pytest.raises(ValueError, match=r"runs next to data parallelism.*'tp_size': 2"):
+        sequence_parallel_size(ParallelismConfig(sp_size=2, tp_size=2))
+    with pytest.raises(ValueError, match="sp_size=2 must divide the number of processes \\(1\\)"):
+        _trainer(tmp_path, tiny_llama, parallelism_config=ParallelismConfig(sp_size=2))
+
+
+def test_sp_size_is_an_argument_and_a_config_key(tmp_path):
+    """``sp_size`` is a training argument (the same as ``ParallelismConfig(sp_size=N)``), so the ``packing-hf train``
+    YAML and command line take it; a ``parallelism_config`` saying otherwise is refused."""
+    from packing_hf.app.config import load_train_config
+
+    args = packing_hf.TrainingArguments(str(tmp_path), report_to="none", sp_size=2)
+    assert args.parallelism_config.sp_size == 2
+    with pytest.raises(ValueError, match="sp_size=2 but parallelism_config has sp_size=4"):
+        packing_hf.TrainingArguments(
+            str(tmp_path), report_to="none", sp_size=2, parallelism_config=ParallelismConfig(sp_size=4)
+        )
+    config = {"output_dir": str(tmp_path), "max_steps": 2, "max_tokens_per_batch": 2048, "trainer": "sft"}
+    cfg = load_train_config(config, ["sp_size=2"])
+    assert type(cfg.training).__name__ == "SFTConfig" and cfg.training.parallelism_config.sp_size == 2
