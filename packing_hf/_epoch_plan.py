@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import _binpack
-from ._binpack_kernels import _balance_steps, _bin_square_sums, _group_by_bin
+from ._balance_kernels import _balance_steps
+from ._binpack_kernels import _bin_square_sums, _group_by_bin
 from ._random_kernels import _order_by_cost, stream_seed
 
 logger = logging.getLogger("packing_hf.sampler")

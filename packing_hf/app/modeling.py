@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import missing_extra
-from .config import ModelArguments
+from .config import ModelArguments, TrainConfig
 
 __all__ = [
     "BASE_MODEL_DIR",
@@ -31,6 +31,7 @@ __all__ = [
     "load_tokenizer",
     "model_source",
     "peft_config_from",
+    "prepare_adapter",
     "resolve_model_source",
 ]
 
@@ -278,3 +279,24 @@ def peft_config_from(values: dict[str, Any] | None, task_type: str = "CAUSAL_LM"
             )
     values.setdefault("task_type", task_type)
     return cls(**values)
+
+
+def saves_anything(cfg: TrainConfig) -> bool:
+    """Whether the job writes to ``output_dir``: the final model or checkpoints."""
+    return (
+        cfg.job.save_model
+        or str(getattr(cfg.training.save_strategy, "value", cfg.training.save_strategy)) != "no"
+    )
+
+
+def prepare_adapter(cfg: TrainConfig, model, tokenizer, say, task_type: str = "CAUSAL_LM"):
+    """The ``peft:`` block as a ``peft.PeftConfig`` (None without one), with the adapter's base made
+    reloadable first (:func:`~packing_hf.app.modeling.anchor_adapter_base`): every trainer of the job trains
+    and saves an adapter the same way."""
+    peft_config = peft_config_from(cfg.model.peft, task_type)
+    if peft_config is None:
+        return None
+    write = saves_anything(cfg) and cfg.training.should_save
+    base = anchor_adapter_base(model, cfg.model, tokenizer, cfg.training.output_dir, write=write)
+    say(f"training a {peft_config.peft_type.value} adapter; its base model: {base}")
+    return peft_config

@@ -54,7 +54,7 @@ from .interrupt import (
     resumed_note,
     train_until_interrupted,
 )
-from .modeling import anchor_adapter_base, load_model, load_tokenizer, model_source, peft_config_from
+from .modeling import load_model, load_tokenizer, model_source, prepare_adapter
 from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
@@ -87,27 +87,6 @@ def _describe_model(model_args: ModelArguments, model) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
     return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
-
-
-def saves_anything(cfg: TrainConfig) -> bool:
-    """Whether the job writes to ``output_dir``: the final model or checkpoints."""
-    return (
-        cfg.job.save_model
-        or str(getattr(cfg.training.save_strategy, "value", cfg.training.save_strategy)) != "no"
-    )
-
-
-def prepare_adapter(cfg: TrainConfig, model, tokenizer, say, task_type: str = "CAUSAL_LM"):
-    """The ``peft:`` block as a ``peft.PeftConfig`` (None without one), with the adapter's base made
-    reloadable first (:func:`~packing_hf.app.modeling.anchor_adapter_base`): every trainer of the job trains
-    and saves an adapter the same way."""
-    peft_config = peft_config_from(cfg.model.peft, task_type)
-    if peft_config is None:
-        return None
-    write = saves_anything(cfg) and cfg.training.should_save
-    base = anchor_adapter_base(model, cfg.model, tokenizer, cfg.training.output_dir, write=write)
-    say(f"training a {peft_config.peft_type.value} adapter; its base model: {base}")
-    return peft_config
 
 
 def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:

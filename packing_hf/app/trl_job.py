@@ -31,7 +31,7 @@ from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .data_first import DataFirst, read_trl_data
 from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
-from .modeling import load_model, load_tokenizer, model_source
+from .modeling import load_model, load_tokenizer, model_source, prepare_adapter
 from .report import print_summary
 from .rewards import resolve_reward_funcs
 from .train import (
@@ -40,7 +40,6 @@ from .train import (
     _restore_user_config,
     _stop_interrupted,
     _write_summary,
-    prepare_adapter,
     run_training,
 )
 

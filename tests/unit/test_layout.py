@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._binpack",
             "packing_hf._binpack_kernels",
             "packing_hf._random_kernels",
+            "packing_hf._balance_kernels",
             "packing_hf._rows",
             # per-token loss arithmetic of the loss contract (read by the collator and the trainers)
             "packing_hf._loss",
