@@ -58,6 +58,7 @@ __all__ = [
     "flops_counter",
     "step_flops",
     "step_time_percentiles",
+    "summarize_logged_flops",
 ]
 
 # Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, from the vendors' data sheets; the key is a
@@ -204,3 +205,57 @@ def step_time_percentiles(seconds: Sequence[float]) -> dict[str, float]:
         return {}
     p50, p90 = np.percentile(np.asarray(values), [50, 90])
     return {"step_seconds_p50": round(float(p50), 6), "step_seconds_p90": round(float(p90), 6)}
+
+
+def summarize_logged_flops(log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A training run's FLOPs figures from its logs (``trainer.state.log_history``), ``None`` without any.
+
+    Every training log covers the steps since the previous one; the run's figures weigh them by their steps:
+    ``model_flops`` (all steps), ``attention_share`` (of those FLOPs), ``model_tflops_per_s`` (FLOPs over the
+    timed seconds), ``mfu`` (where the logs have it), and ``step_seconds_p50`` / ``_p90``: exact percentiles
+    of the steps when every log covers one step (``logging_steps=1``), else the median of the logs' own
+    (``step_percentiles`` says which).
+
+    >>> logs = [{"step": 1, "model_flops_per_step": 4e12, "attention_flops_per_step": 1e12,
+    ...          "model_tflops_per_s": 2.0, "mfu": 0.5, "step_seconds_p50": 2.0, "step_seconds_p90": 2.0},
+    ...         {"step": 2, "model_flops_per_step": 6e12, "attention_flops_per_step": 2e12,
+    ...          "model_tflops_per_s": 2.0, "mfu": 0.5, "step_seconds_p50": 3.0, "step_seconds_p90": 3.0}]
+    >>> summary = summarize_logged_flops(logs)
+    >>> summary["model_flops"], summary["attention_share"], summary["model_tflops_per_s"], summary["mfu"]
+    (10000000000000.0, 0.3, 2.0, 0.5)
+    >>> summary["step_seconds_p50"], summary["step_percentiles"]
+    (2.5, 'steps')
+    """
+    total = attention = seconds = 0.0
+    previous, windows, mfu_per_tflops = 0, [], None
+    for entry in log_history:
+        if "model_flops_per_step" not in entry:
+            previous = int(entry.get("step", previous))
+            continue
+        step = int(entry.get("step", previous + 1))
+        steps, previous = max(step - previous, 1), step
+        flops = float(entry["model_flops_per_step"]) * steps
+        total += flops
+        attention += float(entry.get("attention_flops_per_step", 0.0)) * steps
+        tflops = entry.get("model_tflops_per_s")
+        if tflops:
+            seconds += flops / (float(tflops) * 1e12)
+            if "mfu" in entry:
+                mfu_per_tflops = float(entry["mfu"]) / float(tflops)
+        if "step_seconds_p50" in entry:
+            windows.append((steps, float(entry["step_seconds_p50"]), float(entry["step_seconds_p90"])))
+    if total == 0:
+        return None
+    out: dict[str, Any] = {"model_flops": total, "attention_share": attention / total}
+    if seconds > 0:
+        out["model_tflops_per_s"] = total / seconds / 1e12
+        if mfu_per_tflops is not None:
+            out["mfu"] = out["model_tflops_per_s"] * mfu_per_tflops
+    if windows:
+        if all(steps == 1 for steps, _, _ in windows):
+            out.update(step_time_percentiles([p50 for _, p50, _ in windows]), step_percentiles="steps")
+        else:
+            out["step_seconds_p50"] = float(np.median([p50 for _, p50, _ in windows]))
+            out["step_seconds_p90"] = float(np.median([p90 for _, _, p90 in windows]))
+            out["step_percentiles"] = "median of the logged windows"
+    return out

@@ -291,8 +291,8 @@ class PackingMetrics:
                 this process's own (the rank metrics are then 1.0).
 
         Returns:
-            ``{}`` when no batch was seen, else the metrics of the module docstring (rounded to 4 decimals, as
-            they are meant for logs; the FLOPs whole).
+            ``{}`` when no batch was seen, else the metrics of the module docstring (the packing ratios
+            rounded to 4 decimals, as they are meant for logs; the FLOPs, TFLOP/s and MFU unrounded).
         """
         vector = self.as_tensor() if totals is None else totals.detach().double().cpu()
         real, emitted, samples, padded, micro_batches, squares, counted = (float(v) for v in vector.tolist())
@@ -318,9 +318,9 @@ class PackingMetrics:
         metrics["attention_flops_per_step"] = flops.attention / num_steps
         if len(seconds) == num_steps and sum(seconds) > 0:  # every step of the window timed
             tflops = flops.total / sum(seconds) / 1e12
-            metrics["model_tflops_per_s"] = round(tflops, 6)
+            metrics["model_tflops_per_s"] = tflops
             if self.peak_tflops:
-                metrics["mfu"] = round(tflops / (self.peak_tflops * self.devices), 6)
+                metrics["mfu"] = tflops / (self.peak_tflops * self.devices)
         return metrics
 
 

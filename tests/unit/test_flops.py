@@ -117,8 +117,8 @@ def test_metrics_count_flops_per_step_and_mfu_from_the_given_peak(config):
     assert out["attention_flops_per_step"] == counter.quadratic * (9 + 25 + 16)
     assert out["model_flops_per_step"] == counter.linear * 12 + counter.quadratic * 50
     assert out["step_seconds_p50"] == out["step_seconds_p90"] == 2.0
-    assert out["model_tflops_per_s"] == round(out["model_flops_per_step"] / 2.0 / 1e12, 6)
-    assert out["mfu"] == round(out["model_flops_per_step"] / 2.0 / 1e12 / (1e-6 * 2), 6)
+    assert out["model_tflops_per_s"] == out["model_flops_per_step"] / 2.0 / 1e12
+    assert out["mfu"] == pytest.approx(out["model_flops_per_step"] / 2.0 / 1e12 / (1e-6 * 2), rel=1e-12)
 
 
 def test_no_flops_for_uncounted_batches_and_the_peak_is_refused_there(config):

@@ -52,7 +52,7 @@ def test_logged_attention_flops_follow_the_sum_of_squares(
         # negative control: the whole row as one sequence (T**2) is not what is logged
         assert logs[name]["attention_flops_per_step"] != counter.quadratic * 100**2
         assert logs[name]["step_seconds_p50"] > 0 and logs[name]["model_tflops_per_s"] > 0
-        assert logs[name]["mfu"] == pytest.approx(logs[name]["model_tflops_per_s"] / 1.0, abs=1e-6)
+        assert logs[name]["mfu"] == pytest.approx(logs[name]["model_tflops_per_s"] / 1.0, rel=1e-12)
     difference = logs["two"]["attention_flops_per_step"] - logs["four"]["attention_flops_per_step"]
     assert difference == counter.quadratic * (30**2 + 70**2 - 10**2 - 20**2 - 30**2 - 40**2)
     assert logs["two"]["model_flops_per_step"] - logs["four"]["model_flops_per_step"] == difference

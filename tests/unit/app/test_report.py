@@ -50,3 +50,24 @@ def test_a_busy_machine_is_said_beside_the_ratio_and_the_times():
 def test_the_load_average_is_read_with_the_cores_it_is_compared_to():
     now = load_average()
     assert now["cores"] >= 1 and (now["load"] is None or now["load"] >= 0)
+
+
+def test_the_summary_and_the_plot_show_the_model_flops(tmp_path):
+    from packing_hf.app.report import plot_losses
+    from packing_hf.flops import summarize_logged_flops
+
+    logs = [
+        {"step": step, "loss": 2.0 / step, "model_flops_per_step": 4e12, "attention_flops_per_step": 1e12,
+         "model_tflops_per_s": 2.0 * step, "mfu": 0.01 * step, "step_seconds_p50": 2.0 / step,
+         "step_seconds_p90": 2.0 / step}
+        for step in (1, 2)
+    ]  # fmt: skip
+    flops = summarize_logged_flops(logs)
+    # 8e12 FLOPs in 2 s + 1 s: 8/3 TFLOP/s; MFU per TFLOP/s 0.01 / 2 (one peak x devices for the run)
+    assert flops["model_tflops_per_s"] == 8 / 3 and abs(flops["mfu"] - 0.04 / 3) < 1e-12
+    printed = _printed({**_summary(0.5, 0.5), "flops": flops})
+    assert "compute      8 TFLOPs (attention 25.0%, per sample), 2.67 model TFLOP/s, MFU 1.3%" in printed
+    assert "step 1.5 s p50 / 1.9 s p90" in printed
+    assert "compute" not in _printed(_summary(0.5, 0.5))  # no FLOPs figures: no line
+    path = plot_losses(logs, tmp_path / "curve.png")
+    assert path is None or (tmp_path / "curve.png").stat().st_size > 0
