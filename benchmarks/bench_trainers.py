@@ -121,10 +121,17 @@ def load_samples(tokenizer, n: int, seed: int, budget: int) -> list[list[int]]:
     return [x[:budget] for x in ids]  # no sample is longer than 1k tokens; the cut only guards small budgets
 
 
-def build_model(args, vocab: int | None, attention: str):
+def build_model(args, vocab: int | None, attention: str, config: Any = None):
+    """The preset's model on ``args.device`` in ``args.dtype`` (the GGUF file's weights for ``smollm2-135m-gguf``);
+    given a ``config``, a model of that config (every run's copy, which then loads the initial weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
+    if config is not None:
+        with torch.device(args.device):
+            return AutoModelForCausalLM.from_config(
+                config, attn_implementation=attention, dtype=dtype
+            ).train()
     if args.preset == "smollm2-135m-gguf":
         from packing_hf.app.config import ModelArguments
         from packing_hf.app.modeling import load_model
@@ -241,12 +248,10 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
     return transformers.Trainer(model=model, args=config, train_dataset=data, data_collator=collator)
 
 
-def run_once(
-    name: str, init: dict, vocab: int | None, samples, tokenizer, args, peak_tflops
-) -> dict[str, Any]:
+def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_tflops) -> dict[str, Any]:
     """One epoch of one contender from the initial weights: its timed steps' figures."""
     attention = packing_hf.ATTENTION_NAME if name == "packing_hf" else args.peer_attention
-    model = build_model(args, vocab, attention)
+    model = build_model(args, None, attention, config=config)
     model.load_state_dict(init)
     counter = flops_counter(model.config)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -308,7 +313,9 @@ def main() -> None:
         samples = [remap[x].tolist() for x in samples]
         vocab = int(used.size)
     torch.manual_seed(args.seed)
-    init = copy.deepcopy(build_model(args, vocab, "sdpa").state_dict())
+    reference = build_model(args, vocab, "sdpa")
+    config, init = copy.deepcopy(reference.config), copy.deepcopy(reference.state_dict())
+    del reference
     peak_tflops = args.peak_tflops
     if peak_tflops is None and args.device == "cuda" and args.dtype != "float32":
         peak_tflops = device_peak_tflops("cuda")  # the table's peaks are bf16 / fp16 tensor-core peaks
@@ -320,7 +327,7 @@ def main() -> None:
         )
         for name in order:
             start = time.perf_counter()
-            runs[name].append(run_once(name, init, vocab, samples, tokenizer, args, peak_tflops))
+            runs[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
             print(
                 f"round {repeat + 1}/{args.repeats} {name}: {runs[name][-1]['tokens_per_s']:,.0f} tokens/s "
                 f"({time.perf_counter() - start:.1f} s with set-up)",
