@@ -120,14 +120,20 @@ class PackingStatsCollator:
             padding = after.get("padding_tokens", 0) - before.get("padding_tokens", 0)
         else:
             real, samples = min(sum(lengths), emitted), len(lengths)
-        attended = batch_sample_lengths(batch, padding=padding)  # as the model sees them (truncated, split)
         batch[STATS_KEY] = {
             "real_tokens": int(real),
             "emitted_tokens": emitted,
             "samples": int(samples),
             "padded_tokens": int(samples * max(lengths, default=0)),
-            SQUARES_KEY: int(sum(n * n for n in attended)),
         }
+        try:  # the samples as the model attends over them (truncated, split)
+            attended = batch_sample_lengths(batch, padding=padding)
+        except (
+            ValueError
+        ):  # padding the layout does not set apart: no FLOPs for this batch rather than wrong ones
+            attended = None
+        if attended is not None:
+            batch[STATS_KEY][SQUARES_KEY] = int(sum(n * n for n in attended))
         if self.cost_model is not None:
             batch[STATS_KEY][COST_KEY] = self.cost_model.batch_cost(lengths)
         return batch
