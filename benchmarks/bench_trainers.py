@@ -20,7 +20,8 @@ Contenders (every one the stock way to use it, each trainer's own loss):
 Fairness: every contender trains one epoch over the same samples (real data from ``../shared/data``: GSM8K train,
 GPTeacher, Alpaca-GPT4 in the Alpaca template, SmolLM2 tokenizer from the GGUF file, shuffled once, cut at the
 budget) from the same initial weights, in ``--dtype`` weights with AdamW and no autocast, with the same seed,
-learning rate, clipping and logging interval. The tokens per optimizer step are the same as far as each allows:
+learning rate, clipping and logging interval, and activation checkpointing off for all (TRL's configs default to
+on, transformers' to off; ``--activation-checkpointing`` turns it on for all). The tokens per optimizer step are the same as far as each allows:
 the packers fill steps of at most ``budget`` tokens; the others take ``b = round(budget / mean sample length)``
 samples per step, ``budget`` real tokens per step on average (their steps vary). The table shows the real tokens
 per step each one got. Peers use ``--peer-attention`` (default ``sdpa``, what TRL and transformers use without
@@ -76,11 +77,19 @@ def parse_args():
     parser.add_argument("--samples", type=int, default=600, help="samples in the epoch every run trains")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every contender")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
-    parser.add_argument("--peer-attention", default="sdpa", help="attn_implementation of the peers")
+    parser.add_argument(
+        "--peer-attention", default="sdpa",
+        help="attn_implementation of the peers (sdpa, eager, flash_attention_2, ...; packing_hf: packing_hf's own)",
+    )  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="one device's peak, for the MFU")
     parser.add_argument(
         "--tokenizer", choices=("gguf", "folder"), default="gguf",
         help="the SmolLM2 tokenizer from the GGUF file (default) or the shared data folder (same ids, faster)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="recompute activations in every contender (TRL's SFTConfig turns it on by default, transformers' off: "
+        "the benchmark sets one value for all, default off)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -218,7 +227,7 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
     common = dict(
         output_dir=output_dir, num_train_epochs=1, learning_rate=1e-4, seed=args.seed, data_seed=args.seed,
         report_to="none", save_strategy="no", logging_steps=10, disable_tqdm=True, use_cpu=args.device == "cpu",
-        bf16=False, fp16=False, dataloader_num_workers=0,
+        bf16=False, fp16=False, dataloader_num_workers=0, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
     if name == "packing_hf":
         config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, **common)
@@ -250,7 +259,8 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
 
 def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_tflops) -> dict[str, Any]:
     """One epoch of one contender from the initial weights: its timed steps' figures."""
-    attention = packing_hf.ATTENTION_NAME if name == "packing_hf" else args.peer_attention
+    peer = packing_hf.ATTENTION_NAME if args.peer_attention == "packing_hf" else args.peer_attention
+    attention = packing_hf.ATTENTION_NAME if name == "packing_hf" else peer
     model = build_model(args, None, attention, config=config)
     model.load_state_dict(init)
     counter = flops_counter(model.config)
