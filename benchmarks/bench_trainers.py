@@ -254,7 +254,15 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
     config = transformers.TrainingArguments(**shape, **common)
     data = datasets.Dataset.from_dict({"input_ids": samples, "labels": samples})
     collator = transformers.DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
-    return transformers.Trainer(model=model, args=config, train_dataset=data, data_collator=collator)
+    trainer = transformers.Trainer(model=model, args=config, train_dataset=data, data_collator=collator)
+    if name == "hf_batch_rebalance":
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+        if not isinstance(trainer._get_train_sampler(), BatchRebalanceSampler):
+            raise RuntimeError(
+                "train_sampling_strategy='batch_rebalance' did not give a BatchRebalanceSampler"
+            )
+    return trainer
 
 
 def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_tflops) -> dict[str, Any]:
