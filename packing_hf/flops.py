@@ -21,8 +21,10 @@ really does for the real tokens (Megatron-Bridge's THD-aware count, NVIDIA-NeMo/
   useful work, so a padded batch and a packed batch of the same samples count the same FLOPs.
 
 The coefficients are :meth:`packing_hf.CostModel.from_config`'s (``linear = 6 N``, ``quadratic =
-6 x layers x heads x head_dim``): one count, used both to balance ranks and to report FLOPs. MoE routing,
-sliding windows and linear-attention layers are not modelled.
+6 x layers x heads x head_dim``): one count, used both to balance ranks and to report FLOPs. On a Llama with
+eager attention (which computes the full square), ``torch.utils.flop_counter`` counts exactly ``matmul + 2 x
+attention`` of this convention (``tests/unit/test_flops.py``). MoE routing, sliding windows, linear-attention
+layers and vision encoders are not modelled.
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices). The peak is ``peak_tflops`` when given, else the dense
 (no sparsity) bf16 tensor-core peak of a known CUDA device (:data:`PEAK_BF16_TFLOPS`), else unknown: no MFU
