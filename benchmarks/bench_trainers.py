@@ -99,7 +99,7 @@ def parse_args():
     if args.smoke:  # a few seconds: a model of width 16, two steps per run, one run each
         args.preset, args.samples, args.budget, args.repeats = "tiny", 8, 512, 1
     elif args.quick:
-        args.samples, args.budget = min(args.samples, 160), min(args.budget, 2048)
+        args.samples, args.budget = min(args.samples, 128), min(args.budget, 2048)
     if args.repeats < 1 or args.samples < 2 or args.budget < 2:
         parser.error("--repeats must be >= 1, --samples and --budget >= 2")
     if args.device == "cuda" and not torch.cuda.is_available():
