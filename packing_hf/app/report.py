@@ -139,6 +139,9 @@ def _run_lines(summary: dict[str, Any]) -> list[str]:
     losses = summary.get("losses") or []
     batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
     lines.append(f"training     {batching}: {_steps(summary)}" + _losses(summary, losses))
+    flops = summary.get("flops")
+    if flops:
+        lines.append(f"compute      {_describe_flops(flops)}")
     rewards = summary.get("rewards") or []
     if rewards:
         lines.append(
@@ -195,6 +198,34 @@ def _losses(summary: dict[str, Any], losses: list[float]) -> str:
     text = f", train loss {losses[0]:.4f} ({first}) -> {losses[-1]:.4f} (last step)"
     note = _LOSS_NOTES.get(summary.get("trainer", ""))
     return text + (f"\n             ({note})" if note else "")
+
+
+def _describe_flops(flops: dict[str, Any]) -> str:
+    """The run's model FLOPs in one line (:func:`packing_hf.flops.summarize_logged_flops`).
+
+    >>> _describe_flops({"model_flops": 3.2e15, "attention_share": 0.08, "model_tflops_per_s": 150.0,
+    ...     "mfu": 0.1516, "step_seconds_p50": 0.41, "step_seconds_p90": 0.45, "step_percentiles": "steps"})
+    '3.2 PFLOPs (attention 8.0%, per sample), 150 model TFLOP/s, MFU 15.2%, step 0.41 s p50 / 0.45 s p90'
+    >>> _describe_flops({"model_flops": 5e9, "attention_share": 0.01, "model_tflops_per_s": 0.002})
+    '5 GFLOPs (attention 1.0%, per sample), 0.002 model TFLOP/s, MFU n/a (no known peak: set peak_tflops)'
+    """
+    value, unit = flops["model_flops"], ""
+    for scale, name in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            value, unit = value / scale, name
+            break
+    parts = [f"{value:.3g} {unit}FLOPs (attention {_fmt_pct(flops['attention_share'])}, per sample)"]
+    if flops.get("model_tflops_per_s") is not None:
+        parts.append(f"{flops['model_tflops_per_s']:.3g} model TFLOP/s")
+        parts.append(
+            f"MFU {_fmt_pct(flops['mfu'])}" if "mfu" in flops else "MFU n/a (no known peak: set peak_tflops)"
+        )
+    if flops.get("step_seconds_p50") is not None:
+        where = "" if flops.get("step_percentiles") == "steps" else " (median of the logged windows)"
+        parts.append(
+            f"step {flops['step_seconds_p50']:.3g} s p50 / {flops['step_seconds_p90']:.3g} s p90{where}"
+        )
+    return ", ".join(parts)
 
 
 def _table_lines(summary: dict[str, Any], busy: bool) -> list[str]:
@@ -268,8 +299,9 @@ def _output_lines(summary: dict[str, Any], busy: bool) -> list[str]:
 
 
 def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
-    """Draw the logged training losses (and eval losses, if any) against the step into ``path`` (a PNG);
-    return its path, or None when matplotlib is missing (the curve is optional: nothing else needs it).
+    """Draw the logged training losses (and eval losses, if any) against the step into ``path`` (a PNG), with
+    a second panel of the model TFLOP/s (and MFU) where the logs have them (packing metrics); return its
+    path, or None when matplotlib is missing (the curve is optional: nothing else needs it).
 
     >>> import tempfile, pathlib
     >>> out = pathlib.Path(tempfile.mkdtemp()) / "loss.png"
@@ -283,7 +315,13 @@ def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    figure, axes = plt.subplots(figsize=(6, 3.5))
+    throughput = [
+        (entry.get("step", i + 1), float(entry["model_tflops_per_s"]), entry.get("mfu"))
+        for i, entry in enumerate(log_history)
+        if "model_tflops_per_s" in entry
+    ]
+    figure, panels = plt.subplots(1, 2 if throughput else 1, figsize=(11 if throughput else 6, 3.5))
+    axes = panels[0] if throughput else panels
     for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
         points = [
             (entry.get("step", i + 1), float(entry[key]))
@@ -298,6 +336,21 @@ def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
     axes.set_ylabel("loss")
     axes.legend()
     axes.grid(alpha=0.3)
+    if throughput:
+        # model FLOPs with attention counted per sample (packing_hf.flops), over each logged window's step time
+        steps = [step for step, _, _ in throughput]
+        speed = panels[1]
+        speed.plot(steps, [t for _, t, _ in throughput], marker="o" if len(steps) < 30 else None)
+        speed.set_xlabel("step")
+        speed.set_ylabel("model TFLOP/s")
+        speed.grid(alpha=0.3)
+        if all(mfu is not None for _, _, mfu in throughput):
+            ratio = throughput[0][2] / throughput[0][1] if throughput[0][1] else 0.0
+            if ratio:
+                mfu_axis = speed.secondary_yaxis(
+                    "right", functions=(lambda t: 100 * t * ratio, lambda m: m / 100 / ratio)
+                )
+                mfu_axis.set_ylabel("MFU (%)")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

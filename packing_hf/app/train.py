@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..collator import PaddingFreeCollator
+from ..flops import summarize_logged_flops
 from .baseline import (
     evaluate_loss,
     mean_logged,
@@ -483,6 +484,7 @@ class TrainJob:
             train_loss=float(train_result.training_loss),
             losses=losses,
             logged_packing_efficiency=mean_logged(trainer.state.log_history, "packing_efficiency"),
+            flops=summarize_logged_flops(trainer.state.log_history),
             attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
         )
         _free_optimizer(trainer)

@@ -13,6 +13,7 @@ command line or YAML like every other field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -107,7 +108,14 @@ class PackingArguments:
         True,
         "Add packing metrics to the training logs: packing_efficiency (real tokens / token "
         "capacity of the micro-batches), real_tokens_per_step and padding_avoided_per_step (tokens a "
-        "padded batch of the same samples would have added), summed over data-parallel ranks.",
+        "padded batch of the same samples would have added), summed over data-parallel ranks; and model FLOPs "
+        "(attention counted per sample), model TFLOP/s, MFU and p50/p90 step times (packing_hf.flops).",
+    )
+    peak_tflops: float | None = option(
+        None,
+        "Peak TFLOP/s of one device, for the mfu in the logs (model FLOP/s / (peak x devices)). None "
+        "(default): the dense bf16 peak of a known CUDA GPU (packing_hf.flops.PEAK_BF16_TFLOPS), else no mfu "
+        "(on CPU, say). Needs packing_metrics and batches whose samples packing_hf can count (refused otherwise).",
     )
 
     def __post_init__(self) -> None:
@@ -137,6 +145,23 @@ class PackingArguments:
                 ) from None
         for name in ("packing_eval", "packing_metrics", "chunked_loss"):
             setattr(self, name, check_bool(getattr(self, name), name))
+        if self.peak_tflops is not None:
+            peak = self.peak_tflops
+            if (
+                isinstance(peak, bool)
+                or not isinstance(peak, int | float)
+                or not math.isfinite(peak)
+                or peak <= 0
+            ):
+                raise ValueError(
+                    f"peak_tflops must be a number > 0 (one device's peak TFLOP/s), got {peak!r}"
+                )
+            if not self.packing_metrics:
+                raise ValueError(
+                    f"peak_tflops={peak} sets the peak of the mfu in the packing metrics, which "
+                    "packing_metrics=False turns off; set packing_metrics=True or unset peak_tflops"
+                )
+            self.peak_tflops = float(peak)
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
         if getattr(self, "deepspeed", None):

@@ -30,7 +30,7 @@ Per micro-batch and rank (gathered from every rank at logging time; 1.0 on one p
 >>> collate = PackingStatsCollator(PaddingFreeCollator())
 >>> batch = collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
 >>> batch[STATS_KEY]
-{'real_tokens': 4, 'emitted_tokens': 4, 'samples': 2, 'padded_tokens': 6}
+{'real_tokens': 4, 'emitted_tokens': 4, 'samples': 2, 'padded_tokens': 6, 'squared_lengths': 10}
 >>> metrics = PackingMetrics(max_tokens_per_batch=8)
 >>> metrics.update(batch.pop(STATS_KEY))
 >>> metrics.compute(num_steps=1)
@@ -40,18 +40,25 @@ Per micro-batch and rank (gathered from every rank at logging time; 1.0 on one p
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
-__all__ = ["COST_KEY", "STATS_KEY", "PackingMetrics", "PackingStatsCollator"]
+from ..flops import StepFlops, batch_sample_lengths, device_peak_tflops, flops_counter, step_time_percentiles
+
+__all__ = ["COST_KEY", "SQUARES_KEY", "STATS_KEY", "PackingMetrics", "PackingStatsCollator", "StepClock"]
 
 # Batch key carrying the counts from the collator to training_step, where it is popped.
 STATS_KEY = "packing_hf_stats"
 _FIELDS = ("real_tokens", "emitted_tokens", "samples", "padded_tokens")
 COST_KEY = "predicted_cost"  # optional entry of the counts: the batch's cost under the cost model
+# entry of the counts: sum of the squared lengths of the batch's samples (attention FLOPs); collators that
+# cannot tell the samples apart leave it out, and no FLOPs are reported for the steps they make
+SQUARES_KEY = "squared_lengths"
 
 
 def _segment_lengths(feature: Mapping[str, Any]) -> list[int]:
@@ -77,10 +84,14 @@ class PackingStatsCollator:
         cost_model: a :class:`~packing_hf.CostModel`: the counts also carry the batch's predicted cost
             (:data:`COST_KEY`, a float).
 
+    The counts also hold :data:`SQUARES_KEY`: the sum of the squared lengths of the samples as the model
+    attends over them (segments of ``cu_seq_lens_q`` / ``position_ids``, the padding segment left out), for
+    the attention FLOPs.
+
     >>> from packing_hf import PaddingFreeCollator
     >>> out = PackingStatsCollator(PaddingFreeCollator(pad_to_multiple_of=8))([{"input_ids": [1, 2, 3]}])
-    >>> out[STATS_KEY]["real_tokens"], out[STATS_KEY]["emitted_tokens"]
-    (3, 8)
+    >>> out[STATS_KEY]["real_tokens"], out[STATS_KEY]["emitted_tokens"], out[STATS_KEY][SQUARES_KEY]
+    (3, 8, 9)
     """
 
     def __init__(self, collator: Callable[[list[dict]], dict], cost_model: Any = None) -> None:
@@ -103,8 +114,10 @@ class PackingStatsCollator:
             lengths = torch.diff(batch["cu_seq_lens_q"].reshape(-1)).tolist()
         emitted = int(batch["input_ids"].numel()) if isinstance(batch["input_ids"], torch.Tensor) else 0
         after = getattr(self.collator, "stats", None)
+        padding = 0
         if before is not None and isinstance(after, dict) and {"tokens", "samples"} <= after.keys():
             real, samples = after["tokens"] - before["tokens"], after["samples"] - before["samples"]
+            padding = after.get("padding_tokens", 0) - before.get("padding_tokens", 0)
         else:
             real, samples = min(sum(lengths), emitted), len(lengths)
         batch[STATS_KEY] = {
@@ -113,13 +126,42 @@ class PackingStatsCollator:
             "samples": int(samples),
             "padded_tokens": int(samples * max(lengths, default=0)),
         }
+        try:  # the samples as the model attends over them (truncated, split)
+            attended = batch_sample_lengths(batch, padding=padding)
+        except (
+            ValueError
+        ):  # padding the layout does not set apart: no FLOPs for this batch rather than wrong ones
+            attended = None
+        if attended is not None:
+            batch[STATS_KEY][SQUARES_KEY] = int(sum(n * n for n in attended))
         if self.cost_model is not None:
             batch[STATS_KEY][COST_KEY] = self.cost_model.batch_cost(lengths)
         return batch
 
 
+class _Clock:
+    """Marks in time: ``perf_counter`` readings, or CUDA events on a CUDA device (recorded on the current
+    stream, read at logging time: no synchronisation per step)."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
 class PackingMetrics:
-    """Accumulate per-batch packing counts and turn them into log metrics.
+    """Accumulate per-batch packing counts and step times and turn them into log metrics.
 
     Args:
         max_tokens_per_batch: the multipack token budget (capacity of every micro-batch), or ``None``
@@ -133,19 +175,80 @@ class PackingMetrics:
 
     def __init__(self, max_tokens_per_batch: int | None) -> None:
         self.max_tokens_per_batch = max_tokens_per_batch
+        self.flops = None  # the FLOPs coefficients (a CostModel), set by configure_flops
+        self.peak_tflops: float | None = None
+        self.peak_given = False  # peak_tflops came from the user: FLOPs must be countable, else refused
+        self.devices = 1
+        self._clock = _Clock()
+        self._step_start: Any = None
+        self._first_step_checked = False
         self.reset()
 
     def reset(self) -> None:
         """Forget everything accumulated since the last :meth:`compute`."""
         self.totals = dict.fromkeys(_FIELDS, 0)
         self.micro_batches = 0
+        self.squares = 0  # sum of the squared sample lengths of the counted micro-batches
+        self.counted = 0  # micro-batches whose counts held SQUARES_KEY
         self.per_batch: list[list[float]] = []  # [predicted cost (nan: none), forward seconds (nan: none)]
+        self.steps: list[tuple[Any, Any]] = []  # (start, end) marks of the optimizer steps since the last log
+
+    def configure_flops(
+        self,
+        config: Any,
+        *,
+        peak_tflops: float | None = None,
+        device: torch.device | str | None = None,
+        devices: int = 1,
+    ) -> None:
+        """Count model FLOPs for ``config`` (no FLOPs where it lacks the sizes) and time steps on ``device``.
+
+        Args:
+            config: the trained model's config (:meth:`packing_hf.CostModel.from_config` reads it).
+            peak_tflops: one device's peak (TFLOP/s) for the MFU; ``None``: a known CUDA device's dense bf16
+                peak, else no MFU.
+            device: where the steps run (CUDA: timed with events).
+            devices: how many devices train together (the MFU divides by ``peak x devices``).
+        """
+        self.flops = flops_counter(config)
+        self.peak_given = peak_tflops is not None
+        if self.peak_given and self.flops is None:
+            raise ValueError(
+                f"peak_tflops={peak_tflops}: the model config ({type(config).__name__}) lacks hidden_size / "
+                "num_hidden_layers / num_attention_heads, so no model FLOPs and no MFU can be counted; unset peak_tflops"
+            )
+        self.peak_tflops = peak_tflops if self.peak_given else device_peak_tflops(device) if device else None
+        self.devices = max(1, int(devices))
+        self._clock = _Clock(device)
+        self._first_step_checked = False
+
+    def start_step(self) -> None:
+        """The next optimizer step starts now (training began, an epoch began, a log / save / eval ended)."""
+        self._step_start = self._clock.mark()
+
+    def end_step(self) -> None:
+        """An optimizer step ended now; the next one starts here unless :meth:`start_step` says otherwise."""
+        if self.peak_given and not self._first_step_checked:
+            self._first_step_checked = True
+            if self.counted == 0:
+                raise ValueError(
+                    "peak_tflops is set, but this trainer's training batches carry no per-sample lengths (a "
+                    "collator packing_hf does not count, or preference pairs): no model FLOPs and no MFU can be "
+                    "computed; unset peak_tflops (step times are still logged)"
+                )
+        end = self._clock.mark()
+        if self._step_start is not None:
+            self.steps.append((self._step_start, end))
+        self._step_start = end
 
     def update(self, counts: Mapping[str, int]) -> None:
         """Add one micro-batch's counts (a dict built by :class:`PackingStatsCollator`)."""
         for key in _FIELDS:
             self.totals[key] += int(counts[key])
         self.micro_batches += 1
+        if SQUARES_KEY in counts:
+            self.squares += int(counts[SQUARES_KEY])
+            self.counted += 1
         self.per_batch.append([float(counts.get(COST_KEY, math.nan)), math.nan])
 
     def record_time(self, seconds: float) -> None:
@@ -177,8 +280,9 @@ class PackingMetrics:
         return out
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``(5,)`` float64: the totals and the micro-batch count, for an all-reduce across ranks."""
-        values = [self.totals[key] for key in _FIELDS] + [self.micro_batches]
+        """``(7,)`` float64: the totals, the micro-batch count, the squared sample lengths and the micro-batches
+        counting them, for an all-reduce across ranks."""
+        values = [self.totals[key] for key in _FIELDS] + [self.micro_batches, self.squares, self.counted]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     def compute(
@@ -193,20 +297,70 @@ class PackingMetrics:
                 this process's own (the rank metrics are then 1.0).
 
         Returns:
-            ``{}`` when no batch was seen, else the four metrics of the module docstring (rounded to 4
-            significant decimals, as they are meant for logs).
+            ``{}`` when no batch was seen, else the metrics of the module docstring (the packing ratios
+            rounded to 4 decimals, as they are meant for logs; the FLOPs, TFLOP/s and MFU unrounded).
         """
         vector = self.as_tensor() if totals is None else totals.detach().double().cpu()
-        real, emitted, samples, padded, micro_batches = (float(v) for v in vector.tolist())
+        real, emitted, samples, padded, micro_batches, squares, counted = (float(v) for v in vector.tolist())
         rank_metrics = self.rank_metrics(self.rank_table()[None] if tables is None else tables)
+        seconds = [self._clock.seconds(start, end) for start, end in self.steps]
         self.reset()
         if micro_batches == 0 or num_steps <= 0:
-            return {}
+            return step_time_percentiles(seconds)
         capacity = micro_batches * self.max_tokens_per_batch if self.max_tokens_per_batch else emitted
-        return {
+        metrics = {
             "packing_efficiency": round(real / capacity, 4) if capacity else 0.0,
             "real_tokens_per_step": round(real / num_steps, 4),
             "padding_avoided_per_step": round(max(padded - emitted, 0.0) / num_steps, 4),
             "padded_batch_efficiency": round(real / padded, 4) if padded else 0.0,
             **rank_metrics,
+            **step_time_percentiles(seconds),
         }
+        if self.flops is None or counted != micro_batches:
+            # some micro-batch could not tell its samples apart: no FLOPs rather than wrong ones
+            return metrics
+        flops = StepFlops(self.flops.linear * real, self.flops.quadratic * squares)
+        metrics["model_flops_per_step"] = flops.total / num_steps
+        metrics["attention_flops_per_step"] = flops.attention / num_steps
+        if len(seconds) == num_steps and sum(seconds) > 0:  # every step of the window timed
+            tflops = flops.total / sum(seconds) / 1e12
+            metrics["model_tflops_per_s"] = tflops
+            if self.peak_tflops:
+                metrics["mfu"] = tflops / (self.peak_tflops * self.devices)
+        return metrics
+
+
+class StepClock(TrainerCallback):
+    """Times every optimizer step into a :class:`PackingMetrics` and sets up its FLOPs count when training
+    begins (from the model's config, ``args.peak_tflops``, ``args.device`` and ``args.world_size``).
+
+    A step runs from the end of the previous one (or of the log, save or evaluation after it, or the start of
+    the epoch) to its own end: what is timed is data loading, forwards, backwards and the optimizer step.
+
+    >>> metrics = PackingMetrics(None)
+    >>> clock = StepClock(metrics)
+    >>> metrics.start_step(); metrics.end_step(); len(metrics.steps)
+    1
+    """
+
+    def __init__(self, metrics: PackingMetrics) -> None:
+        self.metrics = metrics
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # PEFT forwards .config; DDP wraps the model in .module
+        config = getattr(getattr(model, "module", model), "config", None)
+        self.metrics.configure_flops(
+            config,
+            peak_tflops=getattr(args, "peak_tflops", None),
+            device=args.device,
+            devices=args.world_size,
+        )
+        self.metrics.start_step()
+
+    def _restart(self, *args: Any, **kwargs: Any) -> None:
+        self.metrics.start_step()
+
+    on_epoch_begin = on_log = on_save = on_evaluate = _restart
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.metrics.end_step()

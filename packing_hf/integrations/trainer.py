@@ -59,7 +59,7 @@ from ..collator import PaddingFreeCollator
 from ..streaming import PackedStream
 from .accelerator import gather_uneven_rows
 from .args import PackingArguments, TrainingArguments
-from .callbacks import STATS_KEY, PackingMetrics
+from .callbacks import STATS_KEY, PackingMetrics, StepClock
 from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
@@ -121,6 +121,8 @@ class PackingTrainerMixin(
         self.packing_stream: PackedStream | None = None
         self._stream_batches_consumed = 0
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
+        if args.packing_metrics:
+            self.add_callback(StepClock(self._packing_metrics))  # step times and model FLOPs in the logs
         self._packing_last_logged_step = 0
         self._loss_setup()
         gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples

@@ -52,6 +52,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.sampler",
             "packing_hf._epoch_plan",
             "packing_hf.cost",
+            # model FLOPs of a step (per-sample attention), MFU peaks: counted with the cost model's coefficients
+            "packing_hf.flops",
             "packing_hf.preference",
             "packing_hf.pair_rows",
             "packing_hf.unpaired",

@@ -74,3 +74,24 @@ def test_losses_that_look_odd_are_explained_where_they_print():
         training = printed.split("training     ")[1].split("\n---")[0]
         assert words in " ".join(training.split()), trainer
     assert "(" not in _printed(_summary(0.1, 0.1) | {"trainer": "dpo"}).split("(last step)")[1].split("\n")[0]
+
+
+def test_the_summary_and_the_plot_show_the_model_flops(tmp_path):
+    from packing_hf.app.report import plot_losses
+    from packing_hf.flops import summarize_logged_flops
+
+    logs = [
+        {"step": step, "loss": 2.0 / step, "model_flops_per_step": 4e12, "attention_flops_per_step": 1e12,
+         "model_tflops_per_s": 2.0 * step, "mfu": 0.01 * step, "step_seconds_p50": 2.0 / step,
+         "step_seconds_p90": 2.0 / step}
+        for step in (1, 2)
+    ]  # fmt: skip
+    flops = summarize_logged_flops(logs)
+    # 8e12 FLOPs in 2 s + 1 s: 8/3 TFLOP/s; MFU per TFLOP/s 0.01 / 2 (one peak x devices for the run)
+    assert flops["model_tflops_per_s"] == 8 / 3 and abs(flops["mfu"] - 0.04 / 3) < 1e-12
+    printed = _printed({**_summary(0.5, 0.5), "flops": flops})
+    assert "compute      8 TFLOPs (attention 25.0%, per sample), 2.67 model TFLOP/s, MFU 1.3%" in printed
+    assert "step 1.5 s p50 / 1.9 s p90" in printed
+    assert "compute" not in _printed(_summary(0.5, 0.5))  # no FLOPs figures: no line
+    path = plot_losses(logs, tmp_path / "curve.png")
+    assert path is None or (tmp_path / "curve.png").stat().st_size > 0

