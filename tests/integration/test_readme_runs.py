@@ -1,5 +1,6 @@
-"""Every code block of README.md is run: the Python blocks here, as written and in order in one namespace
-(they are one session: the first builds the tiny model, tokenizer and data the others use), in a temporary
+"""Every code block of README.md and of the guides in docs/ that continue its session (:data:`GUIDES`) is run:
+the Python blocks here, as written and in order in one namespace (README first, then each guide: they are one
+session: the README's first block builds the tiny model, tokenizer and data the others use), in a temporary
 working directory; every ``packing-hf`` / ``python`` command of a bash block by the test named for it in
 :data:`COMMANDS` (a command without an entry, or an entry whose test is gone, fails). A Python block is left
 out only when the line before its fence says why (``<!-- not run by the tests: needs a GPU ... -->``) and
@@ -17,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# the pages whose blocks continue the README's session, in the order they run (README first)
+GUIDES = (README, ROOT / "docs" / "rl.md", ROOT / "docs" / "vlm.md")
 NOT_RUN_MARK = re.compile(r"<!-- not run by the tests: (?P<why>.+?) -->")
 
 # first line of a Python block the tests do not run -> why (only what needs a GPU)
@@ -40,6 +43,7 @@ COMMANDS: dict[str, str] = {
     "packing-hf train configs/tiny_grpo.yaml model=HuggingFaceTB/SmolLM2-135M-Instruct": "needs the Hub (network); the model= override: tests/unit/app/test_config.py::test_model_override_replaces_the_configs_model, the job: tests/integration/app/test_cli_trainers.py::test_shipped_trainer_config_runs_and_saves",
     "packing-hf train configs/tiny_hybrid.yaml": "tests/integration/app/test_cli_trainers.py::test_shipped_hybrid_and_vlm_configs_run_from_the_command_line",
     "packing-hf train configs/tiny_vlm.yaml": "tests/integration/app/test_cli_trainers.py::test_shipped_hybrid_and_vlm_configs_run_from_the_command_line",
+    "packing-hf train configs/tiny_cpu.yaml resume=true": "tests/integration/app/test_cli_interrupt.py::test_ctrl_c_saves_a_checkpoint_and_resume_true_ends_where_the_uninterrupted_run_does",
     "python tools/gen_arch_table.py": "the whole architecture sweep (minutes); its checks per architecture: tests/integration/architectures/test_architectures.py::test_architecture",
 }
 _COMMAND = re.compile(r"^(?:\.venv/bin/)?(?:packing-hf|python) ")
@@ -51,14 +55,15 @@ class Block:
     language: str
     source: str
     not_run: str | None  # why, from the marker on the line before the fence
+    page: str = "README.md"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, current, previous = [], None, ""
     for number, line in enumerate(text.splitlines(), 1):
         if current is None and line.startswith("```") and len(line.strip()) > 3:
             mark = NOT_RUN_MARK.search(previous)
-            current = Block(number, line.strip()[3:], "", mark["why"] if mark else None)
+            current = Block(number, line.strip()[3:], "", mark["why"] if mark else None, page)
             lines = []
         elif current is not None and line.strip() == "```":
             current.source = "\n".join(lines)
@@ -86,21 +91,21 @@ def readme_commands(blocks: list[Block]) -> list[str]:
 
 
 def run_blocks(blocks: list[Block]) -> None:
-    """Run the Python blocks in order in one namespace; a block that raises fails with its README line."""
+    """Run the Python blocks in order in one namespace; a block that raises fails with its page and line."""
     namespace: dict = {"__name__": "__readme__"}
     for block in blocks:
         if block.language != "python" or block.not_run:
             continue
-        code = compile(block.source, f"README.md, block at line {block.line}", "exec")
+        code = compile(block.source, f"{block.page}, block at line {block.line}", "exec")
         try:
             exec(code, namespace)
         except Exception as error:
             raise AssertionError(
-                f"README.md: the Python block at line {block.line} raised {type(error).__name__}: {error}"
+                f"{block.page}: the Python block at line {block.line} raised {type(error).__name__}: {error}"
             ) from error
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for page in GUIDES for b in readme_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 
 
 @pytest.mark.slow

@@ -15,14 +15,21 @@ import pytest
 
 import packing_hf
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+# the README and the guides in docs/ that continue its Python session
+PAGES = (ROOT / "README.md", ROOT / "docs" / "rl.md", ROOT / "docs" / "vlm.md")
 
 
-def _python_blocks() -> list[tuple[int, str]]:
-    blocks, lines, start = [], None, 0
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+def _python_blocks() -> list[tuple[str, str]]:
+    """``(where, source)`` of every Python block of :data:`PAGES`; ``where`` is ``"<page>:<line>"``."""
+    return [block for page in PAGES for block in _page_blocks(page)]
+
+
+def _page_blocks(page: Path) -> list[tuple[str, str]]:
+    blocks, lines, start = [], None, ""
+    for number, line in enumerate(page.read_text().splitlines(), 1):
         if lines is None and line.strip() == "```python":
-            lines, start = [], number
+            lines, start = [], f"{page.relative_to(ROOT)}:{number}"
         elif lines is not None and line.strip() == "```":
             blocks.append((start, "\n".join(lines)))
             lines = None
@@ -72,7 +79,7 @@ def test_readme_snippet_names_exist(start, source):
             and node.value.id == "packing_hf"
         ):
             assert hasattr(packing_hf, node.attr), (
-                f"README line {start}: packing_hf.{node.attr} does not exist"
+                f"{start}: packing_hf.{node.attr} does not exist"
             )
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
@@ -85,7 +92,7 @@ def test_readme_snippet_names_exist(start, source):
             continue
         for keyword in node.keywords:
             assert keyword.arg is None or keyword.arg in accepted, (
-                f"README line {start}: packing_hf.{node.func.attr}(...) takes no {keyword.arg}="
+                f"{start}: packing_hf.{node.func.attr}(...) takes no {keyword.arg}="
             )
 
 
