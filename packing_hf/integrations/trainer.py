@@ -237,6 +237,8 @@ class PackingTrainerMixin(
             tables = self._packing_metrics.rank_table(self.args.device)[None]  # (1, micro_batches, 2)
             if self.parallel_plan.world_size > 1:
                 totals = self.accelerator.reduce(totals, reduction="sum")
+                # the ranks of a sequence-parallel group all count the one micro-batch they cut: once per row
+                totals = totals / self.parallel_plan.sp_size
                 # ranks may have seen different micro-batch counts (a stream's last step): pad with nan rows
                 tables = self.accelerator.pad_across_processes(tables, dim=1, pad_index=math.nan)
                 tables = self.accelerator.gather(tables)  # (num_ranks, micro_batches, 2)

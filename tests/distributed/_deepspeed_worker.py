@@ -179,7 +179,12 @@ def whole_parameters(model) -> dict[str, list]:
 
 def main(out_dir: str) -> None:
     import datasets
+    import deepspeed.comm.torch
     import torch
+
+    # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (a C++ build of a minute on a fresh
+    # machine) and reduce through it; without it DeepSpeed reduces over the gloo group, as the DDP cases do
+    deepspeed.comm.torch.build_shm_op = lambda: None
     from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
 

@@ -297,7 +297,7 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
 
     options = dict(
         max_tokens_per_batch=48, max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, report_to="none",
-        save_strategy="no", use_cpu=True, disable_tqdm=True, packing_preflight="off", seed=3,
+        save_strategy="no", use_cpu=True, disable_tqdm=True, packing_preflight="off", seed=3, logging_steps=1,
         parallelism_config=ParallelismConfig(sp_size=sp_size) if sp_size > 1 else None,
     )  # fmt: skip
     options.update(overrides)
@@ -354,6 +354,9 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
     else:
         trainer = build_trainer(out_dir, sp_size, kind, capture)
         trainer.train()
+        # the packing metrics of the step (counted once per data-parallel replica, not once per SP rank)
+        logged = [e for e in trainer.state.log_history if "loss" in e]
+        result["metrics"] = {k: logged[0].get(k) for k in ("real_tokens_per_step", "model_flops_per_step")}
         if kind in ("trainer", "dpo"):
             result["eval"] = trainer.evaluate()["eval_loss"]
             result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)

@@ -67,6 +67,15 @@ def test_sequence_parallel_equals_one_process(results, case, assert_close):
         assert_close(grads[name], want, f"{case}: grad of {name}", rel=RELATIVE_TOLERANCE)
 
 
+@pytest.mark.parametrize("case", ["trainer_sp2", "sft_sp2"])
+def test_sequence_parallel_counts_the_packing_metrics_once_per_row(results, case):
+    """Every rank of an SP group gets the whole micro-batch: its tokens and FLOPs are logged as one process logs
+    them, not once per rank of the group."""
+    reference, got = results[case]
+    assert reference["metrics"]["real_tokens_per_step"] > 0
+    assert got["metrics"] == reference["metrics"]
+
+
 @pytest.mark.parametrize("case", ["trainer_sp2", "sft_sp2", "stream_sp2"])
 def test_sequence_parallel_shards_use_the_chunked_head(results, case):
     """With ``chunked_loss`` (default) a shard's loss comes from the chunked LM head, not the shard's full logits
