@@ -163,11 +163,20 @@ def _row_boundaries(batch: dict, total: int) -> torch.Tensor:
     return torch.tensor([0, total], dtype=torch.int32)
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live: NCCL takes only CUDA tensors (the
+    process's current device), gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_same_row(batch: dict, cu: torch.Tensor, group: Any) -> None:
     """Every rank of the group must hold the same row (the sampler's rank must be the data-parallel rank)."""
     ids = batch["input_ids"].reshape(-1).long().cpu()
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64)
-    mine = torch.tensor([ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())])
+    summary = [ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())]
+    mine = torch.tensor(summary, device=_collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if any(not torch.equal(other, mine) for other in everyone):
