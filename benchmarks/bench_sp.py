@@ -10,11 +10,12 @@ attention), the loss from the chunked LM head on the shard
 
 - ``ddp``: ``DistributedDataParallel`` over every process: weights, gradients (and DDP's gradient buckets) and
   AdamW's two moments replicated on every process;
-- ``fsdp2``: torch's ``fully_shard`` of every decoder layer, then of the root, over every process (the
+- ``fsdp2``: torch's ``fully_shard`` of every decoder layer and of the input embeddings, then of the root (the
+  final norm and ``lm_head``, kept gathered after the forward for the chunked head), over every process (the
   ``(dp, sp)`` mesh of :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_mesh`, flattened):
   weights, gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs.
 
-The default model (hidden 1024, 3 layers, MLP 4096, vocabulary 16,384 untied: 81M parameters, 16 bytes each
+The default model (hidden 1024, 4 layers, MLP 4096, vocabulary 8,192 untied: 80M parameters, 16 bytes each
 with AdamW) is one whose weights and optimizer state dominate a 2,048-token row's activations, so that the
 replicated part (falling with the world under FSDP2) and the activations (falling with sp) both show.
 
@@ -150,6 +151,9 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
         flat = mesh._flatten()  # every process of the world: parameters 1 / world per process
         for layer in model.model.layers:
             fully_shard(layer, mesh=flat)
+        fully_shard(
+            model.model.embed_tokens, mesh=flat
+        )  # as accelerate does; lm_head stays in the root's group
         fully_shard(model, mesh=flat)
     inner = getattr(model, "module", model)
     head = inner.lm_head
@@ -204,9 +208,9 @@ def main() -> None:
         "--tokens", type=int, default=2048, help="packed row length per data-parallel replica"
     )
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=16_384)
+    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16, help="query heads (key/value heads: half)")
     parser.add_argument(
         "--configs", default=",".join(f"{w}x{s}" for w, s in CONFIGS), help="WORLDxSP, comma-separated"

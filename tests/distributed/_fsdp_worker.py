@@ -13,7 +13,7 @@ saves, on rank 0, the step losses (summed over processes), the first step's grad
 the last step (``full_tensor()`` of FSDP's shards); the test compares them with the reference.
 
 - world 2 (data parallel 2): ``ddp`` (``DistributedDataParallel``) and ``fsdp`` (``fully_shard`` of every decoder
-  layer, then of the root, over a 1-D mesh of the 2 processes), both with the chunked LM head as the trainers use
+  layer and of the input embeddings, then of the root, over a 1-D mesh of the 2 processes), both with the chunked LM head as the trainers use
   it (:func:`packing_hf.integrations.chunked_head.causal_lm_loss`, on the root's gathered ``lm_head``);
   ``fsdp_local_denominator``: the negative control, each process dividing by its own target count.
 - world 4 (data parallel 2 x sequence parallel 2, :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_mesh`):
@@ -146,8 +146,9 @@ def _full(tensor):
 
 
 def _wrap(case: str, model, mesh):
-    """The model as the case trains it: DDP, or ``fully_shard`` of every decoder layer then the root (the
-    root keeps ``lm_head`` gathered after the forward, which the chunked head reads)."""
+    """The model as the case trains it: DDP, or ``fully_shard`` of every decoder layer and of the input
+    embeddings (as accelerate's FSDP2 does), then of the root, which holds the final norm and ``lm_head`` and
+    keeps them gathered after the forward, where the chunked head reads the head's weight."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -159,6 +160,7 @@ def _wrap(case: str, model, mesh):
         model.activation_checkpointing_enable()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
+    fully_shard(model.model.embed_tokens, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
