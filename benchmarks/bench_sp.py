@@ -17,7 +17,9 @@ attention), the loss from the chunked LM head on the shard
 
 The default model (hidden 1024, 4 layers, MLP 4096, vocabulary 8,192 untied: 80M parameters, 16 bytes each
 with AdamW) is one whose weights and optimizer state dominate a 2,048-token row's activations, so that the
-replicated part (falling with the world under FSDP2) and the activations (falling with sp) both show.
+replicated part (falling with the world under FSDP2) and the activations (falling with sp) both show; activation
+checkpointing per decoder layer is on (``--checkpointing off``: every layer's activations are kept, and at 1,024
+tokens per process they weigh as much as FSDP2's sharded state and gathered layers together).
 
 Memory per process:
 
@@ -143,6 +145,8 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float().train()
+    if shape["checkpointing"]:
+        model.activation_checkpointing_enable()
     if engine == "ddp":
         model = DistributedDataParallel(
             model.to(device), device_ids=[device.index] if device.index is not None else None
@@ -213,11 +217,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16, help="query heads (key/value heads: half)")
     parser.add_argument(
+        "--checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing per decoder layer (as long rows are trained): the activations are the "
+        "layers' inputs and one layer's recomputation",
+    )
+    parser.add_argument(
         "--configs", default=",".join(f"{w}x{s}" for w, s in CONFIGS), help="WORLDxSP, comma-separated"
     )
     args = parser.parse_args()
     configs = [tuple(int(x) for x in item.split("x")) for item in args.configs.split(",")]
-    shape = {**_shape(args), "device": args.device}
+    shape = {**_shape(args), "device": args.device, "checkpointing": args.checkpointing == "on"}
 
     import socket
     import tempfile
