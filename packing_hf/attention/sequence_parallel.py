@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
+from ..loss_head import LogitHead, linear_cross_entropy
 from ..registry import support
 from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
 from .admission import needs_preparation, preparation_of
@@ -41,8 +42,10 @@ __all__ = [
     "SequenceShard",
     "check_sequence_parallel_model",
     "gather_shard_tokens",
+    "sequence_parallel_chunked_loss",
     "sequence_parallel_groups",
     "sequence_parallel_loss",
+    "sequence_parallel_mesh",
     "shard_loss_counts",
     "shard_lengths",
     "shard_packed_batch",
@@ -127,6 +130,31 @@ def sequence_parallel_groups(sp_size: int) -> tuple[Any, int, int, int]:
     return group, rank % sp_size, rank // sp_size, world // sp_size
 
 
+def sequence_parallel_mesh(sp_size: int, device_type: str | None = None) -> Any:
+    """The world as a ``(dp, sp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`: the groups of
+    :func:`sequence_parallel_groups` along ``"sp"`` (consecutive ranks), the data-parallel replicas along ``"dp"``.
+
+    ``mesh.get_group("sp")`` is the group to pass to :func:`shard_packed_batch`; ``mesh.get_local_rank("dp")`` and
+    ``mesh.size(0)`` are the multipack sampler's ``rank`` / ``num_replicas``. FSDP2 shards over it either way:
+    ``fully_shard(model, mesh=mesh._flatten())`` (every process: parameters, gradients and optimizer states
+    ``1 / world`` per process) or ``fully_shard(model, mesh=mesh)`` (HSDP: sharded over each SP group, replicated
+    over ``"dp"``); the gradients are summed over every process in both, which is what the shards' losses need.
+    Every process must call it (collective). ``device_type``: ``"cuda"`` under NCCL, else ``"cpu"`` (default: from
+    the default group's backend). ``tests/distributed/_fsdp_worker.py`` runs it under ``fully_shard``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} must divide the number of processes ({world}): every data-parallel replica is "
+            "a group of sp_size processes"
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+
+
 def _row_boundaries(batch: dict, total: int) -> torch.Tensor:
     cu = batch.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
@@ -137,11 +165,20 @@ def _row_boundaries(batch: dict, total: int) -> torch.Tensor:
     return torch.tensor([0, total], dtype=torch.int32)
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live: NCCL takes only CUDA tensors (the
+    process's current device), gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_same_row(batch: dict, cu: torch.Tensor, group: Any) -> None:
     """Every rank of the group must hold the same row (the sampler's rank must be the data-parallel rank)."""
     ids = batch["input_ids"].reshape(-1).long().cpu()
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64)
-    mine = torch.tensor([ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())])
+    summary = [ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())]
+    mine = torch.tensor(summary, device=_collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if any(not torch.equal(other, mine) for other in everyone):
@@ -366,6 +403,61 @@ def shard_row_denominator(batch: dict, normalization: str = "token") -> float:
     (3.0, 2.0)
     """
     return float(step_denominator(_row_counts(batch[SHARD_KEY]), normalization))
+
+
+def sequence_parallel_chunked_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    batch: dict,
+    normalization: str = "token",
+    denominator: float | torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    head: LogitHead | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`sequence_parallel_loss` from the LM head's input instead of its logits: the shard's targets are
+    projected chunk by chunk (:func:`packing_hf.loss_head.linear_cross_entropy`), so the ``(T_rank, V)`` logits
+    never exist whole. The same share of the row's loss, to float rounding.
+
+    Args:
+        hidden: ``(1, T_rank, H)`` the model's final hidden states on the shard (what its LM head receives).
+        weight: ``(V, H)`` the LM head's weight (unsharded: under FSDP2, read it while the head's parameters are
+            gathered, e.g. right after the forward of a root that keeps them); ``bias``: ``(V,)`` or ``None``.
+        batch, normalization, denominator: as in :func:`sequence_parallel_loss`.
+        head: the model's logit processing (:class:`~packing_hf.loss_head.LogitHead`; default none).
+        chunk_size: tokens per chunk (default: automatic).
+
+    Returns:
+        A scalar that keeps the graph.
+
+    >>> from packing_hf import PaddingFreeCollator
+    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
+    >>> hidden, weight = torch.zeros(1, 5, 4), torch.ones(10, 4)  # uniform over 10 tokens: log(10) per target
+    >>> round(float(sequence_parallel_chunked_loss(hidden, weight, shard)), 4)
+    2.3026
+    """
+    shard: SequenceShard = batch[SHARD_KEY]
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, shard.length):
+        raise ValueError(
+            f"{shard!r}: hidden states of shape {tuple(hidden.shape)} are not (1, {shard.length}, hidden_size), "
+            "the LM head's input on this rank's shard"
+        )
+    coefficients = shard_target_coefficients(batch, normalization)[0].to(hidden.device)  # (T_rank,)
+    targets = batch["shift_labels"][0].to(hidden.device)
+    mask = (targets != IGNORE_INDEX) & (coefficients > 0)  # only the targets are projected
+    numerator, _ = linear_cross_entropy(
+        hidden[0][mask],
+        weight,
+        targets[mask],
+        bias,
+        weights=coefficients[mask],
+        head=head,
+        chunk_size=chunk_size,
+    )
+    if denominator is None:
+        denominator = shard_row_denominator(batch, normalization)
+    return numerator / denominator
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -17,6 +17,7 @@ from packing_hf._loss import loss_counts, loss_numerator, step_denominator
 from packing_hf.attention.sequence_parallel import (
     SHARD_KEY,
     check_sequence_parallel_model,
+    sequence_parallel_chunked_loss,
     sequence_parallel_loss,
     shard_lengths,
     shard_loss_counts,
@@ -107,6 +108,37 @@ def test_negative_control_a_zero_denominator_is_caught(monkeypatch):
     monkeypatch.setattr(sequence_parallel, "step_denominator", lambda totals, normalization: float(totals[0]))
     with pytest.raises(AssertionError, match="the loss of a shard without targets is nan"):
         _check_untrained_shard("token")
+
+
+@pytest.mark.parametrize("normalization", ["token", "sample", "sample_sum"])
+def test_the_chunked_share_equals_the_logits_share(normalization, assert_close):
+    """The shard's loss from the LM head's input in chunks (what the chunked head gives under SP) equals the one
+    from its logits, and so do the gradients of the head and of the hidden states."""
+    model = _llama()
+    shard = shard_packed_batch(_row(weighted=True))
+    model_inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+    hidden = model.model(**model_inputs).last_hidden_state.detach().requires_grad_()  # (1, T, H)
+    head = model.lm_head.weight
+    want = sequence_parallel_loss(model.lm_head(hidden), shard, normalization, denominator=3.0)
+    want_grads = torch.autograd.grad(want, (hidden, head))
+    got = sequence_parallel_chunked_loss(hidden, head, shard, normalization, denominator=3.0, chunk_size=3)
+    got_grads = torch.autograd.grad(got, (hidden, head))
+    assert_close(got, want, "loss", rel=1e-6)
+    for name, g, w in zip(("hidden", "head"), got_grads, want_grads, strict=True):
+        assert float(w.abs().max()) > 0
+        assert_close(g, w, f"grad of {name}", rel=1e-6)
+    own = sequence_parallel_chunked_loss(hidden, head, shard, normalization)  # the row's own denominator
+    assert_close(own, sequence_parallel_loss(model.lm_head(hidden), shard, normalization), "loss", rel=1e-6)
+    unshifted = dict(shard, shift_labels=_row(weighted=True)["labels"])  # the same loss, targets not shifted
+    with pytest.raises(AssertionError):
+        assert_close(
+            sequence_parallel_chunked_loss(hidden, head, unshifted, normalization, 3.0),
+            want,
+            "loss",
+            rel=1e-6,
+        )
+    with pytest.raises(ValueError, match="not \\(1, 8, hidden_size\\)"):
+        sequence_parallel_chunked_loss(hidden[0], head, shard)
 
 
 def test_the_model_check_refuses_by_name():

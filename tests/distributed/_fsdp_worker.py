@@ -1,0 +1,316 @@
+"""FSDP2 (torch's ``fully_shard``) with packing on CPU processes over gloo, beside gloo DDP on the same processes
+and one process on the same rows (``python _fsdp_worker.py OUT_DIR``: the script imports torch and
+transformers once, then forks a world of 2 processes and one of 4, which meet over gloo on 127.0.0.1; the
+one-process reference runs last, in the parent).
+
+Every case trains a tiny Llama on packing_hf's varlen attention for :data:`STEPS` SGD steps of
+:data:`ACCUMULATION` packed micro-batches per data-parallel rank: the batches of a
+:class:`~packing_hf.MultipackBatchSampler` with ``num_replicas`` / ``rank`` the data-parallel world and rank,
+collated by :class:`~packing_hf.PaddingFreeCollator`; the loss contract's ``"token"`` normalisation, its
+denominator the step's target count summed over the micro-batches and all-reduced over the processes before the
+first backward, each process's loss scaled by the number of processes (DDP and FSDP average gradients). Each case
+saves, on rank 0, the step losses (summed over processes), the first step's gradients and the parameters after
+the last step (``full_tensor()`` of FSDP's shards); the test compares them with the reference.
+
+- world 2 (data parallel 2): ``ddp`` (``DistributedDataParallel``) and ``fsdp`` (``fully_shard`` of every decoder
+  layer and of the input embeddings, then of the root, over a 1-D mesh of the 2 processes), both with the chunked LM head as the trainers use
+  it (:func:`packing_hf.integrations.chunked_head.causal_lm_loss`, on the root's gathered ``lm_head``);
+  ``fsdp_local_denominator``: the negative control, each process dividing by its own target count.
+- world 4 (data parallel 2 x sequence parallel 2, :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_mesh`):
+  each replica's rows cut over its SP group (:func:`~packing_hf.attention.sequence_parallel.shard_packed_batch`,
+  the Ulysses all-to-alls in the attention); ``ddp_sp2`` (DDP over the 4 processes, full logits and
+  :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_loss`, the groups of
+  :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_groups`: what ``packing_hf.Trainer`` runs with
+  ``sp_size=2``), ``fsdp_sp2`` (parameters, gradients and optimizer state sharded over all 4 processes, activation
+  checkpointing), ``hsdp_sp2`` (sharded over each SP group, replicated over the replicas), both with the chunked
+  head on shards (:func:`~packing_hf.attention.sequence_parallel.sequence_parallel_chunked_loss`);
+  ``fsdp_sp2_local_only``: the negative control, every shard attending within its own tokens.
+
+The reference: one process, the rows of both replicas whole, full logits and
+:func:`packing_hf._loss.loss_numerator` (no code path of the parallel cases but the model's).
+
+Importing this module does nothing (pytest collects it for doctests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+VOCAB = 64
+STEPS = 3
+ACCUMULATION = 2  # micro-batches per optimizer step and data-parallel rank
+DATA_PARALLEL = 2  # replicas in both worlds: world 2 = dp 2; world 4 = dp 2 x sp 2
+MAX_TOKENS_PER_BATCH = 48
+LEARNING_RATE = 0.5  # large: 3 steps move every parameter well past float32 rounding
+CASES = {
+    2: ("ddp", "fsdp", "fsdp_local_denominator"),
+    4: ("ddp_sp2", "fsdp_sp2", "hsdp_sp2", "fsdp_sp2_local_only"),
+}
+
+
+def make_model():
+    """The tiny Llama every case starts from (fp32, no dropout, seeded), on packing_hf's varlen attention."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from packing_hf import register_attention
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float()
+
+
+def replica_rows(dp_rank: int) -> list[dict]:
+    """The ``STEPS x ACCUMULATION`` packed rows data-parallel replica ``dp_rank`` trains on, in order: the
+    multipack sampler's batches for that replica of :data:`DATA_PARALLEL`, collated (samples of 4-23 tokens,
+    every third one with a 3-token prompt masked)."""
+    import torch
+
+    from packing_hf import MultipackBatchSampler, PaddingFreeCollator
+
+    generator = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(48):
+        length = int(torch.randint(4, 24, (1,), generator=generator))
+        ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        prompt = 3 if i % 3 == 0 else 0
+        samples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    sampler = MultipackBatchSampler(
+        [len(s["input_ids"]) for s in samples], MAX_TOKENS_PER_BATCH, num_replicas=DATA_PARALLEL, rank=dp_rank
+    )
+    batches = list(sampler)[: STEPS * ACCUMULATION]
+    if len(batches) < STEPS * ACCUMULATION:
+        raise ValueError(f"the sampler planned {len(batches)} batches per replica, fewer than the run needs")
+    collate = PaddingFreeCollator()
+    return [collate([samples[i] for i in batch]) for batch in batches]
+
+
+def _counts(row: dict):
+    from packing_hf._loss import loss_counts
+
+    return loss_counts(row["labels"], None, row["position_ids"], row["cu_seq_lens_q"])
+
+
+def reference_run() -> dict:
+    """One process, each step's rows of both replicas whole: full logits, :func:`loss_numerator` over the step's
+    target count."""
+    import torch
+    import torch.nn.functional as F
+
+    from packing_hf._loss import loss_numerator, step_denominator
+
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    rows = [replica_rows(r) for r in range(DATA_PARALLEL)]
+    losses, first_grads = [], None
+    for step in range(STEPS):
+        mine = [r for replica in rows for r in replica[step * ACCUMULATION : (step + 1) * ACCUMULATION]]
+        denominator = step_denominator([sum(_counts(r)[0] for r in mine), 0], "token")
+        total = 0.0
+        for row in mine:
+            inputs = {k: v for k, v in row.items() if k != "labels"}
+            logits = model(**inputs).logits  # (1, T, V)
+            per_target = F.cross_entropy(logits[0, :-1], row["labels"][0, 1:], reduction="none")[None]
+            numerator = loss_numerator(
+                per_target,
+                row["labels"],
+                "token",
+                position_ids=row["position_ids"],
+                cu_seq_lens=row["cu_seq_lens_q"],
+            )
+            loss = numerator / denominator
+            loss.backward()
+            total += float(loss.detach())
+        if first_grads is None:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        "losses": torch.tensor(losses, dtype=torch.float64),
+        "grads": first_grads,
+        "before": before,
+        "after": after,
+    }
+
+
+def _full(tensor):
+    """A parameter or gradient whole: FSDP's ``DTensor`` shards gathered, a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _wrap(case: str, model, mesh):
+    """The model as the case trains it: DDP, or ``fully_shard`` of every decoder layer and of the input
+    embeddings (as accelerate's FSDP2 does), then of the root, which holds the final norm and ``lm_head`` and
+    keeps them gathered after the forward, where the chunked head reads the head's weight."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if case.startswith("ddp"):
+        return DistributedDataParallel(model)
+    if case.startswith("fsdp") and mesh.ndim == 2:
+        mesh = mesh._flatten()  # every process: parameters 1 / world per process
+    if case == "fsdp_sp2":
+        model.activation_checkpointing_enable()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.model.embed_tokens, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _no_sync(model, last: bool):
+    """No gradient synchronisation before the step's last micro-batch (accelerate's ``no_sync``)."""
+    import contextlib
+
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def _micro_loss(case: str, model, row: dict, denominator: float, group) -> tuple:
+    """This process's share of the step's loss on ``row`` (unscaled) as the trainers compute it."""
+    from packing_hf._loss import target_coefficients
+    from packing_hf.attention.sequence_parallel import (
+        sequence_parallel_chunked_loss,
+        sequence_parallel_loss,
+        shard_packed_batch,
+    )
+    from packing_hf.integrations.adapters import head_inputs
+    from packing_hf.integrations.chunked_head import causal_lm_loss, resolve_head
+
+    resolved = resolve_head(model)
+    if isinstance(resolved, str):
+        raise RuntimeError(f"{case}: the chunked head refused the model: {resolved}")
+    if group is None:  # data parallel: the chunked head on the whole row
+        labels = row["labels"]
+        inputs = {k: v for k, v in row.items() if k != "labels"}
+        coefficients = target_coefficients(labels, "token", None, row["position_ids"], row["cu_seq_lens_q"])
+        total, _, _ = causal_lm_loss(model, inputs, labels, coefficients, resolved)
+        return total / denominator, None
+    shard = shard_packed_batch(row, group, local_only=case.endswith("local_only"))
+    inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+    if case == "ddp_sp2":  # what packing_hf.Trainer runs with sp_size today: the shard's logits
+        logits = model(**inputs).logits  # (1, T_rank, V)
+        return sequence_parallel_loss(logits, shard, "token", denominator), shard
+    head, logit_head = resolved
+    with head_inputs(head) as captured:
+        model(**inputs)
+    loss = sequence_parallel_chunked_loss(
+        captured[0], head.weight, shard, "token", denominator, head=logit_head
+    )
+    return loss, shard
+
+
+def run_case(case: str, world: int, mesh, dp_rank: int, group) -> dict:
+    """One case's :data:`STEPS` steps on this process (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from packing_hf._loss import step_denominator
+    from packing_hf.attention.sequence_parallel import shard_loss_counts, shard_packed_batch
+
+    model = _wrap(case, make_model(), mesh)
+    inner = getattr(model, "module", model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    rows = replica_rows(dp_rank)
+    losses, first_grads = [], None
+    for step in range(STEPS):
+        mine = rows[step * ACCUMULATION : (step + 1) * ACCUMULATION]
+        if group is None:
+            counts = torch.tensor([sum(_counts(r)[0] for r in mine)], dtype=torch.float64)
+        else:  # every row counted once, on the first process of its group
+            counts = torch.tensor(
+                [sum(shard_loss_counts(shard_packed_batch(r, group))[0] for r in mine)], dtype=torch.float64
+            )
+        if case != "fsdp_local_denominator":  # the negative control keeps its own count
+            dist.all_reduce(counts)
+        denominator = step_denominator([float(counts[0]), 0], "token")
+        total = torch.zeros((), dtype=torch.float64)
+        for i, row in enumerate(mine):
+            with _no_sync(model, last=i == ACCUMULATION - 1):
+                loss, shard = _micro_loss(case, model, row, denominator, group)
+                (loss * world).backward()  # DDP / FSDP average the gradients over the processes
+            if shard is not None and shard["packing_hf_sequence_shard"].calls == 0:
+                raise RuntimeError(f"{case}: the model never ran the sequence-parallel attention")
+            total += float(loss.detach())
+        if first_grads is None:
+            first_grads = {n: _full(p.grad).detach().clone() for n, p in inner.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)  # the shares of every process add up to the step's loss
+        losses.append(float(total))
+    # the share of the parameters this process holds (FSDP's local shards; DDP: all of them)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in inner.parameters())
+    after = {n: _full(p).detach().clone() for n, p in inner.named_parameters()}
+    return {
+        "losses": torch.tensor(losses, dtype=torch.float64),
+        "grads": first_grads,
+        "after": after,
+        "held": held / sum(p.numel() for p in after.values()),
+    }
+
+
+def run(rank: int, out_dir: str, port: str, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from packing_hf.attention.sequence_parallel import sequence_parallel_groups, sequence_parallel_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    sp = world // DATA_PARALLEL
+    results = {}
+    if sp == 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh, dp_rank, groups = init_device_mesh("cpu", (world,)), rank, {}
+    else:
+        mesh = sequence_parallel_mesh(sp)
+        dp_rank = mesh.get_local_rank("dp")
+        group, sp_rank, dp_of_group, _ = sequence_parallel_groups(sp)  # what the Trainer builds today
+        if (sp_rank, dp_of_group) != (mesh.get_local_rank("sp"), dp_rank):
+            raise RuntimeError(
+                "sequence_parallel_mesh and sequence_parallel_groups lay the ranks out differently"
+            )
+        groups = {"ddp_sp2": group}
+    for case in CASES[world]:
+        group = groups.get(case, mesh.get_group("sp") if sp > 1 else None)
+        results[case] = run_case(case, world, mesh, dp_rank, group)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, f"fsdp_world{world}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(out_dir: str) -> None:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported once, before the fork)
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    import packing_hf
+    import packing_hf.attention.sequence_parallel  # noqa: F401
+    import packing_hf.integrations.chunked_head  # noqa: F401
+
+    torch.set_num_threads(1)
+    packing_hf.register_attention()  # resolved before the fork too
+    for world in CASES:
+        with socket.socket() as probe:  # a fresh port per world: the last one's may linger in TIME_WAIT
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+        # fork: the children start with everything imported (spawn would import torch and transformers again)
+        mp.start_processes(run, args=(out_dir, port, world), nprocs=world, start_method="fork")
+    torch.save(reference_run(), os.path.join(out_dir, "fsdp_reference.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
