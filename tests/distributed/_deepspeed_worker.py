@@ -178,13 +178,15 @@ def whole_parameters(model) -> dict[str, list]:
 
 
 def main(out_dir: str) -> None:
+    import importlib
+
     import datasets
-    import deepspeed.comm.torch
     import torch
 
     # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (a C++ build of a minute on a fresh
-    # machine) and reduce through it; without it DeepSpeed reduces over the gloo group, as the DDP cases do
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # machine) and reduce through it; without it DeepSpeed reduces over the gloo group, as the DDP cases do.
+    # (import_module: `import deepspeed.comm.torch` binds the package's attribute `torch`, which is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
 

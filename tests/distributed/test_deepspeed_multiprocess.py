@@ -88,7 +88,11 @@ def test_dpo_with_a_zero3_reference_model_equals_ddp(ranks):
     ddp, zero3 = ranks[0]["dpo_ddp"], ranks[0]["dpo_zero3"]
     assert (ddp["plan"], zero3["plan"]) == ("ddp, 2 processes", "deepspeed ZeRO-3, 2 processes")
     assert len(ddp["losses"]) >= 2 and abs(ddp["losses"][0] - 0.6931) > 1e-3
-    assert zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
+    # the first step's loss is the same forward; later ones follow one optimizer step whose ZeRO-3 reduction
+    # (reduce-scatter of partitions) sums in another order than DDP's all-reduce: fp32 rounding of a few 1e-6
+    # (measured: 2.6e-6 relative at step 2), far below what a wrong step gives (a miscounted loss: > 1e-2)
+    assert zero3["losses"][0] == pytest.approx(ddp["losses"][0], rel=1e-6, abs=0)
+    assert zero3["losses"] == pytest.approx(ddp["losses"], rel=2e-5, abs=0)
     assert ranks[1]["dpo_zero3"]["losses"] == zero3["losses"]
 
 
