@@ -1,18 +1,24 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 through ``packing_hf.Trainer`` and ``SFTTrainer`` next to gloo DDP, on the same 2 CPU
-processes (``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _deepspeed_worker.py OUT_DIR``, launched by
-``test_deepspeed_multiprocess.py``).
+processes (``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _deepspeed_worker.py OUT_DIR``), and the SP cases on
+4 (``torchrun --nproc_per_node 4 _deepspeed_worker.py OUT_DIR --world 4``: ``sp2_ddp`` and ``sp2_zero3`` only, at
+dp 2 x sp 2); both launched by ``test_deepspeed_multiprocess.py``.
 
 Every case trains a tiny Llama on packing_hf's attention with ``max_tokens_per_batch`` for one epoch of SGD steps
-(``use_cpu=True``: gloo; DeepSpeed's engine when a config is given) and writes, per rank, the loss of every step,
-the dataset indices each rank trained on (counted in ``training_step``) and, on rank 0, every parameter after the
-epoch (gathered whole under ZeRO-3):
+(``use_cpu=True``: gloo; DeepSpeed's engine when a config is given) and writes, per rank, the loss and number of
+every step, the dataset indices each step of each rank trained on (counted in ``training_step``) and, on rank 0,
+every parameter after the epoch (gathered whole under ZeRO-3):
 
 - ``ddp``, ``zero2``, ``zero3``: ``packing_hf.Trainer``; under ZeRO-3 the model is built after the arguments, so
   transformers partitions it at construction (``deepspeed.zero.Init``) and the pre-flight check runs next to
-  partitioned parameters; ``check_packing`` of the partitioned model is recorded too.
+  partitioned parameters; ``check_packing`` of the partitioned model is recorded too. ``zero2`` and ``zero3``
+  save a checkpoint after ``SAVE_STEPS`` steps, in the middle of the epoch.
+- ``resumed_zero2``, ``resumed_zero3``: a new ``packing_hf.Trainer`` (its model from other weights) resumed from
+  that checkpoint (``train(resume_from_checkpoint=...)``): the rest of the epoch; ``resumed_unskipped_zero2`` (the
+  negative control) resumes with ``ignore_data_skip=True``, so trains the epoch's first batches again.
 - ``sft_ddp``, ``sft_zero2``, ``sft_zero3``: ``packing_hf.SFTTrainer`` on the same tokenized rows.
 - ``sp2_ddp``, ``sp2_zero3``: ``packing_hf.Trainer`` with ``ParallelismConfig(sp_size=2)``: every packed row cut
-  over both processes, next to DDP, then inside ZeRO-3 (parameters partitioned over the same processes).
+  over the 2 processes of its SP group, next to DDP, then inside ZeRO-3 (parameters partitioned over every
+  process); at 2 processes one replica (dp 1 x sp 2), at 4 two (dp 2 x sp 2).
 - ``dpo_ddp``, ``dpo_zero3``: ``packing_hf.DPOTrainer`` with a live reference model (other weights than the policy),
   GSM8K pairs tokenized by TRL (the SmolLM2 vocabulary); under ZeRO-3 TRL prepares the reference model as a
   DeepSpeed engine too. Losses only (the policy's parameters are compared in the Trainer cases).
@@ -38,7 +44,13 @@ SEED = 0
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 # DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
 DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
-CASES = ("ddp", "sft_ddp", "sp2_ddp", "dpo_ddp", "zero2", "sft_zero2", "zero3", "sft_zero3", "sp2_zero3", "dpo_zero3", "local_mean_zero3")
+CASES = (
+    "ddp", "sft_ddp", "sp2_ddp", "dpo_ddp",
+    "zero2", "resumed_zero2", "resumed_unskipped_zero2", "sft_zero2",
+    "zero3", "resumed_zero3", "sft_zero3", "sp2_zero3", "dpo_zero3", "local_mean_zero3",
+)  # fmt: skip
+CASES_4 = ("sp2_ddp", "sp2_zero3")  # --world 4: dp 2 x sp 2
+SAVE_STEPS = 2  # the ZeRO cases save a checkpoint after this many of the epoch's steps: its middle
 IDS_KEY = "packing_hf_test_sample_ids"
 
 
@@ -177,7 +189,7 @@ def whole_parameters(model) -> dict[str, list]:
         return {name: p.detach().double().flatten().tolist() for name, p in params.items()}
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
     import importlib
 
     import datasets
@@ -208,25 +220,30 @@ def main(out_dir: str) -> None:
         class Counting(base):
             """Counts the samples every training step gets."""
 
-            seen: list
+            seen: list  # per training step, the indices of its samples
 
             def training_step(self, model, inputs, *args, **kwargs):
-                self.seen.extend(inputs.pop(IDS_KEY).tolist())
+                self.seen.append(inputs.pop(IDS_KEY).tolist())
                 return super().training_step(model, inputs, *args, **kwargs)
 
         return Counting
 
     rank = int(os.environ["RANK"])
     dataset = datasets.Dataset.from_list(make_samples())
-    results = {"refused_without_cpu": refused_without_cpu(out_dir)}
+    results = {"refused_without_cpu": refused_without_cpu(out_dir)} if "ddp" in cases else {}
     start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
     results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
-    vocab = len(AutoTokenizer.from_pretrained(TOKENIZER))
-    dpo_starts = {"policy": make_model(vocab).state_dict(), "reference": make_model(vocab, seed=1).state_dict()}
-    for case in CASES:
+    if any(case.startswith("dpo_") for case in cases):
+        vocab = len(AutoTokenizer.from_pretrained(TOKENIZER))
+        dpo_starts = {"policy": make_model(vocab).state_dict(), "reference": make_model(vocab, seed=1).state_dict()}
+    for case in cases:
         stage = {"zero2": 2, "zero3": 3}.get(case.split("_")[-1])
         sft = case.startswith("sft_")
         sequence_parallel = case.startswith("sp2_")
+        # zero2 / zero3 save a checkpoint mid-epoch; resumed_*: a new trainer resumes from it (the unskipped
+        # one, the negative control, with ignore_data_skip=True: the epoch's batches from its first again)
+        saving = case in ("zero2", "zero3")
+        resumed = case.startswith("resumed_")
         common = dict(
             max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
             num_train_epochs=1,
@@ -236,7 +253,9 @@ def main(out_dir: str) -> None:
             max_grad_norm=0.0,
             seed=SEED,
             report_to="none",
-            save_strategy="no",
+            save_strategy="steps" if saving else "no",
+            save_steps=SAVE_STEPS,
+            ignore_data_skip="_unskipped_" in case,
             logging_steps=1,
             use_cpu=True,
             ddp_backend="gloo",
@@ -256,9 +275,11 @@ def main(out_dir: str) -> None:
             if sft
             else packing_hf.TrainingArguments(output, **common)
         )
-        model = make_model()  # built after the arguments: under ZeRO-3, partitioned at construction
+        # built after the arguments: under ZeRO-3, partitioned at construction; a resumed run's weights are
+        # other than the start's, the checkpoint's only reach it from the checkpoint
+        model = make_model(seed=SEED + 7 if resumed else SEED)
         record = {}
-        if stage == 3:
+        if stage == 3 and not resumed:
             record["partitioned"] = all(hasattr(p, "ds_id") for p in model.parameters())
             load_whole(model, start)  # zero.Init initialised its own weights
             report = packing_hf.check_packing(model, gradients=False, noise_floor=False)
@@ -267,11 +288,16 @@ def main(out_dir: str) -> None:
         extra = {"processing_class": AutoTokenizer.from_pretrained(TOKENIZER)} if sft else {}
         trainer = trainer_class(model=model, args=args, train_dataset=dataset, data_collator=Recording(), **extra)
         trainer.seen = []
-        trainer.train()
+        checkpoint = os.path.join(out_dir, f"zero{stage}", f"checkpoint-{SAVE_STEPS}") if resumed else None
+        trainer.train(resume_from_checkpoint=checkpoint)
+        # a resumed run's log history starts with the checkpoint's: the steps it trained itself follow
+        logged = [h for h in trainer.state.log_history if "loss" in h][-len(trainer.seen) :]
         record.update(
             plan=trainer.parallel_plan.describe(),
-            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-            seen=trainer.seen,
+            losses=[h["loss"] for h in logged],
+            steps=[h["step"] for h in logged],
+            seen_by_step=trainer.seen,
+            seen=[i for step in trainer.seen for i in step],
             world_size=trainer.args.world_size,
         )
         parameters = whole_parameters(trainer.accelerator.unwrap_model(trainer.model_wrapped))
@@ -286,4 +312,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], CASES_4 if sys.argv[2:] == ["--world", "4"] else CASES)

@@ -1,11 +1,15 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo) through ``packing_hf.Trainer`` and ``SFTTrainer`` equal
 gloo DDP on the same 2 processes: the loss of every step and every parameter after an epoch of SGD (fp32
-rounding), every sample trained exactly once per epoch across the ranks; sequence parallelism (``sp_size=2``)
-inside ZeRO-3 equals it beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s);
-``DPOTrainer`` with a ZeRO-3 reference model equals DDP (losses); the ZeRO-3 model partitioned at
-construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured (not "failed"),
-and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by name. One launch
-runs every case: ``_deepspeed_worker.py``. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
+rounding), every sample trained exactly once per epoch across the ranks; a run resumed from a ZeRO-2 or ZeRO-3
+checkpoint saved mid-epoch finishes the epoch as the uninterrupted run does (samples per rank, losses, parameters;
+resuming with ``ignore_data_skip=True`` is caught); sequence parallelism (``sp_size=2``) inside ZeRO-3 equals it
+beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s), on 2 processes
+(dp 1 x sp 2) and on 4 (dp 2 x sp 2: each sample once per epoch across the 2 replicas, the same samples on the
+processes of an SP group); ``DPOTrainer`` with a ZeRO-3 reference model equals DDP (losses); the ZeRO-3 model
+partitioned at construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured
+(not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by
+name. Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the 4-process SP cases in the other.
+Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
 """
 
 from __future__ import annotations
@@ -24,14 +28,26 @@ LAUNCH_TIMEOUT_S = 420  # DeepSpeed's CPU communication op is compiled once per 
 pytestmark = pytest.mark.distributed
 
 
+def _launched(run_once, launch, torchrun_command, world: int) -> list[dict]:
+    """Every rank's results of the worker on ``world`` processes (2: every case; 4: the SP cases)."""
+
+    def run(folder: Path) -> None:
+        mode = ["--world", "4"] if world == 4 else []
+        command = [*torchrun_command(world), str(WORKER), str(folder), *mode]
+        launch(command, LAUNCH_TIMEOUT_S, f"{world}-process DeepSpeed run", DS_ACCELERATOR="cpu")
+
+    folder = run_once(f"deepspeed-{world}", run)
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 @pytest.fixture(scope="module")
 def ranks(run_once, launch, torchrun_command) -> list[dict]:
-    def run(folder: Path) -> None:
-        command = [*torchrun_command(2), str(WORKER), str(folder)]
-        launch(command, LAUNCH_TIMEOUT_S, "2-process DeepSpeed run", DS_ACCELERATOR="cpu")
+    return _launched(run_once, launch, torchrun_command, 2)
 
-    folder = run_once("deepspeed", run)
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+@pytest.fixture(scope="module")
+def ranks4(run_once, launch, torchrun_command) -> list[dict]:
+    return _launched(run_once, launch, torchrun_command, 4)
 
 
 def _max_difference(a: dict[str, list], b: dict[str, list]) -> float:
@@ -110,3 +126,67 @@ def test_deepspeed_on_cpu_without_use_cpu_is_refused_by_name(ranks):
     for rank in ranks:
         message = rank["refused_without_cpu"]
         assert "accelerate counts 1" in message and "use_cpu=True" in message
+
+
+def _resumed_against(ranks: list[dict], resumed: str, uninterrupted: str, save_steps: int) -> dict:
+    """How the run ``resumed`` from ``uninterrupted``'s checkpoint after ``save_steps`` steps differs from the rest
+    of that run: the steps it trained, their samples on every rank, their losses, the parameters after the epoch."""
+    tails = [r[uninterrupted] for r in ranks]
+    mine = [r[resumed] for r in ranks]
+    return {
+        "steps": (mine[0]["steps"], tails[0]["steps"][save_steps:]),
+        "samples": all(m["seen_by_step"] == t["seen_by_step"][save_steps:] for m, t in zip(mine, tails, strict=True)),
+        "losses": (mine[0]["losses"], tails[0]["losses"][save_steps:]),
+        "parameters": _max_difference(tails[0]["parameters"], mine[0]["parameters"]),
+    }
+
+
+@pytest.mark.parametrize(("case", "uninterrupted"), [("resumed_zero2", "zero2"), ("resumed_zero3", "zero3")])
+def test_resume_from_a_zero_checkpoint_mid_epoch_is_exact(ranks, load_worker, case, uninterrupted):
+    """The ZeRO run saved a checkpoint after ``SAVE_STEPS`` of its epoch's steps (DeepSpeed's own: partitioned
+    optimizer states per rank, packing_hf's sampler position); a new trainer, whose model starts from other
+    weights, resumed from it trains the rest of the epoch as the uninterrupted run did: the same multipack
+    batches on every rank, the same losses and the same parameters after the epoch (measured: equal bit for bit
+    under ZeRO-2 and ZeRO-3). The optimizer is plain SGD, so the checkpoint's optimizer state is empty: what is
+    proven is the weights' and the data order's resume, not that of momentum or Adam moments."""
+    save_steps = load_worker(WORKER).SAVE_STEPS
+    uninterrupted_steps = ranks[0][uninterrupted]["steps"]
+    assert save_steps < len(uninterrupted_steps) - 1, "the checkpoint is not in the middle of the epoch"
+    assert all(r[case]["plan"] == r[uninterrupted]["plan"] for r in ranks)
+    difference = _resumed_against(ranks, case, uninterrupted, save_steps)
+    assert difference["steps"][0] == difference["steps"][1]
+    assert difference["samples"], "the resumed run trained other samples than the rest of the epoch"
+    assert difference["losses"][0] == pytest.approx(difference["losses"][1], rel=1e-6, abs=0)
+    assert difference["parameters"] <= 1e-6, "parameters after the resumed epoch differ"
+    assert ranks[1][case]["losses"] == ranks[0][case]["losses"]
+
+
+def test_negative_control_a_resume_that_does_not_skip_the_consumed_batches_is_caught(ranks, load_worker):
+    """Resumed from the same ZeRO-2 checkpoint with ``ignore_data_skip=True``: the epoch's first batches again,
+    which the comparison the resumed runs pass catches (samples, losses and parameters)."""
+    save_steps = load_worker(WORKER).SAVE_STEPS
+    difference = _resumed_against(ranks, "resumed_unskipped_zero2", "zero2", save_steps)
+    assert difference["steps"][0] == difference["steps"][1]  # as many steps, from the same checkpoint
+    assert not difference["samples"]
+    assert difference["losses"][0] != pytest.approx(difference["losses"][1], rel=1e-6, abs=0)
+    assert difference["parameters"] > 1e-4
+
+
+def test_sp_inside_zero3_on_4_processes_equals_ddp(ranks4, load_worker):
+    """dp 2 x sp 2 on 4 processes: ZeRO-3 (parameters partitioned over all 4) with every packed row cut over the 2
+    processes of its SP group equals DDP + sp 2 on the same processes (the loss of every step, every parameter
+    after the epoch: measured 1.2e-7); the SP group of a replica trains the same samples, the 2 replicas
+    different ones, every sample once per epoch."""
+    everything = list(range(load_worker(WORKER).NUM_SAMPLES))
+    for case, engine in (("sp2_ddp", "ddp"), ("sp2_zero3", "deepspeed ZeRO-3")):
+        mine = [r[case] for r in ranks4]
+        assert all(m["plan"] == f"{engine}, 4 processes (dp 2 x sp 2)" and m["world_size"] == 4 for m in mine)
+        # SP groups of consecutive ranks: (0, 1) and (2, 3)
+        assert mine[0]["seen_by_step"] == mine[1]["seen_by_step"]
+        assert mine[2]["seen_by_step"] == mine[3]["seen_by_step"]
+        assert not set(mine[0]["seen"]) & set(mine[2]["seen"]) and sorted(mine[0]["seen"] + mine[2]["seen"]) == everything
+        assert all(m["losses"] == mine[0]["losses"] for m in mine) and len(mine[0]["losses"]) > 2
+    ddp, zero3 = ranks4[0]["sp2_ddp"], ranks4[0]["sp2_zero3"]
+    assert zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
+    assert _max_difference(ddp["parameters"], zero3["parameters"]) <= 1e-6, "parameters after the epoch differ"
+    assert _max_difference(ranks4[0]["start"], zero3["parameters"]) > 1e-3
