@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared/data relative to the project root, as in tests/conftest.py; PACKING_HF_DATA overrides it.
 # A clone outside the workplace's tree falls back to the workplace's fixed location of the data.
@@ -142,6 +144,15 @@ def gsm8k_token_ids(split: str = "train", limit: int | None = None, tokenizer=No
     rows = load_gsm8k(split, limit)
     texts = [f"Question: {r['question']}\nAnswer: {r['answer']}{tokenizer.eos_token}" for r in rows]
     return tokenizer(texts)["input_ids"]
+
+
+def compact_vocabulary(samples: Sequence[Sequence[int]]) -> tuple[list[list[int]], int]:
+    """The samples with the token ids they use renumbered ``0 .. V - 1``, and ``V``: a small LM head for a CPU run
+    of a tiny model on real data (the same sequences, other ids)."""
+    used = np.unique(np.concatenate([np.asarray(x, np.int64) for x in samples]))
+    remap = np.zeros(int(used.max()) + 1, np.int64)
+    remap[used] = np.arange(used.size)
+    return [remap[np.asarray(x, np.int64)].tolist() for x in samples], int(used.size)
 
 
 def environment() -> dict[str, Any]:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import load_tokenizer, print_table, write_json
+from _common import compact_vocabulary, load_tokenizer, print_table, write_json
 
 import packing_hf
 from packing_hf import PaddingFreeCollator
@@ -214,11 +214,7 @@ def main() -> None:
     samples = load_samples(args.samples, args.seed, args.budget)
     vocab = None
     if args.preset == "tiny":  # the ids the data uses, renumbered: a small LM head for a CPU run
-        used = np.unique(np.concatenate(samples))
-        remap = np.zeros(int(used.max()) + 1, np.int64)
-        remap[used] = np.arange(used.size)
-        samples = [remap[x].tolist() for x in samples]
-        vocab = int(used.size)
+        samples, vocab = compact_vocabulary(samples)
     torch.manual_seed(args.seed)
     reference = build_model(args.preset, vocab or 49152, dtype, args.device, "sdpa")
     init = copy.deepcopy(reference.state_dict())

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import TOKENIZER_DIR, base_parser, print_table, write_json
+from _common import TOKENIZER_DIR, base_parser, compact_vocabulary, print_table, write_json
 from bench_e2e import PRESETS as SHAPES
 from transformers import TrainerCallback
 
@@ -325,11 +325,7 @@ def main() -> None:
     samples = load_samples(tokenizer, args.samples, args.seed, args.budget)
     vocab = None
     if args.preset == "tiny":  # the ids the data uses, renumbered: a small LM head for a CPU run
-        used = np.unique(np.concatenate(samples))
-        remap = np.zeros(int(used.max()) + 1, np.int64)
-        remap[used] = np.arange(used.size)
-        samples = [remap[x].tolist() for x in samples]
-        vocab = int(used.size)
+        samples, vocab = compact_vocabulary(samples)
     torch.manual_seed(args.seed)
     reference = build_model(args, vocab, "sdpa")
     config, init = copy.deepcopy(reference.config), copy.deepcopy(reference.state_dict())

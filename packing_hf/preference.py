@@ -271,9 +271,10 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
     def __post_init__(self) -> None:
         super().__post_init__()
         name = type(self).__name__
-        for key in ("pad_to_multiple_of", "length_buckets", "segment_buckets"):
-            if self.no_row_padding is not None and getattr(self, key):
-                raise ValueError(f"{key}={getattr(self, key)}: {self.no_row_padding}; leave it unset")
+        if self.no_row_padding is not None:
+            for key in ("pad_to_multiple_of", "length_buckets", "segment_buckets"):
+                if getattr(self, key):
+                    raise ValueError(f"{key}={getattr(self, key)}: {self.no_row_padding}; leave it unset")
         # fields of PaddingFreeCollator that a pair's rows have no use for: refused rather than ignored
         if self.label_pad_id != -100:
             raise ValueError(

@@ -88,25 +88,13 @@ def _bypassed_calls(head: torch.nn.Module) -> str | None:
     else on ``(chunk, V)`` slices (the chunked head's projection also runs in backward, without the module)."""
     from torch.nn.modules import module as torch_module
 
-    found = [
-        what
-        for what, hooks in (
-            ("forward pre-hooks", head._forward_pre_hooks),
-            ("forward hooks", head._forward_hooks),
-            ("backward pre-hooks", head._backward_pre_hooks),
-            ("backward hooks", head._backward_hooks),
-        )
-        if hooks
-    ]
+    kinds = {"forward_pre": "forward pre-hooks", "forward": "forward hooks", "backward_pre": "backward pre-hooks",
+             "backward": "backward hooks"}  # fmt: skip
+    found = [what for kind, what in kinds.items() if getattr(head, f"_{kind}_hooks")]
     found += [
         f"global {what} (on every module)"
-        for what, hooks in (
-            ("forward pre-hooks", torch_module._global_forward_pre_hooks),
-            ("forward hooks", torch_module._global_forward_hooks),
-            ("backward pre-hooks", torch_module._global_backward_pre_hooks),
-            ("backward hooks", torch_module._global_backward_hooks),
-        )
-        if hooks
+        for kind, what in kinds.items()
+        if getattr(torch_module, f"_global_{kind}_hooks")
     ]
     if "forward" in vars(head):
         found.append("a forward of its own (set on the module)")

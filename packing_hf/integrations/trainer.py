@@ -147,10 +147,13 @@ class PackingTrainerMixin(
                 "max_tokens_per_batch gives every rank its own packed batches; accelerator_config with "
                 "split_batches=True or dispatch_batches=True would re-split or re-send them. Unset both."
             )
-        for name, size in self.parallel_plan.shards_sample_tokens.items():
+        if self.parallel_plan.shards_sample_tokens:
+            sizes = ", ".join(
+                f"{name}={size}" for name, size in self.parallel_plan.shards_sample_tokens.items()
+            )
             raise PackingRefused(
                 "multipack_parallelism",
-                f"max_tokens_per_batch does not support {name}={size}: multipack shards batches over data-parallel "
+                f"max_tokens_per_batch does not support {sizes}: multipack shards batches over data-parallel "
                 "ranks only (DDP, FSDP, DeepSpeed ZeRO). Unset max_tokens_per_batch.",
             )
         if is_stream(self.train_dataset):
