@@ -188,23 +188,36 @@ def causal_lm_loss(
 
 def shard_lm_loss(
     model: Any,
-    inputs: dict[str, Any],
-    targets: torch.Tensor,
-    coefficients: torch.Tensor,
+    shard: dict[str, Any],
+    normalization: str,
+    denominator: float | torch.Tensor,
     resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
-    """The weighted cross-entropy sum of targets already shifted, chunked: ``(loss, outputs)``; what a rank's shard
-    of a sequence-parallel row needs (its last token's target is the next shard's first token).
+    """``(loss, outputs)``: this rank's share of the loss of a row cut over a sequence-parallel group, from the LM
+    head in chunks: :func:`packing_hf.attention.sequence_parallel.sequence_parallel_chunked_loss` on the model's
+    hidden states (no ``(T_rank, V)`` logits).
 
     Args:
-        model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss`.
-        targets: ``(B, T)`` int64, the target of every position (position ``t`` predicts ``targets[:, t]``),
-            -100 = not a target.
-        coefficients: ``(B, T)`` float, each target's weight in the sum.
+        model, resolved, chunk_size: as in :func:`causal_lm_loss`.
+        shard: what :func:`packing_hf.attention.sequence_parallel.shard_packed_batch` returned for this rank
+            (the model gets it without its ``shift_labels``).
+        normalization, denominator: as in :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_loss`.
     """
+    from ..attention.sequence_parallel import sequence_parallel_chunked_loss
+
+    inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
-    loss, _ = _summed_cross_entropy(hidden, head, logit_head, targets, coefficients, chunk_size, False)
+    loss = sequence_parallel_chunked_loss(
+        hidden,
+        head.weight,
+        shard,
+        normalization,
+        denominator,
+        bias=head.bias,
+        head=logit_head,
+        chunk_size=chunk_size,
+    )
     return loss, outputs
 
 

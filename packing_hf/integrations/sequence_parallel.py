@@ -60,7 +60,6 @@ class PackingSequenceParallelMixin:
             sequence_parallel_loss,
             shard_packed_batch,
             shard_row_denominator,
-            shard_target_coefficients,
         )
 
         plan = self.parallel_plan
@@ -78,10 +77,7 @@ class PackingSequenceParallelMixin:
         normalization = self.args.loss_normalization if training else "token"
         denominator = float(num_items_in_batch) if training else shard_row_denominator(shard, "token")
         if head is not None:
-            model_inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
-            coefficients = shard_target_coefficients(shard, normalization)
-            total, outputs = shard_lm_loss(model, model_inputs, shard["shift_labels"], coefficients, head)
-            loss = total / denominator
+            loss, outputs = shard_lm_loss(model, shard, normalization, denominator, head)
         else:
             outputs = model(**shard)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # (1, T_rank, V)
