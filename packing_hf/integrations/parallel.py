@@ -6,7 +6,8 @@ rank **from the process group it runs in** (``torch.distributed``), the data-par
 and streams shard over, the sequence-parallel (SP) size, rank and group (a real ``DeviceMesh`` with dimensions
 ``("dp", "sp")``), and the sizes accelerate was told (``tp_size`` / ``cp_size`` / ``sp_size`` of the
 ``ParallelismConfig`` it got: packing_hf keeps ``sp_size`` to itself where it serves it, see
-:mod:`packing_hf.integrations.sequence_parallel`).
+:mod:`packing_hf.integrations.sequence_parallel`; under FSDP2 accelerate gets the data-parallel layout alone,
+:func:`fsdp_layout`).
 
 Why from the process group: transformers and accelerate count the processes themselves, and can be wrong about
 it. Under DeepSpeed on a machine without GPUs and without ``use_cpu=True``, accelerate starts DeepSpeed's
@@ -15,7 +16,8 @@ whole dataset, each sample trained N times per epoch. Under ``torchrun`` on CPU 
 process group is started at all, and each of the N processes trains its own copy on all the data. Both are
 refused by name here, with the fix (:func:`process_world`): a user launching N processes expects each sample
 once per epoch across them, and neither set-up can give that (the first one's loss scaling and gradient
-averaging disagree; the second one has no group to average over).
+averaging disagree; the second one has no group to average over). Likewise FSDP asked for where accelerate runs
+DDP (on CPU: accelerate enables FSDP on accelerators only), which would replicate what the user asked to shard.
 
 This module and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
 that read the parallel sizes of a configuration.
@@ -166,7 +168,10 @@ def fsdp_layout(parallelism_config: Any, sp_size: int, world: int) -> Any:
         )
     from accelerate import ParallelismConfig
 
-    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard * sp_size)
+    # every size given: a size left None is read from the launcher's PARALLELISM_CONFIG_* variables (sp_size too)
+    return ParallelismConfig(
+        dp_replicate_size=replicate, dp_shard_size=shard * sp_size, tp_size=1, cp_size=1, sp_size=1
+    )
 
 
 def process_world(accelerator_processes: int) -> tuple[int, int]:
@@ -238,11 +243,12 @@ def _engine(trainer: Any, world: int) -> tuple[str, int | None]:
     if asked and world > 1:
         # accelerate 1.15 (AcceleratorState) turns an FSDP plugin into DistributedType.FSDP only for multi-device
         # accelerator types (MULTI_GPU, MULTI_XPU, ...): on CPU it drops the plugin and wraps the model in DDP
+        distributed = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
         raise ValueError(
-            f"FSDP was asked for ({asked}), but accelerate runs {accelerator.distributed_type} on "
-            f"{accelerator.device.type}: it enables FSDP on accelerators only, so each of the {world} processes "
-            "would hold the whole model, its gradients and optimizer state (DDP). Run on GPUs for FSDP, or drop "
-            f"fsdp / fsdp_config (and unset {_FSDP_FLAG}) to train with DDP"
+            f"FSDP was asked for ({asked}), but accelerate runs {distributed} on {accelerator.device.type}: it "
+            f"enables FSDP on accelerators only, so each of the {world} processes would hold the whole model, its "
+            "gradients and optimizer state (DDP). Run on GPUs for FSDP, or ask for DDP: drop fsdp / fsdp_config "
+            "from the training arguments and --use_fsdp (distributed_type: FSDP) from the launch"
         )
     if getattr(trainer.args, "n_gpu", 1) > 1:
         return "data_parallel", None

@@ -110,7 +110,8 @@ def test_fsdp_that_accelerate_would_run_as_ddp_is_refused(results):
     _, found = results
     message = found["trainer_refused"]
     assert "FSDP was asked for (TrainingArguments(fsdp=..., fsdp_config=...))" in message, message
-    assert "MULTI_CPU" in message and "DDP" in message and "drop fsdp / fsdp_config" in message, message
+    assert "accelerate runs MULTI_CPU on cpu" in message and "(DDP)" in message, message
+    assert "Run on GPUs for FSDP, or ask for DDP: drop fsdp / fsdp_config" in message, message
 
 
 def test_a_sharding_layout_under_ddp_is_refused(results):
