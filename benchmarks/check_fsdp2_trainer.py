@@ -13,8 +13,22 @@ sums may differ). A tiny Llama on packing_hf's attention, fp32, synthetic sample
         --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer \\
         benchmarks/check_fsdp2_trainer.py --device cuda --output OUT/fsdp2.json --compare OUT/plain.json
 
-``benchmarks/gpu_check.sh`` runs both. ``--device cpu`` runs the first on CPU; transformers does not enable FSDP
-for a CPU run (``use_cpu=True``), so the second is refused there by this script, by name.
+``benchmarks/gpu_check.sh`` runs both. ``--device cpu`` runs the first on CPU; accelerate does not enable FSDP
+for a CPU run (``use_cpu=True``), so the second is refused there by this script, by name (and, on several
+processes, by ``packing_hf.Trainer`` itself).
+
+``--sp-size 2`` on 2 GPUs (not run yet: the lent machines have one GPU, and NCCL takes one process per GPU) checks
+FSDP2 with packing_hf's sequence parallelism (every packed row cut over the 2 processes, FSDP2 sharding over both)
+against DDP with it; the JSON is written by the first process:
+
+    torchrun --nproc_per_node 2 benchmarks/check_fsdp2_trainer.py --device cuda --sp-size 2 --output OUT/sp2.json
+    accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 \\
+        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer \\
+        benchmarks/check_fsdp2_trainer.py --device cuda --sp-size 2 --output OUT/fsdp2_sp2.json \\
+        --compare OUT/sp2.json
+
+On CPU processes (gloo) the same comparison runs in ``tests/distributed/test_fsdp_multiprocess.py``, with
+accelerate's device gate stood in for.
 """
 
 from __future__ import annotations
@@ -67,6 +81,7 @@ def _train(args) -> dict:
         str(args.output.with_suffix("")), max_tokens_per_batch=2048, max_steps=args.steps, learning_rate=1e-3,
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=0, loss_normalization="sample", use_cpu=args.device == "cpu", bf16=False,
+        sp_size=args.sp_size,
     )  # fmt: skip
     trainer = Recording(
         model=model, args=training, train_dataset=_samples(160), data_collator=PaddingFreeCollator()
@@ -89,6 +104,8 @@ def _train(args) -> dict:
         "batches": batches,
         "parameter_sums": [float(p.detach().double().abs().sum()) for p in full],
         "device": str(params[0].device),
+        "plan": trainer.parallel_plan.describe(),
+        "main_process": trainer.accelerator.is_main_process,
     }
 
 
@@ -120,8 +137,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--compare", type=Path, default=None, help="the JSON of the run without FSDP")
+    parser.add_argument("--sp-size", type=int, default=1, help="sequence parallelism: processes per packed row")
     args = parser.parse_args()
     result = _train(args)
+    if not result.pop("main_process"):
+        return  # the first process compares and writes
     if args.compare is not None:
         result["problems"] = _compare(result, json.loads(args.compare.read_text()))
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ class PackingArguments:
         "Sequence parallelism: cut every packed row (max_tokens_per_batch tokens) over this many processes, "
         "with the one-process loss and gradients (packing_hf's Ulysses all-to-all around its varlen attention; "
         "Trainer, SFTTrainer, DPOTrainer). The same as parallelism_config=ParallelismConfig(sp_size=N); the "
-        "processes are sp_size-groups of data-parallel replicas (DDP or DeepSpeed ZeRO beside it). See "
+        "processes are sp_size-groups of data-parallel replicas (DDP, DeepSpeed ZeRO or FSDP2 beside it). See "
         "docs/distributed.md.",
     )
     packing_metrics: bool = option(

@@ -6,7 +6,8 @@ rank **from the process group it runs in** (``torch.distributed``), the data-par
 and streams shard over, the sequence-parallel (SP) size, rank and group (a real ``DeviceMesh`` with dimensions
 ``("dp", "sp")``), and the sizes accelerate was told (``tp_size`` / ``cp_size`` / ``sp_size`` of the
 ``ParallelismConfig`` it got: packing_hf keeps ``sp_size`` to itself where it serves it, see
-:mod:`packing_hf.integrations.sequence_parallel`).
+:mod:`packing_hf.integrations.sequence_parallel`; under FSDP2 accelerate gets the data-parallel layout alone,
+:func:`fsdp_layout`).
 
 Why from the process group: transformers and accelerate count the processes themselves, and can be wrong about
 it. Under DeepSpeed on a machine without GPUs and without ``use_cpu=True``, accelerate starts DeepSpeed's
@@ -15,7 +16,8 @@ whole dataset, each sample trained N times per epoch. Under ``torchrun`` on CPU 
 process group is started at all, and each of the N processes trains its own copy on all the data. Both are
 refused by name here, with the fix (:func:`process_world`): a user launching N processes expects each sample
 once per epoch across them, and neither set-up can give that (the first one's loss scaling and gradient
-averaging disagree; the second one has no group to average over).
+averaging disagree; the second one has no group to average over). Likewise FSDP asked for where accelerate runs
+DDP (on CPU: accelerate enables FSDP on accelerators only), which would replicate what the user asked to shard.
 
 This module and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
 that read the parallel sizes of a configuration.
@@ -38,6 +40,8 @@ import torch
 __all__ = [
     "ParallelPlan",
     "configured_parallelism",
+    "fsdp_layout",
+    "fsdp_request",
     "hidden_sequence_parallelism",
     "process_world",
     "sequence_parallel_size",
@@ -49,6 +53,10 @@ __all__ = [
 _LAUNCHER_FLAG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 # the sizes of a ParallelismConfig that cut one sample's tokens (or its model) over processes
 _TOKEN_SPLITS = ("tp_size", "cp_size", "sp_size")
+# the sizes of a ParallelismConfig that lay out FSDP2's sharding (HSDP: replicas of sharded groups)
+_DATA_PARALLEL = ("dp_replicate_size", "dp_shard_size")
+# set by an Accelerator given an FSDP plugin, and by accelerate launch --use_fsdp
+_FSDP_FLAG = "ACCELERATE_USE_FSDP"
 
 
 def configured_parallelism(args: Any) -> Any:
@@ -94,9 +102,9 @@ def with_sp_size(parallelism_config: Any, sp_size: int) -> Any:
 def sequence_parallel_size(parallelism_config: Any) -> int:
     """``sp_size`` of a ``ParallelismConfig`` packing_hf can serve (1 without one), else a ``ValueError``.
 
-    packing_hf's SP runs beside any data-parallel engine (DDP, DeepSpeed ZeRO-1/2/3: the processes of an SP group
-    are data-parallel for the parameters), not beside accelerate's tensor or context parallelism, nor beside
-    accelerate's FSDP mesh (``dp_shard_size``: accelerate would build its own mesh without the SP dimension).
+    packing_hf's SP runs inside any data-parallel engine (DDP, DeepSpeed ZeRO-1/2/3, FSDP2: the processes of an SP
+    group are data-parallel for the parameters), not beside accelerate's tensor or context parallelism. Under
+    FSDP2, ``dp_replicate_size`` / ``dp_shard_size`` lay out the sharding (:func:`fsdp_layout`).
 
     >>> from accelerate import ParallelismConfig
     >>> sequence_parallel_size(ParallelismConfig(sp_size=2)), sequence_parallel_size(None)
@@ -105,13 +113,65 @@ def sequence_parallel_size(parallelism_config: Any) -> int:
     size = int(getattr(parallelism_config, "sp_size", 1) or 1) if parallelism_config is not None else 1
     if size == 1:
         return 1
-    clashing = _sizes(parallelism_config, ("tp_size", "cp_size", "dp_shard_size"))
+    clashing = _sizes(parallelism_config, ("tp_size", "cp_size"))
     if clashing:
         raise ValueError(
             f"packing_hf's sequence parallelism (sp_size={size}) runs next to data parallelism (DDP, DeepSpeed "
-            f"ZeRO) only, not with {clashing}; set those to 1 (FSDP2 with SP: see docs/distributed.md)"
+            f"ZeRO, FSDP2) only, not with {clashing}; set those to 1"
         )
     return size
+
+
+def fsdp_request(args: Any) -> str | None:
+    """Where FSDP was asked for (``None``: nowhere): the training arguments (``fsdp`` / ``fsdp_config``, which
+    transformers turns into the plugin it hands accelerate), else ``ACCELERATE_USE_FSDP``, from which accelerate
+    builds the plugin itself.
+
+    >>> fsdp_request(None) is None
+    True
+    """
+    if getattr(args, "fsdp_plugin_args", None) is not None:
+        return "TrainingArguments(fsdp=..., fsdp_config=...)"
+    if os.environ.get(_FSDP_FLAG, "false").lower() == "true":
+        return (
+            f"{_FSDP_FLAG}=true: accelerate launch --use_fsdp, an accelerate config with distributed_type: FSDP, or "
+            "an earlier Accelerator of this process given an FSDP plugin"
+        )
+    return None
+
+
+def fsdp_layout(parallelism_config: Any, sp_size: int, world: int) -> Any:
+    """The ``ParallelismConfig`` accelerate gets under FSDP while packing_hf serves ``sp_size``: ``None`` (FSDP2
+    shards over every process) when neither ``dp_replicate_size`` nor ``dp_shard_size`` is above 1, else the two
+    with the SP processes folded into the shard dimension, as accelerate folds ``cp_size`` into its
+    ``dp_shard_cp`` dimension: the parameters sharded over ``dp_shard_size x sp_size`` processes, replicated over
+    ``dp_replicate_size`` (HSDP). The sizes must multiply to the number of processes ``world``.
+
+    >>> from accelerate import ParallelismConfig
+    >>> fsdp_layout(ParallelismConfig(sp_size=2), 2, 4) is None
+    True
+    >>> layout = fsdp_layout(ParallelismConfig(dp_replicate_size=2, sp_size=2), 2, 4)
+    >>> layout.dp_replicate_size, layout.dp_shard_size, layout.sp_size
+    (2, 2, 1)
+    >>> fsdp_layout(ParallelismConfig(dp_shard_size=4, sp_size=2), 2, 4)
+    Traceback (most recent call last):
+    ValueError: dp_replicate_size=1 x dp_shard_size=4 x sp_size=2 must be the number of processes (4); ...
+    """
+    layout = _sizes(parallelism_config, _DATA_PARALLEL)
+    if not layout:
+        return None
+    replicate, shard = (int(getattr(parallelism_config, name, 1) or 1) for name in _DATA_PARALLEL)
+    if replicate * shard * sp_size != world:
+        raise ValueError(
+            f"dp_replicate_size={replicate} x dp_shard_size={shard} x sp_size={sp_size} must be the number of "
+            f"processes ({world}); leave dp_replicate_size and dp_shard_size at 1 to shard over every process"
+        )
+    from accelerate import ParallelismConfig
+
+    # every size given: a size left None is read from the launcher's PARALLELISM_CONFIG_* variables (sp_size too)
+    return ParallelismConfig(
+        dp_replicate_size=replicate, dp_shard_size=shard * sp_size, tp_size=1, cp_size=1, sp_size=1
+    )
 
 
 def process_world(accelerator_processes: int) -> tuple[int, int]:
@@ -148,14 +208,17 @@ def hidden_sequence_parallelism(args: Any, serve: bool) -> Iterator[int]:
     size kept (1 when there is none, or when accelerate gets the config unchanged).
 
     accelerate 1.15 and transformers 5.24 read ``sp_size > 1`` as DeepSpeed's ALST/Ulysses; packing_hf's trainers
-    run their own all-to-all, so accelerate is built without the config (and without the launcher's flag), and
-    both are put back after.
+    run their own all-to-all, so accelerate is built without the config (and without the launcher's flag), or,
+    under FSDP, with the data-parallel layout alone (:func:`fsdp_layout`); both are put back after.
     """
-    size = sequence_parallel_size(configured_parallelism(args))
+    config = configured_parallelism(args)
+    size = sequence_parallel_size(config)
     if not serve or size == 1:
         yield 1
         return
-    given, args.parallelism_config = args.parallelism_config, None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    layout = fsdp_layout(config, size, world) if fsdp_request(args) else None
+    given, args.parallelism_config = args.parallelism_config, layout
     flag = os.environ.pop(_LAUNCHER_FLAG, None)
     try:
         yield size
@@ -165,18 +228,63 @@ def hidden_sequence_parallelism(args: Any, serve: bool) -> Iterator[int]:
             os.environ[_LAUNCHER_FLAG] = flag
 
 
-def _engine(trainer: Any) -> tuple[str, int | None]:
-    """``(engine, stage or version)`` of a trainer whose accelerator is made."""
-    state = getattr(trainer.accelerator, "state", None)
+def _engine(trainer: Any, world: int) -> tuple[str, int | None]:
+    """``(engine, stage or version)`` of a trainer whose accelerator is made, on ``world`` processes; FSDP asked
+    for but not run by accelerate is refused by name."""
+    accelerator = trainer.accelerator
+    state = getattr(accelerator, "state", None)
     if getattr(trainer, "is_deepspeed_enabled", False):
         plugin = getattr(state, "deepspeed_plugin", None)
         return "deepspeed", int(getattr(plugin, "zero_stage", 0) or 0)
     if getattr(trainer, "is_fsdp_enabled", False):
         plugin = getattr(state, "fsdp_plugin", None)
         return "fsdp", int(getattr(plugin, "fsdp_version", 1) or 1)
+    asked = fsdp_request(trainer.args)
+    if asked and world > 1:
+        # accelerate 1.15 (AcceleratorState) turns an FSDP plugin into DistributedType.FSDP only for multi-device
+        # accelerator types (MULTI_GPU, MULTI_XPU, ...): on CPU it drops the plugin and wraps the model in DDP
+        distributed = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+        raise ValueError(
+            f"FSDP was asked for ({asked}), but accelerate runs {distributed} on {accelerator.device.type}: it "
+            f"enables FSDP on accelerators only, so each of the {world} processes would hold the whole model, its "
+            "gradients and optimizer state (DDP). Run on GPUs for FSDP, or ask for DDP: drop fsdp / fsdp_config "
+            "from the training arguments and --use_fsdp (distributed_type: FSDP) from the launch"
+        )
     if getattr(trainer.args, "n_gpu", 1) > 1:
         return "data_parallel", None
-    return ("ddp" if trainer.accelerator.num_processes > 1 else "none"), None
+    return ("ddp" if accelerator.num_processes > 1 else "none"), None
+
+
+def _check_sequence_parallel_engine(sp_size: int, world: int, engine: str, level: int | None, config: Any) -> None:
+    """Refuse, by name, an engine packing_hf's ``sp_size`` does not run inside, and data-parallel sizes of the
+    ``ParallelismConfig`` (``dp_shard_size``, ``dp_replicate_size``) that the engine, when not FSDP2 (whose layout
+    :func:`fsdp_layout` hands accelerate), would not honour: DDP and DeepSpeed replicate over the
+    ``world / sp_size`` SP groups.
+
+    FSDP1 is refused: accelerate's FSDP1 plugin cannot be built on CPU (it asks for an accelerator device), so its
+    composition with SP is untested, and transformers deprecates FSDP1.
+
+    >>> from accelerate import ParallelismConfig
+    >>> _check_sequence_parallel_engine(2, 4, "ddp", None, ParallelismConfig(dp_replicate_size=2, sp_size=2))
+    >>> _check_sequence_parallel_engine(2, 4, "fsdp", 1, None)
+    Traceback (most recent call last):
+    ValueError: sp_size=2 with FSDP1 is not supported (untested, and deprecated by transformers); ...
+    """
+    if engine == "fsdp":
+        if level != 2:
+            raise ValueError(
+                f"sp_size={sp_size} with FSDP{level} is not supported (untested, and deprecated by transformers); "
+                "set fsdp_config={'version': 2}, or use DDP or DeepSpeed ZeRO"
+            )
+        return
+    replicate, shard = (int(getattr(config, name, 1) or 1) for name in _DATA_PARALLEL)
+    if shard > 1 or replicate not in (1, world // sp_size):
+        raise ValueError(
+            f"dp_replicate_size={replicate} and dp_shard_size={shard} with sp_size={sp_size} on {world} processes: "
+            f"{engine} replicates the parameters over the {world // sp_size} SP groups and shards nothing itself; "
+            f"set dp_shard_size=1 and dp_replicate_size to 1 or {world // sp_size}, or run FSDP2, whose sharding "
+            "they lay out"
+        )
 
 
 @dataclass(frozen=True)
@@ -214,7 +322,7 @@ class ParallelPlan:
         """
         accelerator = trainer.accelerator
         world, rank = process_world(accelerator.num_processes)
-        engine, level = _engine(trainer)
+        engine, level = _engine(trainer, world)
         accelerate_sizes = _sizes(getattr(accelerator, "parallelism_config", None), _TOKEN_SPLITS)
         if sp_size == 1:
             return cls(engine, level, world, rank, accelerate_sizes=accelerate_sizes)
@@ -224,11 +332,7 @@ class ParallelPlan:
             )
         if world % sp_size:
             raise ValueError(f"sp_size={sp_size} must divide the number of processes ({world})")
-        if engine == "fsdp":
-            raise ValueError(
-                f"sp_size={sp_size} with FSDP through the Trainer is not supported yet (FSDP's own mesh has no SP "
-                "dimension); use DDP or DeepSpeed ZeRO beside sp_size, see docs/distributed.md"
-            )
+        _check_sequence_parallel_engine(sp_size, world, engine, level, configured_parallelism(trainer.args))
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(

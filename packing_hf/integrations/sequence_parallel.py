@@ -10,8 +10,9 @@ multi-GPU. packing_hf runs its own all-to-all instead, so a trainer that declare
 :class:`~packing_hf.integrations.parallel.ParallelPlan` holds the SP group (a ``("dp", "sp")`` device mesh). The
 multipack sampler's (or the stream's) replicas are the ``world / sp_size`` groups, every micro-batch is cut over
 its group in ``compute_loss`` (training, and evaluation of the loss alone) and the step's denominator counts every
-row once. The engine beside it holds the parameters as usual: DDP, or DeepSpeed ZeRO-1/2/3 (the processes of an
-SP group are data-parallel for the parameters). ``DPOTrainer`` keeps TRL's loss: its adapters cut the row and sum
+row once. The engine beside it holds the parameters as usual: DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (the processes
+of an SP group are data-parallel for the parameters; each process's loss is its share times the number of
+processes, and every one of these engines averages the gradients over all of them). ``DPOTrainer`` keeps TRL's loss: its adapters cut the row and sum
 the group's per-token log-probs back into the whole row
 (:class:`~packing_hf.integrations.adapters.PackedPreferenceForward`). Trainers without the declaration leave the
 config to accelerate, and refuse ``sp_size`` by name.

@@ -29,6 +29,26 @@ the last step (``full_tensor()`` of FSDP's shards); the test compares them with 
 The reference: one process, the rows of both replicas whole, full logits and
 :func:`packing_hf._loss.loss_numerator` (no code path of the parallel cases but the model's).
 
+Then, in the same processes, ``packing_hf.Trainer`` (:func:`trainer_cases`), one epoch of SGD steps of
+:data:`ACCUMULATION` micro-batches of :func:`trainer_samples`, under accelerate's FSDP2 (``fsdp=True``,
+``fsdp_config={"version": 2}``: accelerate's ``fully_shard`` of every decoder layer, then of the root) next to
+gloo DDP (``use_cpu=True``):
+
+- world 2: ``trainer_refused`` (first): FSDP asked for on CPU, which accelerate runs as DDP: the refusal's message;
+  ``trainer_ddp``, ``trainer_fsdp``.
+- world 4: ``ddp_layout_sp2_refused`` (first): ``ParallelismConfig(dp_shard_size=2, sp_size=2)`` under DDP, which
+  shards nothing: the refusal's message.
+- world 4 (dp 2 x sp 2): ``trainer_ddp_sp2`` (``sp_size=2``, the ``TrainingArguments`` field), ``trainer_fsdp_sp2``
+  (``sp_size=2``: FSDP2 over all 4 processes), ``trainer_hsdp_sp2``
+  (``ParallelismConfig(dp_replicate_size=2, sp_size=2)``: accelerate's HSDP mesh, dp_replicate 2 x dp_shard 2,
+  the SP processes folded into the shard dimension); ``trainer_fsdp_sp2_unscaled``: the negative control, FSDP2
+  with SP whose loss is not multiplied by the number of processes (the engine's average then divides the update);
+  ``sft_ddp_sp2``, ``sft_fsdp_sp2``: ``packing_hf.SFTTrainer`` (``loss_normalization="sample"``) the same way.
+
+accelerate 1.15 enables FSDP only on accelerators (``AcceleratorState`` sets ``DistributedType.FSDP`` for
+multi-GPU-like types, never for ``MULTI_CPU``): the FSDP cases run with :func:`accelerate_fsdp_on_cpu`, the CPU
+stand-in for that device gate, installed in these test processes only (after ``trainer_refused``).
+
 Importing this module does nothing (pytest collects it for doctests).
 """
 
@@ -47,6 +67,16 @@ CASES = {
     2: ("ddp", "fsdp", "fsdp_local_denominator"),
     4: ("ddp_sp2", "fsdp_sp2", "hsdp_sp2", "fsdp_sp2_local_only"),
 }
+# packing_hf.Trainer, after the cases above; DDP first in each world (the FSDP cases leave accelerate's flag set)
+TRAINER_CASES = {
+    2: ("trainer_ddp", "trainer_fsdp"),
+    4: (
+        "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2", "trainer_fsdp_sp2_unscaled",
+        "sft_ddp_sp2", "sft_fsdp_sp2",
+    ),
+}  # fmt: skip
+TRAINER_SAMPLES = 24
+TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 
 
 def make_model():
@@ -257,6 +287,159 @@ def run_case(case: str, world: int, mesh, dp_rank: int, group) -> dict:
     }
 
 
+def trainer_samples() -> list[dict]:
+    """The :data:`TRAINER_SAMPLES` samples the trainer cases train one epoch on (4-23 tokens, every third one with
+    a 3-token prompt masked; no two alike, so a sample is known by its tokens)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(TRAINER_SAMPLES):
+        length = int(torch.randint(4, 24, (1,), generator=generator))
+        ids = torch.randint(1, VOCAB, (length,), generator=generator)
+        prompt = 3 if i % 3 == 0 else 0
+        samples.append({"input_ids": ids.tolist(), "labels": [-100] * prompt + ids.tolist()[prompt:]})
+    return samples
+
+
+def accelerate_fsdp_on_cpu() -> None:
+    """The CPU stand-in for accelerate's device gate (test processes only): ``AcceleratorState`` given an FSDP
+    plugin on ``MULTI_CPU`` does what it does on ``MULTI_GPU``: ``distributed_type = FSDP``, the plugin kept, and
+    the type shared with ``PartialState``. accelerate's and transformers' FSDP2 code then runs as on GPUs."""
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    state.AcceleratorState.__init__ = init
+
+
+def build_trainer(case: str, out_dir: str, world: int):
+    """``packing_hf.Trainer`` (``SFTTrainer``: ``sft_*``) of a trainer case (see the module docstring); it records,
+    in ``seen``, every micro-batch's samples (their tokens)."""
+    import itertools
+
+    import datasets
+    from accelerate import ParallelismConfig
+    from transformers import AutoTokenizer
+
+    import packing_hf
+
+    sft = case.startswith("sft_")
+
+    class Recording(packing_hf.SFTTrainer if sft else packing_hf.Trainer):
+        seen: list
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            ids, cuts = inputs["input_ids"][0].tolist(), inputs["cu_seq_lens_q"].tolist()
+            self.seen.append([ids[a:b] for a, b in itertools.pairwise(cuts)])
+            return super().training_step(model, inputs, *args, **kwargs)
+
+        def _sequence_parallel_loss(self, model, *args, **kwargs):
+            result = super()._sequence_parallel_loss(model, *args, **kwargs)
+            if not (case.endswith("_unscaled") and model.training):
+                return result
+            return (result[0] / world, *result[1:]) if isinstance(result, tuple) else result / world
+
+    options = {}
+    if "fsdp" in case or "hsdp" in case:
+        options.update(fsdp=True, fsdp_config={"version": 2})
+    if "hsdp" in case:
+        options["parallelism_config"] = ParallelismConfig(dp_replicate_size=2, sp_size=2)
+    elif "layout" in case:
+        options["parallelism_config"] = ParallelismConfig(dp_shard_size=2, sp_size=2)
+    elif case.endswith(("_sp2", "_unscaled")):
+        options["sp_size"] = 2
+    options.update(
+        max_tokens_per_batch=MAX_TOKENS_PER_BATCH, num_train_epochs=1, gradient_accumulation_steps=ACCUMULATION,
+        optim="sgd", learning_rate=LEARNING_RATE, lr_scheduler_type="constant", max_grad_norm=0.0, seed=0,
+        report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True,
+        packing_preflight="off",
+    )  # fmt: skip
+    folder = os.path.join(out_dir, case)
+    if sft:  # TRL's SFT in fp32 on the tokenized samples, each divided by its own target count ("sample")
+        args = packing_hf.SFTConfig(
+            folder, loss_normalization="sample", padding_free=True, max_length=None, bf16=False, **options
+        )
+        data = {"train_dataset": datasets.Dataset.from_list(trainer_samples())}
+        data["processing_class"] = AutoTokenizer.from_pretrained(TOKENIZER)
+    else:
+        args = packing_hf.TrainingArguments(folder, **options)
+        data = {"train_dataset": trainer_samples()}
+    trainer = Recording(model=make_model(), args=args, **data)
+    trainer.seen = []
+    return trainer
+
+
+def refused(case: str, out_dir: str, world: int) -> str:
+    """The message of the refusal of a trainer case: ``trainer_fsdp`` without the stand-in (FSDP asked for where
+    accelerate runs DDP), ``ddp_layout_sp2`` (an FSDP layout under DDP)."""
+    try:
+        build_trainer(case, os.path.join(out_dir, "refused"), world)
+    except ValueError as error:
+        return str(error)
+    finally:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)  # set for good by an Accelerator given an FSDP plugin
+    return ""
+
+
+def trainer_cases(rank: int, world: int, out_dir: str) -> dict:
+    """The trainer cases of ``world`` (see the module docstring): per case, the plan, every step's loss, the
+    parameters after the epoch (whole), each rank's micro-batches, the share of the parameters a process holds,
+    how the first decoder layer's weight is placed (FSDP2's ``DTensor`` placements) and how many attention calls
+    ran on sequence-parallel shards."""
+    import torch.distributed as dist
+
+    from packing_hf.attention.ulysses import SequenceShard
+
+    results = {}
+    if world == 2:
+        results["trainer_refused"] = refused("trainer_fsdp", out_dir, world)
+    accelerate_fsdp_on_cpu()
+    if world == 4:
+        results["ddp_layout_sp2_refused"] = refused("ddp_layout_sp2", out_dir, world)
+    original = SequenceShard.attention
+    calls = [0]
+
+    def counted(shard, *args, **kwargs):
+        calls[0] += 1
+        return original(shard, *args, **kwargs)
+
+    SequenceShard.attention = counted
+    for case in TRAINER_CASES[world]:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)  # an earlier FSDP case's Accelerator left it set
+        calls[0] = 0
+        trainer = build_trainer(case, out_dir, world)
+        trainer.train()
+        model = trainer.model  # FSDP2: the fully_shard module (DTensor parameters); DDP: the module inside
+        params = dict(model.named_parameters())
+        weight = params["model.layers.0.mlp.up_proj.weight"]
+        held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())
+        after = {n: _full(p).detach().clone() for n, p in params.items()}
+        seen = [None] * world
+        dist.all_gather_object(seen, trainer.seen)
+        results[case] = {
+            "plan": trainer.parallel_plan.describe(),
+            "engine": type(trainer.model_wrapped).__name__,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "after": after,
+            "seen": seen,
+            "held": held / sum(p.numel() for p in after.values()),
+            "placements": str(getattr(weight, "placements", None)),
+            "shard_calls": calls[0],
+        }
+        del trainer, model, params, weight
+    SequenceShard.attention = original
+    return results
+
+
 def run(rank: int, out_dir: str, port: str, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -264,6 +447,10 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     from packing_hf.attention.sequence_parallel import sequence_parallel_groups, sequence_parallel_mesh
 
     torch.set_num_threads(1)
+    # the launcher's variables, for the trainer cases (transformers and accelerate join this process group)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sp = world // DATA_PARALLEL
     results = {}
@@ -283,6 +470,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     for case in CASES[world]:
         group = groups.get(case, mesh.get_group("sp") if sp > 1 else None)
         results[case] = run_case(case, world, mesh, dp_rank, group)
+    results.update(trainer_cases(rank, world, out_dir))
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"fsdp_world{world}.pt"))
     dist.barrier()
@@ -300,6 +488,7 @@ def main(out_dir: str) -> None:
     import packing_hf
     import packing_hf.attention.sequence_parallel  # noqa: F401
     import packing_hf.integrations.chunked_head  # noqa: F401
+    import packing_hf.integrations.sft  # noqa: F401  (TRL, transformers' Trainer and accelerate too)
 
     torch.set_num_threads(1)
     packing_hf.register_attention()  # resolved before the fork too

@@ -5,8 +5,15 @@ trainers use it, packing_hf's varlen attention; 3 SGD steps of 2 micro-batches. 
 step's gradients and the parameters after the last step are the one-process ones within float32 rounding for
 DDP and FSDP2 on 2 processes, and for DDP + SP 2, FSDP2 + SP 2 (parameters sharded over all 4 processes,
 activation checkpointing) and HSDP + SP 2 (sharded over each SP group) on 4; a wrong denominator and shards that
-attend within their own tokens fail the same comparison. One launch per world, in one script:
-``_fsdp_worker.py``.
+attend within their own tokens fail the same comparison.
+
+Then the same through ``packing_hf.Trainer`` (and ``SFTTrainer``) under accelerate's FSDP2, with accelerate's device
+gate stood in for on CPU (``accelerate_fsdp_on_cpu`` in the worker): one epoch of SGD equals gloo DDP on the same
+processes (every step's loss, every parameter after the epoch, each sample once per epoch across the replicas, the
+same samples on the 2 processes of an SP group) on 2 processes, and with ``sp_size=2`` on 4, FSDP2 over all 4 and
+HSDP (``ParallelismConfig(dp_replicate_size=2, sp_size=2)``); an SP loss not scaled by the number of processes is
+caught; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
+under DDP, are refused by name. One launch per world, in one script: ``_fsdp_worker.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-LAUNCH_TIMEOUT_S = 300  # a world of 2 and one of 4 processes, 7 cases of 3 steps, on a loaded 2-core machine
+LAUNCH_TIMEOUT_S = 300  # a world of 2 and one of 4 processes, 7 cases and 8 trainers, on 2 loaded cores
 RELATIVE_TOLERANCE = 1e-5
 EXACT_CASES = ("ddp", "fsdp", "ddp_sp2", "fsdp_sp2", "hsdp_sp2")
 # the share of the parameters each process holds: FSDP2 over the whole world, HSDP over an SP group of 2
@@ -74,3 +81,84 @@ def test_negative_controls_are_caught(results, case, assert_close):
     for name, want in reference["after"].items():
         with pytest.raises(AssertionError):
             assert_close(got["after"][name], want, name, rel=RELATIVE_TOLERANCE)
+
+
+# packing_hf.Trainer under accelerate's FSDP2 and the same trainer under DDP, on the same processes
+TRAINER_PAIRS = {
+    "trainer_fsdp": "trainer_ddp",
+    "trainer_fsdp_sp2": "trainer_ddp_sp2",
+    "trainer_hsdp_sp2": "trainer_ddp_sp2",
+    "sft_fsdp_sp2": "sft_ddp_sp2",
+}
+TRAINER_HELD = {"trainer_fsdp": 0.5, "trainer_fsdp_sp2": 0.25, "trainer_hsdp_sp2": 0.5, "sft_fsdp_sp2": 0.25}
+# HSDP: replicated over dp_replicate, sharded inside each replica; FSDP2: sharded over every process
+PLACEMENTS = {"trainer_hsdp_sp2": "(Replicate(), Shard(dim=0))"}
+
+
+def _compare_trainers(got: dict, want: dict, what: str, assert_close) -> None:
+    assert len(got["losses"]) == len(want["losses"]) >= 2, what
+    for step, (loss, expected) in enumerate(zip(got["losses"], want["losses"], strict=True), 1):
+        assert_close(loss, expected, f"{what}: loss of step {step}", rel=RELATIVE_TOLERANCE)
+    assert sorted(got["after"]) == sorted(want["after"])
+    for name, expected in want["after"].items():
+        assert_close(got["after"][name], expected, f"{what}: {name} after the epoch", rel=RELATIVE_TOLERANCE)
+
+
+def test_fsdp_that_accelerate_would_run_as_ddp_is_refused(results):
+    """On CPU accelerate 1.15 drops the FSDP plugin and wraps the model in DDP: the Trainer refuses by name, with
+    the reason and the fix, instead of training every process on a whole copy of the model."""
+    _, found = results
+    message = found["trainer_refused"]
+    assert "FSDP was asked for (TrainingArguments(fsdp=..., fsdp_config=...))" in message, message
+    assert "accelerate runs MULTI_CPU on cpu" in message and "(DDP)" in message, message
+    assert "Run on GPUs for FSDP, or ask for DDP: drop fsdp / fsdp_config" in message, message
+
+
+def test_a_sharding_layout_under_ddp_is_refused(results):
+    """``dp_shard_size`` beside ``sp_size`` lays out FSDP2's sharding; DDP shards nothing, so it is refused by name
+    (it was accepted and ignored)."""
+    _, found = results
+    message = found["ddp_layout_sp2_refused"]
+    assert message.startswith("dp_replicate_size=1 and dp_shard_size=2 with sp_size=2 on 4 processes"), message
+    assert "set dp_shard_size=1" in message and "or run FSDP2" in message, message
+
+
+@pytest.mark.parametrize("case", sorted(TRAINER_PAIRS))
+def test_trainer_under_fsdp2_equals_ddp(results, case, assert_close):
+    """The Trainer's own FSDP2 path (accelerate's ``fully_shard``, DTensor parameters) trains as DDP does, with and
+    without ``sp_size`` (the rows cut over the SP group; FSDP2 over every process, or HSDP)."""
+    _, found = results
+    got, want = found[case], found[TRAINER_PAIRS[case]]
+    assert got["engine"] == "FSDPLlamaForCausalLM" and want["engine"] == "DistributedDataParallel"
+    assert got["plan"] == want["plan"].replace("ddp", "fsdp2"), got["plan"]
+    assert got["held"] == pytest.approx(TRAINER_HELD[case], abs=0.02)  # FSDP2 did shard the parameters
+    assert got["placements"] == PLACEMENTS.get(case, "(Shard(dim=0),)")
+    if case.endswith("_sp2"):  # the rows were cut: attention ran on shards, under both engines
+        assert got["shard_calls"] > 0 and want["shard_calls"] > 0
+    _compare_trainers(got, want, case, assert_close)
+
+
+@pytest.mark.parametrize("case", sorted({*TRAINER_PAIRS, *TRAINER_PAIRS.values()}))
+def test_trainer_trains_each_sample_once_per_epoch(results, load_worker, case):
+    """Each data-parallel replica (an SP group: its processes train the same rows) trains its own samples, and the
+    replicas together train every sample once per epoch: neither accelerate nor the mesh shards the data again."""
+    _, found = results
+    seen = found[case]["seen"]  # per rank, per micro-batch, the samples' tokens
+    sp = 2 if case.endswith("_sp2") else 1
+    for group in range(0, len(seen), sp):
+        assert all(seen[rank] == seen[group] for rank in range(group, group + sp)), f"{case}: group {group}"
+    trained = sorted(sample for replica in seen[::sp] for batch in replica for sample in batch)
+    assert trained == sorted(s["input_ids"] for s in load_worker(WORKER).trainer_samples())
+
+
+def test_trainer_negative_control_is_caught(results, assert_close):
+    """FSDP2 with SP whose loss is not multiplied by the number of processes (the engine's average then shrinks the
+    update 4 times): the comparison the exact cases pass fails on every step's loss and on the parameters."""
+    _, found = results
+    got, want = found["trainer_fsdp_sp2_unscaled"], found["trainer_ddp_sp2"]
+    for loss, expected in zip(got["losses"], want["losses"], strict=True):
+        with pytest.raises(AssertionError):
+            assert_close(loss, expected, "loss", rel=RELATIVE_TOLERANCE)
+    for name, expected in want["after"].items():
+        with pytest.raises(AssertionError):
+            assert_close(got["after"][name], expected, name, rel=RELATIVE_TOLERANCE)

@@ -11,7 +11,7 @@ import pytest
 from accelerate import ParallelismConfig
 
 import packing_hf
-from packing_hf.integrations.parallel import ParallelPlan, sequence_parallel_size
+from packing_hf.integrations.parallel import ParallelPlan, fsdp_layout, sequence_parallel_size
 
 
 def _trainer(tmp_path, tiny_llama, **options):
@@ -61,3 +61,19 @@ def test_sp_size_is_an_argument_and_a_config_key(tmp_path):
     config = {"output_dir": str(tmp_path), "max_steps": 2, "max_tokens_per_batch": 2048, "trainer": "sft"}
     cfg = load_train_config(config, ["sp_size=2"])
     assert type(cfg.training).__name__ == "SFTConfig" and cfg.training.parallelism_config.sp_size == 2
+
+
+def test_the_fsdp_layout_folds_sp_into_the_shard_dimension(monkeypatch):
+    """Under FSDP2 with ``sp_size``, accelerate gets the data-parallel sizes alone, the SP processes in the shard
+    dimension; none of its sizes comes from the launcher's variables (``accelerate launch
+    --parallelism_config_sp_size 2`` sets ``PARALLELISM_CONFIG_SP_SIZE``, which a size left unset would read)."""
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    config = ParallelismConfig(dp_shard_size=2)  # sp_size 2 and dp_replicate_size 2 from the launcher
+    layout = fsdp_layout(config, 2, 8)
+    sizes = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+    assert [getattr(layout, name) for name in sizes] == [2, 4, 1, 1, 1]
+    assert layout.total_size == 8 and layout.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    assert fsdp_layout(ParallelismConfig(sp_size=2, dp_replicate_size=1), 2, 8) is None  # FSDP2 over everyone
+    with pytest.raises(ValueError, match=r"dp_replicate_size=2 x dp_shard_size=2 x sp_size=2 must be the number"):
+        fsdp_layout(config, 2, 4)
