@@ -56,14 +56,15 @@ def launcher_command() -> list[str] | None:
 
 
 def _check_launched_sizes(world_size: int, environ: Mapping[str, str]) -> None:
-    """The sizes ``accelerate launch`` set in the environment multiply to the run's processes when ``sp_size > 1``
-    and another size is given (accelerate skips that check with ``sp_size > 1``, and packing_hf lays the run out
-    as ``world / sp_size`` replicas: a ``dp_replicate_size`` saying otherwise would be ignored)."""
+    """``dp_replicate_size x sp_size`` set by ``accelerate launch`` in the environment is the run's number of
+    processes (accelerate skips that check with ``sp_size > 1``, and packing_hf lays the run out as
+    ``world / sp_size`` replicas: a ``dp_replicate_size`` saying otherwise would be ignored)."""
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return
     sizes = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1") or 1) for name in _SIZES}
-    given = [size for name, size in sizes.items() if name != "sp_size" and size > 1]  # 1: not given
-    if sizes["sp_size"] == 1 or not given or math.prod(sizes.values()) == world_size:
+    # 1: not given; tp / cp / dp_shard beside sp are refused where the SP size is read (`sequence_parallel_size`)
+    given = {name for name, size in sizes.items() if name != "sp_size" and size > 1}
+    if sizes["sp_size"] == 1 or given != {"dp_replicate_size"} or math.prod(sizes.values()) == world_size:
         return
     layout = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
     raise ValueError(
