@@ -1,4 +1,5 @@
-"""Sequence parallelism (Ulysses) inside FSDP2 and beside DDP: per-process peak memory and step time.
+"""Sequence parallelism (Ulysses) inside FSDP2, inside DeepSpeed ZeRO-3 and beside DDP: per-process peak memory and
+step time.
 
 Each configuration is ``world`` fresh processes (spawned: nothing shared) training one AdamW step of a
 Llama-shaped model from config, fp32, with ``dp = world / sp`` data-parallel replicas, each holding one packed
@@ -13,7 +14,13 @@ attention), the loss from the chunked LM head on the shard
 - ``fsdp2``: torch's ``fully_shard`` of every decoder layer and of the input embeddings, then of the root (the
   final norm and ``lm_head``, kept gathered after the forward for the chunked head), over every process (the
   ``(dp, sp)`` mesh of :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_mesh`, flattened):
-  weights, gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs.
+  weights, gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs;
+- ``zero3``: DeepSpeed ZeRO-3 over every process (``deepspeed.initialize`` with torch's AdamW, fp32, the bucket
+  sizes transformers' ``"auto"`` gives this hidden size; on CPU ``DS_ACCELERATOR=cpu`` and gloo): weights,
+  gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs. The head's weight is a
+  shard outside its call, so the shard's loss comes from its full logits (``T / sp x vocabulary``, as
+  ``packing_hf.Trainer`` does under ZeRO-3: the chunked head serves DDP and FSDP2 here). DeepSpeed's state is
+  allocated by a first step at learning rate 0 (weights unchanged) before the peak is reset.
 
 The default model (hidden 1024, 4 layers, MLP 4096, vocabulary 8,192 untied: 80M parameters, 16 bytes each
 with AdamW) is one whose weights and optimizer state dominate a 2,048-token row's activations, so that the
@@ -54,8 +61,9 @@ from _common import base_parser, environment, print_table, write_json  # noqa: E
 
 #: (world, sp) of every configuration; world 1 is the one-process baseline (DDP only: nothing to shard)
 CONFIGS = ((1, 1), (2, 2), (4, 4), (4, 2))
-ENGINES = ("ddp", "fsdp2")
+ENGINES = ("ddp", "fsdp2", "zero3")
 MIB = 2**20
+LEARNING_RATE = 1e-5
 
 
 def _memory_line(key: str) -> float:
@@ -117,6 +125,10 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
+    if engine == "zero3":
+        # read when DeepSpeed is imported: its CPU accelerator, and the process's place in the world
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), **({"DS_ACCELERATOR": "cpu"} if device.type == "cpu" else {}))  # fmt: skip
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -126,6 +138,7 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
     from packing_hf._loss import step_denominator
     from packing_hf.attention.sequence_parallel import (
         sequence_parallel_chunked_loss,
+        sequence_parallel_loss,
         sequence_parallel_mesh,
         shard_loss_counts,
         shard_packed_batch,
@@ -134,6 +147,15 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if engine == "zero3":
+        import importlib
+
+        import deepspeed
+
+        # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (a C++ build) and reduce through
+        # it; without it DeepSpeed reduces over the gloo group, as DDP and FSDP2 do here.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend=backend)
     mesh = sequence_parallel_mesh(sp, device.type)
     group, dp_rank = mesh.get_group("sp"), mesh.get_local_rank("dp")
     row = _row(shape["tokens"], shape["vocab"], seed=dp_rank)  # each replica its own row
@@ -151,6 +173,8 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
         model = DistributedDataParallel(
             model.to(device), device_ids=[device.index] if device.index is not None else None
         )
+    elif engine == "zero3":
+        model = _zero3(model, shape["hidden"])
     else:
         flat = mesh._flatten()  # every process of the world: parameters 1 / world per process
         for layer in model.model.layers:
@@ -161,29 +185,49 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
         fully_shard(model, mesh=flat)
     inner = getattr(model, "module", model)
     head = inner.lm_head
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    # AdamW's moments, as every step after the first holds them: a step on zero gradients (moments stay 0,
-    # the update is 0) allocates them without a forward
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     shard = shard_packed_batch({k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items()}, group)
     counts = torch.tensor([shard_loss_counts(shard)[0]], dtype=torch.float64, device=device)
     dist.all_reduce(counts)  # the step's target count, every row once
     denominator = step_denominator([float(counts[0]), 0], "token")
     inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+
+    def step() -> torch.Tensor:
+        if engine == "zero3":  # the head's weight is a shard outside its call: the shard's full logits
+            loss = sequence_parallel_loss(model(**inputs).logits, shard, "token", denominator)
+            model.backward(loss * world)  # ZeRO averages the gradients over the processes; the shares sum
+            model.step()
+            return loss
+        with head_inputs(head) as captured:
+            model(**inputs)
+        loss = sequence_parallel_chunked_loss(captured[0], head.weight, shard, "token", denominator)
+        captured.clear()
+        (loss * world).backward()  # DDP / FSDP average over the processes; the shares sum
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if engine == "zero3":
+        # DeepSpeed allocates its partitioned gradients and AdamW's moments in the first step: one at learning
+        # rate 0 (weights unchanged), so that the measured step holds them as every later step does
+        optimizer = model.optimizer
+        for group_ in optimizer.param_groups:
+            group_["lr"] = 0.0
+        step()
+        for group_ in optimizer.param_groups:
+            group_["lr"] = LEARNING_RATE
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        # AdamW's moments, as every step after the first holds them: a step on zero gradients (moments stay 0,
+        # the update is 0) allocates them without a forward
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     state = _held(device)
     _reset_peak(device)
     start = time.perf_counter()
-    with head_inputs(head) as captured:
-        model(**inputs)
-    loss = sequence_parallel_chunked_loss(captured[0], head.weight, shard, "token", denominator)
-    captured.clear()
-    (loss * world).backward()  # DDP / FSDP average over the processes; the shares sum
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -196,6 +240,28 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
     if rank == 0:
         torch.save(torch.stack(everyone).cpu(), out)
     dist.destroy_process_group()
+
+
+def _zero3(model, hidden: int):
+    """``model`` as a DeepSpeed ZeRO-3 engine over every process, with torch's AdamW (fp32)."""
+    import deepspeed
+    import torch
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            # what transformers' "auto" gives these for a model of this hidden size
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        },
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, as the other engines
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def _shape(args) -> dict:

@@ -16,11 +16,15 @@ from typing import Any
 from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
+    "ENGINE_MAPPINGS",
+    "SP_TRAINERS",
     "TRAINERS",
     "TRAINER_KEYS",
     "TRL_JOB_TRAINERS",
     "check_attn_implementation",
     "check_model_type",
+    "check_sequence_parallel",
+    "refuse_parallel_keys",
     "trl_packs",
     "unused_keys",
 ]
@@ -32,6 +36,10 @@ TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rl
 TRL_JOB_TRAINERS = TRAINERS[2:]
 _GENERATING = ("grpo", "rloo")  # their samples are prompts plus what the model generates
 _TOKENIZE_AHEAD = tuple(t for t in TRAINERS if t not in _GENERATING)
+# the trainers that cut packed rows over `sp_size` processes themselves (their `packing_sequence_parallel`)
+SP_TRAINERS = ("trainer", "sft", "dpo")
+# training arguments whose YAML value may be a mapping: the engine's own configuration, handed to transformers
+ENGINE_MAPPINGS = ("deepspeed", "fsdp_config")
 
 # A key of packing_hf's own config groups (model, data, job) that some trainers have no use for:
 # key -> (the trainers that use it, why another trainer does not, with what to use instead).
@@ -266,6 +274,53 @@ def _check_training(training: Any, origin=lambda key: "<config>") -> None:
     budget = getattr(training, "max_tokens_per_batch", None)
     if budget is not None and budget < 1:
         raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
+
+
+def refuse_parallel_keys(given: dict[str, Any], trainer: str, origin) -> None:
+    """Before the arguments are built: ``parallelism_config`` in a ``packing-hf`` config (its sizes come from
+    ``sp_size``, or from the launcher), and ``sp_size`` for a trainer that does not cut packed rows, refused by
+    name. ``given``: the config's and the command line's keys and values."""
+    if "parallelism_config" in given:
+        raise ValueError(
+            f"{origin('parallelism_config')}: parallelism_config is not taken by packing-hf train: set sp_size: N for "
+            "packing_hf's sequence parallelism (the same as ParallelismConfig(sp_size=N)), and deepspeed: or "
+            "fsdp: / fsdp_config: for the engine; accelerate's other sizes come from its launcher (see "
+            "docs/distributed.md). Remove parallelism_config"
+        )
+    size = given.get("sp_size")
+    if size is not None and trainer not in SP_TRAINERS:
+        raise ValueError(
+            f"{origin('sp_size')}: sp_size: {size} is not used: trainer: {trainer} does not cut packed rows over "
+            f"processes (sp_size serves trainer: {', '.join(SP_TRAINERS)}); remove sp_size"
+        )
+
+
+def check_sequence_parallel(cfg: Any, origin) -> None:
+    """``sp_size > 1`` (for a trainer that cuts packed rows, :func:`refuse_parallel_keys`): multipack rows to cut,
+    and packing_hf's attention (chosen for the model when the config names none, with a note); anything else
+    refused by name."""
+    size = getattr(cfg.training, "sp_size", None) or 1
+    if size == 1:
+        return
+    if cfg.batching != "multipack":
+        raise ValueError(
+            f"{origin('sp_size')}: sp_size: {size} cuts packed rows of max_tokens_per_batch tokens over processes, "
+            f"but batching is {cfg.batching!r}; set max_tokens_per_batch"
+        )
+    wanted = check_attn_implementation("packing_hf")
+    given = cfg.model.attn_implementation
+    if given is None:
+        cfg.model.attn_implementation = "packing_hf"
+        cfg.notes.append(
+            f"attn_implementation: packing_hf (sp_size: {size} runs inside packing_hf's attention, which sees the "
+            "whole row)"
+        )
+    elif check_attn_implementation(given) != wanted:
+        raise ValueError(
+            f"{origin('attn_implementation')}: attn_implementation: {given} with sp_size: {size} would attend within "
+            "each process's shard of the row only; sequence parallelism runs inside packing_hf's attention: set "
+            "attn_implementation: packing_hf (or leave it out)"
+        )
 
 
 def _check_streaming(cfg: Any) -> None:

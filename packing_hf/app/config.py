@@ -38,6 +38,7 @@ from typing import Any, Literal
 from .._limits import option
 from ..overflow import check_overflow
 from .checks import (
+    ENGINE_MAPPINGS,
     TRAINERS,
     TRL_JOB_TRAINERS,
     _check_streaming,
@@ -45,6 +46,8 @@ from .checks import (
     _resolve_batching,
     check_attn_implementation,
     check_model_type,
+    check_sequence_parallel,
+    refuse_parallel_keys,
     trl_packs,
     unused_keys,
 )
@@ -373,7 +376,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
     for key, value in data.items():
-        if isinstance(value, dict) and key not in _MAPPING_KEYS:
+        if isinstance(value, dict) and key not in (*_MAPPING_KEYS, *ENGINE_MAPPINGS):
             raise ValueError(
                 f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
                 "write its entries at the top level"
@@ -505,6 +508,8 @@ def load_train_config(
         "job": JobArguments,
         f"training ({training_cls.__module__.split('.')[0]}.{training_cls.__name__})": training_cls,
     }
+    given = {**values, **{key: " ".join(tokens) for key, tokens in cli.items()}}
+    refuse_parallel_keys(given, str(trainer), lambda key: "the command line" if key in cli else source)
     _check_keys(classes, values, cli, source)
     own = {name for cls in (ModelArguments, DataArguments, JobArguments) for name in _field_names(cls)}
     from_cli = {key[3:] if key.startswith("no_") and key not in own else key for key in cli}
@@ -535,6 +540,7 @@ def load_train_config(
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss
     _refuse_unused(result, {key for key in values if key in own} | (from_cli & own), from_cli, origin)
     result.batching = _resolve_batching(result)
+    check_sequence_parallel(result, origin)
     try:
         if model_args.model_type is not None:
             check_model_type(model_args.model_type)

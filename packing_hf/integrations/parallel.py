@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from .launcher import check_launch
+
 __all__ = [
     "ParallelPlan",
     "configured_parallelism",
@@ -199,6 +201,7 @@ def process_world(accelerator_processes: int) -> tuple[int, int]:
             "scaled for the wrong world. This happens under DeepSpeed on a machine without GPUs (DS_ACCELERATOR="
             "cpu): set TrainingArguments(use_cpu=True), which starts the group with gloo and counts it"
         )
+    check_launch(world)  # what `accelerate launch` was asked for and did not pass on
     return world, rank
 
 

@@ -1,5 +1,7 @@
 """Issue 40, item 3: every trainer of ``packing-hf train`` honours ``peft:``, and every key of the config is
-used by the trainer or refused by name.
+used by the trainer or refused by name; so is every training argument that picks the engine or lays the
+processes out (``ENGINE_KEYS``: ``sp_size``, ``deepspeed``, ``fsdp``, ``fsdp_config``, ``use_cpu``,
+``parallelism_config``).
 
 LoRA: each trainer runs one step through the command line (``packing_hf.app.cli.main``) on a tiny model built
 from config with a LoRA block. The trained model is captured when the job saves it; the test then checks that
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packing_hf.app.checks import unused_keys
+from packing_hf.app.checks import SP_TRAINERS, unused_keys
 from packing_hf.app.cli import main
 from packing_hf.app.config import (
     TRAINERS,
@@ -30,6 +32,7 @@ from packing_hf.app.config import (
     JobArguments,
     ModelArguments,
     load_train_config,
+    read_yaml,
 )
 from packing_hf.app.modeling import BASE_MODEL_DIR, load_model, load_tokenizer
 
@@ -340,3 +343,71 @@ def test_a_config_key_made_moot_by_the_command_line_is_dropped_with_a_note(confi
     notes = load_train_config(config, overrides).notes
     assert any(n.startswith(note) for n in notes), notes
     assert not [n for n in load_train_config(config).notes if "is not used" in n]
+
+
+# ---- the engine and the process layout: training arguments every trainer honours, or refuses by name ----------
+
+SP = frozenset(SP_TRAINERS)
+# key -> (the trainers that honour it, a value, the keys that make it live, what the trainer's arguments then hold)
+ENGINE_KEYS: dict[str, tuple[frozenset, object, dict, dict]] = {
+    "sp_size": (SP, 2, {"max_tokens_per_batch": 2048}, {"sp_size": 2, "parallelism_config.sp_size": 2}),
+    "deepspeed": (EVERY, {"zero_optimization": {"stage": 3}}, {}, {"deepspeed": {"zero_optimization": {"stage": 3}}}),
+    "fsdp": (EVERY, "full_shard", {}, {"fsdp": True}),
+    "fsdp_config": (EVERY, {"version": 2}, {"fsdp": "full_shard"}, {"fsdp_config.version": 2}),
+    "use_cpu": (EVERY, True, {}, {"use_cpu": True}),
+    "parallelism_config": (frozenset(), {"sp_size": 2}, {}, {}),
+}
+
+
+def _held(training, path: str):
+    value = training
+    for name in path.split("."):
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    return value
+
+
+def test_the_sp_trainers_are_the_trainers_that_cut_rows():
+    """``SP_TRAINERS`` (what the config lets ``sp_size`` through for) is the trainers that serve it themselves."""
+    import packing_hf.integrations as integrations
+    from packing_hf.app.trl_job import _CLASSES
+
+    classes = {"trainer": "Trainer", "sft": "SFTTrainer", **_CLASSES}
+    serving = {name for name, cls in classes.items() if getattr(integrations, cls).packing_sequence_parallel}
+    assert serving == SP
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("key", list(ENGINE_KEYS))
+def test_an_engine_key_reaches_the_trainers_arguments_or_is_refused_by_name(key, trainer, tmp_path):
+    users, value, live, held = ENGINE_KEYS[key]
+    config = {"trainer": trainer, "output_dir": str(tmp_path), **live, key: value}
+    if trainer in users:
+        training = load_train_config(config).training
+        for path, want in held.items():
+            assert _held(training, path) == want, path
+    else:
+        with pytest.raises(ValueError, match=rf"{key}(: {value})? is not (used|taken)\b"):
+            load_train_config(config)
+
+
+def test_engine_mappings_are_read_from_yaml(tmp_path):
+    """A YAML config may nest the engine's configuration (``deepspeed:``, ``fsdp_config:``); other keys stay flat."""
+    path = tmp_path / "run.yaml"
+    path.write_text("deepspeed:\n  zero_optimization:\n    stage: 3\nfsdp_config:\n  version: 2\n")
+    assert read_yaml(path) == {"deepspeed": {"zero_optimization": {"stage": 3}}, "fsdp_config": {"version": 2}}
+    path.write_text("learning_rate:\n  value: 1\n")
+    with pytest.raises(ValueError, match="key 'learning_rate' holds a nested mapping"):
+        read_yaml(path)
+
+
+def test_sequence_parallelism_gets_packing_hf_attention_or_is_refused():
+    """``sp_size`` runs inside packing_hf's attention: chosen when the config names none (with a note), refused by
+    name next to another one; and it needs multipack rows to cut."""
+    cfg = load_train_config({"max_tokens_per_batch": 2048, "sp_size": 2})
+    assert cfg.model.attn_implementation == "packing_hf"
+    assert any(note.startswith("attn_implementation: packing_hf (sp_size: 2") for note in cfg.notes)
+    with pytest.raises(ValueError, match="attn_implementation: sdpa with sp_size: 2 would attend within"):
+        load_train_config({"max_tokens_per_batch": 2048, "sp_size": 2, "attn_implementation": "sdpa"})
+    with pytest.raises(ValueError, match="sp_size: 2 cuts packed rows .* batching is 'padding_free'"):
+        load_train_config({"trainer": "dpo", "sp_size": 2})
+    assert load_train_config({"sp_size": 1}).model.attn_implementation is None
