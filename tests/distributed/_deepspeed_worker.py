@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-2 / ZeRO-3 through packing_hf's trainers next to gloo DDP, on the same 2 CPU processes (``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _deepspeed_worker.py OUT_DIR``), and the SP cases on
-4 (``torchrun --nproc_per_node 4 _deepspeed_worker.py OUT_DIR --world 4``: ``sp2_ddp`` and ``sp2_zero3`` only, at
+"""DeepSpeed ZeRO-2 / ZeRO-3 through packing_hf's trainers next to gloo DDP, on the same 2 CPU processes
+(``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _deepspeed_worker.py OUT_DIR``), and the SP cases on 4
+(``torchrun --nproc_per_node 4 _deepspeed_worker.py OUT_DIR --world 4``: ``sp2_ddp`` and ``sp2_zero3`` only, at
 dp 2 x sp 2); both launched by ``test_deepspeed_multiprocess.py``.
 
 Every case trains a tiny Llama on packing_hf's attention with ``max_tokens_per_batch`` for one epoch of SGD steps
@@ -53,9 +54,8 @@ VOCAB = 128
 MAX_TOKENS_PER_BATCH = 128
 SEED = 0
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
-# DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
 DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
-# the KTO and reward cases: GSM8K rows, their multipack budget (3 steps an epoch); KTO's sequences cut to
+# the KTO and reward cases: GSM8K rows, their multipack budget (3 and 5 steps an epoch); KTO's sequences cut to
 # KTO_MAX_LENGTH tokens (its 4 forwards a step run the SmolLM2 vocabulary's head: the cost of these cases)
 REWARD_ROWS, REWARD_TOKENS = 12, 400
 KTO_ROWS, KTO_TOKENS, KTO_MAX_LENGTH = 12, 256, 64
@@ -67,7 +67,8 @@ RL_TOKENS = 160  # tokens per packed rollout forward: 2 forwards a micro-batch
 # zero gradient): each moves its weights by 2e-3 to 6e-3 in its 2 steps
 TRL_LEARNING_RATE = 0.05
 RL_LEARNING_RATES = {"grpo": 0.02, "rloo": 0.001}
-MOMENTUM = 0.9  # the Trainer cases' SGD keeps a momentum buffer: the optimizer state a resume must restore
+MOMENTUM = 0.9  # every case's SGD keeps a momentum buffer: the optimizer state a resume must restore
+# DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
 CASES = (
     "ddp", "sft_ddp", "sp2_ddp", "dpo_ddp", "kto_ddp", "reward_ddp", "grpo_ddp", "rloo_ddp",
     "zero2", "resumed_zero2", "resumed_unskipped_zero2", "resumed_lost_momentum_zero2", "sft_zero2",
@@ -154,7 +155,9 @@ def make_unpaired(count: int):
     return datasets.Dataset.from_dict(
         {
             "prompt": [f"Question: {r['question']}\nAnswer:" for r in rows],
-            "completion": [" " + (r["answer"] if i % 3 else _reversed(r["answer"])) for i, r in enumerate(rows)],
+            "completion": [
+                " " + (r["answer"] if i % 3 else _reversed(r["answer"])) for i, r in enumerate(rows)
+            ],
             "label": [bool(i % 3) for i in range(len(rows))],
         }
     )
@@ -191,11 +194,11 @@ def recording(collator_class, key: str):
 def logged_steps(trainer) -> list[dict]:
     """The numeric metrics the trainer logged at every training step (no timings, no learning rate)."""
     skipped = ("learning_rate", "epoch", "total_flos", "train_runtime")
-    return [
-        {k: v for k, v in h.items() if isinstance(v, float) and k not in skipped and "second" not in k and "time" not in k}
-        for h in trainer.state.log_history
-        if "loss" in h
-    ]
+
+    def measured(key: str, value) -> bool:
+        return isinstance(value, float) and key not in skipped and "second" not in key and "time" not in key
+
+    return [{k: v for k, v in h.items() if measured(k, v)} for h in trainer.state.log_history if "loss" in h]
 
 
 def save_parameters(trainer, out_dir: str, case: str, start: dict) -> float:
@@ -250,20 +253,22 @@ def preference_run(out_dir: str, case: str, common: dict, starts: dict) -> dict:
     if kto:
         from packing_hf.unpaired import PaddingFreeUnpairedCollator
 
-        args = packing_hf.KTOConfig(
-            os.path.join(out_dir, case), **{**options, "max_tokens_per_batch": KTO_TOKENS}, max_length=KTO_MAX_LENGTH
-        )
+        options.update(max_tokens_per_batch=KTO_TOKENS, max_length=KTO_MAX_LENGTH)
+        args = packing_hf.KTOConfig(os.path.join(out_dir, case), **options)
         models = {"model": make_model(vocab), "ref_model": make_model(vocab, seed=1)}
         collator = recording(PaddingFreeUnpairedCollator, "prompt_ids")(
             max_length=KTO_MAX_LENGTH, overflow="truncate", pad_token_id=tokenizer.pad_token_id
         )
         trainer_class, dataset, key = packing_hf.KTOTrainer, make_unpaired(KTO_ROWS), "prompt_ids"
     else:
-        args = packing_hf.RewardConfig(os.path.join(out_dir, case), **{**options, "max_tokens_per_batch": REWARD_TOKENS})
+        options.update(max_tokens_per_batch=REWARD_TOKENS)
+        args = packing_hf.RewardConfig(os.path.join(out_dir, case), **options)
         models = {"model": make_model(vocab, pad_token_id=tokenizer.pad_token_id)}
-        collator = recording(packing_hf.PaddingFreeRewardCollator, "chosen_ids")(pad_token_id=tokenizer.pad_token_id)
+        collator = recording(packing_hf.PaddingFreeRewardCollator, "chosen_ids")(
+            pad_token_id=tokenizer.pad_token_id
+        )
         trainer_class, dataset, key = packing_hf.RewardTrainer, make_pairs(REWARD_ROWS), "chosen_ids"
-    if any(hasattr(p, "ds_id") for p in models["model"].parameters()):  # zero.Init initialised its own weights
+    if any(hasattr(p, "ds_id") for p in models["model"].parameters()):  # zero.Init made its own weights
         for name, model in models.items():
             load_whole(model, starts[f"{case.split('_')[0]}_{name}"])
     trainer = counting(trainer_class)(
@@ -281,13 +286,13 @@ def preference_run(out_dir: str, case: str, common: dict, starts: dict) -> dict:
     }
 
 
-def rl_run(out_dir: str, case: str, common: dict) -> dict:
+def rl_run(out_dir: str, case: str, common: dict, start) -> dict:
     """``grpo_*`` / ``rloo_*``: 2 optimizer steps of 2 micro-batches on one generation (2 iterations on it, KL to
     TRL's reference model, which it loads from the policy's folder and, under ZeRO-3, prepares as a ZeRO-3 engine)
     with deterministic completions in place of generation (``_rl_worker.py``'s): the logged metrics, the number of
-    packed forwards, the parameters after the 2 steps (``OUT_DIR/CASE.parameters.pt``)."""
+    packed forwards, the parameters after the 2 steps (``OUT_DIR/CASE.parameters.pt``). ``start``: the policy, built
+    whole before any ZeRO-3 arguments, saved to the folder the runs load it from."""
     import datasets
-    import safetensors.torch
     import torch
     from _rl_worker import completion, reward  # the GRPO worker's completions and reward
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -297,7 +302,9 @@ def rl_run(out_dir: str, case: str, common: dict) -> dict:
     grpo = case.startswith("grpo_")
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     config_class, trainer_class = (
-        (packing_hf.GRPOConfig, packing_hf.GRPOTrainer) if grpo else (packing_hf.RLOOConfig, packing_hf.RLOOTrainer)
+        (packing_hf.GRPOConfig, packing_hf.GRPOTrainer)
+        if grpo
+        else (packing_hf.RLOOConfig, packing_hf.RLOOTrainer)
     )
     rollouts = dict(
         learning_rate=RL_LEARNING_RATES[case.split("_")[0]],
@@ -314,7 +321,7 @@ def rl_run(out_dir: str, case: str, common: dict) -> dict:
     args = config_class(os.path.join(out_dir, case), **{**common, **rollouts})  # joins the process group
     folder = os.path.join(out_dir, "rl_model")
     if torch.distributed.get_rank() == 0 and not os.path.isdir(folder):
-        make_model(len(tokenizer)).save_pretrained(folder)
+        start.save_pretrained(folder)
     torch.distributed.barrier()
     # from the folder: under ZeRO-3 transformers loads the weights into the partitioned parameters
     model = AutoModelForCausalLM.from_pretrained(
@@ -337,11 +344,9 @@ def rl_run(out_dir: str, case: str, common: dict) -> dict:
     trainer._generate_single_turn = generate
     torch.manual_seed(SEED)  # TRL shuffles every generation batch with the global generator
     trainer.train()
-    # the saved weights, read as they are (a model built now would be partitioned under ZeRO-3)
-    start = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
     return {
         "plan": trainer.parallel_plan.describe(),
-        "moved": save_parameters(trainer, out_dir, case, start),
+        "moved": save_parameters(trainer, out_dir, case, start.state_dict()),
         "logged": logged_steps(trainer),
         "forwards": trainer.packing_stats["forwards"],
         "rank_sync_forwards": trainer.packing_stats["rank_sync_forwards"],
@@ -444,6 +449,7 @@ def whole_parameters(model, as_lists: bool = True) -> dict:
 
 
 def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
+    import gc
     import importlib
 
     import datasets
@@ -475,7 +481,7 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
     results = {"refused_without_cpu": refused_without_cpu(out_dir)} if "ddp" in cases else {}
     start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
     results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
-    if any(case.startswith(("dpo_", "kto_", "reward_")) for case in cases):
+    if any(case.startswith(("dpo_", "kto_", "reward_", "grpo_", "rloo_")) for case in cases):
         tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
         vocab = len(tokenizer)
         policy, reference = make_model(vocab).state_dict(), make_model(vocab, seed=1).state_dict()
@@ -485,7 +491,13 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             "kto_ref_model": reference,
             "reward_model": make_model(vocab, pad_token_id=tokenizer.pad_token_id).state_dict(),
         }
+        rl_start = make_model(vocab)  # GRPO's and RLOO's policy
     for case in cases:
+        # transformers' train() (accelerate's free_memory) and DeepSpeed's ZeRO-3 engine call gc.collect(), which
+        # walks every object of the imported libraries (0.24 s a call here, ~40 calls in this launch): what lives
+        # now (imports, earlier results) is frozen, so that they walk only what the case made
+        gc.collect()
+        gc.freeze()
         stage = {"zero2": 2, "zero3": 3}.get(case.split("_")[-1])
         sft = case.startswith("sft_")
         sequence_parallel = case.startswith("sp2_")
@@ -523,7 +535,7 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             results[case] = preference_run(out_dir, case, common, preference_starts)
             continue
         if case.startswith(("grpo_", "rloo_")):
-            results[case] = rl_run(out_dir, case, common)
+            results[case] = rl_run(out_dir, case, common, rl_start)
             continue
         output = os.path.join(out_dir, case)
         args = (
@@ -542,10 +554,12 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             record["check"] = {"leaked": report.leaked, "error": report.error, "diff": report.max_logits_diff}
         trainer_class = counting(packing_hf.SFTTrainer if sft else packing_hf.Trainer)
         extra = {"processing_class": AutoTokenizer.from_pretrained(TOKENIZER)} if sft else {}
-        trainer = trainer_class(model=model, args=args, train_dataset=dataset, data_collator=Recording(), **extra)
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=dataset, data_collator=Recording(), **extra
+        )
         trainer.seen = []
         checkpoint = os.path.join(out_dir, f"zero{stage}", f"checkpoint-{SAVE_STEPS}") if resumed else None
-        if case.startswith("resumed_lost_momentum_"):  # the negative control: the checkpoint's momentum zeroed
+        if case.startswith("resumed_lost_momentum_"):  # negative control: the checkpoint's momentum zeroed
             copy = os.path.join(out_dir, f"{case}-checkpoint")
             if rank == 0:
                 record["momentum_buffers_zeroed"] = lose_momentum(checkpoint, copy)

@@ -255,8 +255,13 @@ def test_negative_control_a_resume_that_does_not_skip_the_consumed_batches_is_ca
     assert difference["parameters"] > 1e-4
 
 
-@pytest.mark.parametrize(("case", "uninterrupted"), [("resumed_lost_momentum_zero2", "zero2"), ("resumed_lost_momentum_zero3", "zero3")])
-def test_negative_control_a_resume_that_loses_the_optimizer_state_is_caught(ranks, load_worker, case, uninterrupted):
+@pytest.mark.parametrize(
+    ("case", "uninterrupted"),
+    [("resumed_lost_momentum_zero2", "zero2"), ("resumed_lost_momentum_zero3", "zero3")],
+)
+def test_negative_control_a_resume_that_loses_the_optimizer_state_is_caught(
+    ranks, load_worker, case, uninterrupted
+):
     """Resumed from a copy of the same ZeRO checkpoint whose momentum buffers (in every rank's optimizer partition)
     are zeroed: the weights and the data order come back, the optimizer state does not. The first resumed step
     is the same forward (its loss equal), the steps after it follow other updates, which the comparison the
