@@ -1,15 +1,20 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo) through ``packing_hf.Trainer`` and ``SFTTrainer`` equal
-gloo DDP on the same 2 processes: the loss of every step and every parameter after an epoch of SGD (fp32
-rounding), every sample trained exactly once per epoch across the ranks; a run resumed from a ZeRO-2 or ZeRO-3
-checkpoint saved mid-epoch finishes the epoch as the uninterrupted run does (samples per rank, losses, parameters;
-resuming with ``ignore_data_skip=True`` is caught); sequence parallelism (``sp_size=2``) inside ZeRO-3 equals it
-beside DDP (whose equality with one process is ``test_sequence_parallel_multiprocess.py``'s), on 2 processes
-(dp 1 x sp 2) and on 4 (dp 2 x sp 2: each sample once per epoch across the 2 replicas, the same samples on the
-processes of an SP group); ``DPOTrainer`` with a ZeRO-3 reference model equals DDP (losses); the ZeRO-3 model
-partitioned at construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured
-(not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by
-name. Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the 4-process SP cases in the other.
-Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
+"""DeepSpeed ZeRO-2 and ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo) through packing_hf's trainers equal gloo DDP on the same
+2 processes. ``packing_hf.Trainer`` and ``SFTTrainer``: the loss of every step and every parameter after an epoch of
+SGD with momentum (fp32 rounding), every sample trained exactly once per epoch across the ranks; a run resumed from
+a ZeRO-2 or ZeRO-3 checkpoint saved mid-epoch finishes the epoch as the uninterrupted run does (samples per rank,
+losses, parameters: the weights, the data order and the momentum buffers come back; resuming with
+``ignore_data_skip=True``, or from a checkpoint whose momentum buffers were zeroed, is caught); sequence parallelism
+(``sp_size=2``) inside ZeRO-3 equals it beside DDP (whose equality with one process is
+``test_sequence_parallel_multiprocess.py``'s), on 2 processes (dp 1 x sp 2) and on 4 (dp 2 x sp 2: each sample once
+per epoch across the 2 replicas, the same samples on the processes of an SP group). ``DPOTrainer`` with a ZeRO-3
+reference model equals DDP (losses). ``KTOTrainer`` (a live reference model, ZeRO-3 under ZeRO-3) and
+``RewardTrainer`` (multipack batches) and ``GRPOTrainer`` and ``RLOOTrainer`` (packed rollouts, KL to TRL's reference
+model) under ZeRO-2 and ZeRO-3 equal DDP: every logged metric at every step and the parameters after training; the
+KTO and reward batches the same as DDP's, each example once per epoch across the ranks; the RL ranks run as many
+packed forwards. The ZeRO-3 model partitioned at construction with no false pre-flight refusal, ``check_packing`` of
+the partitioned model measured (not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one
+process of two) refused by name. Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the
+4-process SP cases in the other. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ LAUNCH_TIMEOUT_S = 420  # DeepSpeed's CPU communication op is compiled once per 
 pytestmark = pytest.mark.distributed
 
 
-def _launched(run_once, launch, torchrun_command, world: int) -> list[dict]:
-    """Every rank's results of the worker on ``world`` processes (2: every case; 4: the SP cases)."""
+def _launched(run_once, launch, torchrun_command, world: int) -> tuple[Path, list[dict]]:
+    """The folder of the worker's run on ``world`` processes (2: every case; 4: the SP cases) and every rank's
+    results."""
 
     def run(folder: Path) -> None:
         mode = ["--world", "4"] if world == 4 else []
@@ -37,17 +43,22 @@ def _launched(run_once, launch, torchrun_command, world: int) -> list[dict]:
         launch(command, LAUNCH_TIMEOUT_S, f"{world}-process DeepSpeed run", DS_ACCELERATOR="cpu")
 
     folder = run_once(f"deepspeed-{world}", run)
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+    return folder, [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
-def ranks(run_once, launch, torchrun_command) -> list[dict]:
+def launched(run_once, launch, torchrun_command) -> tuple[Path, list[dict]]:
     return _launched(run_once, launch, torchrun_command, 2)
 
 
 @pytest.fixture(scope="module")
+def ranks(launched) -> list[dict]:
+    return launched[1]
+
+
+@pytest.fixture(scope="module")
 def ranks4(run_once, launch, torchrun_command) -> list[dict]:
-    return _launched(run_once, launch, torchrun_command, 4)
+    return _launched(run_once, launch, torchrun_command, 4)[1]
 
 
 def _max_difference(a: dict[str, list], b: dict[str, list]) -> float:
@@ -112,6 +123,77 @@ def test_dpo_with_a_zero3_reference_model_equals_ddp(ranks):
     assert ranks[1]["dpo_zero3"]["losses"] == zero3["losses"]
 
 
+KTO_BETA = 0.1  # TRL's KTOConfig default, which the worker keeps
+
+
+def _terms(trainer: str, key: str, log: dict) -> list[float]:
+    """The magnitudes a logged ``key`` is a small difference of (``assert_close``'s ``terms``; as in
+    ``test_reward_kto_multiprocess.py`` and ``test_rl_multiprocess.py``): a reward model's margin and mean reward
+    cancel its extreme scores; KTO's rewards and margin are beta x differences of summed log-probs, its KL one of
+    log-probs; GRPO's and RLOO's loss and KL cancel per-token log-probs of size ~``entropy`` (RLOO's first loss is
+    a sum of advantages that cancel to 3e-8)."""
+    if trainer == "reward":
+        return [log["min_reward"], log["max_reward"]] if key in ("margin", "mean_reward") else []
+    if trainer == "kto":
+        logps = [log[k] for k in ("logps/chosen", "logps/rejected") if k in log]
+        if key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            return [KTO_BETA * value for value in logps]
+        return logps if key == "kl" else []
+    return [log["entropy"]] if key in ("loss", "kl") else []
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+@pytest.mark.parametrize("trainer", ["kto", "reward", "grpo", "rloo"])
+def test_trl_trainers_under_zero_equal_ddp(launched, assert_close, trainer, engine):
+    """``packing_hf.KTOTrainer`` (a live reference model: under ZeRO-3 TRL prepares it as a ZeRO-3 engine too),
+    ``RewardTrainer``, ``GRPOTrainer`` and ``RLOOTrainer`` (KL to TRL's reference model, ZeRO-3 under ZeRO-3;
+    deterministic completions) under ZeRO-2 and ZeRO-3 train as under gloo DDP on the same 2 processes: every
+    metric the trainer logged at every step (losses, rewards, log-probs, KL, ...), the parameters after the steps,
+    and where packing_hf's multipack sampler draws the batches (KTO, reward) the same batches on every rank, each
+    example once per epoch across the ranks; GRPO's and RLOO's ranks ran as many packed forwards (ZeRO-3 gathers
+    the parameters in every forward: a rank running one more would wait for ever).
+
+    Tolerances: ZeRO-2 at 1e-6 relative (measured: 7e-10 at most, KTO's and reward's bit for bit); ZeRO-3 the
+    first step at 1e-6 (the same forward), later ones at 2e-5, as the DPO case: its reduce-scatter sums the
+    gradients in another order than DDP's all-reduce (measured: 3.9e-6 for KTO's mean logits, a mean of logits of
+    both signs 3e-5 in size; 4.2e-7 at most elsewhere); parameters within 1e-6 (measured: 9e-8 at most, ZeRO-2's
+    KTO and reward bit for bit), while training moved them by 2e-3 to 0.4. The gradient norm is DeepSpeed's own, a
+    float32 sum over its flat partitions, not DDP's torch norm: 1.4e-5 apart at most (measured, KTO, whose
+    parameters are equal bit for bit under ZeRO-2), so compared at 1e-4: a gradient of another scale is caught."""
+    folder, ranks = launched
+    reference, case = f"{trainer}_ddp", f"{trainer}_{engine}"
+    plans = ("ddp, 2 processes", f"deepspeed ZeRO-{engine[-1]}, 2 processes")
+    assert all((rank[reference]["plan"], rank[case]["plan"]) == plans for rank in ranks)
+    want, mine = ranks[0][reference]["logged"], ranks[0][case]["logged"]
+    assert len(mine) == len(want) >= (2 if trainer in ("grpo", "rloo") else 3)
+    # the logged loss is the step's, over both ranks
+    assert [log["loss"] for log in ranks[1][case]["logged"]] == [log["loss"] for log in mine]
+    for step, (expected, got) in enumerate(zip(want, mine, strict=True)):
+        assert got.keys() == expected.keys() and "loss" in got
+        rel = 1e-6 if engine == "zero2" or step == 0 else 2e-5
+        for key, value in expected.items():
+            tolerance = 1e-4 if key == "grad_norm" else rel
+            terms = _terms(trainer, key, expected)
+            assert_close(got[key], value, f"{case} step {step + 1}: {key}", rel=tolerance, terms=terms)
+    if trainer in ("kto", "reward"):
+        examples = list(range(ranks[0][case]["examples"]))
+        for name in (reference, case):
+            by_step = [rank[name]["seen_by_step"] for rank in ranks]
+            assert len(by_step[0]) == len(by_step[1]) == len(want)
+            seen = [[i for step in steps for i in step] for steps in by_step]
+            assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == examples
+        assert all(rank[case]["seen_by_step"] == rank[reference]["seen_by_step"] for rank in ranks)
+    else:
+        forwards = [rank[name]["forwards"] for rank in ranks for name in (reference, case)]
+        assert len(set(forwards)) == 1 and forwards[0] > 0
+    before, after = (torch.load(folder / f"{name}.parameters.pt") for name in (reference, case))
+    assert before.keys() == after.keys()
+    difference = max(float((before[name] - after[name]).abs().max()) for name in before)
+    assert difference <= 1e-6, f"parameters after the steps differ by {difference}"
+    # and the steps did move them: the equality is not that of untrained models
+    assert ranks[0][case]["moved"] > 1e-3
+
+
 def test_zero3_partitioned_at_construction_is_checked_not_refused(ranks):
     for case in ("zero3", "sft_zero3"):
         for rank in ranks:
@@ -144,11 +226,12 @@ def _resumed_against(ranks: list[dict], resumed: str, uninterrupted: str, save_s
 @pytest.mark.parametrize(("case", "uninterrupted"), [("resumed_zero2", "zero2"), ("resumed_zero3", "zero3")])
 def test_resume_from_a_zero_checkpoint_mid_epoch_is_exact(ranks, load_worker, case, uninterrupted):
     """The ZeRO run saved a checkpoint after ``SAVE_STEPS`` of its epoch's steps (DeepSpeed's own: partitioned
-    optimizer states per rank, packing_hf's sampler position); a new trainer, whose model starts from other
-    weights, resumed from it trains the rest of the epoch as the uninterrupted run did: the same multipack
+    weights and optimizer states per rank, packing_hf's sampler position); a new trainer, whose model starts from
+    other weights, resumed from it trains the rest of the epoch as the uninterrupted run did: the same multipack
     batches on every rank, the same losses and the same parameters after the epoch (measured: equal bit for bit
-    under ZeRO-2 and ZeRO-3). The optimizer is plain SGD, so the checkpoint's optimizer state is empty: what is
-    proven is the weights' and the data order's resume, not that of momentum or Adam moments."""
+    under ZeRO-2 and ZeRO-3). The optimizer is SGD with momentum, so every step after the checkpoint also needs
+    its momentum buffers back: a resume that lost them is caught by the same comparison (the negative control
+    below)."""
     save_steps = load_worker(WORKER).SAVE_STEPS
     uninterrupted_steps = ranks[0][uninterrupted]["steps"]
     assert save_steps < len(uninterrupted_steps) - 1, "the checkpoint is not in the middle of the epoch"
@@ -169,6 +252,27 @@ def test_negative_control_a_resume_that_does_not_skip_the_consumed_batches_is_ca
     assert difference["steps"][0] == difference["steps"][1]  # as many steps, from the same checkpoint
     assert not difference["samples"]
     assert difference["losses"][0] != pytest.approx(difference["losses"][1], rel=1e-6, abs=0)
+    assert difference["parameters"] > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("case", "uninterrupted"),
+    [("resumed_lost_momentum_zero2", "zero2"), ("resumed_lost_momentum_zero3", "zero3")],
+)
+def test_negative_control_a_resume_that_loses_the_optimizer_state_is_caught(
+    ranks, load_worker, case, uninterrupted
+):
+    """Resumed from a copy of the same ZeRO checkpoint whose momentum buffers (in every rank's optimizer partition)
+    are zeroed: the weights and the data order come back, the optimizer state does not. The first resumed step
+    is the same forward (its loss equal), the steps after it follow other updates, which the comparison the
+    resumed runs pass catches (measured: the next loss 2.4e-4 relative apart, parameters 3e-2)."""
+    save_steps = load_worker(WORKER).SAVE_STEPS
+    assert ranks[0][case]["momentum_buffers_zeroed"] > 0, "the checkpoint held no momentum: the control is void"
+    difference = _resumed_against(ranks, case, uninterrupted, save_steps)
+    assert difference["steps"][0] == difference["steps"][1] and difference["samples"]
+    (first, *later), (want_first, *want_later) = difference["losses"]
+    assert first == pytest.approx(want_first, rel=1e-6, abs=0) and later
+    assert later != pytest.approx(want_later, rel=1e-6, abs=0)
     assert difference["parameters"] > 1e-4
 
 
