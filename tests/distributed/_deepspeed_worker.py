@@ -24,6 +24,9 @@ every parameter after the epoch (gathered whole under ZeRO-3):
   DeepSpeed engine too. Losses only (the policy's parameters are compared in the Trainer cases).
 - ``local_mean_zero3`` (negative control): ZeRO-3 with every rank's loss normalised by its own token count
   (``average_tokens_across_devices=False``, what a miscounted world does to the loss): not DDP's training.
+- ``zero3_partitioned_head``, ``zero3_partitioned_head_full``, ``zero3_partitioned_head_outside`` (last): the
+  chunked LM head under ZeRO-3 with the head's weight partitioned, the full logits, and the negative control
+  (:func:`zero3_chunked_head_cases`).
 - ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
   two: the error message.
 
@@ -326,7 +329,8 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
 
     Each records the losses, the parameters after the epoch (rank 0), how many chunked-head projections ran inside
     a call of the head with DeepSpeed's hooks, the chunked head's logged refusals, and the head weight's size on
-    this rank between calls."""
+    this rank between calls. ``collator`` and ``trainer_class``: ``main``'s (the samples' indices recorded and
+    taken out of the batch)."""
     import packing_hf
     from packing_hf.integrations import chunked_head
 

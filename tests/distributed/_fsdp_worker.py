@@ -35,7 +35,10 @@ Then, in the same processes, ``packing_hf.Trainer`` (:func:`trainer_cases`), one
 gloo DDP (``use_cpu=True``):
 
 - world 2: ``trainer_refused`` (first): FSDP asked for on CPU, which accelerate runs as DDP: the refusal's message;
-  ``trainer_ddp``, ``trainer_fsdp``.
+  ``resharded_head_refused``: the chunked head's error on a head whose ``fully_shard`` group reshards after the
+  forward; ``trainer_ddp``, ``trainer_fsdp`` (both with the chunked head), ``trainer_fsdp_full``
+  (``chunked_loss=False``), ``trainer_fsdp_head_detached`` (the negative control: the chunked head with the head's
+  weight detached).
 - world 4: ``ddp_layout_sp2_refused`` (first): ``ParallelismConfig(dp_shard_size=2, sp_size=2)`` under DDP, which
   shards nothing: the refusal's message.
 - world 4 (dp 2 x sp 2): ``trainer_ddp_sp2`` (``sp_size=2``, the ``TrainingArguments`` field), ``trainer_fsdp_sp2``

@@ -8,7 +8,8 @@ beside DDP (whose equality with one process is ``test_sequence_parallel_multipro
 processes of an SP group); ``DPOTrainer`` with a ZeRO-3 reference model equals DDP (losses); the ZeRO-3 model
 partitioned at construction with no false pre-flight refusal, ``check_packing`` of the partitioned model measured
 (not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one process of two) refused by
-name. Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the 4-process SP cases in the other.
+name; the chunked LM head under ZeRO-3 with the head partitioned equals the full logits and DDP (reading the
+partition outside the head's call is caught). Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the 4-process SP cases in the other.
 Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
 """
 

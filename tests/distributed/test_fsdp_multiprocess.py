@@ -12,7 +12,8 @@ gate stood in for on CPU (``accelerate_fsdp_on_cpu`` in the worker): one epoch o
 processes (every step's loss, every parameter after the epoch, each sample once per epoch across the replicas, the
 same samples on the 2 processes of an SP group) on 2 processes, and with ``sp_size=2`` on 4, FSDP2 over all 4 and
 HSDP (``ParallelismConfig(dp_replicate_size=2, sp_size=2)``); an SP loss not scaled by the number of processes is
-caught; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
+caught; the chunked LM head runs under FSDP2 (on the gathered ``lm_head``) and equals the full logits there, a
+head without gradient is caught and a head resharded after the forward refused; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
 under DDP, are refused by name. One launch per world, in one script: ``_fsdp_worker.py``.
 """
 
