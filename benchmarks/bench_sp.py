@@ -18,9 +18,9 @@ attention), the loss from the chunked LM head on the shard
 - ``zero3``: DeepSpeed ZeRO-3 over every process (``deepspeed.initialize`` with torch's AdamW, fp32, the bucket
   sizes transformers' ``"auto"`` gives this hidden size; on CPU ``DS_ACCELERATOR=cpu`` and gloo): weights,
   gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs. The head's weight is a
-  shard outside its call, so the shard's loss comes from its full logits (``T / sp x vocabulary``, as
-  ``packing_hf.Trainer`` does under ZeRO-3: the chunked head serves DDP and FSDP2 here). DeepSpeed's state is
-  allocated by a first step at learning rate 0 (weights unchanged) before the peak is reset.
+  shard outside its call, so the chunked head runs inside a call of the head
+  (:func:`~packing_hf.integrations.chunked_head.shard_lm_loss`, as ``packing_hf.Trainer`` does under ZeRO-3).
+  DeepSpeed's state is allocated by a first step at learning rate 0 (weights unchanged) before the peak is reset.
 
 The default model (hidden 1024, 4 layers, MLP 4096, vocabulary 8,192 untied: 80M parameters, 16 bytes each
 with AdamW) is one whose weights and optimizer state dominate a 2,048-token row's activations, so that the
@@ -137,13 +137,11 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
     from packing_hf import register_attention
     from packing_hf._loss import step_denominator
     from packing_hf.attention.sequence_parallel import (
-        sequence_parallel_chunked_loss,
-        sequence_parallel_loss,
         sequence_parallel_mesh,
         shard_loss_counts,
         shard_packed_batch,
     )
-    from packing_hf.integrations.adapters import head_inputs
+    from packing_hf.integrations.chunked_head import shard_lm_loss
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -183,24 +181,18 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
             model.model.embed_tokens, mesh=flat
         )  # as accelerate does; lm_head stays in the root's group
         fully_shard(model, mesh=flat)
-    inner = getattr(model, "module", model)
-    head = inner.lm_head
     shard = shard_packed_batch({k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items()}, group)
     counts = torch.tensor([shard_loss_counts(shard)[0]], dtype=torch.float64, device=device)
     dist.all_reduce(counts)  # the step's target count, every row once
     denominator = step_denominator([float(counts[0]), 0], "token")
-    inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
 
     def step() -> torch.Tensor:
-        if engine == "zero3":  # the head's weight is a shard outside its call: the shard's full logits
-            loss = sequence_parallel_loss(model(**inputs).logits, shard, "token", denominator)
+        # the chunked head on the shard, where each engine gathers the head (ZeRO-3: inside a call of the head)
+        loss, _ = shard_lm_loss(model, shard, "token", denominator)
+        if engine == "zero3":
             model.backward(loss * world)  # ZeRO averages the gradients over the processes; the shares sum
             model.step()
             return loss
-        with head_inputs(head) as captured:
-            model(**inputs)
-        loss = sequence_parallel_chunked_loss(captured[0], head.weight, shard, "token", denominator)
-        captured.clear()
         (loss * world).backward()  # DDP / FSDP average over the processes; the shares sum
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

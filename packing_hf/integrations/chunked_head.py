@@ -6,6 +6,12 @@ stock's), with a forward pre-hook on its output embeddings for the duration of t
 head's input (the final hidden states, after the final norm, whatever the architecture) and hands the head an
 empty slice of it, so the model projects nothing. The hook lives only inside :func:`~packing_hf.integrations.adapters.head_inputs`.
 
+Under an engine that holds the head's weight itself, the chunked head reads it where the engine has gathered it
+(:func:`_with_head_weight`): under FSDP2 after the model's forward (the head's group stays unsharded until the
+backward), under DeepSpeed ZeRO-3 (a partition outside the head's calls) in a second call of the head, its
+``forward`` replaced for that call, so that DeepSpeed's hooks gather the weight for it and for its backward. The
+engine's hooks are the only hooks such a head may carry.
+
 A model is chunked only where that is exact: its output embeddings are the ``torch.nn.Linear`` its causal-LM
 ``forward`` calls as ``self.lm_head``, and what the ``forward`` does to the logits between the head and the
 loss is one of the known processings (none; Cohere's ``logit_scale``; Granite's ``logits_scaling``; Gemma
@@ -76,11 +82,42 @@ def _processing_of(cls: type) -> str:
     return _PROCESSINGS[between]
 
 
+#: where the hooks of the engines that gather the head's weight around its calls are defined, by engine (FSDP2's
+#: ``FSDPState`` methods and group hooks; DeepSpeed ZeRO-3's parameter-offload closures, some wrapped by
+#: ``deepspeed.utils.nvtx``): they do not change what the head computes, and the chunked head reads the weight where
+#: they have gathered it (:func:`_with_head_weight`)
+_ENGINE_HOOK_MODULES = {"fsdp": "torch.distributed.fsdp.", "deepspeed": "deepspeed."}
+
+
+def _hook_engine(hook: Any) -> str | None:
+    """The engine ``hook`` belongs to (a key of :data:`_ENGINE_HOOK_MODULES`), or ``None``."""
+    module = str(getattr(getattr(hook, "func", hook), "__module__", ""))  # .func: a functools.partial
+    return next((engine for engine, prefix in _ENGINE_HOOK_MODULES.items() if module.startswith(prefix)), None)
+
+
+def _gathering_engine(head: torch.nn.Module) -> str | None:
+    """The engine gathering ``head``'s weight around its calls (whose forward pre-hooks it registered), or ``None``."""
+    return next(filter(None, map(_hook_engine, head._forward_pre_hooks.values())), None)
+
+
+def _is_linear(head: torch.nn.Module) -> bool:
+    """A ``torch.nn.Linear``, or FSDP2's subclass of one (``FSDPLinear``: ``fully_shard`` of the head itself)."""
+    if type(head) is torch.nn.Linear:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return type(head).__bases__ == (FSDPModule, torch.nn.Linear)
+
+
 def _bypassed_calls(head: torch.nn.Module) -> str | None:
     """What a call of ``head`` runs besides ``F.linear(x, weight, bias)``, which the chunked head (reading the
     weight itself) would skip, or ``None``: hooks registered on it (a temperature, a vocabulary mask, an
     adapter's wrapper), hooks registered on every module (``torch.nn.modules.module.register_module_*_hook``),
-    or a ``forward`` replaced on the instance (accelerate's device hooks).
+    or a ``forward`` replaced on the instance (accelerate's device hooks). The hooks of an engine gathering the
+    weight (FSDP2, DeepSpeed ZeRO-3: :func:`_hook_engine`) are not counted: the chunked head reads the weight
+    where they have gathered it (:func:`_with_head_weight`).
 
     Such a head keeps the full logits, even where the hook is row-wise (a temperature, a mask) and would be exact
     per chunk of tokens: nothing says which hooks are; one sees the ``(B, T, V)`` logits of the whole call, holds
@@ -90,7 +127,11 @@ def _bypassed_calls(head: torch.nn.Module) -> str | None:
 
     kinds = {"forward_pre": "forward pre-hooks", "forward": "forward hooks", "backward_pre": "backward pre-hooks",
              "backward": "backward hooks"}  # fmt: skip
-    found = [what for kind, what in kinds.items() if getattr(head, f"_{kind}_hooks")]
+    found = [
+        what
+        for kind, what in kinds.items()
+        if any(_hook_engine(h) is None for h in getattr(head, f"_{kind}_hooks").values())
+    ]
     found += [
         f"global {what} (on every module)"
         for kind, what in kinds.items()
@@ -111,7 +152,7 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
     get = getattr(inner, "get_output_embeddings", None)
     if head is None or get is None or get() is not head:
         return f"{type(inner).__name__} has no `lm_head` output embeddings"
-    if type(head) is not torch.nn.Linear:
+    if not _is_linear(head):
         return (
             f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
         )
@@ -154,6 +195,43 @@ def _hidden_states(
     return head, logit_head, captured[0], outputs
 
 
+def _with_head_weight(head: torch.nn.Linear, hidden: torch.Tensor, compute: Any) -> Any:
+    """``compute(hidden, weight, bias)`` (a tensor, or a tuple of tensors and ``None``) with the head's weight whole,
+    after the model's forward.
+
+    - Without an engine gathering the weight, and under FSDP2: the weight as the head holds it. FSDP2 keeps the
+      head's group unsharded from the forward to the backward where it is not resharded after the forward (the
+      root's group; accelerate's ``[final norm, lm_head]`` group, ``reshard_after_forward=False``), and reduces
+      the head's gradient when the backward reaches the group's input, after the chunked head's backward. A head
+      resharded after the forward (a ``DTensor`` weight) is refused. (Running ``compute`` as a second call of
+      the head instead, as for ZeRO-3, crashes FSDP2's backward: that call's post-backward reshards the whole
+      group, the final norm's weight included, before the norm's backward.)
+    - DeepSpeed ZeRO-3, which holds a partition of the weight outside the head's calls: ``compute`` runs as a
+      call of ``head`` (its ``forward`` set on the instance for the call, removed after it). DeepSpeed's hooks
+      gather the weight before it, attach their pre-backward hook to what it returns (the weight gathered again
+      for its backward, where its gradient is reduced), and release the weight after the call and after its
+      backward, as for the head's own call. No hook can do this: what DeepSpeed hooks must be the call's output,
+      and a forward hook's replacement of it comes after the projection.
+    """
+    engine = _gathering_engine(head)
+    if engine != "deepspeed":
+        weight = head.weight
+        if hasattr(weight, "placements"):  # a DTensor: FSDP2's shard
+            raise RuntimeError(
+                f"the LM head's weight is an FSDP2 shard after the model's forward ({tuple(weight.shape)} of "
+                f"{weight.placements}): its fully_shard group reshards after the forward. Give lm_head's group "
+                "reshard_after_forward=False (as accelerate does) or set chunked_loss=False"
+            )
+        return compute(hidden, weight, head.bias)
+    if "forward" in vars(head):
+        raise RuntimeError("the LM head has a forward of its own (set on the module); set chunked_loss=False")
+    head.forward = lambda x: compute(x, head.weight, head.bias)
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
+
+
 def causal_lm_loss(
     model: Any,
     inputs: dict[str, Any],
@@ -180,10 +258,15 @@ def causal_lm_loss(
         outputs (their ``logits`` are empty).
     """
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
-    loss, stats = _summed_cross_entropy(
-        hidden[:, :-1], head, logit_head, labels[:, 1:], coefficients, chunk_size, metrics
-    )
-    return loss, stats, outputs
+
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        loss, stats = _summed_cross_entropy(
+            hidden[:, :-1], weight, bias, logit_head, labels[:, 1:], coefficients, chunk_size, metrics
+        )
+        return loss, stats.entropy, stats.hits, stats.count  # tensors: what the engines' hooks see through
+
+    loss, entropy, hits, count = _with_head_weight(head, hidden, compute)
+    return loss, LogitStats(entropy, hits, count), outputs
 
 
 def shard_lm_loss(
@@ -208,38 +291,36 @@ def shard_lm_loss(
 
     inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
-    loss = sequence_parallel_chunked_loss(
-        hidden,
-        head.weight,
-        shard,
-        normalization,
-        denominator,
-        bias=head.bias,
-        head=logit_head,
-        chunk_size=chunk_size,
-    )
-    return loss, outputs
+
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return sequence_parallel_chunked_loss(
+            hidden, weight, shard, normalization, denominator, bias=bias, head=logit_head, chunk_size=chunk_size
+        )
+
+    return _with_head_weight(head, hidden, compute), outputs
 
 
 def _summed_cross_entropy(
     hidden: torch.Tensor,
-    head: torch.nn.Linear,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
     logit_head: LogitHead,
     targets: torch.Tensor,
     coefficients: torch.Tensor | None,
     chunk_size: int | None,
     metrics: bool,
 ) -> tuple[torch.Tensor, LogitStats]:
-    """``sum c * CE`` of the targets of ``hidden`` ``(B, T, H)`` (position ``t`` predicts ``targets[:, t]``)."""
+    """``sum c * CE`` of the targets of ``hidden`` ``(B, T, H)`` (position ``t`` predicts ``targets[:, t]``) under
+    the head ``weight`` ``(V, H)`` and ``bias`` ``(V,)`` (or ``None``)."""
     targets = targets.to(hidden.device)
     mask = targets != -100
     weights = coefficients.to(hidden.device)[mask] if coefficients is not None else None
     # only the targets are projected: prompt tokens and sample boundaries cost nothing
     return linear_cross_entropy(
         hidden[mask],
-        head.weight,
+        weight,
         targets[mask],
-        head.bias,
+        bias,
         weights=weights,
         head=logit_head,
         chunk_size=chunk_size,
@@ -271,16 +352,20 @@ def model_token_logprobs(
         :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
     """
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
-    out = token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]),
-        head.weight,
-        targets.reshape(-1).to(hidden.device),
-        head.bias,
-        head=logit_head,
-        entropy=entropy,
-        mean_logits=mean_logits,
-        chunk_size=chunk_size,
-        top1=top1,
-    )
+
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenLogProbs:
+        return token_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            targets.reshape(-1).to(hidden.device),
+            bias,
+            head=logit_head,
+            entropy=entropy,
+            mean_logits=mean_logits,
+            chunk_size=chunk_size,
+            top1=top1,
+        )
+
+    out = _with_head_weight(head, hidden, compute)
     shape = hidden.shape[:-1]
     return TokenLogProbs(*(None if x is None else x.view(shape) for x in out)), outputs

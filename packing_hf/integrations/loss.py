@@ -200,8 +200,8 @@ class PackingLossMixin:
             reason = "a compute_loss_func reads the logits"
         elif self.label_smoother is not None:
             reason = f"label_smoothing_factor={self.args.label_smoothing_factor}"
-        elif plan.holds_weights_itself:
-            reason = f"the engine ({plan.describe()}) holds the head's weight itself between calls"
+        elif plan.chunked_head_refusal is not None:
+            reason = f"{plan.chunked_head_refusal} ({plan.describe()})"
         elif plan.shards_sample_tokens:
             reason = f"accelerate cuts a sample over processes ({plan.shards_sample_tokens})"
         else:

@@ -377,14 +377,26 @@ class ParallelPlan:
         return dict(self.accelerate_sizes)
 
     @property
-    def holds_weights_itself(self) -> bool:
-        """Whether the engine keeps parameters outside the modules' reach between calls (ZeRO-3, FSDP) or
-        replicates the module per device (DataParallel): code that reads a weight outside its module's call
-        (the chunked LM head) would see a shard or a copy."""
-        return (
-            (self.engine == "deepspeed" and (self.engine_level or 0) >= 3)
-            or self.engine in ("fsdp", "data_parallel")
-        )
+    def chunked_head_refusal(self) -> str | None:
+        """Why code running the LM head's weight itself (the chunked LM head) cannot under this engine, or ``None``.
+
+        DeepSpeed ZeRO-3 and FSDP2 hold the weight themselves (a partition, a shard) and gather it around the head's
+        calls, inside one of which the chunked head runs (``tests/distributed``: equal to the full logits under the
+        same engine and to DDP). Refused: DataParallel, which calls replicas of the model in threads (the head's
+        input captured from a replica, its weight a copy), and FSDP1, which flattens the weight into its
+        ``FlatParameter`` and is untested (accelerate's FSDP1 plugin cannot be built on CPU).
+
+        >>> ParallelPlan("fsdp", 1, 2, 0).chunked_head_refusal
+        "FSDP1 flattens the head's weight into its FlatParameter (untested); use FSDP2 (fsdp_config={'version': 2})"
+        """
+        if self.engine == "data_parallel":
+            return "torch.nn.DataParallel calls replicas of the model in threads, whose head's weight is a copy"
+        if self.engine == "fsdp" and self.engine_level == 1:
+            return (
+                "FSDP1 flattens the head's weight into its FlatParameter (untested); use FSDP2 "
+                "(fsdp_config={'version': 2})"
+            )
+        return None
 
     def describe(self) -> str:
         """One line for logs and errors: ``deepspeed ZeRO-3, 4 processes (dp 2 x sp 2)``.

@@ -36,6 +36,9 @@ rank 0, every parameter after the epoch (gathered whole under ZeRO-3):
   SmolLM2 vocabulary's embeddings: too big for the JSON) and record how far training moved them.
 - ``local_mean_zero3`` (negative control): ZeRO-3 with every rank's loss normalised by its own token count
   (``average_tokens_across_devices=False``, what a miscounted world does to the loss): not DDP's training.
+- ``zero3_partitioned_head``, ``zero3_partitioned_head_full``, ``zero3_partitioned_head_outside`` (last): the
+  chunked LM head under ZeRO-3 with the head's weight partitioned, the full logits, and the negative control
+  (:func:`zero3_chunked_head_cases`).
 - ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
   two: the error message.
 
@@ -581,10 +584,75 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             record["parameters"] = parameters
         results[case] = record
         del trainer, model
+    if "ddp" in cases:
+        results.update(zero3_chunked_head_cases(out_dir, dataset, Recording(), start, counting(packing_hf.Trainer)))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, trainer_class) -> dict:
+    """The chunked LM head under ZeRO-3 with the head's weight really partitioned
+    (``stage3_param_persistence_threshold=0``: without it DeepSpeed keeps a tiny model's parameters whole on every
+    rank), ``packing_hf.Trainer`` as in ``zero3`` otherwise (``ddp`` is the reference, its head chunked):
+
+    - ``zero3_partitioned_head``: ``chunked_loss=True`` (the default); ``zero3_partitioned_head_full``:
+      ``chunked_loss=False``, the full logits under the same engine;
+    - ``zero3_partitioned_head_outside`` (negative control): the chunked head reading the weight after the model's
+      call, outside a call of the head (as it does without an engine), where it is this rank's empty partition:
+      the error.
+
+    Each records the losses, the parameters after the epoch (rank 0), how many chunked-head projections ran inside
+    a call of the head with DeepSpeed's hooks, the chunked head's logged refusals, and the head weight's size on
+    this rank between calls. ``collator`` and ``trainer_class``: ``main``'s (the samples' indices recorded and
+    taken out of the batch)."""
+    import packing_hf
+    from packing_hf.integrations import chunked_head
+
+    config = deepspeed_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    inside, original, gathering = [0], chunked_head._with_head_weight, chunked_head._gathering_engine
+
+    def counted(head, hidden, compute):
+        inside[0] += chunked_head._gathering_engine(head) == "deepspeed"
+        return original(head, hidden, compute)
+
+    chunked_head._with_head_weight = counted
+    results = {}
+    for case in ("zero3_partitioned_head", "zero3_partitioned_head_full", "zero3_partitioned_head_outside"):
+        inside[0] = 0
+        if case.endswith("_outside"):
+            chunked_head._gathering_engine = lambda head: None
+        args = packing_hf.TrainingArguments(
+            os.path.join(out_dir, case), max_tokens_per_batch=MAX_TOKENS_PER_BATCH, num_train_epochs=1, optim="sgd",
+            learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, seed=SEED, report_to="none",
+            save_strategy="no", logging_steps=1, use_cpu=True, ddp_backend="gloo", ddp_timeout=120,
+            disable_tqdm=True, deepspeed=config, chunked_loss=not case.endswith("_full"),
+        )  # fmt: skip
+        model = make_model()  # partitioned at construction: the start's weights loaded into the partitions
+        load_whole(model, start)
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, data_collator=collator)
+        trainer.seen = []
+        record = {"head_numel": model.lm_head.weight.numel()}
+        try:
+            trainer.train()
+        except (RuntimeError, ValueError) as error:
+            results[case] = {**record, "error": str(error)}
+            chunked_head._gathering_engine = gathering
+            continue
+        parameters = whole_parameters(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        results[case] = {
+            **record,
+            "plan": trainer.parallel_plan.describe(),
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "parameters": parameters if int(os.environ["RANK"]) == 0 else None,
+            "inside": inside[0],
+            "refusals": sorted(trainer.__dict__.get("_chunked_refusals", ())),
+        }
+        del trainer, model
+    chunked_head._with_head_weight = original
+    return results
 
 
 if __name__ == "__main__":

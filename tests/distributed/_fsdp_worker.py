@@ -35,7 +35,10 @@ Then, in the same processes, ``packing_hf.Trainer`` (:func:`trainer_cases`), one
 gloo DDP (``use_cpu=True``):
 
 - world 2: ``trainer_refused`` (first): FSDP asked for on CPU, which accelerate runs as DDP: the refusal's message;
-  ``trainer_ddp``, ``trainer_fsdp``.
+  ``resharded_head_refused``: the chunked head's error on a head whose ``fully_shard`` group reshards after the
+  forward; ``trainer_ddp``, ``trainer_fsdp`` (both with the chunked head), ``trainer_fsdp_full``
+  (``chunked_loss=False``), ``trainer_fsdp_head_detached`` (the negative control: the chunked head with the head's
+  weight detached).
 - world 4: ``ddp_layout_sp2_refused`` (first): ``ParallelismConfig(dp_shard_size=2, sp_size=2)`` under DDP, which
   shards nothing: the refusal's message.
 - world 4 (dp 2 x sp 2): ``trainer_ddp_sp2`` (``sp_size=2``, the ``TrainingArguments`` field), ``trainer_fsdp_sp2``
@@ -69,7 +72,7 @@ CASES = {
 }
 # packing_hf.Trainer, after the cases above; DDP first in each world (the FSDP cases leave accelerate's flag set)
 TRAINER_CASES = {
-    2: ("trainer_ddp", "trainer_fsdp"),
+    2: ("trainer_ddp", "trainer_fsdp", "trainer_fsdp_full", "trainer_fsdp_head_detached"),
     4: (
         "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2", "trainer_fsdp_sp2_unscaled",
         "sft_ddp_sp2", "sft_fsdp_sp2",
@@ -351,6 +354,8 @@ def build_trainer(case: str, out_dir: str, world: int):
     options = {}
     if "fsdp" in case or "hsdp" in case:
         options.update(fsdp=True, fsdp_config={"version": 2})
+    if case.endswith("_full"):
+        options["chunked_loss"] = False
     if "hsdp" in case:
         options["parallelism_config"] = ParallelismConfig(dp_replicate_size=2, sp_size=2)
     elif "layout" in case:
@@ -390,18 +395,58 @@ def refused(case: str, out_dir: str, world: int) -> str:
     return ""
 
 
-def trainer_cases(rank: int, world: int, out_dir: str) -> dict:
+def resharded_head_refusal(mesh) -> str:
+    """The chunked head's error where ``lm_head``'s ``fully_shard`` group reshards after the forward (its weight a
+    shard when the chunked head would read it): accelerate's layout but for ``reshard_after_forward=True`` on the
+    ``[final norm, lm_head]`` group."""
+    from torch.distributed.fsdp import fully_shard
+
+    from packing_hf.integrations.chunked_head import causal_lm_loss
+
+    model = make_model()
+    for module in (*model.model.layers, model.model.embed_tokens):
+        fully_shard(module, mesh=mesh)
+    fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    row = replica_rows(0)[0]
+    try:
+        causal_lm_loss(model, {k: v for k, v in row.items() if k != "labels"}, row["labels"])
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        model.reset_iter_state()  # the forward stopped before the backward
+    return ""
+
+
+def _chunked_head_counted(chunked_head, counter: list, detached: bool):
+    """``chunked_head._with_head_weight`` counting, in ``counter[0]``, the chunked head's projections where FSDP2
+    gathered the head; ``detached``: the negative control, the head's weight detached (no gradient reaches it)."""
+    original = chunked_head._with_head_weight
+
+    def counted(head, hidden, compute):
+        counter[0] += chunked_head._gathering_engine(head) == "fsdp"
+        if detached:
+            return original(head, hidden, lambda h, weight, bias: compute(h, weight.detach(), bias))
+        return original(head, hidden, compute)
+
+    return counted
+
+
+def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
     """The trainer cases of ``world`` (see the module docstring): per case, the plan, every step's loss, the
     parameters after the epoch (whole), each rank's micro-batches, the share of the parameters a process holds,
-    how the first decoder layer's weight is placed (FSDP2's ``DTensor`` placements) and how many attention calls
-    ran on sequence-parallel shards."""
+    how the first decoder layer's weight is placed (FSDP2's ``DTensor`` placements), how many attention calls
+    ran on sequence-parallel shards, how many chunked-head projections ran on a head FSDP2 gathered, and the
+    chunked head's logged refusals."""
     import torch.distributed as dist
 
     from packing_hf.attention.ulysses import SequenceShard
+    from packing_hf.integrations import chunked_head
 
     results = {}
     if world == 2:
         results["trainer_refused"] = refused("trainer_fsdp", out_dir, world)
+        results["resharded_head_refused"] = resharded_head_refusal(mesh)
     accelerate_fsdp_on_cpu()
     if world == 4:
         results["ddp_layout_sp2_refused"] = refused("ddp_layout_sp2", out_dir, world)
@@ -413,11 +458,14 @@ def trainer_cases(rank: int, world: int, out_dir: str) -> dict:
         return original(shard, *args, **kwargs)
 
     SequenceShard.attention = counted
+    original_weight, projections = chunked_head._with_head_weight, [0]
     for case in TRAINER_CASES[world]:
         os.environ.pop("ACCELERATE_USE_FSDP", None)  # an earlier FSDP case's Accelerator left it set
-        calls[0] = 0
+        calls[0] = projections[0] = 0
+        chunked_head._with_head_weight = _chunked_head_counted(chunked_head, projections, "detached" in case)
         trainer = build_trainer(case, out_dir, world)
         trainer.train()
+        chunked_head._with_head_weight = original_weight
         model = trainer.model  # FSDP2: the fully_shard module (DTensor parameters); DDP: the module inside
         params = dict(model.named_parameters())
         weight = params["model.layers.0.mlp.up_proj.weight"]
@@ -434,6 +482,8 @@ def trainer_cases(rank: int, world: int, out_dir: str) -> dict:
             "held": held / sum(p.numel() for p in after.values()),
             "placements": str(getattr(weight, "placements", None)),
             "shard_calls": calls[0],
+            "fsdp_head_projections": projections[0],
+            "chunked_refusals": sorted(trainer.__dict__.get("_chunked_refusals", ())),
         }
         del trainer, model, params, weight
     SequenceShard.attention = original
@@ -470,7 +520,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     for case in CASES[world]:
         group = groups.get(case, mesh.get_group("sp") if sp > 1 else None)
         results[case] = run_case(case, world, mesh, dp_rank, group)
-    results.update(trainer_cases(rank, world, out_dir))
+    results.update(trainer_cases(rank, world, out_dir, mesh))
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"fsdp_world{world}.pt"))
     dist.barrier()

@@ -13,7 +13,8 @@ model) under ZeRO-2 and ZeRO-3 equal DDP: every logged metric at every step and 
 KTO and reward batches the same as DDP's, each example once per epoch across the ranks; the RL ranks run as many
 packed forwards. The ZeRO-3 model partitioned at construction with no false pre-flight refusal, ``check_packing`` of
 the partitioned model measured (not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one
-process of two) refused by name. Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the
+process of two) refused by name; the chunked LM head under ZeRO-3 with the head partitioned equals the full logits
+and DDP (reading the partition outside the head's call is caught). Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the
 4-process SP cases in the other. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
 """
 
@@ -294,3 +295,26 @@ def test_sp_inside_zero3_on_4_processes_equals_ddp(ranks4, load_worker):
     assert zero3["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
     assert _max_difference(ddp["parameters"], zero3["parameters"]) <= 1e-6, "parameters after the epoch differ"
     assert _max_difference(ranks4[0]["start"], zero3["parameters"]) > 1e-3
+
+
+def test_chunked_head_under_zero3_with_the_head_partitioned(ranks):
+    """The chunked LM head under ZeRO-3 with the head's weight partitioned between calls (``head_numel`` 0 on every
+    rank; ``stage3_param_persistence_threshold=0``): it runs inside a call of the head (DeepSpeed's hooks gather the
+    weight for it and for its backward) in every micro-batch, logs no refusal, and equals the full logits under
+    ZeRO-3 and DDP's run (its head chunked): every step's loss, every parameter after the epoch. The negative
+    control reads the weight after the model's call instead: this rank's empty partition, an error."""
+    chunked, full = ranks[0]["zero3_partitioned_head"], ranks[0]["zero3_partitioned_head_full"]
+    for rank in ranks:
+        mine = rank["zero3_partitioned_head"]
+        assert mine["head_numel"] == 0 and mine["refusals"] == []
+        assert mine["inside"] == len(rank["ddp"]["seen_by_step"]) > 0  # one micro-batch per step here
+        assert rank["zero3_partitioned_head_full"]["inside"] == 0
+    ddp = ranks[0]["ddp"]
+    for got in (chunked, full):
+        assert got["plan"] == "deepspeed ZeRO-3, 2 processes"
+        assert got["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
+        assert _max_difference(ddp["parameters"], got["parameters"]) <= 1e-6, "parameters after the epoch differ"
+    assert _max_difference(ranks[0]["start"], chunked["parameters"]) > 1e-3
+    for rank in ranks:
+        error = rank["zero3_partitioned_head_outside"]["error"]
+        assert "weight (vocab_size, hidden_size)" in error and "and (0,)" in error, error

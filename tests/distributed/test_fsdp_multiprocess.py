@@ -12,7 +12,8 @@ gate stood in for on CPU (``accelerate_fsdp_on_cpu`` in the worker): one epoch o
 processes (every step's loss, every parameter after the epoch, each sample once per epoch across the replicas, the
 same samples on the 2 processes of an SP group) on 2 processes, and with ``sp_size=2`` on 4, FSDP2 over all 4 and
 HSDP (``ParallelismConfig(dp_replicate_size=2, sp_size=2)``); an SP loss not scaled by the number of processes is
-caught; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
+caught; the chunked LM head runs under FSDP2 (on the gathered ``lm_head``) and equals the full logits there, a
+head without gradient is caught and a head resharded after the forward refused; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
 under DDP, are refused by name. One launch per world, in one script: ``_fsdp_worker.py``.
 """
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-LAUNCH_TIMEOUT_S = 300  # a world of 2 and one of 4 processes, 7 cases and 8 trainers, on 2 loaded cores
+LAUNCH_TIMEOUT_S = 300  # a world of 2 and one of 4 processes, 7 cases and 10 trainers, on 2 loaded cores
 RELATIVE_TOLERANCE = 1e-5
 EXACT_CASES = ("ddp", "fsdp", "ddp_sp2", "fsdp_sp2", "hsdp_sp2")
 # the share of the parameters each process holds: FSDP2 over the whole world, HSDP over an SP group of 2
@@ -86,11 +87,12 @@ def test_negative_controls_are_caught(results, case, assert_close):
 # packing_hf.Trainer under accelerate's FSDP2 and the same trainer under DDP, on the same processes
 TRAINER_PAIRS = {
     "trainer_fsdp": "trainer_ddp",
+    "trainer_fsdp_full": "trainer_ddp",  # chunked_loss=False: the full logits under FSDP2
     "trainer_fsdp_sp2": "trainer_ddp_sp2",
     "trainer_hsdp_sp2": "trainer_ddp_sp2",
     "sft_fsdp_sp2": "sft_ddp_sp2",
 }
-TRAINER_HELD = {"trainer_fsdp": 0.5, "trainer_fsdp_sp2": 0.25, "trainer_hsdp_sp2": 0.5, "sft_fsdp_sp2": 0.25}
+TRAINER_HELD = {"trainer_fsdp": 0.5, "trainer_fsdp_full": 0.5, "trainer_fsdp_sp2": 0.25, "trainer_hsdp_sp2": 0.5, "sft_fsdp_sp2": 0.25}
 # HSDP: replicated over dp_replicate, sharded inside each replica; FSDP2: sharded over every process
 PLACEMENTS = {"trainer_hsdp_sp2": "(Replicate(), Shard(dim=0))"}
 
@@ -162,3 +164,40 @@ def test_trainer_negative_control_is_caught(results, assert_close):
     for name, expected in want["after"].items():
         with pytest.raises(AssertionError):
             assert_close(got["after"][name], expected, name, rel=RELATIVE_TOLERANCE)
+
+
+def test_chunked_head_runs_under_fsdp2(results, assert_close):
+    """The chunked LM head serves the Trainer under accelerate's FSDP2 (its ``[final norm, lm_head]`` group kept
+    unsharded from the forward to the backward): no refusal logged, a projection on the gathered head in every
+    micro-batch (DDP's run reads a plain head), and the result equals the full logits under FSDP2 (step losses,
+    parameters after the epoch) as it equals DDP (``test_trainer_under_fsdp2_equals_ddp``)."""
+    _, found = results
+    for case in ("trainer_fsdp", "trainer_fsdp_sp2", "trainer_hsdp_sp2", "sft_fsdp_sp2"):
+        got = found[case]
+        assert got["chunked_refusals"] == [], (case, got["chunked_refusals"])
+        assert got["fsdp_head_projections"] == len(got["seen"][0]) > 0, case
+    assert found["trainer_ddp"]["chunked_refusals"] == [] and found["trainer_ddp"]["fsdp_head_projections"] == 0
+    assert found["trainer_fsdp_full"]["fsdp_head_projections"] == 0  # chunked_loss=False: the model's logits
+    _compare_trainers(found["trainer_fsdp"], found["trainer_fsdp_full"], "chunked vs full logits", assert_close)
+
+
+def test_negative_control_a_head_without_gradient_under_fsdp2_is_caught(results, assert_close):
+    """The chunked head under FSDP2 with the head's weight detached (no gradient reaches it, as if FSDP2 had not
+    reduced one): the comparison the chunked case passes fails on the head after the epoch and on the later
+    steps' losses."""
+    _, found = results
+    got, want = found["trainer_fsdp_head_detached"], found["trainer_ddp"]
+    assert got["fsdp_head_projections"] == len(got["seen"][0]) > 0
+    with pytest.raises(AssertionError):
+        assert_close(got["after"]["lm_head.weight"], want["after"]["lm_head.weight"], "head", rel=RELATIVE_TOLERANCE)
+    with pytest.raises(AssertionError):
+        assert_close(got["losses"][-1], want["losses"][-1], "last loss", rel=RELATIVE_TOLERANCE)
+
+
+def test_a_head_resharded_after_the_forward_is_refused(results):
+    """Where ``lm_head``'s FSDP2 group reshards after the forward, the chunked head would read a shard: an error
+    naming the setting, not a wrong loss."""
+    _, found = results
+    message = found["resharded_head_refused"]
+    assert message.startswith("the LM head's weight is an FSDP2 shard after the model's forward"), message
+    assert "reshard_after_forward=False" in message and "chunked_loss=False" in message, message
