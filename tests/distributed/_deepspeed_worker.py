@@ -626,9 +626,9 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
             chunked_head._gathering_engine = lambda head: None
         args = packing_hf.TrainingArguments(
             os.path.join(out_dir, case), max_tokens_per_batch=MAX_TOKENS_PER_BATCH, num_train_epochs=1, optim="sgd",
-            learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, seed=SEED, report_to="none",
-            save_strategy="no", logging_steps=1, use_cpu=True, ddp_backend="gloo", ddp_timeout=120,
-            disable_tqdm=True, deepspeed=config, chunked_loss=not case.endswith("_full"),
+            optim_args=f"momentum={MOMENTUM}", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0,
+            seed=SEED, report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, ddp_backend="gloo",
+            ddp_timeout=120, disable_tqdm=True, deepspeed=config, chunked_loss=not case.endswith("_full"),
         )  # fmt: skip
         model = make_model()  # partitioned at construction: the start's weights loaded into the partitions
         load_whole(model, start)
