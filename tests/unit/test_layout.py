@@ -252,6 +252,9 @@ PATCHING_ALLOWED: dict[str, tuple[str, int | None]] = {
     "packing_hf.integrations.session": ("the attention switch and use_cache, given back", None),
     "packing_hf.integrations.preflight": ("the pre-flight's attention switch", None),
     "packing_hf.integrations.adapters": ("model adapters: forward hooks on the trainer's models", None),
+    # under DeepSpeed ZeRO-3 the chunked loss runs as a call of lm_head (its forward set on the instance for the
+    # call, deleted in a finally), so that DeepSpeed's hooks gather the partitioned weight for it and its backward
+    "packing_hf.integrations.chunked_head": ("lm_head's forward for one call under ZeRO-3, deleted after", 2),
     "packing_hf.integrations.accelerator": (
         "the trainer's own accelerator gather and prepared batch shard, adapted for its life",
         None,
