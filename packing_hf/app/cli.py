@@ -266,6 +266,8 @@ def _interrupted(interrupt: KeyboardInterrupt, config: str, overrides: list[str]
             "resume=true",
         ]
     )
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # stopped under a launcher: resumed under it too
+        again += "   (under the same launcher, as this run was)"
     if isinstance(interrupt, TrainingInterrupted):
         if interrupt.checkpoint is None:
             return f"packing-hf train: {interrupt}"

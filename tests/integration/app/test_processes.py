@@ -59,3 +59,17 @@ def test_stream_counters_of_the_whole_run():
     # one sequence-parallel group of 2: both processes read and count the same shard, counted once
     group = combine_stream_stats([RANK_STATS[0], RANK_STATS[0]], sp_size=2, max_tokens_per_batch=40)
     assert group == {**RANK_STATS[0], "fill": pytest.approx(0.75)}
+
+
+def test_ctrl_c_under_a_launcher_says_to_resume_under_it(tmp_path, monkeypatch):
+    from packing_hf.app.cli import _interrupted
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    alone = _interrupted(KeyboardInterrupt(), "run.yaml", ["max_steps=9"], tmp_path)
+    assert alone.endswith("packing-hf train run.yaml max_steps=9 resume=true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launched = _interrupted(KeyboardInterrupt(), "run.yaml", ["max_steps=9"], tmp_path)
+    assert launched.endswith(
+        "packing-hf train run.yaml max_steps=9 resume=true   (under the same launcher, as this run was)"
+    )
