@@ -484,9 +484,14 @@ def run_baseline(
     device,
     autocast,
     say,
+    *,
+    progress: bool = True,
 ) -> tuple[dict[str, Any] | None, str]:
     """The padded baseline, sized to fit ``baseline_time_share`` of the training time: ``(the measurement
-    or None when skipped, what was decided and why)``."""
+    or None when skipped, what was decided and why)``; ``progress``: show a progress bar.
+
+    Under a launcher every process times it on its own copy of the model, sized the same way on every rank
+    (``train_runtime`` is the main process's): the figures are one process's."""
     training = cfg.training
     count = cfg.job.baseline_batches
     pool = None
@@ -537,7 +542,7 @@ def run_baseline(
         autocast_dtype=autocast,
         repeats=rounds,
         max_tokens_per_micro_batch=step_tokens,
-        desc="Baseline",
+        desc="Baseline" if progress else None,
     )
     return result, note
 
@@ -545,17 +550,20 @@ def run_baseline(
 def _trained_tokens(
     cfg: TrainConfig, log_history: list[dict[str, Any]], summary: dict[str, Any], lengths
 ) -> float:
-    """Real tokens the training steps ran on: from the packing metrics of the step logs, else estimated
-    from the token budget (and fill) or the batch size and the mean sample length."""
+    """Real tokens one process's training steps ran on: from the packing metrics of the step logs (the whole
+    run's, shared by the processes), else estimated from the token budget (and fill) or the batch size and the
+    mean sample length (a process's batches; a sequence-parallel group cuts each one over its processes)."""
+    training = cfg.training
     per_step = mean_logged(log_history, "real_tokens_per_step")
-    if not per_step:
-        training = cfg.training
+    if per_step:
+        per_step /= training.world_size
+    else:
         budget = getattr(training, "max_tokens_per_batch", None)
         if budget is not None:
             per_micro = budget * (summary.get("packing_efficiency") or 1.0)
         else:
             per_micro = training.per_device_train_batch_size * float(np.mean(lengths))
-        per_step = per_micro * training.gradient_accumulation_steps
+        per_step = per_micro * training.gradient_accumulation_steps / (getattr(training, "sp_size", 1) or 1)
     return per_step * summary["global_step"]
 
 

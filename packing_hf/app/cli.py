@@ -3,7 +3,9 @@
 Sub-commands:
 
 - ``packing-hf train CONFIG.yaml [overrides]``: fine-tune with packing (see :mod:`packing_hf.app.train`);
-  overrides are ``--key value``, ``--key=value`` or ``key=value`` for any config key.
+  overrides are ``--key value``, ``--key=value`` or ``key=value`` for any config key. Under ``torchrun`` or
+  ``accelerate launch`` the main process prints and writes, every process reports its own errors
+  (:mod:`packing_hf.app.processes`).
 - ``packing-hf preview DATA [--tokenizer PATH] [-n N] [key=value ...]``: the first samples as the model
   sees them, the trained tokens marked (see :func:`packing_hf.app.render.preview_samples`).
 - ``packing-hf stats DATA --max-tokens-per-batch N``: the efficiency of padded, online-minibatch,
@@ -162,8 +164,30 @@ def _cached_train_help(every: bool) -> str:
 
 
 def _error(command: str, error: BaseException, status: int) -> int:
-    print(f"packing-hf {command}: error: {error}", file=sys.stderr)
+    print(f"packing-hf {command}: error{_which_process()}: {error}", file=sys.stderr)
     return status
+
+
+def _which_process() -> str:
+    """`` (process N of a launch)`` in an error's first words on a process other than the main one, else nothing:
+    every process reports its own errors, the main one as a plain run would."""
+    from .processes import launch_rank
+
+    rank = launch_rank()
+    return f" (process {rank} of a launch)" if rank else ""
+
+
+def _quiet_other_processes() -> None:
+    """On a process other than the main one of a launch: no progress lines or bars and no INFO logs (the main
+    process prints them); warnings and errors still show."""
+    from .processes import launch_rank
+
+    if launch_rank() == 0:
+        return
+    logging.getLogger("packing_hf").setLevel(logging.WARNING)
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"  # read when datasets is imported
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -180,7 +204,8 @@ def _train(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"[packing-hf] reading the config {config}", flush=True)
+    _quiet_other_processes()
+    _say(f"reading the config {config}")
     output_dir = None
     try:
         # the data first, before torch / transformers / TRL are imported: a bad record fails in a second
@@ -200,24 +225,29 @@ def _train(argv: Sequence[str]) -> int:
     except ImportError as error:  # an optional package (TRL, PEFT): the message says how to install it
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
-        print(f"packing-hf train: error: {error}", file=sys.stderr)
+        print(f"packing-hf train: error{_which_process()}: {error}", file=sys.stderr)
         return 1
     except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
         print(
-            f"packing-hf train: error: {error}\n(set PACKING_HF_TRACEBACK=1 for the full traceback)",
+            f"packing-hf train: error{_which_process()}: {error}\n(set PACKING_HF_TRACEBACK=1 for the full traceback)",
             file=sys.stderr,
         )
         return 1
     except KeyboardInterrupt as interrupt:
-        print(_interrupted(interrupt, config, overrides, output_dir), file=sys.stderr)
+        if not _which_process():  # Ctrl-C reaches every process of a launch: the main one says what is left
+            print(_interrupted(interrupt, config, overrides, output_dir), file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     return 0
 
 
 def _say(message: str) -> None:
-    print(f"[packing-hf] {message}", flush=True)
+    """A progress line of ``train`` before the job starts (the data read first), from the main process only."""
+    from .processes import launch_rank
+
+    if launch_rank() == 0:
+        print(f"[packing-hf] {message}", flush=True)
 
 
 def _interrupted(interrupt: KeyboardInterrupt, config: str, overrides: list[str], output_dir) -> str:
@@ -236,6 +266,8 @@ def _interrupted(interrupt: KeyboardInterrupt, config: str, overrides: list[str]
             "resume=true",
         ]
     )
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # stopped under a launcher: resumed under it too
+        again += "   (under the same launcher, as this run was)"
     if isinstance(interrupt, TrainingInterrupted):
         if interrupt.checkpoint is None:
             return f"packing-hf train: {interrupt}"

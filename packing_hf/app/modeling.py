@@ -27,6 +27,7 @@ __all__ = [
     "anchor_adapter_base",
     "cache_dir",
     "file_digest",
+    "load_job_model",
     "load_model",
     "load_tokenizer",
     "model_source",
@@ -113,9 +114,13 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
-def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0, head: str = "causal"):
+def load_model(
+    model_args: ModelArguments, tokenizer, *, seed: int = 0, head: str = "causal", write_cache: bool = True
+):
     """The causal LM to fine-tune, in fp32 (mixed precision is the Trainer's job, via ``bf16``); with
     ``head="score"`` a one-label sequence classifier instead (a reward model: ``trainer: reward``).
+    ``write_cache``: store a GGUF file's conversion in the cache (False on the other processes of a launch:
+    they load the main process's conversion once it is written, or convert in memory).
 
     GGUF weights are de-quantized by transformers on load; the leftover quantization marker is
     removed, since it would make ``Trainer`` refuse full fine-tuning and ``save_pretrained`` refuse to
@@ -143,7 +148,7 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0, head: st
         raise ValueError("no model: set model_name_or_path, gguf_package (with gguf_file) or model_type")
     common = dict(dtype=torch.float32, trust_remote_code=model_args.trust_remote_code, **attn, **labels)
     if gguf_file:
-        model = _load_gguf(auto, path, gguf_file, head, common)
+        model = _load_gguf(auto, path, gguf_file, head, common, write_cache)
     else:
         model = auto.from_pretrained(path, **common)
     if head == "score" and model.config.pad_token_id is None:
@@ -151,6 +156,18 @@ def load_model(model_args: ModelArguments, tokenizer, *, seed: int = 0, head: st
             tokenizer.pad_token_id
         )  # the classifier finds each sequence's last token by it
     return model
+
+
+def load_job_model(cfg: TrainConfig, tokenizer, head: str = "causal"):
+    """The job's model (:func:`~packing_hf.app.modeling.load_model`). Under a launcher a GGUF file is converted
+    by the main process first, which caches the conversion; the others then load that (or convert in memory)."""
+    training = cfg.training
+    if cfg.model.gguf_file is None or cfg.model.model_type is not None:
+        return load_model(cfg.model, tokenizer, seed=training.seed, head=head)
+    from .processes import main_first
+
+    with main_first(training, "converting the GGUF file") as write:
+        return load_model(cfg.model, tokenizer, seed=training.seed, head=head, write_cache=write)
 
 
 def cache_dir() -> Path:
@@ -177,7 +194,7 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _load_gguf(auto, path: str, gguf_file: str, head: str, common: dict[str, Any]):
+def _load_gguf(auto, path: str, gguf_file: str, head: str, common: dict[str, Any], write: bool = True):
     """A GGUF model, de-quantized to fp32 once: the first load converts it (1-3 min for SmolLM2-135M on 2 CPU
     cores) and saves the result under ``<cache_dir>/gguf/<SHA-256 of the file>-<head>``; later runs load that
     folder (seconds). The key is the file's content, so a changed file is converted again. Without a
@@ -193,7 +210,7 @@ def _load_gguf(auto, path: str, gguf_file: str, head: str, common: dict[str, Any
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    if folder is not None:
+    if folder is not None and write:
         try:
             partial = folder.with_name(folder.name + ".partial")
             model.save_pretrained(partial)

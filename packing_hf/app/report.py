@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,9 @@ def print_summary(summary: dict[str, Any], print_fn) -> None:
 def _run_lines(summary: dict[str, Any]) -> list[str]:
     """What ran: model, attention, data, training steps and losses (rewards for RL)."""
     lines = []
-    lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']})")
+    processes = summary.get("processes") or 1
+    launch = f", the main one of {processes} processes" if processes > 1 else ""
+    lines.append(f"model        {summary['model']} on {summary['device']} ({summary['precision']}{launch})")
     lines.append(f"attention    {summary.get('attn_implementation')}")
     if summary.get("stream"):
         lines.append(f"data         {summary['records']}")
@@ -355,3 +358,48 @@ def plot_losses(log_history: list[dict[str, Any]], path: Path) -> str | None:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return str(path)
+
+
+def _peak_rss_gb() -> float | None:
+    """The process's peak resident memory so far, in GB (None where ``resource`` is missing: Windows)."""
+    try:
+        import resource
+        import sys
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux
+
+
+class _Phases:
+    """Wall and CPU seconds per phase of the job, and the peak memory by the end of each (where the time
+    and the memory went: the diagnostics after training must not raise the peak of training). CPU seconds
+    (all threads of this process) are the steadier figure on a machine shared with other jobs."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self.peak_rss_gb: dict[str, float | None] = {}
+        self._started = (time.perf_counter(), time.process_time())
+        self.load_at_start = load_average()
+        self._phase: tuple[str, float, float] | None = None
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._phase = (name, time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        if self._phase is not None:
+            name, began, began_cpu = self._phase
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - began_cpu
+            self.peak_rss_gb[name] = _peak_rss_gb()
+            self._phase = None
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self._started[0]
+
+    @property
+    def total_cpu(self) -> float:
+        return time.process_time() - self._started[1]

@@ -6,7 +6,8 @@ tokenizer (its vocabulary and rules, special tokens, chat template), the setting
 ``overflow``, ``prompt_format``, ``completion_only_loss``) and the code that renders and tokenizes (the source
 of ``render.py``, ``data.py`` and ``records.py``). A change to any of them is a new key; nothing is reused on
 a guess. The cache lives in ``<cache_dir>/tokenized/<key>`` (``$PACKING_HF_CACHE``, else
-``~/.cache/packing_hf``); a run that cannot write there tokenizes as before.
+``~/.cache/packing_hf``); a run that cannot write there tokenizes as before. Under a launcher only the main
+process writes it (``write=True``); the others read it once written, or tokenize in memory.
 
 >>> len(settings_key({"max_length": 512}))
 64
@@ -67,10 +68,16 @@ def _key(records: RecordSet, tokenizer, settings: Mapping[str, Any]) -> str:
 
 
 def cached_prepare(
-    records: RecordSet, tokenizer, settings: Mapping[str, Any], prepare: Callable[[], PreparedDataset]
+    records: RecordSet,
+    tokenizer,
+    settings: Mapping[str, Any],
+    prepare: Callable[[], PreparedDataset],
+    *,
+    write: bool = True,
 ) -> tuple[PreparedDataset, str | None]:
     """``prepare()``'s result, from the cache when the same records, tokenizer and ``settings`` were prepared
-    before: ``(prepared, the cache folder it came from or None)``. A fresh result is stored for the next run."""
+    before: ``(prepared, the cache folder it came from or None)``. A fresh result is stored for the next run
+    when ``write`` (False: the other processes of a launch, so that a cache folder never has two writers)."""
     import datasets
 
     try:
@@ -84,6 +91,8 @@ def cached_prepare(
         dataset = datasets.load_from_disk(str(folder))
         return PreparedDataset(dataset=dataset, records=records, **fields), str(folder)
     prepared = prepare()
+    if not write:
+        return prepared, None
     try:
         partial = folder.with_name(folder.name + ".partial")
         prepared.dataset.save_to_disk(str(partial))

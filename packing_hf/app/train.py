@@ -17,6 +17,9 @@ Steps, in order, each announced before it starts and with a progress bar where i
 6. the model saved with the user's config (``use_cache``, attention), and one final table (fill,
    tokens/s vs padded, eval loss, where the time went), also written as ``packing_summary.json``.
 
+Under a launcher every process runs every step; the main process alone prints and writes
+(:mod:`packing_hf.app.processes`).
+
 >>> from packing_hf.app.train import SUMMARY_NAME  # written next to the saved model
 >>> SUMMARY_NAME
 'packing_summary.json'
@@ -28,7 +31,6 @@ import contextlib
 import gc
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +57,12 @@ from .interrupt import (
     resumed_note,
     train_until_interrupted,
 )
-from .modeling import load_model, load_tokenizer, model_source, prepare_adapter
+from .modeling import load_job_model, load_tokenizer, model_source, prepare_adapter
+from .processes import combine_stream_stats, from_main, gather, main_first
 from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
-from .report import _describe_stream, _plural, load_average, plot_losses, print_summary
+from .report import _describe_stream, _Phases, _plural, load_average, plot_losses, print_summary
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -90,16 +93,18 @@ def _describe_model(model_args: ModelArguments, model) -> str:
     return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
 
 
-def _prepare(cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None) -> PreparedDataset:
+def _prepare(
+    cfg: TrainConfig, records: RecordSet, tokenizer, desc: str, say=None, *, write: bool = True
+) -> PreparedDataset:
     """Tokenized with loss masks, or loaded from the tokenized-dataset cache (same records, tokenizer and
-    settings: :mod:`packing_hf.app.token_cache`)."""
+    settings: :mod:`packing_hf.app.token_cache`; stored there when ``write``)."""
     data = cfg.data
     settings = data.token_options()
 
     def prepare() -> PreparedDataset:
         return prepare_dataset(records, tokenizer, num_proc=data.dataset_num_proc, desc=desc, **settings)
 
-    prepared, folder = cached_prepare(records, tokenizer, settings, prepare)
+    prepared, folder = cached_prepare(records, tokenizer, settings, prepare, write=write)
     if folder is not None and say is not None:
         say(
             f"{desc.lower()}: loaded from the tokenized-dataset cache {folder} (same records, tokenizer, settings)"
@@ -213,51 +218,6 @@ def _restore_user_config(model, use_cache: Any, attn_implementation: str | None)
         model.set_attn_implementation(attn_implementation)
 
 
-def _peak_rss_gb() -> float | None:
-    """The process's peak resident memory so far, in GB (None where ``resource`` is missing: Windows)."""
-    try:
-        import resource
-        import sys
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux
-
-
-class _Phases:
-    """Wall and CPU seconds per phase of the job, and the peak memory by the end of each (where the time
-    and the memory went: the diagnostics after training must not raise the peak of training). CPU seconds
-    (all threads of this process) are the steadier figure on a machine shared with other jobs."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.cpu_seconds: dict[str, float] = {}
-        self.peak_rss_gb: dict[str, float | None] = {}
-        self._started = (time.perf_counter(), time.process_time())
-        self.load_at_start = load_average()
-        self._phase: tuple[str, float, float] | None = None
-
-    def start(self, name: str) -> None:
-        self.stop()
-        self._phase = (name, time.perf_counter(), time.process_time())
-
-    def stop(self) -> None:
-        if self._phase is not None:
-            name, began, began_cpu = self._phase
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
-            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - began_cpu
-            self.peak_rss_gb[name] = _peak_rss_gb()
-            self._phase = None
-
-    @property
-    def total(self) -> float:
-        return time.perf_counter() - self._started[0]
-
-    @property
-    def total_cpu(self) -> float:
-        return time.process_time() - self._started[1]
-
-
 class TrainJob:
     """The ``packing-hf train`` job for a parsed config, one method per phase, run in order by :meth:`run`:
 
@@ -276,6 +236,8 @@ class TrainJob:
         self.cfg = cfg
         self.data_first = data_first
         self.print_fn = print_fn
+        # under a launcher: the process that prints and writes (global rank 0); the others run the same steps
+        self.main = cfg.training.process_index == 0
         self.phases = _Phases()
         self.training = cfg.training
         self.sft = cfg.job.trainer == "sft"
@@ -296,7 +258,8 @@ class TrainJob:
         self.run_info = None
 
     def say(self, message: str) -> None:
-        self.print_fn(f"[packing-hf] {message}")
+        if self.main:
+            self.print_fn(f"[packing-hf] {message}")
 
     def run(self) -> dict[str, Any]:
         """Every phase in order; returns the summary (see :func:`run_training`)."""
@@ -365,20 +328,29 @@ class TrainJob:
         if self.sft:
             return
         self.phases.start("tokenize")
-        if self.records is not None:
-            self.say(f"tokenizing {len(self.records.records):,} records")
-            self.prepared = _prepare(self.cfg, self.records, self.tokenizer, "Tokenizing", self.say)
-        if self.eval_records is not None:
-            self.eval_prepared = _prepare(
-                self.cfg, self.eval_records, self.tokenizer, "Tokenizing the eval records", self.say
-            )
+        # the main process tokenizes first and fills the cache; the others then load it from there
+        with main_first(self.training, "tokenizing") as write:
+            if self.records is not None:
+                self.say(f"tokenizing {len(self.records.records):,} records")
+                self.prepared = _prepare(
+                    self.cfg, self.records, self.tokenizer, "Tokenizing", self.say, write=write
+                )
+            if self.eval_records is not None:
+                self.eval_prepared = _prepare(
+                    self.cfg,
+                    self.eval_records,
+                    self.tokenizer,
+                    "Tokenizing the eval records",
+                    self.say,
+                    write=write,
+                )
 
     def load_model(self) -> None:
         """The model, the user's config as loaded (restored before saving) and the summary's description."""
         cfg, training = self.cfg, self.training
         self.phases.start("load")
         self.say(f"loading the model: {model_source(cfg.model)}")
-        model = self.model = load_model(cfg.model, self.tokenizer, seed=training.seed)
+        model = self.model = load_job_model(cfg, self.tokenizer)
         self.peft_config = prepare_adapter(cfg, model, self.tokenizer, self.say)
         self.user_use_cache = getattr(model.config, "use_cache", None)
         self.user_attention = getattr(model.config, "_attn_implementation", None)
@@ -388,6 +360,7 @@ class TrainJob:
             "config": cfg.source,
             "model": _describe_model(cfg.model, model),
             "device": str(self.device),
+            "processes": training.world_size,
             "precision": precision,
             "trainer": cfg.job.trainer,
             "batching": cfg.batching,
@@ -442,7 +415,7 @@ class TrainJob:
             max_tokens_per_batch=self.step_tokens,
             device=self.device,
             autocast_dtype=self.autocast,
-            desc=desc,
+            desc=desc if self.main else None,
         )
 
     def eval_before(self) -> None:
@@ -475,7 +448,8 @@ class TrainJob:
         )
         run = self.run_info = train_until_interrupted(trainer, self.resume_from, say)
         train_result = run.result
-        train_runtime = float(train_result.metrics.get("train_runtime", float("nan")))
+        # the main process's: the baseline is sized by it, the same way on every rank
+        train_runtime = from_main(training, float(train_result.metrics.get("train_runtime", float("nan"))))
         # a resumed run's log history holds the earlier run's logs too: its losses are this run's steps only
         losses = _loss_history(e for e in trainer.state.log_history if e.get("step", 0) > run.started_at)
         summary.update(
@@ -492,11 +466,18 @@ class TrainJob:
         if self.stream is not None:
             # the packer's counters run ahead of training (the loader fetches batches before the steps use
             # them): the fill and batches of the steps themselves come from the step logs
-            stats = trainer.packing_stream.stats()
+            # every rank packs its own shard: the whole run's counters are their sum
+            plan = trainer.parallel_plan
+            stats = combine_stream_stats(
+                gather(training, trainer.packing_stream.stats()),
+                sp_size=plan.sp_size,
+                max_tokens_per_batch=training.max_tokens_per_batch,
+            )
+            replicas = plan.data_parallel[0]
             summary["stream"] = {
                 **stats,
                 "steps": summary["global_step"],
-                "batches_trained": summary["global_step"] * training.gradient_accumulation_steps,
+                "batches_trained": summary["global_step"] * training.gradient_accumulation_steps * replicas,
                 "fill_trained": summary["logged_packing_efficiency"],
             }
             summary["records"] = self.stream.describe()
@@ -583,6 +564,7 @@ class TrainJob:
                     self.device,
                     self.autocast,
                     self.say,
+                    progress=self.main,
                 )
         except Exception as error:  # a diagnostic: it must never cost the trained model
             summary["baseline"] = None
@@ -598,7 +580,9 @@ class TrainJob:
         the summary."""
         phases, summary = self.phases, self.summary
         phases.stop()
-        print_summary(_finish_summary(summary, phases), self.print_fn)
+        _finish_summary(summary, phases)
+        if self.main:
+            print_summary(summary, self.print_fn)
         if self.cfg.job.save_model:
             _write_summary(summary, phases, self.trainer, self.output_dir, self.say)
         return summary
@@ -606,7 +590,7 @@ class TrainJob:
 
 def run_training(cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None) -> dict[str, Any]:
     """Run the whole job for a parsed config (:class:`TrainJob`); print progress and the final table, return
-    the summary.
+    the summary (under a launcher every process returns it; the main process prints it and writes the files).
 
     The summary holds: the model and data description, ``batching``, ``packing_efficiency`` (real tokens
     / token capacity of the batches; None without a budget), ``padded_efficiency`` (the same data in

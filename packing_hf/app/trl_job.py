@@ -31,7 +31,8 @@ from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .data_first import DataFirst, read_trl_data
 from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
-from .modeling import load_model, load_tokenizer, model_source, prepare_adapter
+from .modeling import load_tokenizer, model_source, prepare_adapter
+from .processes import main_first
 from .report import print_summary
 from .rewards import resolve_reward_funcs
 from .train import (
@@ -40,6 +41,7 @@ from .train import (
     _restore_user_config,
     _stop_interrupted,
     _write_summary,
+    load_job_model,
     run_training,
 )
 
@@ -91,7 +93,8 @@ def _loadable(model) -> bool:
 def run_trl_training(
     cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | None = None
 ) -> dict[str, Any]:
-    """Run the job of a TRL trainer for a parsed config; print progress and the summary, return it.
+    """Run the job of a TRL trainer for a parsed config; print progress and the summary, return it (under a
+    launcher the main process alone prints and writes, see :mod:`packing_hf.app.processes`).
 
     The summary holds the model and data description, ``trainer``, ``batching``, ``reference`` (how the
     reference model was made), ``peft`` (the adapter, or None), ``global_step``, ``train_runtime``, ``losses``
@@ -102,10 +105,13 @@ def run_trl_training(
 
     from .. import integrations
 
-    def say(message: str) -> None:
-        print_fn(f"[packing-hf] {message}")
-
     trainer_name, training = cfg.job.trainer, cfg.training
+    main = training.process_index == 0
+
+    def say(message: str) -> None:
+        if main:
+            print_fn(f"[packing-hf] {message}")
+
     check_model(cfg.model, cfg.source)
     resume_from = resume_checkpoint(cfg.job.resume, training.resume_from_checkpoint, str(training.output_dir))
     phases = _Phases()
@@ -125,9 +131,7 @@ def run_trl_training(
     say(f"loading the tokenizer of {cfg.model.tokenizer_name_or_path or model_source(cfg.model)}")
     tokenizer = load_tokenizer(cfg.model)
     say(f"loading the model: {model_source(cfg.model)}")
-    model = load_model(
-        cfg.model, tokenizer, seed=training.seed, head="score" if trainer_name == "reward" else "causal"
-    )
+    model = load_job_model(cfg, tokenizer, head="score" if trainer_name == "reward" else "causal")
     user_use_cache = getattr(model.config, "use_cache", None)
     user_attention = getattr(model.config, "_attn_implementation", None)
     peft_config = prepare_adapter(
@@ -167,7 +171,8 @@ def run_trl_training(
         from .train import _finish_summary
 
         _finish_summary(summary, phases)
-    print_summary(summary, print_fn)
+    if main:
+        print_summary(summary, print_fn)
     logger.debug("summary written to %s", output_dir / SUMMARY_NAME)
     return summary
 
@@ -187,8 +192,11 @@ def _trainer_kwargs(cfg: TrainConfig, model, tokenizer, peft_config, say) -> tup
         kwargs["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
     elif plan.startswith("saved"):
         folder = Path(training.output_dir) / "reference_model"
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        # written once (the saving process), read by TRL on every process once it is there
+        with main_first(training, "saving the reference model", local=training.save_on_each_node):
+            if training.should_save:
+                model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
         model.config._name_or_path = str(folder)
     if trainer_name in ("grpo", "rloo"):
         spec = cfg.job.reward_funcs or ("gsm8k" if cfg.data.dataset == "embedded" else None)
@@ -212,6 +220,7 @@ def _summary(cfg: TrainConfig, trainer, records: str, plan: str) -> dict[str, An
         "config": cfg.source,
         "model": _describe(cfg, trainer.model),
         "device": str(device),
+        "processes": training.world_size,
         "precision": precision,
         "trainer": trainer_name,
         "batching": cfg.batching,

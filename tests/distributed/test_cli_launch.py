@@ -1,0 +1,155 @@
+"""``packing-hf train`` under ``torchrun`` on 2 CPU processes (gloo, ``use_cpu=true``): the command is rank-aware.
+
+One launch of ``python -m packing_hf.app.cli train configs/tiny_cpu.yaml`` (through ``_cli_launch_worker.py``, which
+records every file each process writes) per layout: plain DDP, and ``sp_size=2`` (one replica, its rows cut over
+the two processes). Each prints the command's lines once (not once per process), only the main process writes
+(the run's files, the tokenized-dataset cache; the other process reads the cache once written and writes
+nothing), the files are valid (the summary JSON, the loss curve, a model that loads), and the summary's counts
+are the whole run's: every sample and token of the data, both processes' tokens in the step logs. With
+``sp_size=2`` the run trains exactly as one process does: the same losses and eval loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_cli_launch_worker.py")
+TINY_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+LAUNCH_TIMEOUT_S = 240
+NUM_SAMPLES, EVAL_SAMPLES = 8, 2
+TINY_MODEL = (
+    '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, '
+    '"num_key_value_heads": 1}'
+)
+LAYOUTS = {"ddp": [], "sp2": ["sp_size=2"]}
+
+pytestmark = pytest.mark.distributed
+
+
+def _overrides(data_dir: Path, out: Path) -> list[str]:
+    """tiny_cpu.yaml made tiny: 8 samples for one epoch (every sample trained once), a 1-layer model."""
+    return [
+        f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+        f"num_samples={NUM_SAMPLES}",
+        f"eval_num_samples={EVAL_SAMPLES}",
+        "max_steps=-1",
+        "num_train_epochs=1",
+        "max_tokens_per_batch=384",
+        "max_length=384",
+        f"model_config={TINY_MODEL}",
+        "disable_tqdm=true",
+        f"output_dir={out}",
+    ]
+
+
+def _launch(folder: Path, data_dir: Path, torchrun_command, layout: str) -> None:
+    """One torchrun launch of the command; its combined output in ``folder/output.txt``."""
+    cache, out = folder / "cache", folder / "out"
+    cache.mkdir()
+    command = [
+        *torchrun_command(),
+        str(WORKER),
+        str(folder),
+        f"{cache}:{out}",
+        "train",
+        TINY_CONFIG,
+        *_overrides(data_dir, out),
+        "baseline_time_share=1000",  # the padded baseline runs whatever its estimate: its lines are checked too
+        *LAYOUTS[layout],
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(
+        PACKING_HF_CACHE=str(cache),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    env.pop("PYTEST_XDIST_WORKER", None)
+    try:
+        proc = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=folder
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"packing-hf train on 2 processes did not finish in {LAUNCH_TIMEOUT_S}s:\n{exc.stderr}")
+    (folder / "output.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (
+        f"launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data_dir) -> dict:
+    """The same run on one process (in this process), with the attention sp_size=2 gives the model."""
+    from packing_hf.app.cli import main
+
+    out = tmp_path_factory.mktemp("cli-one-process") / "out"
+    overrides = [*_overrides(data_dir, out), "attn_implementation=packing_hf", "baseline_batches=0"]
+    assert main(["train", TINY_CONFIG, *overrides]) == 0
+    return json.loads((out / "packing_summary.json").read_text())
+
+
+def _writes(folder: Path, rank: int) -> list[str]:
+    return (folder / f"writes-rank{rank}.txt").read_text().splitlines()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_packing_hf_train_on_2_processes_prints_and_writes_once(
+    layout, run_once, torchrun_command, data_dir, one_process
+):
+    folder = run_once(f"cli-launch-{layout}", lambda f: _launch(f, data_dir, torchrun_command, layout))
+    output = (folder / "output.txt").read_text()
+    out = folder / "out"
+
+    # the command's own lines, once each (a progress bar may share a line with one: cut at \r)
+    lines = re.findall(r"\[packing-hf\] [^\r\n]*", output)
+    assert lines and [line for line, n in Counter(lines).items() if n > 1] == []
+    for once in (
+        "[packing-hf] reading the config",
+        "packing-hf train: summary",
+        "[packing-hf] saving the model",
+    ):
+        assert output.count(once) == 1, once
+    assert "(fp32, the main one of 2 processes)" in output
+
+    # one writer: the main process wrote the cache and the run's files, the other process no file at all (the
+    # Trainer makes the checkpoint folder on every process, exist_ok)
+    assert [w for w in _writes(folder, 1) if not w.startswith("os.mkdir ")] == []
+    written = _writes(folder, 0)
+    assert any(f"{folder / 'cache' / 'tokenized'}" in w for w in written)
+    assert any(w.endswith(str(out / "packing_summary.json")) for w in written)
+    assert not list((folder / "cache" / "tokenized").glob("*.partial"))
+    assert len(list((folder / "cache" / "tokenized").iterdir())) == 2  # the training and the eval records
+
+    # valid files: the summary, the loss curve, a model that loads
+    summary = json.loads((out / "packing_summary.json").read_text())
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 1 and model.config.model_type == "llama"
+
+    # the whole run's counts: every sample and token of the data once, both processes' tokens in the logs
+    assert summary["processes"] == 2
+    assert summary["num_samples"] == NUM_SAMPLES == one_process["num_samples"]
+    assert summary["num_tokens"] == one_process["num_tokens"]
+    assert summary["eval_samples"] == EVAL_SAMPLES and summary["eval_tokens"] == one_process["eval_tokens"]
+    state = json.loads((out / f"checkpoint-{summary['global_step']}" / "trainer_state.json").read_text())
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    assert len(steps) == summary["global_step"] == len(summary["losses"])
+    assert sum(entry["real_tokens_per_step"] for entry in steps) == summary["num_tokens"]
+    assert summary["baseline"]["real_tokens"] > 0
+
+    if layout == "sp2":
+        # one replica of 2 processes trains exactly as one process: the same steps, losses and eval loss
+        assert summary["global_step"] == one_process["global_step"]
+        assert summary["losses"] == pytest.approx(one_process["losses"], rel=1e-5)
+        assert summary["eval_loss_after"] == pytest.approx(one_process["eval_loss_after"], rel=1e-5)
+    else:
+        # two replicas: each step holds a packed batch of each process, so fewer steps than one process
+        assert summary["global_step"] < one_process["global_step"]
