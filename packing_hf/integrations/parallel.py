@@ -19,7 +19,8 @@ once per epoch across them, and neither set-up can give that (the first one's lo
 averaging disagree; the second one has no group to average over). Likewise FSDP asked for where accelerate runs
 DDP (on CPU: accelerate enables FSDP on accelerators only), which would replicate what the user asked to shard.
 
-This module and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
+This module, :mod:`packing_hf.integrations.launcher` (what ``accelerate launch`` was asked for against what its
+processes got) and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
 that read the parallel sizes of a configuration.
 
 >>> plan = ParallelPlan()  # one process, no engine
