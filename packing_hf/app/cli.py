@@ -205,6 +205,16 @@ def _train(argv: Sequence[str]) -> int:
         )
         return 2
     _quiet_other_processes()
+    try:
+        return _train_job(config, overrides)
+    finally:
+        from .processes import close_process_group
+
+        close_process_group()
+
+
+def _train_job(config: str, overrides: list[str]) -> int:
+    """``packing-hf train CONFIG OVERRIDES...`` once the arguments are read: the exit status."""
     _say(f"reading the config {config}")
     output_dir = None
     try:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["combine_stream_stats", "from_main", "gather", "launch_rank", "main_first"]
+__all__ = ["close_process_group", "combine_stream_stats", "from_main", "gather", "launch_rank", "main_first"]
 
 # counters of PackedStream.stats() that are not summed over ranks: the pass (the same on every rank), a
 # per-rank peak, and the fill (recomputed from the summed tokens and batches)
@@ -86,3 +87,12 @@ def combine_stream_stats(
     batches = combined.get("batches", 0)
     combined["fill"] = combined.get("tokens", 0) / (batches * max_tokens_per_batch) if batches else 1.0
     return combined
+
+
+def close_process_group() -> None:
+    """Destroy the process group the run started (the launcher's processes over gloo or NCCL), if any: left to the
+    interpreter's exit, gloo's threads are torn down while still joinable and a process can abort (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded. Not collective."""
+    torch = sys.modules.get("torch")  # never imported: no group to close
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -97,6 +97,10 @@ def main(out_dir: str) -> None:
     record["launcher"] = launch_arguments(launcher_command() or [])
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(record, f)
+    import torch
+
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit
 
 
 if __name__ == "__main__":

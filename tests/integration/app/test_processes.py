@@ -73,3 +73,20 @@ def test_ctrl_c_under_a_launcher_says_to_resume_under_it(tmp_path, monkeypatch):
     assert launched.endswith(
         "packing-hf train run.yaml max_steps=9 resume=true   (under the same launcher, as this run was)"
     )
+
+
+def test_train_closes_the_process_group_of_its_run(tmp_path):
+    """``packing-hf train`` destroys the process group its run started, however the run ends (here a config
+    error): left to the interpreter's exit, gloo's threads can abort a process whose run succeeded (SIGABRT,
+    "terminate called without an active exception", seen under ``accelerate launch``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model_type: llama\nmax_tokns_per_batch: 512\n")
+        assert main(["train", str(bad)]) == 2
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
