@@ -235,8 +235,7 @@ def _train_job(config: str, overrides: list[str]) -> int:
     except ImportError as error:  # an optional package (TRL, PEFT): the message says how to install it
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
-        print(f"packing-hf train: error{_which_process()}: {error}", file=sys.stderr)
-        return 1
+        return _error("train", error, 1)
     except (ValueError, TypeError, FileNotFoundError) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise

@@ -31,7 +31,7 @@ from .baseline import mean_logged
 from .config import TRL_JOB_TRAINERS, TrainConfig, check_model
 from .data_first import DataFirst, read_trl_data
 from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
-from .modeling import load_tokenizer, model_source, prepare_adapter
+from .modeling import load_job_model, load_tokenizer, model_source, prepare_adapter
 from .processes import main_first
 from .report import print_summary
 from .rewards import resolve_reward_funcs
@@ -41,7 +41,6 @@ from .train import (
     _restore_user_config,
     _stop_interrupted,
     _write_summary,
-    load_job_model,
     run_training,
 )
 

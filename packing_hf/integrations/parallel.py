@@ -143,6 +143,12 @@ def fsdp_request(args: Any) -> str | None:
     return None
 
 
+def _data_parallel_sizes(parallelism_config: Any) -> tuple[int, int]:
+    """``(dp_replicate_size, dp_shard_size)`` of a ``ParallelismConfig`` (1 where unset; ``(1, 1)`` without one)."""
+    replicate, shard = (int(getattr(parallelism_config, name, 1) or 1) for name in _DATA_PARALLEL)
+    return replicate, shard
+
+
 def fsdp_layout(parallelism_config: Any, sp_size: int, world: int) -> Any:
     """The ``ParallelismConfig`` accelerate gets under FSDP while packing_hf serves ``sp_size``: ``None`` (FSDP2
     shards over every process) when neither ``dp_replicate_size`` nor ``dp_shard_size`` is above 1, else the two
@@ -160,10 +166,9 @@ def fsdp_layout(parallelism_config: Any, sp_size: int, world: int) -> Any:
     Traceback (most recent call last):
     ValueError: dp_replicate_size=1 x dp_shard_size=4 x sp_size=2 must be the number of processes (4); ...
     """
-    layout = _sizes(parallelism_config, _DATA_PARALLEL)
-    if not layout:
+    if not _sizes(parallelism_config, _DATA_PARALLEL):
         return None
-    replicate, shard = (int(getattr(parallelism_config, name, 1) or 1) for name in _DATA_PARALLEL)
+    replicate, shard = _data_parallel_sizes(parallelism_config)
     if replicate * shard * sp_size != world:
         raise ValueError(
             f"dp_replicate_size={replicate} x dp_shard_size={shard} x sp_size={sp_size} must be the number of "
@@ -281,7 +286,7 @@ def _check_sequence_parallel_engine(sp_size: int, world: int, engine: str, level
                 "set fsdp_config={'version': 2}, or use DDP or DeepSpeed ZeRO"
             )
         return
-    replicate, shard = (int(getattr(config, name, 1) or 1) for name in _DATA_PARALLEL)
+    replicate, shard = _data_parallel_sizes(config)
     if shard > 1 or replicate not in (1, world // sp_size):
         raise ValueError(
             f"dp_replicate_size={replicate} and dp_shard_size={shard} with sp_size={sp_size} on {world} processes: "
