@@ -36,7 +36,7 @@ def launch_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def main_first(training, desc: str, *, local: bool = False) -> Iterator[bool]:
+def main_first(training: Any, desc: str, *, local: bool = False) -> Iterator[bool]:
     """The block runs on the main process first, then (after a barrier) on the others; yields whether this
     process is the main one, i.e. the one that may write what the others then read. ``local``: the main process
     of each node (files every node writes for itself: ``save_on_each_node``). One process: no barrier."""
@@ -48,7 +48,7 @@ def main_first(training, desc: str, *, local: bool = False) -> Iterator[bool]:
         yield main
 
 
-def from_main(training, value: Any) -> Any:
+def from_main(training: Any, value: Any) -> Any:
     """``value`` as the main process has it (a broadcast; one process: ``value``). Decisions taken from a
     process's own timing (the baseline's size) must be the same on every rank, whose model calls must match."""
     if training.world_size <= 1:
@@ -58,7 +58,7 @@ def from_main(training, value: Any) -> Any:
     return broadcast_object_list([value], from_process=0)[0]
 
 
-def gather(training, value: Any) -> list[Any]:
+def gather(training: Any, value: Any) -> list[Any]:
     """``value`` of every process, in rank order (one process: ``[value]``)."""
     if training.world_size <= 1:
         return [value]
