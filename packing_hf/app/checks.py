@@ -22,6 +22,8 @@ __all__ = [
     "TRAINER_KEYS",
     "TRL_JOB_TRAINERS",
     "check_attn_implementation",
+    "check_engine",
+    "check_fsdp_config",
     "check_model_type",
     "check_sequence_parallel",
     "refuse_parallel_keys",
@@ -274,6 +276,134 @@ def _check_training(training: Any, origin=lambda key: "<config>") -> None:
     budget = getattr(training, "max_tokens_per_batch", None)
     if budget is not None and budget < 1:
         raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
+
+
+def _switch(value: Any) -> bool:
+    """A bool, or the text transformers reads as one (``str_to_bool(str(value).lower())``)."""
+    return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _fsdp_config_keys() -> dict[str, tuple[Any, str]]:
+    """``fsdp_config``'s keys: those ``transformers.TrainingArguments`` reads (``_process_fsdp_args``, its XLA
+    path), each with a test of its value and what the value must be. A switch transformers reads by truth value
+    (``cpu_offload``, ``xla*``) takes a bool only: the text ``"false"`` would turn it on."""
+    from accelerate.utils.constants import (
+        FSDP_AUTO_WRAP_POLICY,
+        FSDP_BACKWARD_PREFETCH,
+        FSDP_SHARDING_STRATEGY,
+        FSDP_STATE_DICT_TYPE,
+    )
+
+    def one_of(choices: list[str]):
+        return lambda v: isinstance(v, str) and v.upper() in choices, f"one of {', '.join(choices)}"
+
+    switch = (_switch, "true or false")
+    flag = (lambda v: isinstance(v, bool), "true or false (a bool: transformers reads it by truth value)")
+    return {
+        "version": (lambda v: v in (1, 2) and not isinstance(v, bool), "1 or 2 (FSDP2, the default)"),
+        "reshard_after_forward": (
+            lambda v: _switch(v) or (isinstance(v, str) and v.upper() in FSDP_SHARDING_STRATEGY),
+            f"true or false (FSDP2), or a sharding strategy (FSDP1: {', '.join(FSDP_SHARDING_STRATEGY).lower()})",
+        ),
+        "cpu_offload": flag,
+        "activation_checkpointing": switch,
+        "cpu_ram_efficient_loading": switch,
+        "state_dict_type": one_of(FSDP_STATE_DICT_TYPE),
+        "auto_wrap_policy": (
+            lambda v: v in FSDP_AUTO_WRAP_POLICY,
+            f"one of {', '.join(FSDP_AUTO_WRAP_POLICY)}",
+        ),
+        "transformer_layer_cls_to_wrap": (_names, "a layer class name or a list of them"),
+        "min_num_params": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+            "an int >= 0",
+        ),
+        "forward_prefetch": switch,
+        "backward_prefetch": one_of(FSDP_BACKWARD_PREFETCH),
+        "use_orig_params": switch,
+        "sync_module_states": switch,
+        "limit_all_gathers": switch,
+        "xla": flag,
+        "xla_fsdp_v2": flag,
+        "xla_fsdp_grad_ckpt": flag,
+        "xla_fsdp_settings": (lambda v: isinstance(v, dict), "a mapping"),
+    }
+
+
+def _engine_mapping(name: str, value: Any, origin) -> dict[str, Any] | None:
+    """The mapping an engine key gives (``deepspeed`` / ``fsdp_config``): the YAML mapping, its JSON, or the JSON
+    file it names (as transformers reads them); None for no value."""
+    import json
+    from pathlib import Path
+
+    if value is None or isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{origin(name)}: {name} must be a mapping or a JSON file's path, got {value!r}")
+    text, where = value, name
+    if not value.lstrip().startswith("{"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"{origin(name)}: {name}: {value!r} is not a file; give the path of a JSON file or the mapping itself"
+            )
+        text, where = path.read_text(encoding="utf-8"), f"{name} ({path})"
+    try:
+        mapping = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{origin(name)}: {where} is not valid JSON ({error.msg}, line {error.lineno})"
+        ) from None
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{origin(name)}: {where} must hold a mapping, got a {type(mapping).__name__}")
+    return mapping
+
+
+def check_fsdp_config(value: Any, origin) -> None:
+    """``fsdp_config`` as given (a mapping, its JSON or a JSON file's path): every key one transformers reads
+    (``fsdp_``-prefixed as accelerate writes them, or not), each with a value it takes; refused by name
+    otherwise, before transformers builds the arguments (it ignores an unknown key, and fails on a bad value
+    without naming it: ``int('x')``)."""
+    config = _engine_mapping("fsdp_config", value, origin)
+    if not config:
+        return
+    keys = _fsdp_config_keys()
+    seen: dict[str, str] = {}
+    for given, setting in config.items():
+        key = given[5:] if given.startswith("fsdp_") else given
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            raise ValueError(
+                f"{origin('fsdp_config')}: fsdp_config has no key {given!r}{hint}: transformers would ignore it; "
+                f"its keys: {', '.join(keys)}"
+            )
+        if key in seen:
+            raise ValueError(
+                f"{origin('fsdp_config')}: fsdp_config: {seen[key]!r} and {given!r} are the same setting; keep one"
+            )
+        seen[key] = given
+        test, wanted = keys[key]
+        if not test(setting):
+            raise ValueError(
+                f"{origin('fsdp_config')}: fsdp_config: {given} must be {wanted}, got {setting!r}"
+            )
+
+
+def check_engine(training: Any, origin) -> None:
+    """Once the arguments are built: ``fsdp_config`` without ``fsdp`` is refused by name (transformers reads it
+    only with ``fsdp: true``, and ``accelerate launch --use_fsdp`` builds its plugin from its own settings)."""
+    config = getattr(training, "fsdp_config", None)
+    if config and not getattr(training, "fsdp", None):
+        raise ValueError(
+            f"{origin('fsdp_config')}: fsdp_config is not used: fsdp is not set, and transformers reads fsdp_config "
+            "only with fsdp: true (an accelerate launch with --use_fsdp takes its own FSDP settings); set fsdp: "
+            "true, or remove fsdp_config"
+        )
 
 
 def refuse_parallel_keys(given: dict[str, Any], trainer: str, origin) -> None:

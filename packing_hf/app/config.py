@@ -45,6 +45,8 @@ from .checks import (
     _check_training,
     _resolve_batching,
     check_attn_implementation,
+    check_engine,
+    check_fsdp_config,
     check_model_type,
     check_sequence_parallel,
     refuse_parallel_keys,
@@ -465,9 +467,21 @@ def _build(cls, values: Mapping[str, Any], overrides: Mapping[str, list[str]]):
     argv: list[str] = []
     for key, tokens in overrides.items():
         base = key[3:] if key.startswith("no_") and key not in names else key
-        if base in names:
-            # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
-            argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
+        if base not in names:
+            continue
+        action = parser._option_string_actions.get(f"--{key}")
+        if action is not None and action.const is True and action.nargs == "?":
+            # a switch that also takes a value (fsdp: `--fsdp` is True, `--fsdp full_shard` the legacy text):
+            # true / false are the switch, as in YAML, not a value transformers would refuse
+            switch = [token.lower() for token in tokens]
+            if switch in ([], ["true"]):
+                argv.append(f"--{key}")
+                continue
+            if switch == ["false"]:
+                parser.set_defaults(**{key: None})
+                continue
+        # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
+        argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
     (instance,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     return instance
 
@@ -511,6 +525,7 @@ def load_train_config(
     given = {**values, **{key: " ".join(tokens) for key, tokens in cli.items()}}
     refuse_parallel_keys(given, str(trainer), lambda key: "the command line" if key in cli else source)
     _check_keys(classes, values, cli, source)
+    check_fsdp_config(given.get("fsdp_config"), lambda key: "the command line" if key in cli else source)
     own = {name for cls in (ModelArguments, DataArguments, JobArguments) for name in _field_names(cls)}
     from_cli = {key[3:] if key.startswith("no_") and key not in own else key for key in cli}
     for key, tokens in list(cli.items()):
@@ -532,9 +547,10 @@ def load_train_config(
     result = TrainConfig(model_args, data_args, job_args, training_args, source=source)
 
     def origin(key: str) -> str:
-        return "the command line" if key in cli or f"no_{key}" in cli else source
+        return "the command line" if key in from_cli or f"no_{key}" in from_cli else source
 
     _check_training(training_args, origin)
+    check_engine(training_args, origin)
     _own_output_dir(result, values, cli)
     if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss

@@ -237,3 +237,92 @@ def test_model_override_replaces_the_configs_model():
     assert cfg.model.model_type is None and cfg.model.gguf_file is None and cfg.model.gguf_package is None
     # negative control: without the override the config's tiny model stands
     assert load_train_config(grpo).model.model_type == "llama"
+
+
+# ---- fsdp / fsdp_config: honoured or refused by name, at parse time ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        (
+            {"fsdp_config": {"bogus_key": 1}},
+            r"fsdp_config has no key 'bogus_key': transformers would ignore it",
+        ),
+        ({"fsdp": True, "fsdp_config": {"bogus_key": 1}}, "fsdp_config has no key 'bogus_key'"),
+        (
+            {"fsdp": True, "fsdp_config": {"reshard_after_forwrd": True}},
+            "no key 'reshard_after_forwrd' \\(did you mean 'reshard_after_forward'\\?\\)",
+        ),
+        ({"fsdp": True, "fsdp_config": {"version": "x"}}, "fsdp_config: version must be 1 or 2 .*got 'x'"),
+        ({"fsdp": True, "fsdp_config": {"version": 3}}, "fsdp_config: version must be 1 or 2"),
+        (
+            {"fsdp": True, "fsdp_config": {"cpu_offload": "false"}},
+            "fsdp_config: cpu_offload must be true or false \\(a bool",  # "false" would turn it on
+        ),
+        ({"fsdp": True, "fsdp_config": {"min_num_params": -1}}, "min_num_params must be an int >= 0"),
+        (
+            {"fsdp": True, "fsdp_config": {"state_dict_type": "FULL"}},
+            "state_dict_type must be one of FULL_STATE_DICT",
+        ),
+        ({"fsdp": True, "fsdp_config": {"fsdp_version": 2, "version": 1}}, "are the same setting; keep one"),
+        (
+            {"fsdp": True, "fsdp_config": "no-such-file.json"},
+            "fsdp_config: 'no-such-file.json' is not a file",
+        ),
+        ({"fsdp": True, "fsdp_config": 3}, "fsdp_config must be a mapping or a JSON file's path, got 3"),
+        (
+            {"fsdp_config": {"version": 2}},
+            "fsdp_config is not used: fsdp is not set.*set fsdp: true, or remove",
+        ),
+        ({"fsdp": False, "fsdp_config": {"version": 2}}, "fsdp_config is not used: fsdp is not set"),
+    ],
+)
+def test_fsdp_config_is_checked_at_parse_time_and_refused_without_fsdp(values, match):
+    """Every fsdp_config key is one transformers reads, with a value it takes, and fsdp_config without fsdp (which
+    transformers ignores) is refused by name: before any data or model is read."""
+    with pytest.raises(ValueError, match=match):
+        load_train_config(values)
+
+
+def test_fsdp_config_is_honoured_with_fsdp_from_yaml_json_or_a_file(tmp_path):
+    """Negative control of the refusals above: the same settings, given as transformers takes them, reach the
+    plugin (accelerate's fsdp_-prefixed spelling, the JSON on the command line, a JSON file)."""
+    prefixed = {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": "false",
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
+    plugin = load_train_config({"fsdp": True, "fsdp_config": prefixed}).training.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is False
+    assert plugin["cpu_ram_efficient_loading"] is True
+    for overrides in (["--fsdp"], ["fsdp=true"], ["fsdp=True"]):  # the switch on the command line, as in YAML
+        training = load_train_config({}, [*overrides, 'fsdp_config={"version": 1}']).training
+        assert training.fsdp is True and training.fsdp_plugin_args["fsdp_version"] == 1, overrides
+    assert load_train_config({"fsdp": True}, ["fsdp=false"]).training.fsdp_plugin_args is None
+    file = tmp_path / "fsdp.json"
+    file.write_text('{"version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}')
+    plugin = load_train_config({"fsdp": True, "fsdp_config": str(file)}).training.fsdp_plugin_args
+    assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+    file.write_text('{"version": 2, "bogus": 1}')
+    with pytest.raises(ValueError, match=r"the command line: fsdp_config has no key 'bogus'"):
+        load_train_config({"fsdp": True}, [f"fsdp_config={file}"])
+    with pytest.raises(ValueError, match=r"the command line: fsdp_config is not used"):
+        load_train_config({}, ['fsdp_config={"version": 2}'])
+
+
+def test_the_fsdp_config_keys_checked_are_the_keys_transformers_reads():
+    """The table of fsdp_config keys follows transformers: every key its argument processing reads is in it, and
+    no other (a transformers upgrade that reads a new key, or stops reading one, fails here)."""
+    import inspect
+    import re
+
+    import transformers
+
+    from packing_hf.app.checks import _fsdp_config_keys
+
+    args = transformers.TrainingArguments
+    source = inspect.getsource(args._process_fsdp_args) + inspect.getsource(args._apply_legacy_fsdp_to_config)
+    read = set(re.findall(r'(?<!\w)fsdp_config(?:\.get|\.setdefault|\.pop)?[\[(]\s*"(\w+)"', source))
+    read |= set(re.findall(r'"(\w+)" in (?:self\.)?fsdp_config\b', source))
+    assert read and set(_fsdp_config_keys()) == read
