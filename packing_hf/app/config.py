@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from .._limits import option
 from ..overflow import check_overflow
+from .blocks import check_engine, check_fsdp_config, check_peft
 from .checks import (
     ENGINE_MAPPINGS,
     TRAINERS,
@@ -45,8 +46,6 @@ from .checks import (
     _check_training,
     _resolve_batching,
     check_attn_implementation,
-    check_engine,
-    check_fsdp_config,
     check_model_type,
     check_sequence_parallel,
     refuse_parallel_keys,
@@ -566,6 +565,7 @@ def load_train_config(
             _check_streaming(result)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
+    check_peft(model_args.peft, origin)
     return result
 
 

@@ -319,10 +319,53 @@ def test_the_fsdp_config_keys_checked_are_the_keys_transformers_reads():
 
     import transformers
 
-    from packing_hf.app.checks import _fsdp_config_keys
+    from packing_hf.app.blocks import _fsdp_config_keys
 
     args = transformers.TrainingArguments
     source = inspect.getsource(args._process_fsdp_args) + inspect.getsource(args._apply_legacy_fsdp_to_config)
     read = set(re.findall(r'(?<!\w)fsdp_config(?:\.get|\.setdefault|\.pop)?[\[(]\s*"(\w+)"', source))
     read |= set(re.findall(r'"(\w+)" in (?:self\.)?fsdp_config\b', source))
     assert read and set(_fsdp_config_keys()) == read
+
+
+# ---- peft: the adapter's config built when the config is parsed, the failing key named -------------------------
+
+
+@pytest.mark.parametrize(
+    ("peft", "match"),
+    [
+        ({"r": "x"}, r"^<dict>: peft: r must be int, got 'x' \(a str\)"),
+        ({"r": True}, "peft: r must be int, got True"),
+        ({"lora_dropout": "0.1"}, "peft: lora_dropout must be float, got '0.1'"),
+        ({"bias": "some"}, "peft: bias must be 'none' \\| 'all' \\| 'lora_only', got 'some'"),
+        ({"target_modules": 5}, "peft: target_modules must be .*list\\[str\\].*, got 5 \\(a int\\)"),
+        ({"layers_to_transform": ["0"]}, "peft: layers_to_transform must be .*got \\['0'\\]"),
+        ({"lora_alhpa": 8}, "peft: LoraConfig has no key 'lora_alhpa' \\(did you mean 'lora_alpha'\\?\\)"),
+        ({"peft_type": "ia3", "r": 4}, "peft: IA3Config has no key 'r'"),
+        ({"peft_type": "prompt_tuning", "num_virtual_tokens": 4}, "prompt-learning PEFT \\(PROMPT_TUNING\\)"),
+        ({"task_type": "TRANSLATE"}, "peft: LoraConfig refuses these values: Invalid task type: 'TRANSLATE'"),
+    ],
+)
+def test_peft_is_checked_when_the_config_is_parsed_naming_the_key(peft, match):
+    """PEFT builds a config from nearly any values (``LoraConfig(r="x")`` builds) and fails when the adapter is
+    made, after the data, the model and ``base_model/``, with a TypeError naming no key: the parse refuses it."""
+    with pytest.raises(ValueError, match=match):
+        load_train_config({"peft": peft})
+
+
+def test_a_valid_peft_block_parses_from_yaml_or_json():
+    """Negative control of the refusals above: values of the fields' types, a literal with a placeholder, another
+    weight-space method, the JSON on the command line."""
+    good = {
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0,  # an int where a float is wanted, as YAML writes 0
+        "target_modules": ["q_proj", "v_proj"],
+        "init_lora_weights": "pissa_niter_4",  # peft's literal 'pissa_niter_[number of iters]'
+        "layer_replication": [[0, 1], [0, 2]],
+    }
+    assert load_train_config({"peft": good}).model.peft == good
+    assert load_train_config({"peft": {"peft_type": "ia3", "target_modules": ["k_proj"]}}).model.peft
+    assert load_train_config({}, ['peft={"r": 4, "target_modules": "all-linear"}']).model.peft["r"] == 4
+    with pytest.raises(ValueError, match=r"^the command line: peft: r must be int"):
+        load_train_config({}, ['peft={"r": "4"}'])
