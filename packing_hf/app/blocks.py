@@ -1,6 +1,7 @@
 """The mapping-valued settings of a ``packing-hf train`` config, checked when it is parsed against what reads
-them: ``fsdp_config`` (the keys transformers reads, each with a value it takes; refused without ``fsdp``) and
-``peft`` (built as the method's PEFT config, every value of its field's type). Their consumers check little
+them: ``fsdp_config`` (the keys transformers reads, each with a value it takes; refused without ``fsdp``),
+``peft`` (built as the method's PEFT config, every value of its field's type) and ``column_mapping`` (names to
+names). Their consumers check little
 themselves, and late: transformers ignores an unknown ``fsdp_config`` key, and PEFT builds ``LoraConfig(r="x")``
 and fails when the adapter is made, after the data and the model, naming no key.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["check_engine", "check_fsdp_config", "check_peft", "peft_config_from"]
+__all__ = ["check_column_mapping", "check_engine", "check_fsdp_config", "check_peft", "peft_config_from"]
 
 
 def _switch(value: Any) -> bool:
@@ -276,3 +277,27 @@ def check_peft(values: dict[str, Any] | None, origin) -> None:
         peft_config_from(values)
     except ValueError as error:
         raise ValueError(f"{origin('peft')}: {error}") from None
+
+
+def check_column_mapping(mapping: dict[str, Any] | None) -> dict[str, str] | None:
+    """``column_mapping`` as ``{column in the data: column TRL reads}``: names to names, no two onto one.
+
+    >>> check_column_mapping({"question": "prompt", "good": 1})
+    Traceback (most recent call last):
+    ...
+    ValueError: column_mapping: 'good': 1 must map a column name to a column name (two strings)
+    """
+    if mapping is None:
+        return None
+    targets: dict[str, str] = {}
+    for name, target in mapping.items():
+        if not isinstance(name, str) or not isinstance(target, str):
+            raise ValueError(
+                f"column_mapping: {name!r}: {target!r} must map a column name to a column name (two strings)"
+            )
+        if target in targets:
+            raise ValueError(
+                f"column_mapping: {targets[target]!r} and {name!r} both become {target!r}; map one column onto it"
+            )
+        targets[target] = name
+    return dict(mapping)

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from .._limits import option
 from ..overflow import check_overflow
-from .blocks import check_engine, check_fsdp_config, check_peft
+from .blocks import check_column_mapping, check_fsdp_config, check_peft
 from .checks import (
     ENGINE_MAPPINGS,
     TRAINERS,
@@ -47,8 +47,10 @@ from .checks import (
     _resolve_batching,
     check_attn_implementation,
     check_model_type,
+    check_reward_funcs,
     check_sequence_parallel,
     refuse_parallel_keys,
+    refuse_unread_keys,
     trl_packs,
     unused_keys,
 )
@@ -217,7 +219,7 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
-        self.column_mapping = _mapping("column_mapping", self.column_mapping)
+        self.column_mapping = check_column_mapping(_mapping("column_mapping", self.column_mapping))
         if self.stream_check_records < 0:
             raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
@@ -469,16 +471,15 @@ def _build(cls, values: Mapping[str, Any], overrides: Mapping[str, list[str]]):
         if base not in names:
             continue
         action = parser._option_string_actions.get(f"--{key}")
-        if action is not None and action.const is True and action.nargs == "?":
-            # a switch that also takes a value (fsdp: `--fsdp` is True, `--fsdp full_shard` the legacy text):
-            # true / false are the switch, as in YAML, not a value transformers would refuse
-            switch = [token.lower() for token in tokens]
-            if switch in ([], ["true"]):
-                argv.append(f"--{key}")
-                continue
-            if switch == ["false"]:
-                parser.set_defaults(**{key: None})
-                continue
+        switch = [token.lower() for token in tokens]
+        # a switch that also takes a value (fsdp: `--fsdp` is True, `--fsdp full_shard` the legacy text): true /
+        # false are the switch, as in YAML, not a value transformers would refuse
+        if action is not None and action.const is True and action.nargs == "?" and switch in ([], ["true"]):
+            argv.append(f"--{key}")
+            continue
+        if action is not None and action.const is True and action.nargs == "?" and switch == ["false"]:
+            parser.set_defaults(**{key: None})
+            continue
         # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
         argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
     (instance,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
@@ -549,11 +550,11 @@ def load_train_config(
         return "the command line" if key in from_cli or f"no_{key}" in from_cli else source
 
     _check_training(training_args, origin)
-    check_engine(training_args, origin)
     _own_output_dir(result, values, cli)
     if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss
     _refuse_unused(result, {key for key in values if key in own} | (from_cli & own), from_cli, origin)
+    refuse_unread_keys(result, set(values) | from_cli, origin)
     result.batching = _resolve_batching(result)
     check_sequence_parallel(result, origin)
     try:
@@ -565,6 +566,7 @@ def load_train_config(
             _check_streaming(result)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
+    check_reward_funcs(result, origin)
     check_peft(model_args.peft, origin)
     return result
 

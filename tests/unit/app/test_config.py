@@ -369,3 +369,65 @@ def test_a_valid_peft_block_parses_from_yaml_or_json():
     assert load_train_config({}, ['peft={"r": 4, "target_modules": "all-linear"}']).model.peft["r"] == 4
     with pytest.raises(ValueError, match=r"^the command line: peft: r must be int"):
         load_train_config({}, ['peft={"r": "4"}'])
+
+
+# ---- the other settings accepted and ignored, or checked late ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        # reward_funcs were imported after the data and the model were loaded
+        (
+            {"trainer": "grpo", "reward_funcs": "no_such_module:score"},
+            r"^<dict>: reward_funcs: cannot import 'no_such_module'",
+        ),
+        ({"trainer": "rloo", "reward_funcs": "json:no_such_function"}, "reward_funcs: json has no function"),
+        ({"trainer": "grpo", "dataset": "mine.jsonl"}, "trainer: grpo needs reward_funcs"),
+        # column_mapping's values went to datasets.rename_columns
+        (
+            {"trainer": "dpo", "column_mapping": {"good": 1}},
+            "column_mapping: 'good': 1 must map a column name",
+        ),
+        (
+            {"trainer": "dpo", "column_mapping": {"good": "chosen", "best": "chosen"}},
+            "column_mapping: 'good' and 'best' both become 'chosen'",
+        ),
+        # training arguments transformers' Trainer does not read, or that packing-hf train's Trainer has no use for
+        (
+            {"do_train": False},
+            "do_train: False is not used: .*packing-hf train always trains; remove do_train",
+        ),
+        ({"do_predict": True}, "do_predict: True is not used"),
+        ({"dataset": "mine.jsonl", "do_eval": True}, "do_eval: True is not used: .*has an eval_dataset"),
+        ({"do_eval": False}, "do_eval: False is not used"),  # the embedded demo evaluates on embedded:eval
+        (
+            {"eval_strategy": "steps", "eval_steps": 5},
+            "eval_strategy: 'steps' is not used: .*gives the Trainer no eval",
+        ),
+        ({"eval_steps": 5}, "eval_steps: 5 is not used"),
+        ({"trainer": "dpo", "per_device_eval_batch_size": 4}, "per_device_eval_batch_size: 4 is not used"),
+        ({"metric_for_best_model": "loss"}, "metric_for_best_model: 'loss' is not used"),
+    ],
+)
+def test_settings_the_run_would_ignore_or_check_late_are_refused_when_parsed(values, match):
+    with pytest.raises(ValueError, match=match):
+        load_train_config(values)
+
+
+def test_the_same_settings_where_the_run_honours_them_parse():
+    """Negative control of the refusals above: what the run does anyway is accepted, and the job's own defaults."""
+    for values in (
+        {"do_train": True},
+        {"do_eval": True},  # the demo evaluates on embedded:eval
+        {"dataset": "mine.jsonl", "do_eval": False},
+        {"eval_strategy": "no", "per_device_eval_batch_size": 8, "do_predict": False},
+        {"trainer": "grpo"},  # the embedded data: gsm8k by default
+        {"trainer": "grpo", "dataset": "mine.jsonl", "reward_funcs": "gsm8k,json:dumps"},
+        {"trainer": "dpo", "column_mapping": {"question": "prompt", "good": "chosen"}},
+    ):
+        load_train_config(values)
+    with pytest.raises(
+        ValueError, match="^the command line: eval_steps: 5.0 is not used"
+    ):  # typed as a float
+        load_train_config({}, ["eval_steps=5"])
