@@ -1,5 +1,6 @@
 """The mapping-valued settings of a ``packing-hf train`` config, checked when it is parsed against what reads
 them: ``fsdp_config`` (the keys transformers reads, each with a value it takes; refused without ``fsdp``),
+``deepspeed``'s ``zero_optimization`` (DeepSpeed's own model of it),
 ``peft`` (built as the method's PEFT config, every value of its field's type) and ``column_mapping`` (names to
 names). Their consumers check little
 themselves, and late: transformers ignores an unknown ``fsdp_config`` key, and PEFT builds ``LoraConfig(r="x")``
@@ -135,7 +136,10 @@ def check_fsdp_config(value: Any, origin) -> None:
 
 def check_engine(training: Any, origin) -> None:
     """Once the arguments are built: ``fsdp_config`` without ``fsdp`` is refused by name (transformers reads it
-    only with ``fsdp: true``, and ``accelerate launch --use_fsdp`` builds its plugin from its own settings)."""
+    only with ``fsdp: true``, and ``accelerate launch --use_fsdp`` builds its plugin from its own settings); the
+    ``zero_optimization`` block of ``deepspeed`` checked by DeepSpeed's own model of it (DeepSpeed reads it when
+    training starts, after the data and the model)."""
+    check_zero_optimization(training, origin)
     config = getattr(training, "fsdp_config", None)
     if config and not getattr(training, "fsdp", None):
         raise ValueError(
@@ -143,6 +147,29 @@ def check_engine(training: Any, origin) -> None:
             "only with fsdp: true (an accelerate launch with --use_fsdp takes its own FSDP settings); set fsdp: "
             "true, or remove fsdp_config"
         )
+
+
+def check_zero_optimization(training: Any, origin) -> None:
+    """``deepspeed``'s ``zero_optimization`` block (as transformers loaded it, ``"auto"`` values left for it to
+    fill) through DeepSpeed's ``DeepSpeedZeroConfig``, which refuses an unknown key or a value of the wrong type:
+    the first error, with its key, refused now."""
+    loaded = getattr(getattr(training, "hf_deepspeed_config", None), "config", None)
+    zero = loaded.get("zero_optimization") if isinstance(loaded, dict) else None
+    if not isinstance(zero, dict):
+        return
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if value != "auto"})
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(map(str, ("zero_optimization", *first["loc"])))
+        problem = "DeepSpeed has no such key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ValueError(
+            f"{origin('deepspeed')}: deepspeed: {where}: {problem} (got {first.get('input')!r}); see "
+            "DeepSpeed's ZeRO configuration for its keys"
+        ) from None
 
 
 def _fits(value: Any, hint: Any) -> bool:

@@ -393,6 +393,23 @@ def test_a_valid_peft_block_parses_from_yaml_or_json():
             {"trainer": "dpo", "column_mapping": {"good": "chosen", "best": "chosen"}},
             "column_mapping: 'good' and 'best' both become 'chosen'",
         ),
+        # deepspeed's ZeRO block was read by DeepSpeed when training started, after the data and the model
+        (
+            {"deepspeed": {"zero_optimization": {"stage": 3, "stgae": 3}}},
+            r"deepspeed: zero_optimization.stgae: DeepSpeed has no such key \(got 3\)",
+        ),
+        (
+            {
+                "deepspeed": {
+                    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin": True}}
+                }
+            },
+            "deepspeed: zero_optimization.offload_param.pin: DeepSpeed has no such key",
+        ),
+        (
+            {"deepspeed": {"zero_optimization": {"stage": "three"}}},
+            "deepspeed: zero_optimization.stage: Input should",
+        ),
         # training arguments transformers' Trainer does not read, or that packing-hf train's Trainer has no use for
         (
             {"do_train": False},
@@ -425,6 +442,12 @@ def test_the_same_settings_where_the_run_honours_them_parse():
         {"trainer": "grpo"},  # the embedded data: gsm8k by default
         {"trainer": "grpo", "dataset": "mine.jsonl", "reward_funcs": "gsm8k,json:dumps"},
         {"trainer": "dpo", "column_mapping": {"question": "prompt", "good": "chosen"}},
+        # "auto" is filled by transformers when the trainer is made
+        {
+            "deepspeed": {
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "overlap_comm": True}
+            }
+        },
     ):
         load_train_config(values)
     with pytest.raises(
