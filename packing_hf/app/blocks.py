@@ -15,7 +15,32 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["check_column_mapping", "check_engine", "check_fsdp_config", "check_peft", "peft_config_from"]
+__all__ = [
+    "check_column_mapping",
+    "check_engine",
+    "check_fsdp_config",
+    "check_nested",
+    "check_peft",
+    "peft_config_from",
+]
+
+
+def check_nested(values: dict[str, Any], classes: Any, source: str) -> None:
+    """A config key holding a mapping is a field typed to take one (``model_config``, ``peft``, ``column_mapping``,
+    ``deepspeed``, ``fsdp_config``, ``lr_scheduler_kwargs``, TRL's ``model_init_kwargs``, ...: a ``dict`` of one
+    of ``classes``); any other is refused: configs are flat, one key per field."""
+    import typing
+
+    # the annotations, not dataclasses.fields' types, which HfArgumentParser rewrites (a `dict | str` field to str)
+    takes = {
+        name for cls in classes for name, hint in typing.get_type_hints(cls).items() if "dict" in str(hint)
+    }
+    for key, value in values.items():
+        if isinstance(value, dict) and key not in takes:
+            raise ValueError(
+                f"{source}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
+                "write its entries at the top level"
+            )
 
 
 def _switch(value: Any) -> bool:

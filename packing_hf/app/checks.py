@@ -16,7 +16,6 @@ from typing import Any
 from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
-    "ENGINE_MAPPINGS",
     "SP_TRAINERS",
     "TRAINERS",
     "TRAINER_KEYS",
@@ -40,8 +39,6 @@ _GENERATING = ("grpo", "rloo")  # their samples are prompts plus what the model 
 _TOKENIZE_AHEAD = tuple(t for t in TRAINERS if t not in _GENERATING)
 # the trainers that cut packed rows over `sp_size` processes themselves (their `packing_sequence_parallel`)
 SP_TRAINERS = ("trainer", "sft", "dpo")
-# training arguments whose YAML value may be a mapping: the engine's own configuration, handed to transformers
-ENGINE_MAPPINGS = ("deepspeed", "fsdp_config")
 
 # A key of packing_hf's own config groups (model, data, job) that some trainers have no use for:
 # key -> (the trainers that use it, why another trainer does not, with what to use instead).

@@ -37,9 +37,8 @@ from typing import Any, Literal
 
 from .._limits import option
 from ..overflow import check_overflow
-from .blocks import check_column_mapping, check_fsdp_config, check_peft
+from .blocks import check_column_mapping, check_fsdp_config, check_nested, check_peft
 from .checks import (
-    ENGINE_MAPPINGS,
     TRAINERS,
     TRL_JOB_TRAINERS,
     _check_streaming,
@@ -77,9 +76,6 @@ def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -
     # argparse checks `choices` only for command-line values, not for YAML-provided defaults
     if value not in choices:
         raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-_MAPPING_KEYS = ("model_config", "peft", "column_mapping")  # the keys whose value is a mapping
 
 
 def _mapping(name: str, value: Any) -> dict | None:
@@ -378,13 +374,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
-    for key, value in data.items():
-        if isinstance(value, dict) and key not in (*_MAPPING_KEYS, *ENGINE_MAPPINGS):
-            raise ValueError(
-                f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
-                "write its entries at the top level"
-            )
-    return data
+    return data  # a nested mapping is for a field that takes one (check_nested, once the fields are known)
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
@@ -524,6 +514,7 @@ def load_train_config(
     }
     given = {**values, **{key: " ".join(tokens) for key, tokens in cli.items()}}
     refuse_parallel_keys(given, str(trainer), lambda key: "the command line" if key in cli else source)
+    check_nested(values, classes.values(), source)
     _check_keys(classes, values, cli, source)
     check_fsdp_config(given.get("fsdp_config"), lambda key: "the command line" if key in cli else source)
     own = {name for cls in (ModelArguments, DataArguments, JobArguments) for name in _field_names(cls)}

@@ -408,7 +408,7 @@ def test_engine_mappings_are_read_from_yaml(tmp_path):
     }
     path.write_text("learning_rate:\n  value: 1\n")
     with pytest.raises(ValueError, match="key 'learning_rate' holds a nested mapping"):
-        read_yaml(path)
+        load_train_config(path)
 
 
 def test_sequence_parallelism_gets_packing_hf_attention_or_is_refused():

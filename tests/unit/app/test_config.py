@@ -128,12 +128,25 @@ def test_sft_trainer_uses_packing_hf_sftconfig_and_shares_max_length():
 
 
 def test_nested_mappings_and_non_mappings_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="nested mapping"):
-        read_yaml(write(tmp_path, "training:\n  max_steps: 3\n"))
+    with pytest.raises(ValueError, match="key 'training' holds a nested mapping; configs are flat"):
+        load_train_config(write(tmp_path, "training:\n  max_steps: 3\n"))
     with pytest.raises(ValueError, match="must hold a mapping"):
         read_yaml(write(tmp_path, "- a\n- b\n"))
     with pytest.raises(FileNotFoundError):
         read_yaml(tmp_path / "missing.yaml")
+
+
+def test_a_training_argument_that_takes_a_mapping_takes_it_nested_in_the_yaml(tmp_path):
+    """lr_scheduler_kwargs, accelerator_config, TRL's model_init_kwargs, ...: a YAML mapping, as for deepspeed and
+    fsdp_config (it was refused, advising to write its entries at the top level, where they are unknown keys)."""
+    path = write(tmp_path, "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr: 1.0e-6\n")
+    assert load_train_config(path).training.lr_scheduler_kwargs == {"min_lr": 1e-6}
+    path = write(tmp_path, "trainer: sft\nmodel_init_kwargs:\n  low_cpu_mem_usage: true\n")
+    assert load_train_config(path).training.model_init_kwargs == {"low_cpu_mem_usage": True}
+    with pytest.raises(
+        ValueError, match="key 'learning_rate' holds a nested mapping"
+    ):  # a field that takes none
+        load_train_config(write(tmp_path, "learning_rate:\n  value: 1\n"))
 
 
 def test_parse_overrides_forms():
