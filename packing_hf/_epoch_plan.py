@@ -53,6 +53,11 @@ def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
     return float(np.std(bin_tokens / bin_sizes))
 
 
+class UnevenSplitError(ValueError):
+    """The samples cannot give every rank the same number of batches without repeating one (``drop_last=False``):
+    ``drop_last=True``, which leaves whole batches out (counted in ``stats()``), can."""
+
+
 class _EpochPlan:
     """The epoch planning of :class:`packing_hf.MultipackBatchSampler` (a mixin: it has no state of its own)."""
 
@@ -77,7 +82,7 @@ class _EpochPlan:
             total = -(-count // replicas) * replicas
             if total <= m:
                 return total
-        raise ValueError(
+        raise UnevenSplitError(
             f"cannot give each of the {replicas} ranks the same number of batches without repeating "
             f"samples: the {m} sample(s) fill {fewest} batch(es) of {budget} tokens, and splitting "
             f"batches can only reach {m}, not a multiple of {replicas}; use fewer ranks, more data, "

@@ -16,15 +16,16 @@ from typing import Any
 from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
-    "ENGINE_MAPPINGS",
     "SP_TRAINERS",
     "TRAINERS",
     "TRAINER_KEYS",
     "TRL_JOB_TRAINERS",
     "check_attn_implementation",
     "check_model_type",
+    "check_reward_funcs",
     "check_sequence_parallel",
     "refuse_parallel_keys",
+    "refuse_unread_keys",
     "trl_packs",
     "unused_keys",
 ]
@@ -38,8 +39,6 @@ _GENERATING = ("grpo", "rloo")  # their samples are prompts plus what the model 
 _TOKENIZE_AHEAD = tuple(t for t in TRAINERS if t not in _GENERATING)
 # the trainers that cut packed rows over `sp_size` processes themselves (their `packing_sequence_parallel`)
 SP_TRAINERS = ("trainer", "sft", "dpo")
-# training arguments whose YAML value may be a mapping: the engine's own configuration, handed to transformers
-ENGINE_MAPPINGS = ("deepspeed", "fsdp_config")
 
 # A key of packing_hf's own config groups (model, data, job) that some trainers have no use for:
 # key -> (the trainers that use it, why another trainer does not, with what to use instead).
@@ -247,6 +246,19 @@ def check_attn_implementation(name: str) -> str:
     return resolved
 
 
+def check_reward_funcs(cfg: Any, origin) -> None:
+    """``trainer: grpo | rloo``: the reward functions imported when the config is parsed, so a wrong import path
+    (or none for a dataset other than the embedded one) fails before the data and the model, not after them."""
+    from .rewards import resolve_reward_funcs, reward_spec
+
+    if cfg.job.trainer not in _GENERATING:
+        return
+    try:
+        resolve_reward_funcs(reward_spec(cfg.job.trainer, cfg.job.reward_funcs, cfg.data.dataset))
+    except ValueError as error:
+        raise ValueError(f"{origin('reward_funcs')}: {error}") from None
+
+
 def _check_training(training: Any, origin=lambda key: "<config>") -> None:
     """Values transformers would accept silently and then misbehave on (run zero steps, loop forever).
     ``origin(key)`` names where a value came from (the YAML file or the command line) for the message."""
@@ -274,6 +286,66 @@ def _check_training(training: Any, origin=lambda key: "<config>") -> None:
     budget = getattr(training, "max_tokens_per_batch", None)
     if budget is not None and budget < 1:
         raise ValueError(f"{origin('max_tokens_per_batch')}: max_tokens_per_batch must be >= 1, got {budget}")
+
+
+# training arguments transformers' Trainer does not read (they are for your own scripts), or that packing-hf train's
+# Trainer cannot honour: it gets no eval set (trainer: trainer measures the held-out loss itself, before and after
+# training). key -> (whether the run does what the value says, given it and the config; why not).
+_SCRIPT_KEY = (
+    "transformers' Trainer does not read it (it is for your own scripts), and packing-hf train {what}"
+)
+_NO_EVAL_SET = (
+    "packing-hf train gives the Trainer no eval set, so there is no evaluation during training to {what} "
+    "(trainer: trainer measures the held-out loss on eval_dataset before and after training)"
+)
+
+
+def _evaluates(cfg: Any) -> bool:
+    return cfg.job.trainer == "trainer" and cfg.data.eval_dataset is not None
+
+
+UNREAD_TRAINING_KEYS: dict[str, tuple[Any, str]] = {
+    "do_train": (lambda value, cfg: value is True, _SCRIPT_KEY.format(what="always trains")),
+    "do_eval": (
+        lambda value, cfg: value is _evaluates(cfg),
+        _SCRIPT_KEY.format(what="evaluates when trainer: trainer has an eval_dataset, and only then"),
+    ),
+    "do_predict": (lambda value, cfg: value is False, _SCRIPT_KEY.format(what="predicts nothing")),
+    **{
+        key: (lambda value, cfg: False, _NO_EVAL_SET.format(what=what))
+        for key, what in (
+            ("eval_strategy", "schedule"),
+            ("eval_steps", "schedule"),
+            ("eval_delay", "delay"),
+            ("eval_on_start", "start with"),
+            ("per_device_eval_batch_size", "size"),
+            ("eval_accumulation_steps", "accumulate"),
+            ("metric_for_best_model", "pick the best checkpoint by"),
+        )
+    },
+}
+
+
+def refuse_unread_keys(cfg: Any, given: set[str], origin) -> None:
+    """Once the arguments are built: a training argument of :data:`UNREAD_TRAINING_KEYS` given (``given``: the
+    config's and the command line's keys) with a value the run would not honour (an eval key: other than its
+    default) is refused by name, never ignored; and the engine's settings
+    (:func:`~packing_hf.app.blocks.check_engine`)."""
+    import dataclasses
+
+    from .blocks import check_engine
+
+    training = cfg.training
+    check_engine(training, origin)
+    defaults = {f.name: f.default for f in dataclasses.fields(training) if f.init}
+    for key, (honoured, why) in UNREAD_TRAINING_KEYS.items():
+        if not ({key, f"no_{key}"} & given) or key not in defaults:
+            continue
+        value = getattr(training, key)
+        value = getattr(value, "value", value)  # an enum (eval_strategy) as its text
+        if str(value) != str(defaults[key]) or key.startswith("do_"):
+            if not honoured(value, cfg):
+                raise ValueError(f"{origin(key)}: {key}: {value!r} is not used: {why}; remove {key}")
 
 
 def refuse_parallel_keys(given: dict[str, Any], trainer: str, origin) -> None:

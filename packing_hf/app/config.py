@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from .._limits import option
 from ..overflow import check_overflow
+from .blocks import check_column_mapping, check_fsdp_config, check_nested, check_peft
 from .checks import (
-    ENGINE_MAPPINGS,
     TRAINERS,
     TRL_JOB_TRAINERS,
     _check_streaming,
@@ -46,8 +46,10 @@ from .checks import (
     _resolve_batching,
     check_attn_implementation,
     check_model_type,
+    check_reward_funcs,
     check_sequence_parallel,
     refuse_parallel_keys,
+    refuse_unread_keys,
     trl_packs,
     unused_keys,
 )
@@ -74,9 +76,6 @@ def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -
     # argparse checks `choices` only for command-line values, not for YAML-provided defaults
     if value not in choices:
         raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-_MAPPING_KEYS = ("model_config", "peft", "column_mapping")  # the keys whose value is a mapping
 
 
 def _mapping(name: str, value: Any) -> dict | None:
@@ -216,7 +215,7 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
-        self.column_mapping = _mapping("column_mapping", self.column_mapping)
+        self.column_mapping = check_column_mapping(_mapping("column_mapping", self.column_mapping))
         if self.stream_check_records < 0:
             raise ValueError(f"stream_check_records must be >= 0, got {self.stream_check_records}")
         _check_choice(
@@ -375,13 +374,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of key: value, got a YAML {type(data).__name__}")
-    for key, value in data.items():
-        if isinstance(value, dict) and key not in (*_MAPPING_KEYS, *ENGINE_MAPPINGS):
-            raise ValueError(
-                f"{path}: key {key!r} holds a nested mapping; configs are flat (one key per dataclass field), "
-                "write its entries at the top level"
-            )
-    return data
+    return data  # a nested mapping is for a field that takes one (check_nested, once the fields are known)
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
@@ -465,9 +458,20 @@ def _build(cls, values: Mapping[str, Any], overrides: Mapping[str, list[str]]):
     argv: list[str] = []
     for key, tokens in overrides.items():
         base = key[3:] if key.startswith("no_") and key not in names else key
-        if base in names:
-            # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
-            argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
+        if base not in names:
+            continue
+        action = parser._option_string_actions.get(f"--{key}")
+        switch = [token.lower() for token in tokens]
+        # a switch that also takes a value (fsdp: `--fsdp` is True, `--fsdp full_shard` the legacy text): true /
+        # false are the switch, as in YAML, not a value transformers would refuse
+        if action is not None and action.const is True and action.nargs == "?" and switch in ([], ["true"]):
+            argv.append(f"--{key}")
+            continue
+        if action is not None and action.const is True and action.nargs == "?" and switch == ["false"]:
+            parser.set_defaults(**{key: None})
+            continue
+        # a bare `--flag` means true, also for `bool | None` fields, which argparse gives no default const
+        argv += [f"--{key}", *(tokens or ([] if key != base else ["true"]))]
     (instance,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     return instance
 
@@ -510,7 +514,9 @@ def load_train_config(
     }
     given = {**values, **{key: " ".join(tokens) for key, tokens in cli.items()}}
     refuse_parallel_keys(given, str(trainer), lambda key: "the command line" if key in cli else source)
+    check_nested(values, classes.values(), source)
     _check_keys(classes, values, cli, source)
+    check_fsdp_config(given.get("fsdp_config"), lambda key: "the command line" if key in cli else source)
     own = {name for cls in (ModelArguments, DataArguments, JobArguments) for name in _field_names(cls)}
     from_cli = {key[3:] if key.startswith("no_") and key not in own else key for key in cli}
     for key, tokens in list(cli.items()):
@@ -532,13 +538,14 @@ def load_train_config(
     result = TrainConfig(model_args, data_args, job_args, training_args, source=source)
 
     def origin(key: str) -> str:
-        return "the command line" if key in cli or f"no_{key}" in cli else source
+        return "the command line" if key in from_cli or f"no_{key}" in from_cli else source
 
     _check_training(training_args, origin)
     _own_output_dir(result, values, cli)
     if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss
     _refuse_unused(result, {key for key in values if key in own} | (from_cli & own), from_cli, origin)
+    refuse_unread_keys(result, set(values) | from_cli, origin)
     result.batching = _resolve_batching(result)
     check_sequence_parallel(result, origin)
     try:
@@ -550,6 +557,8 @@ def load_train_config(
             _check_streaming(result)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
+    check_reward_funcs(result, origin)
+    check_peft(model_args.peft, origin)
     return result
 
 

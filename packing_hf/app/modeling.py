@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import missing_extra
+from .blocks import peft_config_from
 from .config import ModelArguments, TrainConfig
 
 __all__ = [
@@ -258,44 +258,6 @@ def anchor_adapter_base(
         tokenizer.save_pretrained(folder)
     _name(model, folder)
     return f"{folder} (the weights before training, saved for the adapter)"
-
-
-def peft_config_from(values: dict[str, Any] | None, task_type: str = "CAUSAL_LM"):
-    """The ``peft:`` block of a config as a ``peft.PeftConfig`` (None without one): its keys are the fields of
-    the method's config (``peft_type``, default ``LORA``: ``r``, ``lora_alpha``, ``target_modules``, ...).
-
-    >>> peft_config_from({"r": 8, "target_modules": "all-linear"}).r
-    8
-    >>> peft_config_from({"peft_type": "lora", "lora_alhpa": 8})
-    Traceback (most recent call last):
-    ...
-    ValueError: peft: LoraConfig has no key 'lora_alhpa' (did you mean 'lora_alpha'?); see peft.LoraConfig for its keys
-    """
-    if values is None:
-        return None
-    try:
-        import peft
-    except ImportError as error:
-        raise missing_extra("the config's peft: adapter", "peft", error) from None
-    import dataclasses
-    import difflib
-
-    values = dict(values)
-    method = str(values.pop("peft_type", "LORA")).upper()
-    mapping = peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING
-    if method not in mapping:
-        raise ValueError(f"peft: unknown peft_type {method!r}; one of {', '.join(sorted(mapping))}")
-    cls = mapping[method]
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(key, sorted(names), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"peft: {cls.__name__} has no key {key!r}{hint}; see peft.{cls.__name__} for its keys"
-            )
-    values.setdefault("task_type", task_type)
-    return cls(**values)
 
 
 def saves_anything(cfg: TrainConfig) -> bool:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUILT_IN", "gsm8k_answer_match", "gsm8k_shaped_reward", "resolve_reward_funcs"]
+__all__ = ["BUILT_IN", "gsm8k_answer_match", "gsm8k_shaped_reward", "resolve_reward_funcs", "reward_spec"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
@@ -89,6 +89,22 @@ BUILT_IN: dict[str, Callable[..., list[float]]] = {
     "gsm8k": gsm8k_answer_match,
     "gsm8k_shaped": gsm8k_shaped_reward,
 }
+
+
+def reward_spec(trainer: str, reward_funcs: str | None, dataset: str) -> str:
+    """The reward functions a ``trainer: grpo | rloo`` run scores with: ``reward_funcs``, or ``gsm8k`` for the
+    embedded data (its answer column).
+
+    >>> reward_spec("grpo", None, "embedded")
+    'gsm8k'
+    """
+    spec = reward_funcs or ("gsm8k" if dataset == "embedded" else None)
+    if spec is None:
+        raise ValueError(
+            f"trainer: {trainer} needs reward_funcs (comma-separated import paths, module:function); "
+            "the built-in gsm8k applies to the embedded data (or a dataset with an answer column)"
+        )
+    return spec
 
 
 def resolve_reward_funcs(spec: str) -> list[Callable[..., list[float]]]:

@@ -34,7 +34,7 @@ from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
 from .modeling import load_job_model, load_tokenizer, model_source, prepare_adapter
 from .processes import main_first
 from .report import print_summary
-from .rewards import resolve_reward_funcs
+from .rewards import resolve_reward_funcs, reward_spec
 from .train import (
     SUMMARY_NAME,
     _Phases,
@@ -198,12 +198,7 @@ def _trainer_kwargs(cfg: TrainConfig, model, tokenizer, peft_config, say) -> tup
                 tokenizer.save_pretrained(folder)
         model.config._name_or_path = str(folder)
     if trainer_name in ("grpo", "rloo"):
-        spec = cfg.job.reward_funcs or ("gsm8k" if cfg.data.dataset == "embedded" else None)
-        if spec is None:
-            raise ValueError(
-                f"trainer: {trainer_name} needs reward_funcs (comma-separated import paths, module:function); "
-                "the built-in gsm8k applies to the embedded data (or a dataset with an answer column)"
-            )
+        spec = reward_spec(trainer_name, cfg.job.reward_funcs, cfg.data.dataset)  # checked when parsed
         kwargs["reward_funcs"] = resolve_reward_funcs(spec)
         say(f"reward functions: {', '.join(f.__name__ for f in kwargs['reward_funcs'])}")
     return plan, kwargs

@@ -77,7 +77,9 @@ class PackingArguments:
         True,
         "With max_tokens_per_batch: evaluate on multipack batches too (every eval sample once, the "
         "same number of batches on every rank); eval_loss is then the token-mean over the eval set, equal to "
-        "the padded eval loss. False: stock padded eval batches.",
+        "the padded eval loss. An eval set too small to give every rank the same number of batches is refused, "
+        "unless dataloader_drop_last=True: whole batches are then left out, counted in eval_dropped_samples. "
+        "False: stock padded eval batches.",
     )
     loss_normalization: Literal["token", "sample", "sample_sum"] = option(
         "token",

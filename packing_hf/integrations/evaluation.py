@@ -7,6 +7,7 @@ token mean over the whole eval set (see :mod:`packing_hf.integrations.trainer`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,7 +17,60 @@ from ..streaming import PackedStream
 from .args import PackingArguments
 from .stream_data import is_stream
 
-__all__ = ["PackingEvalMixin"]
+__all__ = ["PackingEvalMixin", "eval_sampler"]
+
+logger = logging.getLogger(__name__)
+
+
+def eval_sampler(
+    lengths: Any, max_tokens_per_batch: int, num_replicas: int, rank: int, *, overflow: str, drop_last: bool
+):
+    """The multipack sampler of an eval set: every sample once, in a fixed plan, the same number of batches on
+    every rank. When the samples cannot give every rank the same number of batches (fewer than the ranks can
+    split into a multiple of them), ``dataloader_drop_last=True`` leaves whole batches out, as the training
+    sampler does, counted and logged (and ``eval_dropped_samples`` in the metrics); without it the eval set is
+    refused, naming that setting. It drops nothing otherwise: an eval set that splits evenly is evaluated whole.
+
+    >>> sampler = eval_sampler([60, 60, 60], 100, 2, 0, overflow="error", drop_last=True)
+    >>> len(sampler), sampler.stats()["dropped_samples"]
+    (1, 1)
+    """
+    from .._epoch_plan import UnevenSplitError
+    from ..sampler import MultipackBatchSampler
+
+    def build(drop: bool):
+        sampler = MultipackBatchSampler(
+            lengths,
+            max_tokens_per_batch,
+            shuffle=False,
+            num_replicas=num_replicas,
+            rank=rank,
+            overflow=overflow,
+            drop_last=drop,
+        )
+        len(sampler)  # plans the batches: an eval set the ranks cannot share evenly is found here
+        return sampler
+
+    try:
+        return build(False)
+    except UnevenSplitError as error:
+        if not drop_last:
+            raise ValueError(
+                f"evaluation: {error} (for the Trainer: dataloader_drop_last=True, which evaluates on the samples "
+                "of the batches it keeps and counts the others in eval_dropped_samples)"
+            ) from None
+    sampler = build(True)
+    stats = sampler.stats()
+    logger.warning(
+        "evaluation: the %d eval samples cannot give each of the %d ranks the same number of batches; "
+        "dataloader_drop_last=True leaves %d of them (%d tokens) out: the eval loss is over the other %d",
+        stats["num_samples"],
+        num_replicas,
+        stats["dropped_samples"],
+        stats["dropped_tokens"],
+        stats["num_samples"] - stats["dropped_samples"],
+    )
+    return sampler
 
 
 class PackingEvalMixin:
@@ -32,7 +86,8 @@ class PackingEvalMixin:
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Multipack eval batches when ``max_tokens_per_batch`` is set (``packing_eval=False``: stock's).
 
-        Every eval sample is seen once, in a fixed plan, with the same number of batches on every rank."""
+        Every eval sample is seen once, in a fixed plan, with the same number of batches on every rank (an eval
+        set too small for that: :func:`eval_sampler`)."""
         if not self._packs_eval():
             return super().get_eval_dataloader(eval_dataset)
         if eval_dataset is None and self.eval_dataset is None:
@@ -51,18 +106,17 @@ class PackingEvalMixin:
                 f"packing_eval needs a map-style eval dataset with known sample lengths or a stream, got "
                 f"{type(dataset).__name__}; materialise it or set packing_eval=False"
             )
-        from ..sampler import MultipackBatchSampler
-
-        num_replicas, rank = self._data_parallel_world()
-        sampler = MultipackBatchSampler(
+        sampler = eval_sampler(
             self._multipack_lengths_of(dataset),
             self.args.max_tokens_per_batch,
-            shuffle=False,
-            num_replicas=num_replicas,
-            rank=rank,
+            *self._data_parallel_world(),
             overflow=self.args.packing_overflow,
+            drop_last=self.args.dataloader_drop_last,
         )
-        return self._multipack_dataloader(dataset, sampler, "evaluation", self.data_collator)
+        dataloader = self._multipack_dataloader(dataset, sampler, "evaluation", self.data_collator)
+        # the samples dataloader_drop_last left out, reported with the loss (evaluation_loop)
+        dataloader.packing_dropped_samples = sampler.stats()["dropped_samples"]
+        return dataloader
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
@@ -103,6 +157,9 @@ class PackingEvalMixin:
         key = f"{prefix}_loss"
         if output.metrics is not None and key in output.metrics and float(totals[1]) > 0:
             output.metrics[key] = float(totals[0] / totals[1])
+        dropped = getattr(dataloader, "packing_dropped_samples", 0)
+        if output.metrics is not None and dropped:
+            output.metrics[f"{prefix}_dropped_samples"] = dropped
         return output
 
     def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:

@@ -57,12 +57,14 @@ def file_format(path: str | os.PathLike) -> FileFormat:
     if suffix in _PARQUET_SUFFIXES:
         return "parquet"
     if suffix in _JSON_SUFFIXES:
-        with path.open(encoding="utf-8") as lines:
-            first = next((line for line in lines if line.strip()), "")
+        with path.open("rb") as lines:
+            first = next((line for line in lines if line.strip()), b"")
         if not first:
             return "jsonl"  # empty: no records, whatever the name says
         try:
             value = json.loads(first)
+        except UnicodeDecodeError:
+            return "json"  # its reader names the line that is not UTF-8
         except json.JSONDecodeError:
             return "json"  # a value spread over several lines (a pretty-printed list or object)
         return "jsonl" if isinstance(value, dict) and not _is_wrapper(value) else "json"
@@ -130,6 +132,8 @@ def _jsonl(path: Path, first: int, every: int, phase: int):
                 continue  # another rank's line, or one before a resume point: not parsed
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError as error:
+                raise _not_utf8(path, line_number, error.start + 1, line[error.start]) from None
             except json.JSONDecodeError as error:
                 raise ValueError(
                     f"{path}:{line_number}: malformed JSON ({_json_problem(error)}); fix or remove the line"
@@ -143,8 +147,14 @@ def _jsonl(path: Path, first: int, every: int, phase: int):
 
 
 def _json_list(path: Path) -> list[Any]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw)
+    except UnicodeDecodeError as error:
+        line_start = raw.rfind(b"\n", 0, error.start) + 1
+        raise _not_utf8(
+            path, raw.count(b"\n", 0, error.start) + 1, error.start - line_start + 1, raw[error.start]
+        ) from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}:{error.lineno}: malformed JSON ({_json_problem(error)})") from None
     if isinstance(data, dict):
@@ -183,6 +193,15 @@ def _parquet(path: Path, first: int, every: int, phase: int, batch_size: int):
             row0 += table.num_rows
         group_start = group_stop
     return group_start
+
+
+def _not_utf8(path: Path, line: int, column: int, byte: int) -> ValueError:
+    """The error for a record file that is not UTF-8 text (JSON is read as UTF-8), naming where it stops being."""
+    return ValueError(
+        f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x}, the line's byte {column}); record files are read as "
+        f"UTF-8: convert the file (iconv -f <its encoding, e.g. latin1> -t utf-8 {path.name} > "
+        f"{path.stem}.utf8{path.suffix}) or fix the line"
+    )
 
 
 def _json_problem(error: json.JSONDecodeError) -> str:

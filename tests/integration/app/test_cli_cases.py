@@ -191,6 +191,9 @@ def test_a_typo_gets_a_short_did_you_mean(tmp_path, capsys):
         ),
         ("model_type=lama", "unknown model_type 'lama'; did you mean 'llama'"),
         ("attn_implementation=sdap", "unknown attn_implementation 'sdap'; did you mean 'sdpa'"),
+        # checked when the config is parsed, before the model loads (a bad peft value was a TypeError at the adapter)
+        ('peft={"r": "x"}', "the command line: peft: r must be int, got 'x' (a str)"),
+        ('fsdp_config={"bogus_key": 1}', "the command line: fsdp_config has no key 'bogus_key'"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message, capsys):

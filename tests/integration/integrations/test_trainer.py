@@ -364,6 +364,54 @@ def test_after_train_the_model_generates_saves_and_loads_as_stock(gsm8k_tokenize
     assert json.loads(out.stdout.strip().splitlines()[-1]) == after.tolist()
 
 
+def test_an_uneven_eval_set_takes_dataloader_drop_last_which_counts_what_it_leaves_out(caplog):
+    """Three samples that fill a batch each cannot give 2 ranks the same number of batches without repeating one:
+    refused, naming dataloader_drop_last (the sampler's own advice, drop_last=True, was not taken by the eval
+    sampler); with it, one batch is left out, counted and logged, and each kept sample is seen once. Negative
+    control: an eval set that splits evenly loses nothing to dataloader_drop_last."""
+    from packing_hf.integrations.evaluation import eval_sampler
+
+    lengths = [200, 180, 190]
+    with pytest.raises(
+        ValueError, match=r"evaluation: cannot give each of the 2 ranks .*dataloader_drop_last=True"
+    ):
+        eval_sampler(lengths, 300, 2, 0, overflow="error", drop_last=False)
+    with caplog.at_level("WARNING", logger="packing_hf"):
+        ranks = [eval_sampler(lengths, 300, 2, rank, overflow="error", drop_last=True) for rank in (0, 1)]
+    seen = [i for sampler in ranks for batch in sampler for i in batch]
+    dropped = ranks[0].stats()
+    assert len(ranks[0]) == len(ranks[1]) == 1 and len(set(seen)) == len(seen) == 2
+    (left,) = set(range(3)) - set(seen)
+    assert (dropped["dropped_samples"], dropped["dropped_tokens"]) == (1, lengths[left])
+    assert f"leaves 1 of them ({lengths[left]} tokens) out: the eval loss is over the other 2" in caplog.text
+
+    even = [eval_sampler([200, 180, 190, 100], 300, 2, r, overflow="error", drop_last=True) for r in (0, 1)]
+    assert sorted(i for sampler in even for batch in sampler for i in batch) == [0, 1, 2, 3]
+    assert even[0].stats()["dropped_samples"] == 0
+
+
+def test_evaluate_reports_the_eval_samples_dataloader_drop_last_left_out(tiny_llama, tmp_path):
+    """The count reaches the metrics (eval_dropped_samples), and eval_loss is the token mean over the kept samples
+    of this rank: rank 0 of 2 (the data-parallel world given to the trainer; the sampler is the one above)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 128, (n,), generator=generator).tolist()} for n in (200, 180, 190)]
+    model = tiny_llama(vocab_size=128).eval()
+    args = _args(tmp_path, max_tokens_per_batch=300, dataloader_drop_last=True)
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+    trainer._data_parallel_world = lambda: (2, 0)
+    metrics = trainer.evaluate()
+    assert metrics["eval_dropped_samples"] == 1
+    (kept,) = [
+        i for batch in trainer.get_eval_dataloader().batch_sampler for i in batch
+    ]  # rank 0's one sample
+    ids = torch.tensor([rows[kept]["input_ids"]])
+    with torch.no_grad():
+        assert metrics["eval_loss"] == pytest.approx(float(model(input_ids=ids, labels=ids).loss), rel=1e-5)
+    trainer.args.dataloader_drop_last = False
+    with pytest.raises(ValueError, match="dataloader_drop_last=True"):
+        trainer.evaluate()
+
+
 def test_eval_is_packed_and_its_loss_is_the_padded_token_mean(gsm8k_tokenized, tiny_llama, tmp_path):
     data = _small_vocab(gsm8k_tokenized[:24], vocab=128)
     eval_rows = _small_vocab(gsm8k_tokenized[24:40], vocab=128)

@@ -128,12 +128,25 @@ def test_sft_trainer_uses_packing_hf_sftconfig_and_shares_max_length():
 
 
 def test_nested_mappings_and_non_mappings_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="nested mapping"):
-        read_yaml(write(tmp_path, "training:\n  max_steps: 3\n"))
+    with pytest.raises(ValueError, match="key 'training' holds a nested mapping; configs are flat"):
+        load_train_config(write(tmp_path, "training:\n  max_steps: 3\n"))
     with pytest.raises(ValueError, match="must hold a mapping"):
         read_yaml(write(tmp_path, "- a\n- b\n"))
     with pytest.raises(FileNotFoundError):
         read_yaml(tmp_path / "missing.yaml")
+
+
+def test_a_training_argument_that_takes_a_mapping_takes_it_nested_in_the_yaml(tmp_path):
+    """lr_scheduler_kwargs, accelerator_config, TRL's model_init_kwargs, ...: a YAML mapping, as for deepspeed and
+    fsdp_config (it was refused, advising to write its entries at the top level, where they are unknown keys)."""
+    path = write(tmp_path, "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr: 1.0e-6\n")
+    assert load_train_config(path).training.lr_scheduler_kwargs == {"min_lr": 1e-6}
+    path = write(tmp_path, "trainer: sft\nmodel_init_kwargs:\n  low_cpu_mem_usage: true\n")
+    assert load_train_config(path).training.model_init_kwargs == {"low_cpu_mem_usage": True}
+    with pytest.raises(
+        ValueError, match="key 'learning_rate' holds a nested mapping"
+    ):  # a field that takes none
+        load_train_config(write(tmp_path, "learning_rate:\n  value: 1\n"))
 
 
 def test_parse_overrides_forms():
@@ -237,3 +250,220 @@ def test_model_override_replaces_the_configs_model():
     assert cfg.model.model_type is None and cfg.model.gguf_file is None and cfg.model.gguf_package is None
     # negative control: without the override the config's tiny model stands
     assert load_train_config(grpo).model.model_type == "llama"
+
+
+# ---- fsdp / fsdp_config: honoured or refused by name, at parse time ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        (
+            {"fsdp_config": {"bogus_key": 1}},
+            r"fsdp_config has no key 'bogus_key': transformers would ignore it",
+        ),
+        ({"fsdp": True, "fsdp_config": {"bogus_key": 1}}, "fsdp_config has no key 'bogus_key'"),
+        (
+            {"fsdp": True, "fsdp_config": {"reshard_after_forwrd": True}},
+            "no key 'reshard_after_forwrd' \\(did you mean 'reshard_after_forward'\\?\\)",
+        ),
+        ({"fsdp": True, "fsdp_config": {"version": "x"}}, "fsdp_config: version must be 1 or 2 .*got 'x'"),
+        ({"fsdp": True, "fsdp_config": {"version": 3}}, "fsdp_config: version must be 1 or 2"),
+        (
+            {"fsdp": True, "fsdp_config": {"cpu_offload": "false"}},
+            "fsdp_config: cpu_offload must be true or false \\(a bool",  # "false" would turn it on
+        ),
+        ({"fsdp": True, "fsdp_config": {"min_num_params": -1}}, "min_num_params must be an int >= 0"),
+        (
+            {"fsdp": True, "fsdp_config": {"state_dict_type": "FULL"}},
+            "state_dict_type must be one of FULL_STATE_DICT",
+        ),
+        ({"fsdp": True, "fsdp_config": {"fsdp_version": 2, "version": 1}}, "are the same setting; keep one"),
+        (
+            {"fsdp": True, "fsdp_config": "no-such-file.json"},
+            "fsdp_config: 'no-such-file.json' is not a file",
+        ),
+        ({"fsdp": True, "fsdp_config": 3}, "fsdp_config must be a mapping or a JSON file's path, got 3"),
+        (
+            {"fsdp_config": {"version": 2}},
+            "fsdp_config is not used: fsdp is not set.*set fsdp: true, or remove",
+        ),
+        ({"fsdp": False, "fsdp_config": {"version": 2}}, "fsdp_config is not used: fsdp is not set"),
+    ],
+)
+def test_fsdp_config_is_checked_at_parse_time_and_refused_without_fsdp(values, match):
+    """Every fsdp_config key is one transformers reads, with a value it takes, and fsdp_config without fsdp (which
+    transformers ignores) is refused by name: before any data or model is read."""
+    with pytest.raises(ValueError, match=match):
+        load_train_config(values)
+
+
+def test_fsdp_config_is_honoured_with_fsdp_from_yaml_json_or_a_file(tmp_path):
+    """Negative control of the refusals above: the same settings, given as transformers takes them, reach the
+    plugin (accelerate's fsdp_-prefixed spelling, the JSON on the command line, a JSON file)."""
+    prefixed = {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": "false",
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
+    plugin = load_train_config({"fsdp": True, "fsdp_config": prefixed}).training.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is False
+    assert plugin["cpu_ram_efficient_loading"] is True
+    for overrides in (["--fsdp"], ["fsdp=true"], ["fsdp=True"]):  # the switch on the command line, as in YAML
+        training = load_train_config({}, [*overrides, 'fsdp_config={"version": 1}']).training
+        assert training.fsdp is True and training.fsdp_plugin_args["fsdp_version"] == 1, overrides
+    assert load_train_config({"fsdp": True}, ["fsdp=false"]).training.fsdp_plugin_args is None
+    file = tmp_path / "fsdp.json"
+    file.write_text('{"version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}')
+    plugin = load_train_config({"fsdp": True, "fsdp_config": str(file)}).training.fsdp_plugin_args
+    assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+    file.write_text('{"version": 2, "bogus": 1}')
+    with pytest.raises(ValueError, match=r"the command line: fsdp_config has no key 'bogus'"):
+        load_train_config({"fsdp": True}, [f"fsdp_config={file}"])
+    with pytest.raises(ValueError, match=r"the command line: fsdp_config is not used"):
+        load_train_config({}, ['fsdp_config={"version": 2}'])
+
+
+def test_the_fsdp_config_keys_checked_are_the_keys_transformers_reads():
+    """The table of fsdp_config keys follows transformers: every key its argument processing reads is in it, and
+    no other (a transformers upgrade that reads a new key, or stops reading one, fails here)."""
+    import inspect
+    import re
+
+    import transformers
+
+    from packing_hf.app.blocks import _fsdp_config_keys
+
+    args = transformers.TrainingArguments
+    source = inspect.getsource(args._process_fsdp_args) + inspect.getsource(args._apply_legacy_fsdp_to_config)
+    read = set(re.findall(r'(?<!\w)fsdp_config(?:\.get|\.setdefault|\.pop)?[\[(]\s*"(\w+)"', source))
+    read |= set(re.findall(r'"(\w+)" in (?:self\.)?fsdp_config\b', source))
+    assert read and set(_fsdp_config_keys()) == read
+
+
+# ---- peft: the adapter's config built when the config is parsed, the failing key named -------------------------
+
+
+@pytest.mark.parametrize(
+    ("peft", "match"),
+    [
+        ({"r": "x"}, r"^<dict>: peft: r must be int, got 'x' \(a str\)"),
+        ({"r": True}, "peft: r must be int, got True"),
+        ({"lora_dropout": "0.1"}, "peft: lora_dropout must be float, got '0.1'"),
+        ({"bias": "some"}, "peft: bias must be 'none' \\| 'all' \\| 'lora_only', got 'some'"),
+        ({"target_modules": 5}, "peft: target_modules must be .*list\\[str\\].*, got 5 \\(a int\\)"),
+        ({"layers_to_transform": ["0"]}, "peft: layers_to_transform must be .*got \\['0'\\]"),
+        ({"lora_alhpa": 8}, "peft: LoraConfig has no key 'lora_alhpa' \\(did you mean 'lora_alpha'\\?\\)"),
+        ({"peft_type": "ia3", "r": 4}, "peft: IA3Config has no key 'r'"),
+        ({"peft_type": "prompt_tuning", "num_virtual_tokens": 4}, "prompt-learning PEFT \\(PROMPT_TUNING\\)"),
+        ({"task_type": "TRANSLATE"}, "peft: LoraConfig refuses these values: Invalid task type: 'TRANSLATE'"),
+    ],
+)
+def test_peft_is_checked_when_the_config_is_parsed_naming_the_key(peft, match):
+    """PEFT builds a config from nearly any values (``LoraConfig(r="x")`` builds) and fails when the adapter is
+    made, after the data, the model and ``base_model/``, with a TypeError naming no key: the parse refuses it."""
+    with pytest.raises(ValueError, match=match):
+        load_train_config({"peft": peft})
+
+
+def test_a_valid_peft_block_parses_from_yaml_or_json():
+    """Negative control of the refusals above: values of the fields' types, a literal with a placeholder, another
+    weight-space method, the JSON on the command line."""
+    good = {
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0,  # an int where a float is wanted, as YAML writes 0
+        "target_modules": ["q_proj", "v_proj"],
+        "init_lora_weights": "pissa_niter_4",  # peft's literal 'pissa_niter_[number of iters]'
+        "layer_replication": [[0, 1], [0, 2]],
+    }
+    assert load_train_config({"peft": good}).model.peft == good
+    assert load_train_config({"peft": {"peft_type": "ia3", "target_modules": ["k_proj"]}}).model.peft
+    assert load_train_config({}, ['peft={"r": 4, "target_modules": "all-linear"}']).model.peft["r"] == 4
+    with pytest.raises(ValueError, match=r"^the command line: peft: r must be int"):
+        load_train_config({}, ['peft={"r": "4"}'])
+
+
+# ---- the other settings accepted and ignored, or checked late ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        # reward_funcs were imported after the data and the model were loaded
+        (
+            {"trainer": "grpo", "reward_funcs": "no_such_module:score"},
+            r"^<dict>: reward_funcs: cannot import 'no_such_module'",
+        ),
+        ({"trainer": "rloo", "reward_funcs": "json:no_such_function"}, "reward_funcs: json has no function"),
+        ({"trainer": "grpo", "dataset": "mine.jsonl"}, "trainer: grpo needs reward_funcs"),
+        # column_mapping's values went to datasets.rename_columns
+        (
+            {"trainer": "dpo", "column_mapping": {"good": 1}},
+            "column_mapping: 'good': 1 must map a column name",
+        ),
+        (
+            {"trainer": "dpo", "column_mapping": {"good": "chosen", "best": "chosen"}},
+            "column_mapping: 'good' and 'best' both become 'chosen'",
+        ),
+        # deepspeed's ZeRO block was read by DeepSpeed when training started, after the data and the model
+        (
+            {"deepspeed": {"zero_optimization": {"stage": 3, "stgae": 3}}},
+            r"deepspeed: zero_optimization.stgae: DeepSpeed has no such key \(got 3\)",
+        ),
+        (
+            {
+                "deepspeed": {
+                    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin": True}}
+                }
+            },
+            "deepspeed: zero_optimization.offload_param.pin: DeepSpeed has no such key",
+        ),
+        (
+            {"deepspeed": {"zero_optimization": {"stage": "three"}}},
+            "deepspeed: zero_optimization.stage: Input should",
+        ),
+        # training arguments transformers' Trainer does not read, or that packing-hf train's Trainer has no use for
+        (
+            {"do_train": False},
+            "do_train: False is not used: .*packing-hf train always trains; remove do_train",
+        ),
+        ({"do_predict": True}, "do_predict: True is not used"),
+        ({"dataset": "mine.jsonl", "do_eval": True}, "do_eval: True is not used: .*has an eval_dataset"),
+        ({"do_eval": False}, "do_eval: False is not used"),  # the embedded demo evaluates on embedded:eval
+        (
+            {"eval_strategy": "steps", "eval_steps": 5},
+            "eval_strategy: 'steps' is not used: .*gives the Trainer no eval",
+        ),
+        ({"eval_steps": 5}, "eval_steps: 5 is not used"),
+        ({"trainer": "dpo", "per_device_eval_batch_size": 4}, "per_device_eval_batch_size: 4 is not used"),
+        ({"metric_for_best_model": "loss"}, "metric_for_best_model: 'loss' is not used"),
+    ],
+)
+def test_settings_the_run_would_ignore_or_check_late_are_refused_when_parsed(values, match):
+    with pytest.raises(ValueError, match=match):
+        load_train_config(values)
+
+
+def test_the_same_settings_where_the_run_honours_them_parse():
+    """Negative control of the refusals above: what the run does anyway is accepted, and the job's own defaults."""
+    for values in (
+        {"do_train": True},
+        {"do_eval": True},  # the demo evaluates on embedded:eval
+        {"dataset": "mine.jsonl", "do_eval": False},
+        {"eval_strategy": "no", "per_device_eval_batch_size": 8, "do_predict": False},
+        {"trainer": "grpo"},  # the embedded data: gsm8k by default
+        {"trainer": "grpo", "dataset": "mine.jsonl", "reward_funcs": "gsm8k,json:dumps"},
+        {"trainer": "dpo", "column_mapping": {"question": "prompt", "good": "chosen"}},
+        # "auto" is filled by transformers when the trainer is made
+        {
+            "deepspeed": {
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "overlap_comm": True}
+            }
+        },
+    ):
+        load_train_config(values)
+    with pytest.raises(
+        ValueError, match="^the command line: eval_steps: 5.0 is not used"
+    ):  # typed as a float
+        load_train_config({}, ["eval_steps=5"])

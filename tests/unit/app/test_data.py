@@ -319,6 +319,28 @@ def test_local_files_and_errors(tmp_path):
         read_records(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.parametrize(
+    "name, content, line, byte",
+    [
+        ("latin1.jsonl", b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n', 3, 14),  # the blank line is counted
+        ("latin1.json", b'[{"text": "ok"},\n {"text": "caf\xe9"}]\n', 2, 15),
+        ("first.json", b'{"text": "\xff"}\n', 1, 11),  # the line that tells JSON Lines from a JSON list
+    ],
+    ids=["jsonl", "json", "json-first-line"],
+)
+def test_a_file_that_is_not_utf8_is_refused_naming_its_line_and_the_fix(tmp_path, name, content, line, byte):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        read_records(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}:{line}: not UTF-8 text") and f"the line's byte {byte})" in message
+    assert f"iconv -f <its encoding, e.g. latin1> -t utf-8 {name}" in message
+    # the same file in UTF-8 reads
+    path.write_bytes(content.decode("latin1").encode("utf-8"))
+    assert read_records(path).total == 2 if line > 1 else read_records(path).total == 1
+
+
 def test_trl_records_keep_tool_calls_as_text(tokenizer):
     record = normalise_record(
         {
