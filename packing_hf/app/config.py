@@ -52,6 +52,7 @@ from .checks import (
     unused_keys,
 )
 from .data import DATA_OVERFLOWS
+from .sharded import whole_zero3_save
 
 __all__ = [
     "TRAINERS",
@@ -552,36 +553,6 @@ def load_train_config(
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     return result
-
-
-# DeepSpeed's switch for saving a ZeRO-3 model whole, and its older name
-_ZERO3_GATHER = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
-
-
-def whole_zero3_save(cfg: TrainConfig, origin) -> None:
-    """A ZeRO-3 ``deepspeed`` config saves the trained model whole: ``stage3_gather_16bit_weights_on_model_save``
-    set true where it is not set (with a note), refused by name where it is false, since the job saves a model
-    that loads with ``from_pretrained`` (without it the save writes DeepSpeed's partitioned checkpoint, with a
-    warning, and no model). Nothing to do with ``save_model: false`` or another stage.
-    """
-    ds_config = getattr(cfg.training, "hf_deepspeed_config", None)
-    if ds_config is None or not ds_config.is_zero3() or not cfg.job.save_model:
-        return
-    zero = ds_config.config.setdefault("zero_optimization", {})
-    given = {name: zero[name] for name in _ZERO3_GATHER if name in zero}
-    if any(str(value).lower() == "false" for value in given.values()):
-        name = next(iter(given))
-        raise ValueError(
-            f"{origin('deepspeed')}: deepspeed: {name}: false saves DeepSpeed's partitioned checkpoint instead of "
-            "the model, which packing-hf train saves whole (it loads with from_pretrained): set it true (or leave "
-            "it out), or save_model: false to keep only the checkpoints (zero_to_fp32.py recovers their weights)"
-        )
-    if not given:
-        zero[_ZERO3_GATHER[0]] = True
-        cfg.notes.append(
-            f"deepspeed: {_ZERO3_GATHER[0]}: true (ZeRO-3: the trained model is gathered whole on saving, so that "
-            "it loads with from_pretrained; the checkpoints hold it too)"
-        )
 
 
 def _refuse_unused(cfg: TrainConfig, given: set[str], from_cli: set[str], origin) -> None:

@@ -64,6 +64,7 @@ from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
 from .report import _describe_stream, _Phases, _plural, load_average, plot_losses, print_summary
+from .sharded import check_saved, save_whole, whole_before_training, whole_numel
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -83,19 +84,13 @@ def _loss_history(log_history) -> list[float]:
     return [float(entry["loss"]) for entry in log_history if "loss" in entry]
 
 
-def _whole_numel(parameter) -> int:
-    """Elements of a parameter whole: a ZeRO-3 partition (built under ``deepspeed.zero.Init``) holds this process's
-    part of it, an empty tensor or a slice; ``ds_numel`` is the whole's (an FSDP2 ``DTensor`` counts its whole)."""
-    return int(getattr(parameter, "ds_numel", parameter.numel()))
-
-
 def _describe_model(model_args: ModelArguments, model) -> str:
     if model_args.model_type is not None:
         name = f"randomly initialised {model_args.model_type} (from config)"
     else:
         name = model_args.gguf_file or model_args.model_name_or_path
-    total = sum(_whole_numel(p) for p in model.parameters())
-    trained = sum(_whole_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(whole_numel(p) for p in model.parameters())
+    trained = sum(whole_numel(p) for p in model.parameters() if p.requires_grad)
     adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
     return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
 
@@ -415,7 +410,7 @@ class TrainJob:
         self.eval_samples = samples_of(self.eval_prepared.dataset) if self.eval_prepared is not None else None
 
     def _eval_loss(self, desc: str) -> float:
-        with _whole_before_training(self.trainer):
+        with whole_before_training(self.trainer):
             return evaluate_loss(
                 self.trainer.model,
                 self.eval_samples,
@@ -547,9 +542,9 @@ class TrainJob:
         self.phases.start("save")
         self.say(f"saving the {'adapter' if self.peft_config is not None else 'model'} to {self.output_dir}")
         started = time.time()
-        _save_whole(self.trainer, self.output_dir)
+        save_whole(self.trainer, self.output_dir)
         if self.main:
-            _check_saved(self.output_dir, started, self.trainer)
+            check_saved(self.output_dir, started, self.trainer)
         summary["output_dir"] = str(self.output_dir)
         _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
 
@@ -663,61 +658,6 @@ def _stop_interrupted(
     message = interrupted_message(run, summary["global_step"], max_steps, str(output_dir / SUMMARY_NAME))
     raise TrainingInterrupted(
         message, checkpoint=run.checkpoint, step=summary["global_step"], summary=summary
-    )
-
-
-@contextlib.contextmanager
-def _whole_before_training(trainer):
-    """A ZeRO-3 model's parameters gathered whole for the block, before training (every process: collective).
-
-    Under ZeRO-3 the model is partitioned at construction (``deepspeed.zero.Init``) and no engine gathers its layers
-    before ``train()`` makes one: the eval before training runs on the whole parameters, one copy per process for the
-    eval. Once trained, the engine's hooks gather each layer for its call, and nothing is done here."""
-    params = [p for p in trainer.model.parameters() if hasattr(p, "ds_id")]
-    if not params or getattr(trainer, "deepspeed", None) is not None:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
-
-
-# what a saved model or adapter holds its weights in (transformers' and PEFT's file names, sharded or not)
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-)
-
-
-def _save_whole(trainer, output_dir: Path) -> None:
-    """``trainer.save_model`` with the weights whole, on every process (collective under a sharding engine): FSDP
-    saves a full state dict (accelerate's way of saving a model trained with ``SHARDED_STATE_DICT`` whole; the
-    checkpoints stay sharded); ZeRO-3 gathers the partitions (``stage3_gather_16bit_weights_on_model_save``, which
-    the config sets: :func:`packing_hf.app.config.whole_zero3_save`)."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
-    if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
-        plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(output_dir))
-
-
-def _check_saved(output_dir: Path, started: float, trainer) -> None:
-    """The save wrote the model's weights (a file of :data:`_WEIGHT_FILES` written since ``started``), else a
-    ``RuntimeError``: a run never ends successfully without its trained model (an engine that saves a partitioned
-    checkpoint instead, with a warning, would)."""
-    written = [name for name in _WEIGHT_FILES if (output_dir / name).is_file()]
-    if any((output_dir / name).stat().st_mtime >= started - 1 for name in written):
-        return
-    engine = trainer.parallel_plan.describe()
-    raise RuntimeError(
-        f"the trained model was not saved to {output_dir} ({engine}): no weights file ({', '.join(_WEIGHT_FILES[:2])}, "
-        f"...) was written{' since the save began' if written else ''}; the engine saved no whole model (a "
-        "partitioned checkpoint, if any, is in the checkpoint-* folders: DeepSpeed's zero_to_fp32.py recovers its "
-        "weights). Report this with the config"
     )
 
 

@@ -8,11 +8,13 @@ Each function changes only an object the packing trainer built (its ``Accelerato
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["forget_prepared_models", "gather_uneven_rows", "pass_through_batch_shard"]
+__all__ = ["forget_prepared_models", "gather_uneven_rows", "pass_through_batch_shard", "taken_as_prepared"]
 
 
 def pass_through_batch_shard(dataloader: Any, sampler: Any) -> Any:
@@ -92,3 +94,23 @@ def forget_prepared_models(accelerator: Any, model: Any) -> None:
         prepared.__dict__.pop("_is_accelerate_prepared", None)
     accelerator._models.clear()
     model.__dict__.pop("_is_accelerate_prepared", None)
+
+
+@contextlib.contextmanager
+def taken_as_prepared(accelerator: Any, model: Any) -> Iterator[None]:
+    """``model`` counted among what ``accelerator`` prepared for the block (the trainer's own accelerator, before
+    training), so that an evaluation runs it as it is instead of preparing it; forgotten after.
+
+    >>> from accelerate import Accelerator
+    >>> accelerator, layer = Accelerator(cpu=True), torch.nn.Linear(1, 1)
+    >>> with taken_as_prepared(accelerator, layer):
+    ...     len(accelerator._models)
+    1
+    >>> accelerator._models
+    []
+    """
+    accelerator._models.append(model)
+    try:
+        yield
+    finally:
+        accelerator._models[:] = [prepared for prepared in accelerator._models if prepared is not model]

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..streaming import PackedStream
-from .accelerator import forget_prepared_models
+from .accelerator import forget_prepared_models, taken_as_prepared
 from .args import PackingArguments
 from .stream_data import is_stream
 
@@ -97,13 +97,19 @@ class PackingEvalMixin:
         trains its own replica without a gradient all-reduce; under DeepSpeed ZeRO-3 it is an inference engine
         (``deepspeed_init(inference=True)``: no optimizer, the config's ``optimizer`` and ``scheduler`` deleted, its
         ``"auto"`` values fixed for 0 steps), which cannot train (``'NoneType' object has no attribute
-        'backward'``). Here the engine's hooks are removed from the model (``engine.destroy()``), accelerate and the
-        trainer forget what they prepared (:func:`~packing_hf.integrations.accelerator.forget_prepared_models`), and
-        the DeepSpeed config is given back as it was. FSDP is left as it is:
-        transformers keeps the sharded model and trains it (``_prepare_for_training`` reshards it first)."""
+        'backward'``); under FSDP2 accelerate refuses to prepare a model without its optimizer ("a model and
+        optimizer must be passed together"). Here, under DDP and DeepSpeed, the engine's hooks are removed from
+        the model (``engine.destroy()``), accelerate and the trainer forget what they prepared
+        (:func:`~packing_hf.integrations.accelerator.forget_prepared_models`), and the DeepSpeed config is given
+        back as it was; under FSDP the model, whole on every process until ``train()`` shards it, is evaluated as
+        it is (:func:`~packing_hf.integrations.accelerator.taken_as_prepared`)."""
         accelerator = self.accelerator
-        if self.is_in_train or accelerator._models or getattr(self, "is_fsdp_enabled", False):
+        if self.is_in_train or accelerator._models:
             yield
+            return
+        if getattr(self, "is_fsdp_enabled", False):
+            with taken_as_prepared(accelerator, self.model):
+                yield
             return
         plugin = getattr(accelerator.state, "deepspeed_plugin", None) if self.is_deepspeed_enabled else None
         config = plugin.hf_ds_config.config if plugin is not None else None

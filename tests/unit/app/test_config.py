@@ -251,7 +251,7 @@ class _ZeroConfig:
 
 
 def _with_deepspeed(zero: dict, save_model: bool = True):
-    from packing_hf.app.config import whole_zero3_save
+    from packing_hf.app.sharded import whole_zero3_save
 
     cfg = load_train_config({"model_type": "llama", "save_model": save_model})
     cfg.training.hf_deepspeed_config = _ZeroConfig({"zero_optimization": zero})
