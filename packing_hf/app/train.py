@@ -225,7 +225,8 @@ class TrainJob:
 
     :meth:`read` (records) -> :meth:`load_tokenizer` (and the stream) -> :meth:`tokenize` -> :meth:`load_model`
     -> :meth:`plan` (the Trainer) -> :meth:`eval_before` -> :meth:`train` -> :meth:`eval_after` ->
-    :meth:`save` (the model and ``packing_summary.json``, before any optional diagnostic) -> :meth:`baseline`
+    :meth:`save` (the model, whole under a sharding engine and checked written, and ``packing_summary.json``, before
+    any optional diagnostic; :mod:`packing_hf.app.sharded`) -> :meth:`baseline`
     (the padded baseline; a failure is reported, the trained model stands) -> :meth:`finish` (the table, the
     summary written again). Each phase reads what the earlier ones left on the job and adds to :attr:`summary`.
 
