@@ -54,6 +54,7 @@ from .checks import (
     unused_keys,
 )
 from .data import DATA_OVERFLOWS
+from .sharded import whole_zero3_save
 
 __all__ = [
     "TRAINERS",
@@ -541,6 +542,7 @@ def load_train_config(
         return "the command line" if key in from_cli or f"no_{key}" in from_cli else source
 
     _check_training(training_args, origin)
+    whole_zero3_save(result, origin)
     _own_output_dir(result, values, cli)
     if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss

@@ -31,6 +31,7 @@ import contextlib
 import gc
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
 from .report import _describe_stream, _Phases, _plural, load_average, plot_losses, print_summary
+from .sharded import check_saved, save_whole, whole_before_training, whole_numel
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -87,8 +89,8 @@ def _describe_model(model_args: ModelArguments, model) -> str:
         name = f"randomly initialised {model_args.model_type} (from config)"
     else:
         name = model_args.gguf_file or model_args.model_name_or_path
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(whole_numel(p) for p in model.parameters())
+    trained = sum(whole_numel(p) for p in model.parameters() if p.requires_grad)
     adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
     return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
 
@@ -223,7 +225,8 @@ class TrainJob:
 
     :meth:`read` (records) -> :meth:`load_tokenizer` (and the stream) -> :meth:`tokenize` -> :meth:`load_model`
     -> :meth:`plan` (the Trainer) -> :meth:`eval_before` -> :meth:`train` -> :meth:`eval_after` ->
-    :meth:`save` (the model and ``packing_summary.json``, before any optional diagnostic) -> :meth:`baseline`
+    :meth:`save` (the model, whole under a sharding engine and checked written, and ``packing_summary.json``, before
+    any optional diagnostic; :mod:`packing_hf.app.sharded`) -> :meth:`baseline`
     (the padded baseline; a failure is reported, the trained model stands) -> :meth:`finish` (the table, the
     summary written again). Each phase reads what the earlier ones left on the job and adds to :attr:`summary`.
 
@@ -408,15 +411,16 @@ class TrainJob:
         self.eval_samples = samples_of(self.eval_prepared.dataset) if self.eval_prepared is not None else None
 
     def _eval_loss(self, desc: str) -> float:
-        return evaluate_loss(
-            self.trainer.model,
-            self.eval_samples,
-            collator=self.padded,
-            max_tokens_per_batch=self.step_tokens,
-            device=self.device,
-            autocast_dtype=self.autocast,
-            desc=desc if self.main else None,
-        )
+        with whole_before_training(self.trainer):
+            return evaluate_loss(
+                self.trainer.model,
+                self.eval_samples,
+                collator=self.padded,
+                max_tokens_per_batch=self.step_tokens,
+                device=self.device,
+                autocast_dtype=self.autocast,
+                desc=desc if self.main else None,
+            )
 
     def eval_before(self) -> None:
         """The held-out eval loss before training (without ``eval_dataset``: nothing)."""
@@ -538,7 +542,10 @@ class TrainJob:
             return
         self.phases.start("save")
         self.say(f"saving the {'adapter' if self.peft_config is not None else 'model'} to {self.output_dir}")
-        self.trainer.save_model(str(self.output_dir))
+        started = time.time()
+        save_whole(self.trainer, self.output_dir)
+        if self.main:
+            check_saved(self.output_dir, started, self.trainer)
         summary["output_dir"] = str(self.output_dir)
         _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
 

@@ -1,5 +1,5 @@
 """The trainer's own accelerate objects adapted to packed batches: ranks that hold different numbers of rows,
-and batches a rank-aware sampler already shards.
+and batches a rank-aware sampler already shards; and what an evaluation before training prepared, forgotten.
 
 Each function changes only an object the packing trainer built (its ``Accelerator``, its prepared
 ``DataLoader``), once, for that object's life; the layout test allows these sites here
@@ -8,11 +8,13 @@ Each function changes only an object the packing trainer built (its ``Accelerato
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["gather_uneven_rows", "pass_through_batch_shard"]
+__all__ = ["forget_prepared_models", "gather_uneven_rows", "pass_through_batch_shard", "taken_as_prepared"]
 
 
 def pass_through_batch_shard(dataloader: Any, sampler: Any) -> Any:
@@ -68,3 +70,47 @@ def gather_uneven_rows(accelerator: Any) -> None:
 
     accelerator.gather = gather
     accelerator._packing_uneven_gather = True
+
+
+def forget_prepared_models(accelerator: Any, model: Any) -> None:
+    """Forget every model ``accelerator`` prepared (the trainer's own accelerator, before training: what an evaluation
+    prepared), so that the next ``prepare`` prepares ``model`` afresh: a DeepSpeed engine's hooks are removed from the
+    model (``engine.destroy()``) and its backward wrapper dropped, accelerate's "already prepared" marks removed.
+
+    >>> from accelerate import Accelerator
+    >>> accelerator, layer = Accelerator(cpu=True), torch.nn.Linear(1, 1)
+    >>> accelerator.prepare_model(layer, evaluation_mode=True) is layer
+    True
+    >>> forget_prepared_models(accelerator, layer)
+    >>> accelerator._models, getattr(layer, "_is_accelerate_prepared", False)
+    ([], False)
+    """
+    for prepared in accelerator._models:
+        if prepared is not model and hasattr(prepared, "destroy"):  # a DeepSpeed engine around the model
+            prepared.destroy()
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        if wrapped is not None and wrapped.engine is prepared:
+            accelerator.deepspeed_engine_wrapped = None
+        prepared.__dict__.pop("_is_accelerate_prepared", None)
+    accelerator._models.clear()
+    model.__dict__.pop("_is_accelerate_prepared", None)
+
+
+@contextlib.contextmanager
+def taken_as_prepared(accelerator: Any, model: Any) -> Iterator[None]:
+    """``model`` counted among what ``accelerator`` prepared for the block (the trainer's own accelerator, before
+    training), so that an evaluation runs it as it is instead of preparing it; forgotten after.
+
+    >>> from accelerate import Accelerator
+    >>> accelerator, layer = Accelerator(cpu=True), torch.nn.Linear(1, 1)
+    >>> with taken_as_prepared(accelerator, layer):
+    ...     len(accelerator._models)
+    1
+    >>> accelerator._models
+    []
+    """
+    accelerator._models.append(model)
+    try:
+        yield
+    finally:
+        accelerator._models[:] = [prepared for prepared in accelerator._models if prepared is not model]

@@ -23,7 +23,7 @@ from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
-from .parallel import with_sp_size
+from .parallel import process_world, with_sp_size
 
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
 
@@ -167,6 +167,10 @@ class PackingArguments:
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
         if getattr(self, "deepspeed", None):
+            # ZeRO-3 partitions a model built after these arguments over the process group's world
+            # (deepspeed.zero.Init), where a world accelerate miscounts fails in DeepSpeed's batch-size assertion
+            # before any Trainer is made: refused here, by name, as the Trainer refuses it under ZeRO-1/2
+            process_world(self.world_size, deepspeed=True)
             _join_deepspeed_comm()
 
 

@@ -7,13 +7,17 @@ token mean over the whole eval set (see :mod:`packing_hf.integrations.trainer`).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..streaming import PackedStream
+from .accelerator import forget_prepared_models, taken_as_prepared
 from .args import PackingArguments
 from .stream_data import is_stream
 
@@ -123,7 +127,7 @@ class PackingEvalMixin:
     ):
         """Stock ``evaluate`` on the prepared model; with packed eval batches ``{prefix}_loss`` is the
         token-mean over the whole eval set (what padded evaluation means by it), not a mean of batch means."""
-        with self._packing_model(self.model):
+        with self._packing_model(self.model), self._evaluation_engine():
             return super().evaluate(
                 eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
             )
@@ -134,8 +138,46 @@ class PackingEvalMixin:
         """Stock ``predict`` on the prepared model, like :meth:`evaluate`: its collator packs the test batches
         too, and an unprepared model would run them with samples seeing each other (a hybrid's mixers, a mask
         without positions, image tokens of a multimodal-RoPE model placed by text positions)."""
-        with self._packing_model(self.model):
+        with self._packing_model(self.model), self._evaluation_engine():
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    @contextlib.contextmanager
+    def _evaluation_engine(self) -> Iterator[None]:
+        """Around ``evaluate`` / ``predict`` before ``train()``: what accelerate prepared for the evaluation is
+        forgotten after it, so that ``train()`` prepares the model for training.
+
+        transformers prepares an unprepared model for evaluation and ``train()`` then takes it as prepared
+        (transformers 5.24, accelerate 1.15): under DDP it stays unwrapped (``evaluation_mode``), and each process
+        trains its own replica without a gradient all-reduce; under DeepSpeed ZeRO-3 it is an inference engine
+        (``deepspeed_init(inference=True)``: no optimizer, the config's ``optimizer`` and ``scheduler`` deleted, its
+        ``"auto"`` values fixed for 0 steps), which cannot train (``'NoneType' object has no attribute
+        'backward'``); under FSDP2 accelerate refuses to prepare a model without its optimizer ("a model and
+        optimizer must be passed together"). Here, under DDP and DeepSpeed, the engine's hooks are removed from
+        the model (``engine.destroy()``), accelerate and the trainer forget what they prepared
+        (:func:`~packing_hf.integrations.accelerator.forget_prepared_models`), and the DeepSpeed config is given
+        back as it was; under FSDP the model, whole on every process until ``train()`` shards it, is evaluated as
+        it is (:func:`~packing_hf.integrations.accelerator.taken_as_prepared`)."""
+        accelerator = self.accelerator
+        if self.is_in_train or accelerator._models:
+            yield
+            return
+        if getattr(self, "is_fsdp_enabled", False):
+            with taken_as_prepared(accelerator, self.model):
+                yield
+            return
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None) if self.is_deepspeed_enabled else None
+        config = plugin.hf_ds_config.config if plugin is not None else None
+        given = copy.deepcopy(config)
+        try:
+            yield
+        finally:
+            forget_prepared_models(accelerator, self.model)
+            self.model_wrapped = self.model
+            if self.is_deepspeed_enabled:
+                self.deepspeed = None
+            if config is not None:
+                config.clear()
+                config.update(given)
 
     def evaluation_loop(self, dataloader: DataLoader, description: str, *args: Any, **kwargs: Any):
         if not self._packs_eval():

@@ -35,7 +35,7 @@ import transformers
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, loss_numerator, step_denominator, target_coefficients
 from .args import PackingArguments
 from .chunked_head import causal_lm_loss, resolve_head
-from .parallel import ParallelPlan
+from .parallel import ParallelPlan, training_mode
 
 __all__ = ["LossRoute", "PackingLossMixin"]
 
@@ -251,7 +251,7 @@ class PackingLossMixin:
         else:
             # the model's mean over its targets; in training a micro-batch without one has the loss 0, zero
             # gradients (as _step_count), in evaluation NaN as the model's own (stock's evaluation skips it)
-            count = stats.count.clamp(min=1) if model.training else stats.count
+            count = stats.count.clamp(min=1) if training_mode(model) else stats.count
             loss = total / count
         return loss, stats, outputs
 
@@ -271,15 +271,12 @@ class PackingLossMixin:
         """``(route, head)`` of this call: the step's route (training) or the call's (evaluation), and the resolved
         chunked LM head serving it (``None``: full logits)."""
         loss_only = not return_outputs or getattr(self, "_packing_loss_only", False)
+        training = training_mode(model)
         # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
         if self.parallel_plan.sequence_parallel and not self.wording.own_loss:
-            if model.training or getattr(self, "_packing_loss_only", False):
+            if training or getattr(self, "_packing_loss_only", False):
                 return LossRoute.SEQUENCE_PARALLEL, self._chunked_head(model) if loss_only else None
-        if (
-            self._packing_step_route is not LossRoute.STOCK
-            and model.training
-            and num_items_in_batch is not None
-        ):
+        if self._packing_step_route is not LossRoute.STOCK and training and num_items_in_batch is not None:
             return LossRoute.PACKED, None if return_outputs else self._chunked_head(model)
         if self._stock_loss_is_causal_lm(inputs, return_outputs):
             head = self._chunked_head(model)

@@ -48,6 +48,7 @@ __all__ = [
     "hidden_sequence_parallelism",
     "process_world",
     "sequence_parallel_size",
+    "training_mode",
     "with_sp_size",
 ]
 
@@ -182,9 +183,27 @@ def fsdp_layout(parallelism_config: Any, sp_size: int, world: int) -> Any:
     )
 
 
-def process_world(accelerator_processes: int) -> tuple[int, int]:
+def training_mode(model: Any) -> bool:
+    """Whether ``model`` (as the Trainer hands it to ``compute_loss``: the module, or an engine's wrapper around
+    it) runs in training mode: the flag of the module inside a wrapper (``.module``: DDP, DeepSpeed's engine).
+
+    DeepSpeed's engine never updates its own flag: its ``train()`` / ``eval()`` set the module's only, so an engine
+    (as ``evaluate()`` before ``train()`` makes one, and calls) reads ``training=True`` in evaluation.
+
+    >>> layer = torch.nn.Linear(1, 1)
+    >>> wrapper = torch.nn.Module(); wrapper.module = layer; layer.eval()  # a wrapper whose eval() skipped itself
+    Linear(in_features=1, out_features=1, bias=True)
+    >>> wrapper.training, training_mode(wrapper)
+    (True, False)
+    """
+    inner = getattr(model, "module", None)
+    return bool((inner if isinstance(inner, torch.nn.Module) else model).training)
+
+
+def process_world(accelerator_processes: int, deepspeed: bool = False) -> tuple[int, int]:
     """``(world_size, rank)`` of the process group this process runs in; refuses, by name, a launch whose
-    processes accelerate does not count as it (``accelerator_processes``: ``accelerator.num_processes``).
+    processes accelerate does not count as it (``accelerator_processes``: ``accelerator.num_processes`` or
+    ``TrainingArguments.world_size``; ``deepspeed``: whether DeepSpeed is configured, for the error's cause).
 
     >>> process_world(1)  # no process group, no launcher: one process
     (1, 0)
@@ -201,11 +220,18 @@ def process_world(accelerator_processes: int) -> tuple[int, int]:
             "(gloo) only with use_cpu=True: set TrainingArguments(use_cpu=True), or run one process"
         )
     if accelerator_processes != world:
+        cause = (
+            "DeepSpeed on a machine without GPUs (DS_ACCELERATOR=cpu) starts its process group itself, which "
+            "accelerate does not count without use_cpu=True"
+            if deepspeed
+            else "accelerate counts the processes of a group started outside it (torch.distributed."
+            "init_process_group before the Trainer) on a machine without GPUs only with use_cpu=True"
+        )
         raise ValueError(
             f"the process group has {world} processes but accelerate counts {accelerator_processes} "
             "(TrainingArguments.world_size), so every process would draw the whole dataset and the loss would be "
-            "scaled for the wrong world. This happens under DeepSpeed on a machine without GPUs (DS_ACCELERATOR="
-            "cpu): set TrainingArguments(use_cpu=True), which starts the group with gloo and counts it"
+            f"scaled for the wrong world: {cause}. Set TrainingArguments(use_cpu=True), which starts the group "
+            "with gloo (or joins the one started) and counts it"
         )
     check_launch(world)  # what `accelerate launch` was asked for and did not pass on
     return world, rank
@@ -330,7 +356,7 @@ class ParallelPlan:
         ``__init__``.
         """
         accelerator = trainer.accelerator
-        world, rank = process_world(accelerator.num_processes)
+        world, rank = process_world(accelerator.num_processes, getattr(trainer, "is_deepspeed_enabled", False))
         engine, level = _engine(trainer, world)
         accelerate_sizes = _sizes(getattr(accelerator, "parallelism_config", None), _TOKEN_SPLITS)
         if sp_size == 1:

@@ -30,7 +30,7 @@ import torch
 
 from .._loss import LOSS_WEIGHTS_KEY
 from .chunked_head import shard_lm_loss
-from .parallel import ParallelPlan
+from .parallel import ParallelPlan, training_mode
 
 __all__ = ["PackingSequenceParallelMixin"]
 
@@ -64,7 +64,7 @@ class PackingSequenceParallelMixin:
         )
 
         plan = self.parallel_plan
-        training = model.training
+        training = training_mode(model)  # an engine's own flag may say otherwise (training_mode)
         if training and num_items_in_batch is None:
             raise ValueError(
                 "sequence parallelism divides every shard's loss by the step's denominator, which the Trainer "

@@ -63,6 +63,7 @@ from .callbacks import STATS_KEY, PackingMetrics, StepClock
 from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
+from .parallel import training_mode
 from .peft_models import apply_peft
 from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
@@ -229,7 +230,7 @@ class PackingTrainerMixin(
         # the forward + loss time of this rank's micro-batch (packing metrics: how long ranks wait)
         start = time.perf_counter()
         result = super().compute_loss(model, inputs, *args, **kwargs)
-        if model.training:
+        if training_mode(model):
             self._packing_metrics.record_time(time.perf_counter() - start)
         return result
 

@@ -39,8 +39,11 @@ rank 0, every parameter after the epoch (gathered whole under ZeRO-3):
 - ``zero3_partitioned_head``, ``zero3_partitioned_head_full``, ``zero3_partitioned_head_outside`` (last): the
   chunked LM head under ZeRO-3 with the head's weight partitioned, the full logits, and the negative control
   (:func:`zero3_chunked_head_cases`).
-- ``refused_without_cpu`` (first): DeepSpeed without ``use_cpu=True`` on CPU, where accelerate counts one process of
-  two: the error message.
+- ``refused_without_cpu`` (first): DeepSpeed ZeRO-2 and ZeRO-3 without ``use_cpu=True`` on CPU, where accelerate
+  counts one process of two, and no engine in the group DeepSpeed started: the error messages.
+- ``ddp``, ``zero3``, ``sp2_ddp``, ``sp2_zero3`` evaluate :data:`EVAL_SAMPLES` held-out samples before training
+  (``eval_before``: the loss, and how many forwards were timed as training forwards); the SP cases again with the
+  group's shares not summed (``eval_before_unsummed``, the negative control).
 
 Importing this module does nothing (pytest collects it for doctests).
 """
@@ -80,19 +83,25 @@ CASES = (
     "kto_zero3", "reward_zero3", "grpo_zero3", "rloo_zero3", "local_mean_zero3",
 )  # fmt: skip
 CASES_4 = ("sp2_ddp", "sp2_zero3")  # --world 4: dp 2 x sp 2
+# the cases that evaluate EVAL_SAMPLES held-out samples before training (under DeepSpeed: the engine evaluate() makes,
+# which training then uses)
+EVALUATED_BEFORE_TRAINING = ("ddp", "zero3", "sp2_ddp", "sp2_zero3")
+EVAL_SAMPLES = 12
 SAVE_STEPS = 2  # the ZeRO cases save a checkpoint after this many of the epoch's steps: its middle
 IDS_KEY = "packing_hf_test_sample_ids"
 
 
-def make_samples() -> list[dict]:
-    """Deterministic samples of 8..43 tokens, ids in [1, VOCAB), each with its index."""
+def make_samples(count: int = NUM_SAMPLES, seed: int = 1234) -> list[dict]:
+    """Deterministic samples of 8..43 tokens, ids in [1, VOCAB), each with its index (the training samples; the
+    eval samples, of another ``seed``, without)."""
     import torch
 
-    generator = torch.Generator().manual_seed(1234)
-    return [
+    generator = torch.Generator().manual_seed(seed)
+    samples = [
         {"input_ids": torch.randint(1, VOCAB, (8 + (i * 13) % 36,), generator=generator).tolist(), "idx": i}
-        for i in range(NUM_SAMPLES)
+        for i in range(count)
     ]
+    return samples if seed == 1234 else [{"input_ids": sample["input_ids"]} for sample in samples]
 
 
 def make_model(vocab: int = VOCAB, seed: int = SEED, pad_token_id: int | None = None):
@@ -412,27 +421,60 @@ def load_whole(model, state: dict) -> None:
                 p.data.copy_(state[name])
 
 
-def refused_without_cpu(out_dir: str) -> str:
-    """The message of the refusal of DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts 1 process of 2);
-    accelerate's state is reset after it, for the cases."""
+def refused_without_cpu(out_dir: str) -> dict:
+    """The messages of the refusals of a world accelerate miscounts on CPU without ``use_cpu=True`` (it counts 1
+    process of 2): DeepSpeed ZeRO-2 (refused by the Trainer), ZeRO-3 (refused by the arguments, before the model is
+    built: ``deepspeed.zero.Init`` would partition it over 2 processes) and, in the process group DeepSpeed started,
+    no engine at all. accelerate's state is reset after each, for the cases."""
     from accelerate.state import AcceleratorState
 
     import packing_hf
 
-    args = packing_hf.TrainingArguments(
-        os.path.join(out_dir, "refused"),
-        max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
-        report_to="none",
-        deepspeed=deepspeed_config(2),
-    )
+    messages = {}
+    for name, stage in (("zero2", 2), ("zero3", 3), ("none", None)):
+        try:
+            args = packing_hf.TrainingArguments(
+                os.path.join(out_dir, "refused"),
+                max_tokens_per_batch=MAX_TOKENS_PER_BATCH,
+                report_to="none",
+                deepspeed=deepspeed_config(stage) if stage else None,
+            )
+            packing_hf.Trainer(model=make_model(), args=args, train_dataset=make_samples())
+            messages[name] = ""
+        except (ValueError, AssertionError) as error:  # AssertionError: DeepSpeed's own, not a refusal
+            messages[name] = f"{type(error).__name__}: {error}"
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by the Accelerator given a plugin
+    return messages
+
+
+def evaluated_before_training(trainer, dataset, plan_group_sums: bool = True) -> dict:
+    """``trainer.evaluate(dataset)`` before ``train()`` (under DeepSpeed: the engine ``evaluate`` makes): its
+    ``eval_loss``, and how many of its forwards were timed as training forwards in the packing metrics.
+    ``plan_group_sums=False`` (the negative control): the shares of the sequence-parallel group not summed."""
+    import torch
+
+    timed = [0]
+    record_time = trainer._packing_metrics.record_time
+
+    def counted(seconds):
+        timed[0] += 1
+        record_time(seconds)
+
+    trainer._packing_metrics.record_time = counted
+    all_reduce = torch.distributed.all_reduce
+    if not plan_group_sums:
+        sp_group = trainer.parallel_plan.sp_group
+        torch.distributed.all_reduce = lambda tensor, *a, group=None, **k: (
+            None if group is sp_group else all_reduce(tensor, *a, group=group, **k)
+        )
     try:
-        packing_hf.Trainer(model=make_model(), args=args, train_dataset=make_samples())
-    except ValueError as error:
-        return str(error)
+        loss = trainer.evaluate(dataset)["eval_loss"]
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by the Accelerator given a plugin
-    return ""
+        torch.distributed.all_reduce = all_reduce
+        trainer._packing_metrics.record_time = record_time
+    return {"loss": loss, "timed_as_training": timed[0]}
 
 
 def whole_parameters(model, as_lists: bool = True) -> dict:
@@ -476,11 +518,13 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
 
         def __call__(self, features, return_tensors=None):
             batch = super().__call__(features, return_tensors)
-            batch[IDS_KEY] = torch.tensor([int(f["idx"]) for f in features])
+            if all("idx" in f for f in features):  # the eval samples carry none
+                batch[IDS_KEY] = torch.tensor([int(f["idx"]) for f in features])
             return batch
 
     rank = int(os.environ["RANK"])
     dataset = datasets.Dataset.from_list(make_samples())
+    eval_dataset = datasets.Dataset.from_list(make_samples(EVAL_SAMPLES, seed=4321))
     results = {"refused_without_cpu": refused_without_cpu(out_dir)} if "ddp" in cases else {}
     start = make_model().state_dict()  # before any ZeRO-3 arguments: built whole
     results["start"] = {name: p.double().flatten().tolist() for name, p in start.items()}
@@ -561,6 +605,10 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             model=model, args=args, train_dataset=dataset, data_collator=Recording(), **extra
         )
         trainer.seen = []
+        if case in EVALUATED_BEFORE_TRAINING:
+            record["eval_before"] = evaluated_before_training(trainer, eval_dataset)
+            if sequence_parallel:  # the negative control: the same evaluation, the group's shares not summed
+                record["eval_before_unsummed"] = evaluated_before_training(trainer, eval_dataset, False)
         checkpoint = os.path.join(out_dir, f"zero{stage}", f"checkpoint-{SAVE_STEPS}") if resumed else None
         if case.startswith("resumed_lost_momentum_"):  # negative control: the checkpoint's momentum zeroed
             copy = os.path.join(out_dir, f"{case}-checkpoint")

@@ -79,6 +79,9 @@ TRAINER_CASES = {
     ),
 }  # fmt: skip
 TRAINER_SAMPLES = 24
+# the trainer cases that evaluate the first EVAL_SAMPLES samples before training (eval_before)
+EVALUATED = ("trainer_ddp", "trainer_fsdp", "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2")
+EVAL_SAMPLES = 10
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
 
 
@@ -436,8 +439,8 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
     """The trainer cases of ``world`` (see the module docstring): per case, the plan, every step's loss, the
     parameters after the epoch (whole), each rank's micro-batches, the share of the parameters a process holds,
     how the first decoder layer's weight is placed (FSDP2's ``DTensor`` placements), how many attention calls
-    ran on sequence-parallel shards, how many chunked-head projections ran on a head FSDP2 gathered, and the
-    chunked head's logged refusals."""
+    ran on sequence-parallel shards, how many chunked-head projections ran on a head FSDP2 gathered, the
+    chunked head's logged refusals, and the eval loss of the cases of :data:`EVALUATED` before training."""
     import torch.distributed as dist
 
     from packing_hf.attention.ulysses import SequenceShard
@@ -464,6 +467,8 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
         calls[0] = projections[0] = 0
         chunked_head._with_head_weight = _chunked_head_counted(chunked_head, projections, "detached" in case)
         trainer = build_trainer(case, out_dir, world)
+        # evaluated before training (FSDP2: transformers shards the model for it, and trains the sharded model)
+        eval_before = trainer.evaluate(trainer_samples()[:EVAL_SAMPLES])["eval_loss"] if case in EVALUATED else None
         trainer.train()
         chunked_head._with_head_weight = original_weight
         model = trainer.model  # FSDP2: the fully_shard module (DTensor parameters); DDP: the module inside
@@ -484,6 +489,7 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
             "shard_calls": calls[0],
             "fsdp_head_projections": projections[0],
             "chunked_refusals": sorted(trainer.__dict__.get("_chunked_refusals", ())),
+            "eval_before": eval_before,
         }
         del trainer, model, params, weight
     SequenceShard.attention = original

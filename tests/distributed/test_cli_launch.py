@@ -29,7 +29,19 @@ TINY_MODEL = (
     '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, '
     '"num_key_value_heads": 1}'
 )
-LAYOUTS = {"ddp": [], "sp2": ["sp_size=2"]}
+LAYOUTS = {"ddp": [], "sp2": ["sp_size=2"], "zero3": [], "zero3_sp2": ["sp_size=2"], "fsdp2": []}
+ENGINES = {"zero3": "deepspeed ZeRO-3", "zero3_sp2": "deepspeed ZeRO-3", "fsdp2": "fsdp2"}
+# ZeRO-3 with every parameter partitioned (DeepSpeed keeps parameters under its persistence threshold whole)
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_allow_untested_optimizer": True,
+}
+# FSDP2 whose checkpoints are sharded: the final model must be saved whole all the same
+FSDP2 = {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}
 
 pytestmark = pytest.mark.distributed
 
@@ -50,10 +62,27 @@ def _overrides(data_dir: Path, out: Path) -> list[str]:
     ]
 
 
+def _engine(folder: Path, layout: str) -> tuple[list[str], dict[str, str]]:
+    """The overrides and environment of a layout's engine: DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``) or FSDP2 (the
+    worker installs the CPU stand-in for accelerate's device gate), each run recording the job's weights."""
+    env = {"PACKING_HF_TEST_WEIGHTS": str(folder / "weights.pt")} if layout in ENGINES else {}
+    if layout.startswith("zero3"):
+        (folder / "ds_zero3.json").write_text(json.dumps(ZERO3))
+        return [f"deepspeed={folder / 'ds_zero3.json'}"], {**env, "DS_ACCELERATOR": "cpu"}
+    if layout == "fsdp2":
+        (folder / "fsdp2.json").write_text(json.dumps(FSDP2))
+        return ["fsdp=full_shard", f"fsdp_config={folder / 'fsdp2.json'}"], {
+            **env,
+            "PACKING_HF_TEST_FSDP_ON_CPU": "1",
+        }
+    return [], env
+
+
 def _launch(folder: Path, data_dir: Path, torchrun_command, layout: str) -> None:
     """One torchrun launch of the command; its combined output in ``folder/output.txt``."""
     cache, out = folder / "cache", folder / "out"
     cache.mkdir()
+    engine, engine_env = _engine(folder, layout)
     command = [
         *torchrun_command(),
         str(WORKER),
@@ -64,9 +93,11 @@ def _launch(folder: Path, data_dir: Path, torchrun_command, layout: str) -> None
         *_overrides(data_dir, out),
         "baseline_time_share=1000",  # the padded baseline runs whatever its estimate: its lines are checked too
         *LAYOUTS[layout],
+        *engine,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update(
+        **engine_env,
         PACKING_HF_CACHE=str(cache),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
@@ -119,7 +150,13 @@ def test_packing_hf_train_on_2_processes_prints_and_writes_once(
 
     # one writer: the main process wrote the cache and the run's files, the other process no file at all (the
     # Trainer makes the checkpoint folder on every process, exist_ok)
-    assert [w for w in _writes(folder, 1) if not w.startswith("os.mkdir ")] == []
+    # (under ZeRO-3 and FSDP2 with sharded checkpoints every process writes its own partition of a checkpoint)
+    own_partition = str(out / "checkpoint-") if layout in ENGINES else None
+    assert [
+        w
+        for w in _writes(folder, 1)
+        if not w.startswith("os.mkdir ") and not (own_partition and own_partition in w)
+    ] == []
     written = _writes(folder, 0)
     assert any(f"{folder / 'cache' / 'tokenized'}" in w for w in written)
     assert any(w.endswith(str(out / "packing_summary.json")) for w in written)
@@ -145,7 +182,9 @@ def test_packing_hf_train_on_2_processes_prints_and_writes_once(
     assert sum(entry["real_tokens_per_step"] for entry in steps) == summary["num_tokens"]
     assert summary["baseline"]["real_tokens"] > 0
 
-    if layout == "sp2":
+    if layout in ENGINES:
+        _check_engine_run(layout, folder, summary, model, one_process)
+    elif layout == "sp2":
         # one replica of 2 processes trains exactly as one process: the same steps, losses and eval loss
         assert summary["global_step"] == one_process["global_step"]
         assert summary["losses"] == pytest.approx(one_process["losses"], rel=1e-5)
@@ -153,3 +192,44 @@ def test_packing_hf_train_on_2_processes_prints_and_writes_once(
     else:
         # two replicas: each step holds a packed batch of each process, so fewer steps than one process
         assert summary["global_step"] < one_process["global_step"]
+
+
+def _check_engine_run(layout: str, folder: Path, summary: dict, saved, one_process: dict) -> None:
+    """A sharding engine's run (ZeRO-3 with every parameter partitioned, with and without ``sp_size=2``; FSDP2 with
+    sharded checkpoints): every phase ran on the sharded model (the padded baseline too: asserted by the caller), the
+    summary counts the whole model, and the saved model is the trained one, whole.
+
+    The worker recorded the parameters (gathered there, not by the save) when the eval before training began and
+    when the save began, and the eval samples: the saved model equals the trained parameters exactly (fp32) and
+    not the initial ones, and the eval losses of the summary are the padded eval of those parameters, recomputed
+    here on one process (the negative control: the initial parameters do not give the loss after training)."""
+    import torch
+
+    from packing_hf.app.baseline import evaluate_loss, padded_collator
+
+    assert summary["model"] == one_process["model"]  # the whole model's parameters, not a partition's (0.0M)
+    # the engine's own checkpoint: ZeRO-3's partitions, FSDP2's sharded state dict (the final model is whole all the same)
+    checkpoint = folder / "out" / f"checkpoint-{summary['global_step']}"
+    engine_folder = f"global_step{summary['global_step']}" if layout.startswith("zero3") else "pytorch_model_fsdp_0"
+    assert (checkpoint / engine_folder).is_dir(), sorted(p.name for p in checkpoint.iterdir())
+    recorded = torch.load(folder / "weights.pt", weights_only=False)
+    trained, initial = recorded["trained"], recorded["initial"]
+    state = dict(saved.named_parameters())
+    assert sorted(state) == sorted(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(state[name].detach(), tensor), f"{layout}: the saved {name} is not the trained one"
+    assert max(float((trained[n] - initial[n]).abs().max()) for n in trained) > 1e-4, "training moved nothing"
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "out")
+    samples, collator = recorded["eval_samples"], padded_collator(tokenizer)
+
+    def loss_of(weights: dict) -> float:
+        saved.load_state_dict(weights, strict=False)
+        return evaluate_loss(saved, samples, collator=collator, max_tokens_per_batch=384)
+
+    before, after = loss_of(initial), loss_of(trained)
+    assert summary["eval_loss_before"] == pytest.approx(before, rel=1e-5)
+    assert summary["eval_loss_after"] == pytest.approx(after, rel=1e-5)
+    assert summary["eval_loss_after"] != pytest.approx(before, rel=1e-5)

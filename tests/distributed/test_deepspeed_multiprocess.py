@@ -205,10 +205,34 @@ def test_zero3_partitioned_at_construction_is_checked_not_refused(ranks):
             assert record["check"]["diff"] < 1e-5
 
 
-def test_deepspeed_on_cpu_without_use_cpu_is_refused_by_name(ranks):
+def test_a_miscounted_world_on_cpu_without_use_cpu_is_refused_by_name(ranks):
+    """ZeRO-2 (refused by the Trainer) and ZeRO-3 (refused by the arguments, before ``deepspeed.zero.Init`` partitions
+    a model over a world accelerate miscounts, where DeepSpeed's batch-size assertion would fail first) name DeepSpeed as
+    the cause; with no engine (a group DeepSpeed started earlier in the process) the refusal does not blame it."""
     for rank in ranks:
-        message = rank["refused_without_cpu"]
-        assert "accelerate counts 1" in message and "use_cpu=True" in message
+        messages = rank["refused_without_cpu"]
+        for engine in ("zero2", "zero3", "none"):
+            message = messages[engine]
+            assert message.startswith("ValueError: ") and "accelerate counts 1" in message, message
+            assert "use_cpu=True" in message
+            assert ("DeepSpeed" in message) == (engine != "none"), message
+
+
+def test_evaluate_before_train_is_exact_and_leaves_training_as_it_was(ranks):
+    """``trainer.evaluate()`` before ``train()`` (under DeepSpeed: through the inference engine transformers makes for
+    it): ``eval_loss`` is the same under DDP and ZeRO-3, with ``sp_size=2`` too (each row cut over the 2 processes),
+    its forwards are not timed as training forwards, and the training after it is the one ``test_zero_equals_ddp``
+    compares (under DDP transformers would train unwrapped replicas after it, under ZeRO-3 the inference engine, which
+    cannot train). The negative control: the SP evaluation with the group's shares not summed is caught."""
+    reference = ranks[0]["ddp"]["eval_before"]["loss"]
+    for rank in ranks:
+        for case in ("ddp", "zero3", "sp2_ddp", "sp2_zero3"):
+            got = rank[case]["eval_before"]
+            assert got["loss"] == pytest.approx(reference, rel=1e-6, abs=0), case
+            assert got["timed_as_training"] == 0, case
+        for case in ("sp2_ddp", "sp2_zero3"):
+            unsummed = rank[case]["eval_before_unsummed"]["loss"]
+            assert unsummed != pytest.approx(reference, rel=1e-2), "the negative control did not change the loss"
 
 
 def _resumed_against(ranks: list[dict], resumed: str, uninterrupted: str, save_steps: int) -> dict:

@@ -140,6 +140,20 @@ def test_trainer_under_fsdp2_equals_ddp(results, case, assert_close):
     _compare_trainers(got, want, case, assert_close)
 
 
+def test_evaluate_before_train_is_exact_under_fsdp2_with_sp(results, load_worker):
+    """``trainer.evaluate()`` before ``train()`` (FSDP2: transformers shards the model for it and trains the sharded
+    model after it; DDP: the model trains wrapped after it, which ``test_trainer_under_fsdp2_equals_ddp`` checks):
+    the eval loss of FSDP2, DDP + sp 2, FSDP2 + sp 2 and HSDP + sp 2 is DDP's on 2 processes, every row whole.
+    (The negative control of the SP evaluation, its shares not summed over the group, is in
+    ``test_deepspeed_multiprocess.py``: the same code under another engine.)"""
+    _, found = results
+    assert set(load_worker(WORKER).EVALUATED) < set(found)
+    want = found["trainer_ddp"]["eval_before"]
+    assert 3.0 < want < 5.0  # about ln(VOCAB) = 4.16: an untrained model's, of every eval token
+    for case in ("trainer_fsdp", "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2"):
+        assert found[case]["eval_before"] == pytest.approx(want, rel=1e-6), case
+
+
 @pytest.mark.parametrize("case", sorted({*TRAINER_PAIRS, *TRAINER_PAIRS.values()}))
 def test_trainer_trains_each_sample_once_per_epoch(results, load_worker, case):
     """Each data-parallel replica (an SP group: its processes train the same rows) trains its own samples, and the

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+
+import pytest
 
 from packing_hf.app import cli, train
 
@@ -45,3 +49,40 @@ def test_a_failing_baseline_keeps_the_saved_model_and_exits_0(tmp_path, data_dir
     # the eval value is printed where it is announced
     assert f"eval loss after training: {summary['eval_loss_after']:.4f}" in printed
     assert "padded baseline failed" in printed
+
+
+def test_a_save_that_writes_no_model_fails_the_command(tmp_path, data_dir, monkeypatch):
+    """What transformers does under ZeRO-3 without stage3_gather_16bit_weights_on_model_save (a warning and DeepSpeed's
+    partitioned checkpoint, no model file) or under FSDP with SHARDED_STATE_DICT (nothing): the run must not end
+    successfully without its trained model. (The engine runs themselves: tests/distributed/test_cli_launch.py.)"""
+    import packing_hf
+
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = out / "model.safetensors"
+    earlier.write_bytes(b"an earlier run's model")  # older than this run's save: not its model
+    an_hour_ago = time.time() - 3600
+    os.utime(earlier, (an_hour_ago, an_hour_ago))
+
+    def save_without_weights(self, output_dir=None, _internal_call=False):
+        (Path(output_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(packing_hf.Trainer, "save_model", save_without_weights)
+    monkeypatch.setattr(train, "run_baseline", lambda *args, **kwargs: (None, "not measured here"))
+    with pytest.raises(RuntimeError, match="the trained model was not saved to"):
+        cli.main(
+            [
+                "train",
+                str(ROOT / "configs" / "tiny_cpu.yaml"),
+                f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+                "gguf_file=null",
+                "gguf_package=null",
+                "num_samples=16",
+                "eval_dataset=none",
+                "--max_steps",
+                "1",
+                f"output_dir={out}",
+                "disable_tqdm=true",
+            ]
+        )
+    assert not (out / train.SUMMARY_NAME).exists()
