@@ -14,7 +14,7 @@ plus their gradient). Here the projection ``hidden @ weight.T (+ bias)``, the mo
   per-token gradient is known.
 
 Peak memory holds one chunk's logits and log-probs (two ``chunk_size x vocabulary`` fp32 buffers, reused by every
-chunk) and the fp32 weight gradient instead of the row's logits. Targets are already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
+chunk; a third for the probabilities with ``metrics=True`` under soft-capping, whose derivative reads the logits) and the fp32 weight gradient instead of the row's logits. Targets are already shifted (``targets[i]`` is the token predicted from ``hidden[i]``), ``-100`` = not a target. In fp32
 the results equal the full-logits computation to float rounding (the sums run in another order).
 
 >>> torch.manual_seed(0) and None
@@ -253,15 +253,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             log_p = torch._log_softmax(logits, 1, False, out=buffers.take("log_p", c))
             per_token = -log_p.gather(1, index)[:, 0]
             loss += torch.where(k != 0, per_token * k, torch.zeros_like(k)).sum()
-            if (
-                stats
-            ):  # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
+            if stats:
+                # TRL's metrics over the labelled targets: top-1 hits (log p ranks as the logits), entropy
                 hits += (valid & (log_p.argmax(-1) == t)).sum()
-                plogp = (log_p.exp() * log_p).sum(-1)
+                # p once, for the entropy and the gradient (p - onehot): the (c, V) exp is the costliest pass after
+                # the log-softmax. It goes over the logits where nothing reads them again (no soft-capping)
+                probs = torch.exp(log_p, out=buffers.take("logits" if head.softcap is None else "probs", c))
+                # each row's sum p log p as a batched dot product: no (c, V) product is written
+                plogp = torch.bmm(probs[:, None, :], log_p[:, :, None]).view(c)
                 entropy -= torch.where(valid, plogp, torch.zeros_like(plogp)).sum()
             if not any_grad:
                 continue
-            grad = log_p.exp_().scatter_add_(1, index, torch.full_like(k, -1.0)[:, None])  # p - onehot
+            if not stats:
+                probs = log_p.exp_()
+            grad = probs.scatter_add_(1, index, torch.full_like(k, -1.0)[:, None])  # p - onehot
             derivative = head.derivative_(logits)  # over the logits, no longer needed
             if derivative is not None:
                 grad.mul_(derivative)
