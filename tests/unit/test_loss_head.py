@@ -165,6 +165,43 @@ def test_metrics_cost_one_exponential_pass_and_no_logit_sized_allocation():
     assert allocating == ["aten.empty.memory_format"] * 2, mode.ops
 
 
+def test_the_default_cpu_chunk_is_cache_sized_within_the_memory_bound(assert_close):
+    """Without ``chunk_size`` on CPU a chunk holds about ``CPU_CACHE_CHUNK_BYTES`` of logits, at least
+    ``CPU_MIN_CHUNK_TOKENS`` tokens and never more than ``DEFAULT_CHUNK_BYTES`` (the rule is read at the call: the
+    chunks really run that size), and the loss and gradients are those of the full logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Chunks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._log_softmax.out:
+                self.rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    vocab, tokens = 16384, 600  # 16 MiB of fp32 logits is 256 tokens of this vocabulary
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, 4, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, 4, generator=generator, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    with Chunks() as chunks:
+        loss, _ = linear_cross_entropy(hidden, weight, targets)
+    assert chunks.rows == [256, 256, 88]
+    want = F.cross_entropy(hidden @ weight.T, targets, reduction="sum")
+    assert_close(loss.detach(), want.detach(), "loss", rel=REL)
+    for g, w, name in zip(
+        torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(want, [hidden, weight]), ("hidden", "weight"),
+        strict=True,
+    ):  # fmt: skip
+        assert_close(g, w, f"d/d{name}", rel=REL)
+    assert [loss_head.default_chunk_size(v) for v in (6531, 16384, 49152, 151936)] == [642, 256, 256, 220]
+    assert loss_head.default_chunk_size(6531, "meta") == loss_head.chunk_size_for(
+        6531
+    )  # other devices: the bound
+
+
 @pytest.mark.parametrize("normalization", _loss.LOSS_NORMALIZATIONS)
 def test_coefficients_give_the_loss_numerator(normalization, assert_close):
     labels = torch.tensor([[-100, 3, 4, 5, -100, 6, 7, -100, -100, 2, 1]])
