@@ -109,6 +109,99 @@ def test_stats_are_the_labelled_tokens_entropy_and_top1(assert_close):
     assert int(stats.count) == int(mask.sum())
 
 
+@pytest.mark.parametrize("head", list(HEADS))
+def test_metrics_with_gradients_equal_the_full_logits(head, assert_close):
+    """``metrics=True`` in training (TRL's SFT metrics from the chunks that also give the gradient): the loss, every
+    gradient and the stats equal the full-logits computation under every logit processing (soft-capping keeps its
+    logits for the derivative, the others share their buffer with the probabilities)."""
+    hidden, weight, b, targets, weights = _inputs(bias=True)
+    params = [hidden, weight, b]
+    got, stats = linear_cross_entropy(
+        hidden, weight, targets, b, weights=weights, head=HEADS[head], chunk_size=CHUNK, metrics=True
+    )
+    want, _, _ = _full(hidden, weight, b, targets, weights, HEADS[head], "sum")
+    assert_close(got.detach(), want.detach(), "loss", rel=REL)
+    for g, w, name in zip(
+        torch.autograd.grad(got * 1.7, params), torch.autograd.grad(want * 1.7, params), ("hidden", "weight", "bias"),
+        strict=True,
+    ):  # fmt: skip
+        assert_close(g, w, f"d/d{name}", rel=REL)
+    mask = targets != -100
+    logits = HEADS[head].apply(F.linear(hidden, weight, b)).detach()[mask]
+    log_p = logits.log_softmax(-1)
+    assert_close(stats.entropy, -(log_p.exp() * log_p).sum(), "entropy sum", rel=REL)
+    assert int(stats.hits) == int((logits.argmax(-1) == targets[mask]).sum())
+
+
+def test_metrics_cost_one_exponential_pass_and_no_logit_sized_allocation():
+    """With ``metrics=True`` and gradients, every chunk's ``(chunk, V)`` work goes into the chunk buffers: the
+    probabilities are exponentiated once (for the entropy and for the gradient ``p - onehot``) and no ``(chunk, V)``
+    tensor is allocated per chunk (a product ``p * log p`` or a fresh ``exp`` would be one more pass over memory
+    the size of the logits, the costliest part of a small model's step on CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitSizedOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == V and out.shape[0] > 1:
+                given = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()]
+                         if isinstance(a, torch.Tensor)}  # fmt: skip
+                # a view, an in-place op or an out= op writes into a tensor it was given; others allocate
+                self.ops.append((str(func), out.untyped_storage().data_ptr() not in given))
+            return out
+
+    hidden, weight, _, targets, _ = _inputs(bias=False)
+    with LogitSizedOps() as mode:
+        loss, _ = linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK, metrics=True)
+    chunks = -(-N // CHUNK)
+    exponentials = [op for op, _ in mode.ops if op.startswith("aten.exp")]
+    assert len(exponentials) == chunks, mode.ops
+    # every (chunk, V) result is written into a buffer, the buffers (logits, log-probs) allocated once per call
+    allocating = [op for op, fresh in mode.ops if fresh]
+    assert allocating == ["aten.empty.memory_format"] * 2, mode.ops
+
+
+def test_the_default_cpu_chunk_is_cache_sized_within_the_memory_bound(assert_close):
+    """Without ``chunk_size`` on CPU a chunk holds about ``CPU_CACHE_CHUNK_BYTES`` of logits, at least
+    ``CPU_MIN_CHUNK_TOKENS`` tokens and never more than ``DEFAULT_CHUNK_BYTES`` (the rule is read at the call: the
+    chunks really run that size), and the loss and gradients are those of the full logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Chunks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._log_softmax.out:
+                self.rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    vocab, tokens = 16384, 600  # 16 MiB of fp32 logits is 256 tokens of this vocabulary
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, 4, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, 4, generator=generator, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    with Chunks() as chunks:
+        loss, _ = linear_cross_entropy(hidden, weight, targets)
+    assert chunks.rows == [256, 256, 88]
+    want = F.cross_entropy(hidden @ weight.T, targets, reduction="sum")
+    assert_close(loss.detach(), want.detach(), "loss", rel=REL)
+    for g, w, name in zip(
+        torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(want, [hidden, weight]), ("hidden", "weight"),
+        strict=True,
+    ):  # fmt: skip
+        assert_close(g, w, f"d/d{name}", rel=REL)
+    assert [loss_head.default_chunk_size(v) for v in (6531, 16384, 49152, 151936)] == [642, 256, 256, 220]
+    assert loss_head.default_chunk_size(6531, "meta") == loss_head.chunk_size_for(
+        6531
+    )  # other devices: the bound
+
+
 @pytest.mark.parametrize("normalization", _loss.LOSS_NORMALIZATIONS)
 def test_coefficients_give_the_loss_numerator(normalization, assert_close):
     labels = torch.tensor([[-100, 3, 4, 5, -100, 6, 7, -100, -100, 2, 1]])
