@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
 from ..loss_head import LogitHead, linear_cross_entropy
 from ..registry import support
-from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
+from ..varlen import IGNORE_INDEX, PADDING_KEY, position_ids_to_cu_seqlens
 from .admission import needs_preparation, preparation_of
 from .guards import validate_packed_batch
 from .interface import ATTENTION_NAME
@@ -223,6 +223,8 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         size, rank = 1, 0
     checked = _checked_row(batch)
     total = int(checked["input_ids"].shape[1])
+    padding = checked.get(PADDING_KEY)
+    first_padding = total - int(padding) if padding is not None else total
     if total < size:  # a stream's one-token padding batch, or a tiny row: no rank may be left without a token
         checked = _lengthen_row(checked, size)
         total = size
@@ -244,6 +246,9 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
             continue
         if key in ("input_ids", "position_ids"):
             out[key] = value[:, begin:end]
+        elif key == PADDING_KEY:
+            # this shard's part of the padding closing the row (one-token samples added by _lengthen_row follow it)
+            out[key] = torch.tensor(max(0, end - max(begin, first_padding)))
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, total):
             raise ValueError(
                 f"the batch's {key!r} {tuple(value.shape)} is per token, and sequence parallelism does not know how "

@@ -11,6 +11,7 @@ from packing_hf._loss import loss_counts
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing
 from packing_hf.attention.guards import validate_packed_batch
 from packing_hf.collator import length_buckets, segment_buckets
+from packing_hf.varlen import PADDING_KEY
 
 SAMPLES = [[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 11, 2], [13, 1, 9, 9, 5, 6, 2, 2, 7]]  # 21 tokens
 
@@ -132,3 +133,52 @@ def test_empty_segments_reach_the_token_mixers_of_a_prepared_hybrid_as_nothing(m
         want, got, control = (model(**batch, use_cache=False).logits for batch in (plain, padded, split))
     assert torch.equal(got, want)
     assert not torch.allclose(control[0, 9:12], want[0, 9:12])  # a real boundary there changes the logits
+
+
+def _router_loss_and_grads(model, batch) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False, output_router_logits=True)
+    out.loss.backward()
+    return out.loss.detach(), out.aux_loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("padding", [{"pad_to_multiple_of": 16}, {"length_buckets": (16, 32, 48)}])
+def test_padding_stays_out_of_the_router_load_balancing_loss(
+    model_type, padding, assert_close, one_torch_thread
+):
+    """MoE: the padding segment is routed (its own outputs, unused), but a prepared model leaves it out of the
+    load-balancing loss, as stock does: loss, router loss and gradients of the unpadded row, run stock."""
+    model = build_tiny_model(model_type, register_attention())
+    model.router_aux_loss_coef = 0.5  # the router loss weighs in the gradients
+    features = [{"input_ids": ids} for ids in SAMPLES]
+    plain = PaddingFreeCollator()(features)
+    padded = PaddingFreeCollator(**padding)(features)
+    assert padded["input_ids"].shape[1] > 21 and int(padded[PADDING_KEY]) == padded["input_ids"].shape[1] - 21
+    want_loss, want_aux, want_grads = _router_loss_and_grads(model, plain)  # stock: no packing_hf hook runs
+    with prepare_model_for_packing(model):
+        got_loss, got_aux, got_grads = _router_loss_and_grads(model, padded)
+        # negative control: the same row with the padding not marked is routed and counted like real tokens
+        unmarked = {k: v for k, v in padded.items() if k != PADDING_KEY}
+        leaky_loss, leaky_aux, leaky_grads = _router_loss_and_grads(model, unmarked)
+    assert_close(got_aux, want_aux, "router loss", rel=1e-6)
+    assert_close(got_loss, want_loss, "loss", rel=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert_close(got, want, "gradient", rel=1e-5, terms=(want.abs().max(),))
+    assert abs(float(leaky_aux) - float(want_aux)) > 1e-4
+    assert max(float((g - w).abs().max()) for g, w in zip(leaky_grads, want_grads, strict=True)) > 1e-4
+
+
+def test_a_padded_row_is_refused_by_an_unprepared_model_returning_a_router_loss(one_torch_thread):
+    model = build_tiny_model("mixtral", register_attention())
+    model.config.output_router_logits = True
+    padded = PaddingFreeCollator(pad_to_multiple_of=16)([{"input_ids": ids} for ids in SAMPLES])
+    with pytest.raises(ValueError, match="would count the padding like real tokens"):
+        validate_packed_batch(padded, model=model)
+    with pytest.raises(ValueError, match="would count the padding like real tokens"), torch.no_grad():
+        model(**padded, use_cache=False)
+    # without the router loss the padding is harmless: accepted
+    model.config.output_router_logits = False
+    validate_packed_batch(padded, model=model)
+    with torch.no_grad():
+        model(**padded, use_cache=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing, tiny_config
+from packing_hf.attention.guards import validate_packed_batch
 from packing_hf.multimodal import (
     PACKED_MEDIA_KEY,
     MultimodalCollator,
@@ -101,15 +102,21 @@ def test_a_bidirectional_language_model_is_refused_even_for_text_only_rows():
         prepare_model_for_packing(model)
 
 
-def test_three_row_positions_on_a_packed_row_are_refused():
+def test_three_row_text_positions_of_a_packed_row_without_cu_seq_lens_are_refused():
+    # transformers reads no sample boundaries from 3-row positions: stock and packing_hf's attention would let the
+    # samples see each other; the guard (prepared, or given the model) names the fix instead
     model = build_tiny_model("qwen2_vl", "sdpa")
-    positions = torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5)
-    with prepare_model_for_packing(model), pytest.raises(ValueError, match=r"\(4, B, T\) positions"):
-        model(
-            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
-            position_ids=positions,
-            cu_seq_lens_q=torch.tensor([0, 3, 5]),
-        )
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5),
+    }
+    with pytest.raises(ValueError, match="3-row multimodal RoPE.* Pass cu_seq_lens_q/k next to them"):
+        validate_packed_batch(batch, model=model)
+    with (
+        prepare_model_for_packing(model),
+        pytest.raises(ValueError, match="Pass cu_seq_lens_q/k next to them"),
+    ):
+        model(**batch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +259,61 @@ def test_qwen_vl_negative_controls_are_caught(qwen_models, model_type):
             model.eval(), samples, {**wrong, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
         )
         assert logits > 100 * DEFAULT_TOLERANCE, logits
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_the_models_own_three_row_positions_are_accepted(qwen_models, model_type):
+    """``get_rope_index`` gives ``(3, B, T)`` positions: one image sample, and a right-padded batch of two, run as
+    stock runs them (its temporal row is no text position: it does not restart a sample)."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    lone = _alone_kwargs(model, samples[1])  # two images
+    lone["position_ids"], _ = model.model.get_rope_index(
+        lone["input_ids"], lone["mm_token_type_ids"], lone["image_grid_thw"]
+    )
+    width = max(len(s["input_ids"]) for s in samples[:2])
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, sample in enumerate(samples[:2]):
+        ids[row, : len(sample["input_ids"])] = torch.tensor(sample["input_ids"])
+        mask[row, : len(sample["input_ids"])] = 1
+    types = mm_token_types(ids, model.config.image_token_id)
+    grids = torch.cat([samples[0]["image_grid_thw"], samples[1]["image_grid_thw"]])
+    positions, _ = model.model.get_rope_index(ids, types, grids, attention_mask=mask)
+    padded = {
+        "input_ids": ids, "attention_mask": mask, "position_ids": positions, "mm_token_type_ids": types,
+        "image_grid_thw": grids, "use_cache": False,
+        "pixel_values": torch.cat([samples[0]["pixel_values"], samples[1]["pixel_values"]]),
+    }  # fmt: skip
+    assert positions.shape == (3, 2, width)
+    with torch.no_grad():
+        for batch in (lone, padded):
+            stock = model(**batch).logits
+            assert validate_packed_batch(batch, model=model) == {**batch, "use_cache": False}
+            with prepare_model_for_packing(model):
+                prepared = model(**batch).logits
+            assert torch.equal(prepared, stock)
+    # negative control: the temporal row read as the text positions makes the lone sample a packed row, refused
+    with pytest.raises(ValueError, match="begins a packed sample"):
+        validate_packed_batch({**lone, "position_ids": lone["position_ids"][0]}, model=model)
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_three_row_positions_next_to_cu_seq_lens_pack_exactly(qwen_models, model_type):
+    """Each sample's own 3-row positions and the row's boundaries: the prepared model adds the text row."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    batch = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)(
+        samples
+    )
+    three = dict(batch, position_ids=batch["position_ids"][1:])
+    with prepare_model_for_packing(model):
+        logits, grads = _packed_vs_alone(model, samples, three)
+        assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
+        # negative control: image tokens placed by text positions, caught by the same comparison
+        text = batch["position_ids"][:1].expand(3, 1, -1)
+        logits, _ = _packed_vs_alone(model, samples, dict(batch, position_ids=text))
+    assert logits > 100 * DEFAULT_TOLERANCE, logits
 
 
 def test_mrope_positions_restart_per_sample_and_match_the_model_alone(qwen_models):
