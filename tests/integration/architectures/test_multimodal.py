@@ -316,6 +316,25 @@ def test_three_row_positions_next_to_cu_seq_lens_pack_exactly(qwen_models, model
     assert logits > 100 * DEFAULT_TOLERANCE, logits
 
 
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_a_stock_model_needs_use_cache_false_with_multimodal_collator_batches(qwen_models, model_type):
+    """What docs/vlm.md and MultimodalCollator's docstring say: an unprepared wrapper keeps use_cache=True in its
+    text config, and with a cache transformers builds the mask without the packed samples."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    batch = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)(
+        samples
+    )
+    cu = batch["cu_seq_lens_q"].tolist()
+    assert model.config.get_text_config().use_cache
+    with torch.no_grad():
+        alone = model(**_alone_kwargs(model, samples[-1])).logits[0]
+        exact = model(**batch, use_cache=False).logits[0, cu[-2] :]
+        cached = model(**batch).logits[0, cu[-2] :]  # the default: a cache, samples merged
+    assert float((exact - alone).abs().max()) <= DEFAULT_TOLERANCE
+    assert float((cached - alone).abs().max()) > 100 * DEFAULT_TOLERANCE
+
+
 def test_mrope_positions_restart_per_sample_and_match_the_model_alone(qwen_models):
     model = qwen_models["qwen2_5_vl"]
     samples = _qwen_samples(model)
