@@ -396,3 +396,42 @@ def test_eval_is_packed_and_its_loss_is_the_padded_token_mean(gsm8k_tokenized, t
     seen.clear()
     stock.evaluate()
     assert len(seen) == math.ceil(len(eval_rows) / 8)  # stock: per_device_eval_batch_size samples per batch
+
+
+def test_a_padding_collator_leaves_the_router_loss_of_an_moe_model_as_stock(right_padded_batch, tmp_path):
+    """Mixtral with router_aux_loss_coef=0.5 through packing_hf.Trainer and PaddingFreeCollator(pad_to_multiple_of):
+    the first step's loss is stock's on the same samples right-padded (the model's loss with their attention_mask:
+    the padding is not counted by the router's load-balancing loss). Negative control: the same padded rows
+    without the padding's count differ."""
+    from packing_hf.architectures import build_tiny_model
+    from packing_hf.varlen import PADDING_KEY
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in (13, 29, 7, 21)]
+    dataset = datasets.Dataset.from_dict({"input_ids": rows})
+
+    def moe():
+        torch.manual_seed(0)
+        model = build_tiny_model("mixtral", "sdpa").train()
+        model.config.output_router_logits = True
+        model.router_aux_loss_coef = 0.5
+        return model
+
+    def first_loss(collator) -> float:
+        args = _args(tmp_path, per_device_train_batch_size=4, max_steps=1, remove_unused_columns=False)
+        trainer = packing_hf.Trainer(model=moe(), args=args, train_dataset=dataset, data_collator=collator)
+        trainer.train()
+        return next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+
+    padding = packing_hf.PaddingFreeCollator(pad_to_multiple_of=64)
+
+    def unmarked(features):
+        return {k: v for k, v in padding(features).items() if k != PADDING_KEY}
+
+    with torch.no_grad():  # stock's first step: the loss of the initial weights on the padded batch
+        stock = float(moe()(**right_padded_batch(rows), use_cache=False).loss)
+    packed = first_loss(padding)
+    leaky = first_loss(unmarked)
+    assert padding.stats["padding_tokens"] > 0
+    assert math.isclose(packed, stock, rel_tol=1e-6), (packed, stock)
+    assert abs(leaky - stock) > 1e-4, (leaky, stock)
