@@ -102,10 +102,11 @@ def test_a_bidirectional_language_model_is_refused_even_for_text_only_rows():
         prepare_model_for_packing(model)
 
 
-def test_three_row_text_positions_of_a_packed_row_without_cu_seq_lens_are_refused():
+@pytest.mark.parametrize("implementation", ["sdpa", "packing_hf"])
+def test_three_row_text_positions_of_a_packed_row_without_cu_seq_lens_are_refused(implementation):
     # transformers reads no sample boundaries from 3-row positions: stock and packing_hf's attention would let the
     # samples see each other; the guard (prepared, or given the model) names the fix instead
-    model = build_tiny_model("qwen2_vl", "sdpa")
+    model = build_tiny_model("qwen2_vl", implementation)
     batch = {
         "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
         "position_ids": torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5),
