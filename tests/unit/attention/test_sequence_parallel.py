@@ -186,3 +186,28 @@ def test_shards_refuse_what_they_cannot_cut_or_a_changed_call():
             model(**dict(shard, **{SHARD_KEY: cut}))
         with pytest.raises(ValueError, match="attention_mask was passed next to a sequence-parallel shard"):
             model(**shard, attention_mask=torch.ones_like(shard["input_ids"]))
+
+
+def test_each_shard_carries_its_part_of_the_padding_closing_the_row(monkeypatch):
+    """``PADDING_KEY`` (the padding of pad_to_multiple_of / length_buckets) counts the tail of the whole row: every
+    rank's shard gets the count of its own tail, which is padding (the rank's group is faked: one process)."""
+    from packing_hf.varlen import PADDING_KEY
+
+    row = PaddingFreeCollator(pad_to_multiple_of=16)(
+        [{"input_ids": list(range(1, 8))}, {"input_ids": [3, 4, 5]}]
+    )
+    assert row["input_ids"].shape[1] == 16 and int(row[PADDING_KEY]) == 6
+    monkeypatch.setattr(
+        sequence_parallel, "_check_same_row", lambda *args: None
+    )  # the all-gather of the group
+    monkeypatch.setattr(sequence_parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group=None: 3)
+    counts, tails = [], []
+    for rank in range(3):
+        monkeypatch.setattr(sequence_parallel.dist, "get_rank", lambda group=None, rank=rank: rank)
+        shard = shard_packed_batch(row)
+        counts.append(int(shard[PADDING_KEY]))
+        ids = shard["input_ids"][0]
+        tails.append(ids[ids.numel() - counts[-1] :].tolist())
+    assert counts == [0, 1, 5]  # shards of 6, 5, 5 tokens: the row's last 6 are padding
+    assert all(all(t == 0 for t in tail) for tail in tails)  # pad_token_id 0: exactly the padding
