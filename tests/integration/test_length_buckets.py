@@ -185,3 +185,27 @@ def test_a_padded_row_is_refused_by_an_unprepared_model_returning_a_router_loss(
     validate_packed_batch(padded, model=model)
     with torch.no_grad():
         model(**padded, use_cache=False)
+
+
+def test_a_router_loss_not_computed_from_the_attention_mask_is_refused_on_padded_rows(one_torch_thread):
+    """A forward computing its router loss some other way cannot be handed the padding: refused by name when a
+    padded row asks for that loss; the unpadded row, or no router loss, pass."""
+    from transformers import MixtralForCausalLM
+
+    class OwnRouterLoss(MixtralForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            out.aux_loss = out.aux_loss  # stands for a router loss of its own, blind to any mask
+            return out
+
+    stock = build_tiny_model("mixtral", register_attention())
+    model = OwnRouterLoss(stock.config)
+    features = [{"input_ids": ids} for ids in SAMPLES]
+    padded = PaddingFreeCollator(pad_to_multiple_of=16)(features)
+    with prepare_model_for_packing(model), torch.no_grad():
+        with pytest.raises(
+            ValueError, match="does not compute from an attention_mask packing_hf could hand it"
+        ):
+            model(**padded, output_router_logits=True)
+        model(**PaddingFreeCollator()(features), output_router_logits=True)
+        model(**padded, output_router_logits=False)
