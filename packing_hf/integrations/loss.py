@@ -102,6 +102,12 @@ class PackingLossMixin:
         self._packing_user_loss_scaled = self.loss_is_scaled_for_ga
         if self.args.loss_normalization != "token":
             self._check_own_loss(f"loss_normalization={self.args.loss_normalization!r}")
+        if self.parallel_plan.sequence_parallel and not self.wording.own_loss:
+            from ..attention.sequence_parallel import check_sequence_parallel_router_loss
+
+            # a cut row's loss is computed from its shards' logits (integrations/sequence_parallel.py)
+            config = getattr(getattr(self, "model", None), "config", None)
+            check_sequence_parallel_router_loss(config, self.parallel_plan.sp_size)
 
     def _check_own_loss(self, what: str) -> None:
         args = self.args

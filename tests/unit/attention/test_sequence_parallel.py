@@ -4,6 +4,7 @@ and every refusal names its fix. The multi-process exactness (sp=2, sp=4, DP x S
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -211,3 +212,42 @@ def test_each_shard_carries_its_part_of_the_padding_closing_the_row(monkeypatch)
         tails.append(ids[ids.numel() - counts[-1] :].tolist())
     assert counts == [0, 1, 5]  # shards of 6, 5, 5 tokens: the row's last 6 are padding
     assert all(all(t == 0 for t in tail) for tail in tails)  # pad_token_id 0: exactly the padding
+
+
+def _mixtral(coefficient: float):
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=coefficient,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float()
+
+
+@pytest.mark.parametrize("coefficient", [0.5, 0.0])
+def test_a_router_loss_is_refused_at_set_up_and_in_the_loss_route(coefficient):
+    """The SP loss is the shards' logits' alone: a router load-balancing loss (not a sum over shards) would be
+    left out of the step, so a model adding one to its loss is refused by name, where the trainer sets up SP and
+    in the loss route; ``router_aux_loss_coef=0`` (nothing left out) is the negative control and runs."""
+    from packing_hf.integrations.loss import PackingLossMixin
+    from packing_hf.integrations.sequence_parallel import PackingSequenceParallelMixin
+
+    model = _mixtral(coefficient)
+    plan = SimpleNamespace(sequence_parallel=True, sp_size=2, sp_group=None, world_size=1)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(loss_normalization="token"), parallel_plan=plan, wording=SimpleNamespace(own_loss=False),
+        loss_is_scaled_for_ga=False, model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )  # fmt: skip
+
+    def refused():
+        message = r"sp_size=2.*router load-balancing loss.*output_router_logits=False"
+        return pytest.raises(ValueError, match=message) if coefficient else contextlib.nullcontext()
+
+    with refused():
+        PackingLossMixin._loss_setup(trainer)
+    model.train()
+    batch = _row()
+    with refused():
+        loss = PackingSequenceParallelMixin._sequence_parallel_loss(trainer, model, batch, None, 6, False)
+    if not coefficient:
+        assert torch.isfinite(loss)
