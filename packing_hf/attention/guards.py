@@ -55,7 +55,7 @@ from ..varlen import (
     mrope_position_restarts,
     position_restarts,
 )
-from .admission import needs_preparation, preparation_of
+from .admission import flat_positions_dropped_by, needs_preparation, preparation_of
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
@@ -269,6 +269,8 @@ def validate_packed_batch(
             "without padding"
         )
     varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    if model is not None and preparation is None:
+        _refuse_dropped_positions(out, model, model_type, varlen)
     reason = needs_preparation(config, varlen=varlen, preparation=preparation) if config is not None else None
     if reason is None:
         return out
@@ -283,6 +285,28 @@ def validate_packed_batch(
         f"model: a {model_type!r} model not prepared for packing leaks on this packed batch ({reason}); call "
         "packing_hf.prepare_model_for_packing(model) on this model first (packing_hf.Trainer does); a model "
         "sharing its config with a prepared one is not prepared itself"
+    )
+
+
+def _refuse_dropped_positions(out: Mapping[str, Any], model: Any, model_type: Any, varlen: bool) -> None:
+    """Refuse a packed row that an unprepared model's language model reads without its boundaries: it hands its
+    layers and its mask no positions unless they carry a text row (:func:`flat_positions_dropped_by`), so only
+    ``cu_seq_lens_q`` under packing_hf's attention keep the samples apart."""
+    position_ids = out.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return  # the text row reaches the layers and the mask
+    if varlen and out.get("cu_seq_lens_q") is not None:
+        return
+    stack = flat_positions_dropped_by(model)
+    if stack is None:
+        return
+    raise ValueError(
+        f"model: a {model_type!r} model not prepared for packing: its {stack} reads "
+        f"position_ids of shape {tuple(getattr(position_ids, 'shape', ()))} as multimodal-RoPE rows without the "
+        "text row and hands its layers and its mask no positions, so this packed row's samples would attend to "
+        "each other. Call packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or pass "
+        "cu_seq_lens_q/k under attn_implementation=packing_hf.register_attention() "
+        "(PaddingFreeCollator(return_flash_attn_kwargs=True))"
     )
 
 

@@ -695,3 +695,38 @@ def test_malformed_image_inputs_are_refused_by_name(qwen_models, model_type, pro
         with pytest.raises(ValueError, match=f"{model_type}: the packed row: {message}"):
             model(**batch)
         model(**collator(samples))  # negative control: the well-formed row of the same samples is served
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v", "qwen3_vl"])
+def test_validate_packed_batch_refuses_positions_an_unprepared_language_model_drops(model_type):
+    """Qwen2-VL / GLM-4V's language model reads (1, T) positions as 3 mRoPE rows and hands its layers and mask
+    none: under packing_hf's attention too, a restarting row without cu_seq_lens leaks. ``validate_packed_batch``
+    refuses it for the unprepared model, accepts it next to cu_seq_lens_q (exact) or prepared; Qwen3-VL hands its
+    layers the text row (no leak), the control the same checks accept."""
+    from packing_hf import PaddingFreeCollator
+
+    model = build_tiny_model(model_type, "packing_hf").eval()
+    first, second = [3, 4, 5, 6], [7, 8, 9]
+    batch = {
+        "input_ids": torch.tensor([first + second]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+    }
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([second]), use_cache=False).logits[0]
+        leak = (model(**batch, use_cache=False).logits[0, 4:] - alone).abs().max().item()
+    drops = model_type != "qwen3_vl"
+    assert (leak > 100 * DEFAULT_TOLERANCE) == drops, leak
+    if drops:
+        with pytest.raises(ValueError, match=r"hands its layers and its mask no positions.*cu_seq_lens_q"):
+            validate_packed_batch(batch, model=model)
+    else:
+        validate_packed_batch(batch, model=model)
+    flash = PaddingFreeCollator(return_flash_attn_kwargs=True)([{"input_ids": first}, {"input_ids": second}])
+    with torch.no_grad():
+        exact = model(**validate_packed_batch(flash, model=model)).logits[0, 4:]
+    assert (exact - alone).abs().max().item() <= DEFAULT_TOLERANCE
+    with prepare_model_for_packing(model):
+        validate_packed_batch(batch, model=model)
+    if drops:  # sdpa reads no cu_seq_lens: the mask it builds without positions leaks with them too
+        with pytest.raises(ValueError, match="hands its layers and its mask no positions"):
+            validate_packed_batch(flash, model=build_tiny_model(model_type, "sdpa"))
