@@ -209,3 +209,37 @@ def test_a_router_loss_not_computed_from_the_attention_mask_is_refused_on_padded
             model(**padded, output_router_logits=True)
         model(**PaddingFreeCollator()(features), output_router_logits=True)
         model(**padded, output_router_logits=False)
+
+
+def test_a_router_mask_that_never_reaches_the_base_model_is_refused(one_torch_thread):
+    """A forward that hands its router loss its own ``attention_mask`` but calls its base model without it: the
+    mask packing_hf hands it for the padding is never dropped by the base model's hook, so where the padding
+    sits in the router loss is not known: refused by name after the call. Control: the same forward passing the
+    mask on (the stock forward's shape) runs."""
+    from transformers import MixtralForCausalLM
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    class RouterLossOfItsOwnMask(MixtralForCausalLM):
+        passes_mask = False
+
+        def forward(
+            self, input_ids=None, attention_mask=None, position_ids=None, output_router_logits=None, **kwargs
+        ):
+            handed = {"attention_mask": attention_mask} if self.passes_mask else {}
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, output_router_logits=True, **handed, **kwargs
+            )
+            logits = self.lm_head(out.last_hidden_state)
+            aux_loss = load_balancing_loss_func(
+                out.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+            )
+            return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss)
+
+    model = RouterLossOfItsOwnMask(build_tiny_model("mixtral", register_attention()).config).eval()
+    padded = PaddingFreeCollator(pad_to_multiple_of=16)([{"input_ids": ids} for ids in SAMPLES])
+    with prepare_model_for_packing(model), torch.no_grad():
+        with pytest.raises(ValueError, match="never reached MixtralModel"):
+            model(**padded, output_router_logits=True, use_cache=False)
+        model.passes_mask = True
+        model(**padded, output_router_logits=True, use_cache=False)
