@@ -243,3 +243,28 @@ def test_a_router_mask_that_never_reaches_the_base_model_is_refused(one_torch_th
             model(**padded, output_router_logits=True, use_cache=False)
         model.passes_mask = True
         model(**padded, output_router_logits=True, use_cache=False)
+
+
+def test_a_fixed_length_stream_row_keeps_its_padding_out_of_the_router_loss(assert_close, one_torch_thread):
+    """``fixed_length_rows`` closes a row with padding (its own segment): with the padding count it yields, a
+    prepared MoE model's router loss, loss and gradients are the unpadded row's; the negative control (the same
+    row without the count) routes the padding and counts it."""
+    from packing_hf.streaming import fixed_length_rows
+    from packing_hf.varlen import PADDING_KEY
+
+    model = build_tiny_model("mixtral", register_attention())
+    model.router_aux_loss_coef = 0.5
+    features = [{"input_ids": ids} for ids in SAMPLES]
+    row = next(fixed_length_rows([features], 32, pad_token_id=0))
+    row.pop("attention_mask")  # the positions keep the padding apart; a packed row carries no mask
+    want_loss, want_aux, want_grads = _router_loss_and_grads(model, PaddingFreeCollator()(features))
+    with prepare_model_for_packing(model):
+        got_loss, got_aux, got_grads = _router_loss_and_grads(model, row)
+        unmarked = {k: v for k, v in row.items() if k != PADDING_KEY}
+        _, leaky_aux, _ = _router_loss_and_grads(model, unmarked)
+    assert_close(got_aux, want_aux, "router loss", rel=1e-6)
+    assert_close(got_loss, want_loss, "loss", rel=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert_close(got, want, "gradient", rel=1e-5, terms=(want.abs().max(),))
+    assert int(row[PADDING_KEY]) == 32 - 21
+    assert abs(float(leaky_aux) - float(want_aux)) > 1e-4
