@@ -394,8 +394,9 @@ def wrapper_text_config(config: Any) -> Any | None:
     return text
 
 
-def router_loss_coefficient(config: Any) -> float:
-    """The weight of the router load-balancing loss (MoE) in the model's own loss: ``router_aux_loss_coef`` when
+def router_loss_coefficient(config: Any, model: Any = None) -> float:
+    """The weight of the router load-balancing loss (MoE) in the model's own loss: ``router_aux_loss_coef`` (of
+    ``model`` when it has one: the MoE causal LMs copy it from the config when built) when
     ``output_router_logits`` is set on ``config`` or on a multimodal wrapper's text config, else 0.
 
     >>> from types import SimpleNamespace
@@ -409,7 +410,10 @@ def router_loss_coefficient(config: Any) -> float:
     for holder in (config, wrapper_text_config(config)):
         if holder is not None and getattr(holder, "output_router_logits", False):
             # no coefficient on a config asking for router logits: its weight is unknown, read as counted (1)
-            return float(getattr(holder, "router_aux_loss_coef", 1.0) or 0.0)
+            coefficient = getattr(model, "router_aux_loss_coef", None)
+            if coefficient is None:
+                coefficient = getattr(holder, "router_aux_loss_coef", 1.0)
+            return float(coefficient or 0.0)
     return 0.0
 
 

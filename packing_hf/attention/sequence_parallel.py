@@ -58,7 +58,7 @@ __all__ = [
 _CONSUMED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "labels", LOSS_WEIGHTS_KEY)
 
 
-def check_sequence_parallel_router_loss(config: Any, sp_size: int) -> None:
+def check_sequence_parallel_router_loss(config: Any, sp_size: int, model: Any = None) -> None:
     """Refuse, by name, a model whose own loss adds a router load-balancing loss (MoE, ``output_router_logits``
     with ``router_aux_loss_coef != 0``) to a loss that sequence parallelism computes from each shard's logits.
 
@@ -70,7 +70,7 @@ def check_sequence_parallel_router_loss(config: Any, sp_size: int) -> None:
     >>> from types import SimpleNamespace
     >>> check_sequence_parallel_router_loss(SimpleNamespace(output_router_logits=False), 2)
     """
-    coefficient = router_loss_coefficient(config)
+    coefficient = router_loss_coefficient(config, model)
     if coefficient == 0.0:
         return
     model_type = getattr(config, "model_type", type(config).__name__)

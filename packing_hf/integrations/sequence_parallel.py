@@ -74,7 +74,7 @@ class PackingSequenceParallelMixin:
         unwrapped = self.accelerator.unwrap_model(model)
         check_sequence_parallel_model(unwrapped, plan.sp_size)
         # the loss below is the logits' alone (also checked at set-up: a config changed since is caught here)
-        check_sequence_parallel_router_loss(getattr(unwrapped, "config", None), plan.sp_size)
+        check_sequence_parallel_router_loss(getattr(unwrapped, "config", None), plan.sp_size, unwrapped)
         row = dict(inputs)
         if weights is not None and training:  # eval_loss stays the unweighted token mean (docs/loss.md)
             row[LOSS_WEIGHTS_KEY] = weights

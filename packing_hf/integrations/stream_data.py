@@ -128,8 +128,10 @@ class PackingStreamMixin:
                     "train_dataset (no labels) would give a NaN loss on several processes; pass compute_loss_func "
                     "(summed token losses / num_items_in_batch) or use one process"
                 )
-            model_config = getattr(base_model(self.model), "config", None)
-            if router_loss_coefficient(model_config) or getattr(self, "aux_loss_enabled", False):
+            model = base_model(self.model)
+            if router_loss_coefficient(getattr(model, "config", None), model) or getattr(
+                self, "aux_loss_enabled", False
+            ):
                 # the padding batch's pad token is routed: the loss the model adds for it is not a sum over tokens
                 raise ValueError(
                     "a streaming train_dataset on several processes: a rank whose shard ran out trains on padding "

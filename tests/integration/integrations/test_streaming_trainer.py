@@ -291,7 +291,7 @@ def test_a_router_loss_is_refused_for_a_stream_on_several_processes(
     trainer = _trainer(tiny_llama, packing_hf.PaddingFreeCollator(), Rows(samples), tmp_path)
     trainer.model = build_tiny_model("mixtral", packing_hf.register_attention())
     trainer.model.config.output_router_logits = True
-    trainer.model.config.router_aux_loss_coef = coefficient
+    trainer.model.router_aux_loss_coef = coefficient
     trainer._check_stream_settings(Rows(samples))  # one process: no padding batch
     trainer._data_parallel_world = lambda: (2, 0)
     if coefficient:

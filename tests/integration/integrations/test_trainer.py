@@ -7,6 +7,7 @@ the pre-flight check (refuse, switch, prepare).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import datasets
@@ -436,3 +437,23 @@ def test_a_padding_collator_leaves_the_router_loss_of_an_moe_model_as_stock(righ
     assert math.isclose(packed, stock, rel_tol=1e-6), (packed, stock)
     leaky = first_loss(unmarked)
     assert abs(leaky - stock) > 1e-4, (leaky, stock)
+
+
+@pytest.mark.parametrize("coefficient", [0.5, 0.0])
+def test_packing_hfs_own_loss_refuses_a_router_loss_it_would_leave_out(tmp_path, coefficient):
+    """loss_normalization='sample' (or loss_weights) computes the loss from the logits (no labels to the model),
+    which would leave out the router load-balancing loss an MoE model adds to its own: refused by name at
+    set-up. Control: router_aux_loss_coef=0 leaves nothing out and is accepted."""
+    from packing_hf.architectures import build_tiny_model
+
+    model = build_tiny_model("mixtral", "sdpa")
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = coefficient
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7]]})
+    args = _args(tmp_path, max_steps=1, loss_normalization="sample", remove_unused_columns=False)
+    build = functools.partial(packing_hf.Trainer, model=model, args=args, train_dataset=dataset)
+    if coefficient:
+        with pytest.raises(ValueError, match="router load-balancing loss.*output_router_logits=False"):
+            build()
+    else:
+        build()
