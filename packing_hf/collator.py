@@ -30,7 +30,7 @@ from ._limits import check_int
 from ._loss import LOSS_WEIGHTS_KEY, check_loss_weights
 from ._rows import flatten_field, locate, offsets_in_segments, sample_to_array, split_lengths
 from .overflow import check_overflow
-from .varlen import check_int32_tokens
+from .varlen import PADDING_KEY, check_int32_tokens
 
 __all__ = ["MAX_LENGTH_BUCKETS", "PaddingFreeCollator", "length_buckets", "segment_buckets"]
 
@@ -233,7 +233,11 @@ class PaddingFreeCollator:
             :attr:`stats` and the first occurrence is logged as a warning.
         pad_to_multiple_of: pad ``T`` up to a multiple of this. The padding forms its own segment
             (own ``cu_seqlens`` entry, positions restarting, labels ``label_pad_id``, ids
-            ``pad_token_id``), so it never merges into a real sample.
+            ``pad_token_id``), so it never merges into a real sample. With this or ``length_buckets`` every
+            batch also carries :data:`packing_hf.varlen.PADDING_KEY`: the padding's token count, a 0-d int64
+            tensor, which a model prepared by :func:`packing_hf.prepare_model_for_packing` consumes to keep the
+            padding out of a router's load-balancing loss (MoE models; an unprepared one asking for that loss
+            is refused by packing_hf's attention and :func:`packing_hf.validate_packed_batch`).
         length_buckets: round ``T`` up to the smallest of these row lengths (at most
             :data:`MAX_LENGTH_BUCKETS`; see :func:`length_buckets`), so a compiled model sees few shapes. The
             padding is its own segment, as with ``pad_to_multiple_of`` (which it replaces); a batch longer
@@ -446,6 +450,9 @@ class PaddingFreeCollator:
         self.stats["empty_segments"] += n_empty
 
         batch = self._packed_batch(ids, labels, weights, seg_lengths, cu, return_tensors)
+        if self.pad_to_multiple_of is not None or self.length_buckets is not None:
+            # every batch of a padding collator, 0 included (a steady set of keys for compiled graphs)
+            batch[PADDING_KEY] = torch.tensor(n_pad) if return_tensors == "pt" else np.array(n_pad)
         for key in self.passthrough_keys:
             if key in present:
                 batch[key] = _concatenate([f[key] for f in features if key in f], key, return_tensors)

@@ -9,6 +9,13 @@ Rows are only safe to train on if the model also gets the boundaries: ask for
 ``return_position_ids=True`` (positions restart for every sequence, so ``position_ids_to_cu_seqlens``
 recovers them) or ``return_boundaries=True``. The padding at the end of a row is its own segment.
 
+An MoE model routes that padding segment too, and its router load-balancing loss counts it like real tokens
+(stock leaves padding out through the ``attention_mask``, which a packed row cannot carry next to its
+positions). These functions return several rows and hold no model, so they cannot mark it: for a model
+returning a router loss, collate with ``PaddingFreeCollator(pad_to_multiple_of=...)`` or feed one row at a time
+with its padding count as :data:`packing_hf.varlen.PADDING_KEY` (``packing_hf.streaming.fixed_length_rows``
+does) to a prepared model, or set ``output_router_logits=False``.
+
 >>> pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]], max_length=8, pad_token_id=0).tolist()
 [[1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 8, 9, 10, 11, 12, 0]]
 """

@@ -12,7 +12,10 @@ every piece must stay with its sample:
 - multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V): the three (temporal, height, width)
   position rows are computed *per sample* by the model's own ``get_rope_index`` and restart at every
   sample, with a fourth, first row of plain restarting text positions that transformers reads to keep the
-  samples apart (``position_ids`` of shape ``(4, 1, T)``).
+  samples apart (``position_ids`` of shape ``(4, 1, T)``; the 3-row ``(3, B, T)`` positions ``get_rope_index``
+  returns carry no boundary, so a packed row with them needs ``cu_seq_lens_q/k``).
+
+A model that is not prepared needs ``use_cache=False`` on packed calls (see :class:`MultimodalCollator`).
 
 :func:`mrope_position_ids` is the pure function; :class:`MultimodalCollator` the collator over it.
 ``packing_hf.prepare_model_for_packing`` runs the same function inside the model when a packed row
@@ -380,7 +383,10 @@ class MultimodalCollator:
     by :func:`packing_hf.prepare_model_for_packing` (``packing_hf.Trainer`` prepares it); packing_hf's attention
     and :func:`packing_hf.validate_packed_batch` (given the model) refuse it in an unprepared model. A stock model
     under eager / sdpa runs no packing_hf code to refuse it: without ``rope_index`` its image tokens get text
-    positions (wrong logits, no error), so give a model you do not prepare ``rope_index``.
+    positions (wrong logits, no error), so give a model you do not prepare ``rope_index``, and call it with
+    ``use_cache=False``: a wrapper's text config keeps ``use_cache=True``, and with a cache transformers builds
+    the mask without looking for packed samples, so they see each other (a stock ``transformers.Trainer`` turns
+    the cache off on the wrapper's config only). A prepared model turns it off on packed calls itself.
 
     Raises (``__call__``): ``ValueError`` for a sample announcing images without their pixels, pixels that are
     not floating point, flattened patches whose count is not what their grid asks for, or pixels without their

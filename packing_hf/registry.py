@@ -43,6 +43,7 @@ __all__ = [
     "Status",
     "iter_sweep",
     "multimodal_refusal",
+    "router_loss_coefficient",
     "support",
     "wrapper_text_config",
 ]
@@ -391,6 +392,29 @@ def wrapper_text_config(config: Any) -> Any | None:
     if getattr(text, "model_type", None) == getattr(config, "model_type", None):
         return None
     return text
+
+
+def router_loss_coefficient(config: Any, model: Any = None) -> float:
+    """The weight of the router load-balancing loss (MoE) in the model's own loss: ``router_aux_loss_coef`` (of
+    ``model`` when it has one: the MoE causal LMs copy it from the config when built) when
+    ``output_router_logits`` is set on ``config`` or on a multimodal wrapper's text config, else 0.
+
+    >>> from types import SimpleNamespace
+    >>> router_loss_coefficient(SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.02))
+    0.02
+    >>> router_loss_coefficient(SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.02))
+    0.0
+    """
+    if config is None:
+        return 0.0
+    for holder in (config, wrapper_text_config(config)):
+        if holder is not None and getattr(holder, "output_router_logits", False):
+            # no coefficient on a config asking for router logits: its weight is unknown, read as counted (1)
+            coefficient = getattr(model, "router_aux_loss_coef", None)
+            if coefficient is None:
+                coefficient = getattr(holder, "router_aux_loss_coef", 1.0)
+            return float(coefficient or 0.0)
+    return 0.0
 
 
 def multimodal_refusal(model_type: str, data: Literal["text", "image"]) -> str | None:

@@ -42,6 +42,9 @@ __all__ = [
     "lengths_to_position_ids",
     "lengths_to_seq_idx",
     "max_length_from_cu_seqlens",
+    "PADDING_KEY",
+    "check_row_padding",
+    "mrope_position_restarts",
     "position_restarts",
     "position_ids_to_cu_seqlens",
     "seq_lengths_to_cu_seqlens",
@@ -49,6 +52,12 @@ __all__ = [
 
 # the label every Hugging Face loss ignores: what masks a sample's first token, padding and prompts
 IGNORE_INDEX = -100
+
+# Batch key of a packed row whose last ``n`` tokens are padding (``PaddingFreeCollator(pad_to_multiple_of=...)`` /
+# ``length_buckets=...``): a 0-d int64 tensor ``n`` (a tensor, so that a compiled graph does not specialize on
+# it). The padding is its own segment, so attention and loss never see it; a router's load-balancing loss
+# would (it counts every token of the row): a prepared model consumes the key and leaves the padding out of it.
+PADDING_KEY = "packing_hf_padding"
 
 
 LengthsLike = Sequence[int] | np.ndarray | torch.Tensor
@@ -186,6 +195,54 @@ def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
     return starts
+
+
+def mrope_position_restarts(temporal: torch.Tensor) -> torch.Tensor:
+    """``(..., T)`` bool: where a sample starts in the temporal row of 3-row multimodal-RoPE positions.
+
+    Within one sample the temporal position never falls (an image's tokens share one, text continues after
+    the largest position so far), so a sample starts at the first token of every row and wherever the
+    position falls. A restart right after a token at position 0 does not show: 3-row positions do not carry
+    the boundaries (transformers reads none from them), which is why a packed row needs ``cu_seq_lens_q``
+    or the 4-row layout whose first row is the text position.
+
+    >>> mrope_position_restarts(torch.tensor([[0, 1, 2, 2, 2, 3, 0, 1]])).tolist()
+    [[True, False, False, False, False, False, True, False]]
+    """
+    starts = torch.ones_like(temporal, dtype=torch.bool)
+    starts[..., 1:] = temporal[..., 1:] < temporal[..., :-1]
+    return starts
+
+
+def check_row_padding(padding: int, cu_seqlens: Sequence[int], total: int) -> int:
+    """``padding`` (the value of :data:`PADDING_KEY`) checked against the row it describes.
+
+    Args:
+        padding: how many tokens close the row as padding.
+        cu_seqlens: host offsets of the row's segments (empty segments closing it allowed).
+        total: the row's length ``T``.
+
+    Returns:
+        ``padding`` as an int.
+
+    Raises:
+        ValueError: ``padding`` is negative, or is not the row's last non-empty segment.
+
+    >>> check_row_padding(3, [0, 4, 7, 7], 7)
+    3
+    """
+    padding = int(padding)
+    if padding == 0:
+        return 0
+    filled = [c for i, c in enumerate(cu_seqlens) if i == 0 or c != cu_seqlens[i - 1]]
+    if padding < 0 or len(filled) < 3 or filled[-1] != total or filled[-2] != total - padding:
+        raise ValueError(
+            f"{PADDING_KEY} = {padding} says the last {padding} tokens of the row are padding, but they are not "
+            f"the last segment of cu_seq_lens ({list(cu_seqlens[-3:])} for {total} tokens, at least one sample "
+            "before it): padding is a segment of its own closing the row. Leave the key as "
+            "packing_hf.PaddingFreeCollator sets it, or drop it with the padding"
+        )
+    return padding
 
 
 def lengths_to_cu_seqlens(lengths: LengthsLike, *, dtype: torch.dtype = torch.int32) -> torch.Tensor:

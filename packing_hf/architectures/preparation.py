@@ -33,6 +33,7 @@ from ..attention.host import remember_host_values
 from ..multimodal import check_media, image_block_masks, mm_token_types, mrope_position_ids
 from ..padding import PackedLayout
 from ..registry import IMAGE_BLOCK_MASK, ArchitectureSupport, multimodal_refusal, wrapper_text_config
+from ..varlen import PADDING_KEY
 from .boundaries import LAYOUT_KEY, call_starts, derived
 from .mixers import (
     PACKED_ONLY_ARGUMENTS,
@@ -43,6 +44,7 @@ from .mixers import (
     takes_kwargs,
     unpad_outputs,
 )
+from .routers import ROUTER_MASK_TAG, router_loss_reads_mask, router_loss_requested
 
 __all__ = ["PackingPreparation"]
 
@@ -266,6 +268,12 @@ class PackingPreparation:
         if self._image_refusal is not None:
             self._image_refusal = f"{wrapper_type}: {self._image_refusal}; pack its text-only data, or pad"
         self._image_blocks = wrapper_type in IMAGE_BLOCK_MASK
+        # MoE: the padding closing a row is left out of the router's load-balancing loss (see _router_padding)
+        self._router = router_loss_reads_mask(model)
+        receiver = getattr(model, "base_model", None) if self._router else None
+        self._router_receiver = (
+            receiver if isinstance(receiver, torch.nn.Module) and receiver is not model else None
+        )
         mixers = list(mixers or ())
         self.split_stack = bool(mixers) and entry.split_stack
         self._split = True
@@ -301,6 +309,8 @@ class PackingPreparation:
         if self.split_stack:
             hooked = [layer for _, layer in enclosing if layer is not None]
         decoders = [d for d in _decoders(hooked, model) if d is not model]
+        if self._router_receiver is not None and all(d is not self._router_receiver for d in decoders):
+            decoders.append(self._router_receiver)  # it drops the router loss's mask (_drop_router_mask)
         self._stack_decoders = decoders if self.split_stack else []
         # the model itself, then every decoder that calls hooked layers (it can be called on its own)
         for module in [model, *decoders]:
@@ -336,9 +346,14 @@ class PackingPreparation:
             # the decoder inside a prepared call of the whole model: already checked, same packed row
             starts = entries[-1][1]
             checked = dict(kwargs)
+            checked.pop(PADDING_KEY, None)
+            _drop_router_mask(checked)
         else:
             self._note_configs(True)  # a copy, or a twin's revert, may have left its config without the note
             args, checked, starts = check_forward_call(module, args, kwargs)
+            padding = checked.pop(PADDING_KEY, None)
+            if padding is not None and module is self._model and self._router is not None:
+                checked = self._router_padding(module, args, checked, padding)
             if starts is not None and _media_present(checked):
                 if self._image_refusal is not None:
                     raise ValueError(self._image_refusal)
@@ -371,10 +386,48 @@ class PackingPreparation:
         entries = self._calls.entries
         if entries and entries[-1][0] == id(module):
             entries.pop()
+        mask = kwargs.get("attention_mask")
+        if output is not None and getattr(mask, ROUTER_MASK_TAG, None) == "handed":
+            raise ValueError(
+                f"{self.model_type}: the router-loss mask this call was given never reached "
+                f"{type(self._router_receiver).__name__} (the base model its forward should pass attention_mask "
+                "to), so the padding's place in the router loss is not known. Collate without pad_to_multiple_of / "
+                "length_buckets for this model"
+            )
         layout = kwargs.get(LAYOUT_KEY)
         if isinstance(layout, PackedLayout) and output is not None:
             return _unpad_output(output, layout)
         return None
+
+    def _router_padding(self, module: torch.nn.Module, args: tuple, kwargs: dict, padding: Any) -> dict:
+        """Leave the padding closing a packed row out of the router's load-balancing loss.
+
+        The model's forward gives ``load_balancing_loss_func`` its own ``attention_mask``, as stock does for a
+        padded batch: this call gets a ``(1, T)`` mask with zeros on the padding (tagged), which the base model's
+        pre-hook drops before the decoder builds any attention mask from it (the packed boundaries keep the
+        samples apart). The loss is then the model's own over the real tokens: that of the unpadded row.
+        A model computing its router loss some other way is refused when it is asked for one.
+        """
+        n_pad = int(padding)
+        if n_pad == 0:
+            return kwargs
+        if not router_loss_requested(module.config, kwargs):
+            return kwargs
+        if not self._router or self._router_receiver is None:
+            raise ValueError(
+                f"{self.model_type}: this row ends with {n_pad} padding tokens (pad_to_multiple_of / length_buckets) "
+                "and the model returns a router load-balancing loss (output_router_logits), which its forward does "
+                "not compute from an attention_mask packing_hf could hand it: the padding would be routed and "
+                "counted like real tokens. Collate without pad_to_multiple_of / length_buckets, or set "
+                "output_router_logits=False"
+            )
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        reference = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        total = int(reference.shape[1])
+        mask = torch.ones(1, total, dtype=torch.long, device=reference.device)  # (1, T)
+        mask[:, total - n_pad :] = 0
+        setattr(mask, ROUTER_MASK_TAG, "handed")
+        return {**kwargs, "attention_mask": mask}
 
     def _pad_stack(
         self, module: torch.nn.Module, args: tuple, kwargs: dict, starts: torch.Tensor
@@ -455,7 +508,8 @@ class PackingPreparation:
         Without images the three mRoPE rows equal the text positions (what the model computes for a lone text
         sample); with images they are computed per sample by the model's own ``get_rope_index``
         (:func:`packing_hf.multimodal.mrope_position_ids`). Transformers reads the first row to keep the
-        samples apart; with 3-row positions it cannot, so those are refused.
+        samples apart; 3-row positions (each sample's own, next to ``cu_seq_lens_q``: the batch guard checked
+        them) get that row from the boundaries.
         """
         position_ids = kwargs.get("position_ids")
         if not isinstance(position_ids, torch.Tensor):
@@ -463,12 +517,11 @@ class PackingPreparation:
         if position_ids.dim() == 3:
             if position_ids.shape[0] == 4:
                 return kwargs
-            raise ValueError(
-                f"{self.model_type}: a packed row came with position_ids of shape {tuple(position_ids.shape)}; "
-                "transformers keeps packed samples apart only with (4, B, T) positions whose first row is the "
-                "text position restarting per sample. Pass (1, T) restarting positions (computed per sample "
-                "here) or build the batch with packing_hf.MultimodalCollator"
+            text = (torch.cumsum(torch.ones_like(starts, dtype=torch.long), dim=-1) - 1).to(
+                position_ids.device
             )
+            text = text - torch.cummax(torch.where(starts.to(text.device), text, 0), dim=-1).values  # (B, T)
+            return {**kwargs, "position_ids": torch.cat([text[None].to(position_ids.dtype), position_ids])}
         kwargs = dict(kwargs)
         if not _media_present(kwargs):
             kwargs["position_ids"] = position_ids[None].expand(4, -1, -1)
@@ -572,6 +625,15 @@ class PackingPreparation:
             f"PackingPreparation({self.model_type}, mask_fix={self.mask_fix}, layers={self.layers}, "
             f"mixers={self.mixers}, {state})"
         )
+
+
+def _drop_router_mask(kwargs: dict) -> None:
+    """Remove from ``kwargs`` the router-loss mask of :meth:`PackingPreparation._router_padding`, marking it
+    received."""
+    mask = kwargs.get("attention_mask")
+    if getattr(mask, ROUTER_MASK_TAG, None) is not None:
+        del kwargs["attention_mask"]
+        setattr(mask, ROUTER_MASK_TAG, "received")
 
 
 def _unpad_output(output: Any, layout: PackedLayout) -> Any:

@@ -15,8 +15,13 @@ True
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import weakref
 from typing import Any
+
+import torch
 
 from ..errors import PackingRefused
 from ..registry import MIXERS_BY_LAYER_TYPE, REGISTRY, support, wrapper_text_config
@@ -26,6 +31,7 @@ __all__ = [
     "bidirectional_attention",
     "check_served_config",
     "config_has_split_model",
+    "flat_positions_dropped_by",
     "mixer_free",
     "needs_preparation",
     "note_split_config",
@@ -284,3 +290,41 @@ def check_served_config(config: Any, *, mixers_split: bool | None = False) -> No
     # attention itself (packing_hf.attention.interface); without layer_types it cannot tell which layers
     if getattr(config, "attention_chunk_size", None) and not layer_types:
         raise PackingRefused("chunked local attention without layer_types", head + _CHUNKED)
+
+
+# a decoder stack that reads (B, T) position_ids as its multimodal-RoPE rows (all equal) and, with fewer than
+# 4 rows (no text row), hands its layers and its mask no positions (transformers 5: Qwen2-VL, GLM-4V, ...)
+_EXPANDS_FLAT_POSITIONS = re.compile(
+    r"position_ids\.ndim == 2:\s*position_ids = position_ids\[None, \.\.\.\]\.expand\((\w+),"
+)
+
+
+@functools.cache
+def _drops_flat_positions(cls: type) -> bool:
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError, AttributeError):
+        return False
+    found = _EXPANDS_FLAT_POSITIONS.search(source)
+    return found is not None and found.group(1) != "4" and "text_position_ids = None" in source
+
+
+def flat_positions_dropped_by(model: Any) -> str | None:
+    """The class name of the decoder stack in ``model`` that hands its layers no ``position_ids`` when given
+    ``(B, T)`` ones, or ``None``.
+
+    Such a stack (the language model of Qwen2-VL, Qwen2.5-VL, GLM-4V in transformers 5) expands ``(B, T)``
+    positions to its 3 multimodal-RoPE rows, which carry no text row, and builds its mask and calls its layers
+    without positions: neither a mask nor packing_hf's attention sees where the packed samples restart. Only
+    ``cu_seq_lens_q`` (read by packing_hf's attention) or the text row of a prepared model keep them apart.
+    Read from the stack's source (feature detection, not a list of model types).
+
+    >>> flat_positions_dropped_by(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        if _drops_flat_positions(type(module)):
+            return type(module).__name__
+    return None

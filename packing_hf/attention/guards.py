@@ -46,13 +46,16 @@ from ..multimodal import PACKED_MEDIA_KEY
 from ..shared_prefix import shared_prefix_position_ids
 from ..varlen import (
     IGNORE_INDEX,
+    PADDING_KEY,
     check_cu_seqlens,
     check_int32_tokens,
+    check_row_padding,
     cu_seqlens_to_position_ids,
     cu_seqlens_to_starts,
+    mrope_position_restarts,
     position_restarts,
 )
-from .admission import needs_preparation, preparation_of
+from .admission import flat_positions_dropped_by, needs_preparation, preparation_of
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
@@ -68,10 +71,16 @@ def _first_true(mask: torch.Tensor) -> int:
 
 
 def _text_positions(position_ids: Any) -> Any:
-    """The ``(B, T)`` text positions: multimodal RoPE ``(4, B, T)`` positions carry them in their first row."""
+    """The ``(B, T)`` text positions the model reads: multimodal RoPE ``(4, B, T)`` positions carry them in their
+    first row; 3-row ``(3, B, T)`` ones carry none (transformers builds the mask without positions): ``None``."""
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
-        return position_ids[0]
+        return position_ids[0] if position_ids.shape[0] == 4 else None
     return position_ids
+
+
+def _is_mrope3(position_ids: Any) -> bool:
+    """Whether ``position_ids`` are 3-row ``(3, B, T)`` multimodal-RoPE positions (temporal, height, width)."""
+    return isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 3
 
 
 def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -93,33 +102,39 @@ def find_packed_boundaries(batch: Mapping[str, Any]) -> torch.Tensor | None:
     cu = batch.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
         return cu_seqlens_to_starts(cu, int(cu[-1]))
-    position_ids = _text_positions(batch.get("position_ids"))
+    raw = batch.get("position_ids")
+    # 3-row multimodal positions: a sample's temporal row never falls, so a fall is a restart
+    mrope = _is_mrope3(raw)
+    position_ids = raw[0] if mrope else _text_positions(raw)
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.shape == position_ids.shape and not bool(mask.all()):
-        starts = _restarts_among(position_ids, mask.to(device=position_ids.device, dtype=torch.bool))
+        valid = mask.to(device=position_ids.device, dtype=torch.bool)
+        starts = _restarts_among(position_ids, valid, falls=mrope)
         if not bool((starts.sum(dim=-1) > 1).any()):  # one sample per row: ordinary padding
             return None
         return starts
-    starts = position_restarts(position_ids)
+    starts = mrope_position_restarts(position_ids) if mrope else position_restarts(position_ids)
     if not bool(starts[:, 1:].any()):
         return None
     return starts
 
 
-def _restarts_among(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _restarts_among(position_ids: torch.Tensor, valid: torch.Tensor, *, falls: bool = False) -> torch.Tensor:
     """``(B, T)`` bool: sample starts counted over the ``valid`` tokens only (padding is skipped over).
 
     A valid token starts a sample when it is the first valid token of its row or its position does not
-    continue that of the previous *valid* token by +1.
+    continue that of the previous *valid* token by +1 (``falls``: is lower than it, the rule of the temporal
+    row of 3-row multimodal positions, :func:`packing_hf.varlen.mrope_position_restarts`).
     """
     columns = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     last_valid = torch.where(valid, columns, -1).cummax(dim=-1).values  # (B, T) latest valid column so far
     previous = torch.full_like(last_valid, -1)
     previous[:, 1:] = last_valid[:, :-1]  # (B, T) the valid column before each token, -1 if none
     prev_pos = position_ids.gather(-1, previous.clamp(min=0))
-    return valid & ((previous < 0) | (position_ids != prev_pos + 1))
+    broken = position_ids < prev_pos if falls else position_ids != prev_pos + 1
+    return valid & ((previous < 0) | broken)
 
 
 def _config_caches(config: Any) -> bool:
@@ -127,6 +142,14 @@ def _config_caches(config: Any) -> bool:
     (``Trainer`` sets ``model.config.use_cache = False`` on the wrapper only)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(getattr(config, "use_cache", True)) or bool(getattr(text, "use_cache", True))
+
+
+def _returns_router_loss(config: Any) -> bool:
+    """Whether the model of ``config`` (or a multimodal wrapper's language model) returns a router loss."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(
+        getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False)
+    )
 
 
 def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -232,7 +255,22 @@ def validate_packed_batch(
             "packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or collate one sample "
             "per row"
         )
+    if (
+        model is not None
+        and preparation is None
+        and out.get(PADDING_KEY) is not None
+        and _returns_router_loss(config)
+    ):
+        raise ValueError(
+            f"model: a packed row padded by pad_to_multiple_of / length_buckets is for a {model_type!r} model that "
+            "returns a router load-balancing loss (output_router_logits=True) and that "
+            "packing_hf.prepare_model_for_packing has not prepared: the loss would count the padding like real "
+            "tokens. Call packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or collate "
+            "without padding"
+        )
     varlen = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    if model is not None and preparation is None:
+        _refuse_dropped_positions(out, model, model_type, varlen)
     reason = needs_preparation(config, varlen=varlen, preparation=preparation) if config is not None else None
     if reason is None:
         return out
@@ -250,11 +288,34 @@ def validate_packed_batch(
     )
 
 
+def _refuse_dropped_positions(out: Mapping[str, Any], model: Any, model_type: Any, varlen: bool) -> None:
+    """Refuse a packed row that an unprepared model's language model reads without its boundaries: it hands its
+    layers and its mask no positions unless they carry a text row (:func:`flat_positions_dropped_by`), so only
+    ``cu_seq_lens_q`` under packing_hf's attention keep the samples apart."""
+    position_ids = out.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return  # the text row reaches the layers and the mask
+    if varlen and out.get("cu_seq_lens_q") is not None:
+        return
+    stack = flat_positions_dropped_by(model)
+    if stack is None:
+        return
+    raise ValueError(
+        f"model: a {model_type!r} model not prepared for packing: its {stack} reads "
+        f"position_ids of shape {tuple(getattr(position_ids, 'shape', ()))} as multimodal-RoPE rows without the "
+        "text row and hands its layers and its mask no positions, so this packed row's samples would attend to "
+        "each other. Call packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or pass "
+        "cu_seq_lens_q/k under attn_implementation=packing_hf.register_attention() "
+        "(PaddingFreeCollator(return_flash_attn_kwargs=True))"
+    )
+
+
 def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
     """:func:`validate_packed_batch`, also returning the ``(B, T)`` sample starts it found (``None``: not packed)."""
     out = dict(batch)
     if out.get(SHARD_KEY) is not None:  # one rank's part of a sequence-parallel row, checked whole when cut
         return out[SHARD_KEY].check_call(out), None
+    _refuse_flat_packed_positions(out)
     starts = find_packed_boundaries(out)
     if starts is None:
         return out, None
@@ -264,11 +325,18 @@ def _validate(batch: Mapping[str, Any], config: Any) -> tuple[dict[str, Any], to
     batch_size, total = shape
     check_int32_tokens(batch_size * total, f"a packed batch of {batch_size} rows")
 
-    position_ids = _text_positions(out.get("position_ids"))
-    if "cu_seq_lens_q" in out and out["cu_seq_lens_q"] is not None:
-        _check_cu_seqlens_positions(out, position_ids, batch_size, total, config)
+    raw = out.get("position_ids")
+    position_ids = _text_positions(raw)
+    has_cu = out.get("cu_seq_lens_q") is not None
+    if _is_mrope3(raw):
+        _check_mrope3_starts(raw, starts, has_cu)
+    if has_cu:
+        _check_cu_seqlens_positions(out, None if _is_mrope3(raw) else position_ids, batch_size, total, config)
     elif isinstance(position_ids, torch.Tensor):
         _check_sample_starts_at_zero(position_ids, starts)
+        if out.get(PADDING_KEY) is not None:
+            host = torch.nonzero(starts[0]).reshape(-1).tolist() + [total] if batch_size == 1 else [0, total]
+            check_row_padding(out[PADDING_KEY], host, total)
     _drop_all_ones_mask(out)
     _turn_cache_off(out, config)
     labels = out.get("labels")
@@ -288,6 +356,10 @@ def _check_cu_seqlens_positions(
     remember_host_values(out["cu_seq_lens_q"], host)
     if out.get("cu_seq_lens_k") is not None:
         out["cu_seq_lens_k"] = out["cu_seq_lens_q"]
+    if out.get(PADDING_KEY) is not None:
+        check_row_padding(out[PADDING_KEY], host, total)
+    if _is_mrope3(out.get("position_ids")):  # checked against the starts by _check_mrope3_starts
+        return
     if position_ids is None:
         raise ValueError(
             "cu_seq_lens_q is given without position_ids: eager/sdpa attention and rotary embeddings would "
@@ -310,6 +382,43 @@ def _check_cu_seqlens_positions(
             f"position {int(expected[bad])} of its sample: positions must restart at 0 at every boundary "
             "of cu_seq_lens_q (and continue the prefix in a shared-prefix branch), or eager/sdpa would "
             f"merge samples; {_FIX_POSITIONS}"
+        )
+
+
+def _refuse_flat_packed_positions(out: Mapping[str, Any]) -> None:
+    """Refuse ``(T,)`` position_ids of a packed row: no batch dimension, which transformers' rotary embeddings
+    and masks need (they fail far from the cause, or the row would be read as unpacked)."""
+    position_ids = out.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 1 or position_ids.numel() < 2:
+        return
+    restarts = position_restarts(position_ids)[1:]
+    if out.get("cu_seq_lens_q") is not None or bool(restarts.any()):
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} describe a packed row (they restart, or "
+            "cu_seq_lens_q is given) but have no batch dimension: transformers' rotary embeddings and masks read "
+            "(B, T) positions. Pass position_ids[None], of shape (1, T) (packing_hf.PaddingFreeCollator does)"
+        )
+
+
+def _check_mrope3_starts(position_ids: torch.Tensor, starts: torch.Tensor, has_cu: bool) -> None:
+    """3-row multimodal positions ``(3, B, T)`` on a packed row: transformers reads no sample boundaries from
+    them, so the row needs ``cu_seq_lens_q``; every row must be 0 at each sample start."""
+    if not has_cu:
+        inner = starts & (starts.long().cumsum(dim=-1) > 1)  # every start but the first of its row
+        row, col = divmod(_first_true(inner), starts.shape[-1])
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} (3-row multimodal RoPE) restart at token {col} of "
+            f"row {row} (a packed row), but transformers reads no sample boundaries from 3-row positions: the "
+            "samples would attend to each other. Pass cu_seq_lens_q/k next to them (packing_hf.MultimodalCollator "
+            "returns them), or (4, B, T) positions whose first row is the text position restarting per sample"
+        )
+    not_zero = starts & (position_ids != 0).any(dim=0)
+    if bool(not_zero.any()):
+        row, col = divmod(_first_true(not_zero), starts.shape[-1])
+        raise ValueError(
+            f"position_ids[:, {row}, {col}] = {position_ids[:, row, col].tolist()} at the start of a packed sample "
+            "(cu_seq_lens_q): every sample's multimodal positions start at 0 (its get_rope_index run alone); "
+            "compute them per sample (packing_hf.multimodal.mrope_position_ids)"
         )
 
 

@@ -29,7 +29,7 @@ import torch
 from .._cache import IdentityCache
 from ..multimodal import refuse_unprepared_media
 from ..padding import PackedLayout
-from ..varlen import check_int32_tokens, position_restarts
+from ..varlen import PADDING_KEY, check_int32_tokens, position_restarts
 from . import host
 from .admission import check_served_config, config_has_split_model, preparation_of, served_config_key
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
@@ -509,6 +509,14 @@ def varlen_attention_forward(
         )
     _check_served(getattr(module, "config", None), module)
     refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
+    if getattr(getattr(module, "config", None), "output_router_logits", False) and PADDING_KEY in kwargs:
+        # a prepared model consumes the key: this one would count the padding in its router loss
+        raise ValueError(
+            "a packed row padded by pad_to_multiple_of / length_buckets reached an MoE model returning a router "
+            "load-balancing loss (output_router_logits=True) that packing_hf.prepare_model_for_packing has not "
+            "prepared: the loss would count the padding like real tokens. Call "
+            "packing_hf.prepare_model_for_packing(model) first (packing_hf.Trainer does), or collate without padding"
+        )
     if kwargs.get("cache") is not None:
         raise ValueError(
             f"{ATTENTION_NAME} does not drive transformers' paged cache (continuous batching); load the model "

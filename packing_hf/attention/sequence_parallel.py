@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
 from ..loss_head import LogitHead, linear_cross_entropy
-from ..registry import support
-from ..varlen import IGNORE_INDEX, position_ids_to_cu_seqlens
+from ..registry import router_loss_coefficient, support
+from ..varlen import IGNORE_INDEX, PADDING_KEY, position_ids_to_cu_seqlens
 from .admission import needs_preparation, preparation_of
 from .guards import validate_packed_batch
 from .interface import ATTENTION_NAME
@@ -41,6 +41,7 @@ __all__ = [
     "SHARD_KEY",
     "SequenceShard",
     "check_sequence_parallel_model",
+    "check_sequence_parallel_router_loss",
     "gather_shard_tokens",
     "sequence_parallel_chunked_loss",
     "sequence_parallel_groups",
@@ -55,6 +56,31 @@ __all__ = [
 
 # the per-token keys a shard keeps (cut), the keys consumed into the shard, and what else it may carry
 _CONSUMED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "labels", LOSS_WEIGHTS_KEY)
+
+
+def check_sequence_parallel_router_loss(config: Any, sp_size: int, model: Any = None) -> None:
+    """Refuse, by name, a model whose own loss adds a router load-balancing loss (MoE, ``output_router_logits``
+    with ``router_aux_loss_coef != 0``) to a loss that sequence parallelism computes from each shard's logits.
+
+    The shards' losses add up to the row's cross-entropy, but not the router loss: it multiplies, per expert, the
+    fraction of the row's tokens routed to it by their mean router probability, two means over the whole row
+    that no rank holds. Computed per shard it would differ; left out (the shard's loss is its logits' alone) the
+    step would silently train without it.
+
+    >>> from types import SimpleNamespace
+    >>> check_sequence_parallel_router_loss(SimpleNamespace(output_router_logits=False), 2)
+    """
+    coefficient = router_loss_coefficient(config, model)
+    if coefficient == 0.0:
+        return
+    model_type = getattr(config, "model_type", type(config).__name__)
+    raise ValueError(
+        f"{model_type}: sequence parallelism (sp_size={sp_size}) computes the loss from each shard's logits, and "
+        f"this model adds a router load-balancing loss to its own (output_router_logits=True, router_aux_loss_coef="
+        f"{coefficient}), which is not a sum over shards (per expert: the row's share of tokens routed to it times "
+        "their mean router probability): it would be left out of the step. Set output_router_logits=False (or "
+        "router_aux_loss_coef=0), or train with sp_size=1"
+    )
 
 
 def check_sequence_parallel_model(model: torch.nn.Module, sp_size: int) -> None:
@@ -223,6 +249,8 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
         size, rank = 1, 0
     checked = _checked_row(batch)
     total = int(checked["input_ids"].shape[1])
+    padding = checked.get(PADDING_KEY)
+    first_padding = total - int(padding) if padding is not None else total
     if total < size:  # a stream's one-token padding batch, or a tiny row: no rank may be left without a token
         checked = _lengthen_row(checked, size)
         total = size
@@ -244,6 +272,9 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
             continue
         if key in ("input_ids", "position_ids"):
             out[key] = value[:, begin:end]
+        elif key == PADDING_KEY:
+            # this shard's part of the padding closing the row (one-token samples added by _lengthen_row follow it)
+            out[key] = torch.tensor(max(0, end - max(begin, first_padding)))
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (1, total):
             raise ValueError(
                 f"the batch's {key!r} {tuple(value.shape)} is per token, and sequence parallelism does not know how "

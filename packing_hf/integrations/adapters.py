@@ -135,7 +135,8 @@ class PackedPreferenceForward:
                 "a packed preference batch needs the padded 'input_ids' and 'labels' of shape (2B, L) next to "
                 "'packed_input_ids' (TRL's DPOTrainer derives labels from input_ids and completion_mask)"
             )
-        kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+        mask = kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+        _refuse_router_loss_over_other_tokens(kwargs, packed_ids, mask)
         if kwargs.get(PREFIX_KEY) is not None:
             implementation = getattr(
                 getattr(base_model(module), "config", None), "_attn_implementation", None
@@ -181,6 +182,28 @@ class PackedPreferenceForward:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == shifted:
                 output[key] = unpack_shifted(value, index, rows, width)
         return output
+
+
+def _refuse_router_loss_over_other_tokens(kwargs: dict, packed_ids: torch.Tensor, mask: Any) -> None:
+    """Refuse a router load-balancing loss (MoE: ``output_router_logits``, TRL's ``aux_loss`` of DPO/KTO) over a
+    packed row that holds other tokens than the padded batch's real ones.
+
+    Stock computes that loss over the tokens its ``attention_mask`` keeps; the packed row (no mask: every token
+    routed) holds the same tokens unless it ends with padding (``pad_to_multiple_of`` / ``length_buckets``) or
+    holds each pair's prompt once (``shared_prompt``), and the loss would then count other tokens.
+    """
+    # TRL asks for the router loss it adds to the DPO/KTO loss by this keyword (router_aux_loss_coef != 0)
+    if not kwargs.get("output_router_logits") or not isinstance(mask, torch.Tensor):
+        return
+    real, packed = int(mask.sum()), int(packed_ids.shape[-1])
+    if packed != real:
+        raise ValueError(
+            f"a packed preference row of {packed} tokens stands for a padded batch of {real} real tokens (padding "
+            "from pad_to_multiple_of / length_buckets, or prompts held once by shared_prompt), and the model "
+            "returns a router load-balancing loss (output_router_logits, TRL's aux_loss), which counts every "
+            "token of the row: it would differ from stock's. Collate without pad_to_multiple_of / length_buckets "
+            "and with shared_prompt=False, or set router_aux_loss_coef=0"
+        )
 
 
 def _gather_row(output: Any, shard: Any) -> None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import transformers
 
 from .._loss import LOSS_WEIGHTS_KEY, loss_counts, loss_numerator, step_denominator, target_coefficients
+from ..registry import router_loss_coefficient
 from .args import PackingArguments
 from .chunked_head import causal_lm_loss, resolve_head
 from .parallel import ParallelPlan, training_mode
@@ -102,6 +103,14 @@ class PackingLossMixin:
         self._packing_user_loss_scaled = self.loss_is_scaled_for_ga
         if self.args.loss_normalization != "token":
             self._check_own_loss(f"loss_normalization={self.args.loss_normalization!r}")
+        if self.parallel_plan.sequence_parallel and not self.wording.own_loss:
+            from ..attention.sequence_parallel import check_sequence_parallel_router_loss
+
+            # a cut row's loss is computed from its shards' logits (integrations/sequence_parallel.py)
+            model = getattr(self, "model", None)
+            check_sequence_parallel_router_loss(
+                getattr(model, "config", None), self.parallel_plan.sp_size, model
+            )
 
     def _check_own_loss(self, what: str) -> None:
         args = self.args
@@ -116,6 +125,15 @@ class PackingLossMixin:
             conflicts.append(f"label_smoothing_factor={args.label_smoothing_factor}: set it to 0")
         if getattr(args, "loss_type", "nll") != "nll":
             conflicts.append(f"TRL's loss_type={args.loss_type!r}: use loss_type='nll'")
+        model = getattr(self, "model", None)
+        coefficient = router_loss_coefficient(getattr(model, "config", None), model)
+        if coefficient or getattr(self, "aux_loss_enabled", False):
+            # the loss here is the logits' alone (the model is called without labels)
+            conflicts.append(
+                f"a router load-balancing loss (MoE: output_router_logits=True, router_aux_loss_coef={coefficient}), "
+                "which the model adds to its own loss and this one would leave out: set output_router_logits=False "
+                "(or router_aux_loss_coef=0)"
+            )
         if self.parallel_plan.engine == "data_parallel":
             conflicts.append(f"{args.n_gpu} GPUs in one process (DataParallel): launch one process per GPU")
         for name, size in self.parallel_plan.shards_sample_tokens.items():

@@ -58,6 +58,7 @@ class PackingSequenceParallelMixin:
         shard's full logits."""
         from ..attention.sequence_parallel import (
             check_sequence_parallel_model,
+            check_sequence_parallel_router_loss,
             sequence_parallel_loss,
             shard_packed_batch,
             shard_row_denominator,
@@ -70,7 +71,10 @@ class PackingSequenceParallelMixin:
                 "sequence parallelism divides every shard's loss by the step's denominator, which the Trainer "
                 "did not count (num_items_in_batch is None); call compute_loss from the training loop"
             )
-        check_sequence_parallel_model(self.accelerator.unwrap_model(model), plan.sp_size)
+        unwrapped = self.accelerator.unwrap_model(model)
+        check_sequence_parallel_model(unwrapped, plan.sp_size)
+        # the loss below is the logits' alone (also checked at set-up: a config changed since is caught here)
+        check_sequence_parallel_router_loss(getattr(unwrapped, "config", None), plan.sp_size, unwrapped)
         row = dict(inputs)
         if weights is not None and training:  # eval_loss stays the unweighted token mean (docs/loss.md)
             row[LOSS_WEIGHTS_KEY] = weights

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..registry import router_loss_coefficient
 from ..streaming import PackedStream, TokenizedStream
 from .preflight import base_model
 
@@ -126,6 +127,19 @@ class PackingStreamMixin:
                     "the Trainer averages the loss of every micro-batch on its own: a padding batch of a streaming "
                     "train_dataset (no labels) would give a NaN loss on several processes; pass compute_loss_func "
                     "(summed token losses / num_items_in_batch) or use one process"
+                )
+            model = base_model(self.model)
+            if router_loss_coefficient(getattr(model, "config", None), model) or getattr(
+                self, "aux_loss_enabled", False
+            ):
+                # the padding batch's pad token is routed: the loss the model adds for it is not a sum over tokens
+                raise ValueError(
+                    "a streaming train_dataset on several processes: a rank whose shard ran out trains on padding "
+                    "batches (one pad token, no label) while the others finish the pass, and this model adds a "
+                    "router load-balancing loss (MoE: output_router_logits=True, router_aux_loss_coef != 0) to its "
+                    "loss, which would route that token and add its load-balancing loss to the step. Set "
+                    "output_router_logits=False (or router_aux_loss_coef=0), materialise the dataset (the "
+                    "multipack sampler gives every rank real batches), or use one process"
                 )
 
     def _packed_stream_of(self, dataset: Any, description: str) -> PackedStream:

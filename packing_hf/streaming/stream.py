@@ -56,6 +56,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._limits import check_int, check_world
 from ..fixed import concatenate_and_pack
 from ..overflow import OverflowPolicy
+from ..varlen import PADDING_KEY
 from .packer import STATE_FORMAT, StreamPacker, check_state, to_plain
 from .reader import TokenizedStream
 
@@ -326,8 +327,12 @@ def fixed_length_rows(
     label is ``label_pad_id``. Use ``max_length = max_tokens_per_batch``.
 
     Yields:
-        ``{"input_ids", "labels", "attention_mask", "position_ids"}``, each ``[1, max_length]`` int64.
-        Labels are the sample's ``labels`` when present, else its ids.
+        ``{"input_ids", "labels", "attention_mask", "position_ids"}``, each ``[1, max_length]`` int64, and
+        :data:`packing_hf.varlen.PADDING_KEY`: how many tokens close the row as padding (0-d int64). Labels are
+        the sample's ``labels`` when present, else its ids. For a model keeping packed samples apart, drop
+        ``attention_mask`` (its zeros are the padding segment, which the positions already keep apart) and keep
+        the padding count: a model prepared by :func:`packing_hf.prepare_model_for_packing` leaves the padding
+        out of an MoE router's load-balancing loss with it, as stock leaves a padded batch's padding out.
 
     >>> rows = fixed_length_rows([[{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]], 8, pad_token_id=0)
     >>> row = next(rows)
@@ -347,4 +352,10 @@ def fixed_length_rows(
         inputs, labels_, masks_, positions = concatenate_and_pack(
             ids, labels, masks, max_length, pad_token_id, label_pad_id, return_position_ids=True
         )
-        yield {"input_ids": inputs, "labels": labels_, "attention_mask": masks_, "position_ids": positions}
+        yield {
+            "input_ids": inputs,
+            "labels": labels_,
+            "attention_mask": masks_,
+            "position_ids": positions,
+            PADDING_KEY: torch.tensor(max_length - total),
+        }

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from packing_hf.architectures import build_tiny_model, prepare_model_for_packing, tiny_config
+from packing_hf.attention.guards import validate_packed_batch
 from packing_hf.multimodal import (
     PACKED_MEDIA_KEY,
     MultimodalCollator,
@@ -101,15 +102,22 @@ def test_a_bidirectional_language_model_is_refused_even_for_text_only_rows():
         prepare_model_for_packing(model)
 
 
-def test_three_row_positions_on_a_packed_row_are_refused():
-    model = build_tiny_model("qwen2_vl", "sdpa")
-    positions = torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5)
-    with prepare_model_for_packing(model), pytest.raises(ValueError, match=r"\(4, B, T\) positions"):
-        model(
-            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
-            position_ids=positions,
-            cu_seq_lens_q=torch.tensor([0, 3, 5]),
-        )
+@pytest.mark.parametrize("implementation", ["sdpa", "packing_hf"])
+def test_three_row_text_positions_of_a_packed_row_without_cu_seq_lens_are_refused(implementation):
+    # transformers reads no sample boundaries from 3-row positions: stock and packing_hf's attention would let the
+    # samples see each other; the guard (prepared, or given the model) names the fix instead
+    model = build_tiny_model("qwen2_vl", implementation)
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5),
+    }
+    with pytest.raises(ValueError, match="3-row multimodal RoPE.* Pass cu_seq_lens_q/k next to them"):
+        validate_packed_batch(batch, model=model)
+    with (
+        prepare_model_for_packing(model),
+        pytest.raises(ValueError, match="Pass cu_seq_lens_q/k next to them"),
+    ):
+        model(**batch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +260,80 @@ def test_qwen_vl_negative_controls_are_caught(qwen_models, model_type):
             model.eval(), samples, {**wrong, "cu_seq_lens_q": batch["cu_seq_lens_q"], "use_cache": False}
         )
         assert logits > 100 * DEFAULT_TOLERANCE, logits
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_the_models_own_three_row_positions_are_accepted(qwen_models, model_type):
+    """``get_rope_index`` gives ``(3, B, T)`` positions: one image sample, and a right-padded batch of two, run as
+    stock runs them (its temporal row is no text position: it does not restart a sample)."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    lone = _alone_kwargs(model, samples[1])  # two images
+    lone["position_ids"], _ = model.model.get_rope_index(
+        lone["input_ids"], lone["mm_token_type_ids"], lone["image_grid_thw"]
+    )
+    width = max(len(s["input_ids"]) for s in samples[:2])
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, sample in enumerate(samples[:2]):
+        ids[row, : len(sample["input_ids"])] = torch.tensor(sample["input_ids"])
+        mask[row, : len(sample["input_ids"])] = 1
+    types = mm_token_types(ids, model.config.image_token_id)
+    grids = torch.cat([samples[0]["image_grid_thw"], samples[1]["image_grid_thw"]])
+    positions, _ = model.model.get_rope_index(ids, types, grids, attention_mask=mask)
+    padded = {
+        "input_ids": ids, "attention_mask": mask, "position_ids": positions, "mm_token_type_ids": types,
+        "image_grid_thw": grids, "use_cache": False,
+        "pixel_values": torch.cat([samples[0]["pixel_values"], samples[1]["pixel_values"]]),
+    }  # fmt: skip
+    assert positions.shape == (3, 2, width)
+    with torch.no_grad():
+        for batch in (lone, padded):
+            stock = model(**batch).logits
+            assert validate_packed_batch(batch, model=model) == {**batch, "use_cache": False}
+            with prepare_model_for_packing(model):
+                prepared = model(**batch).logits
+            assert torch.equal(prepared, stock)
+    # negative control: the temporal row read as the text positions makes the lone sample a packed row, refused
+    with pytest.raises(ValueError, match="begins a packed sample"):
+        validate_packed_batch({**lone, "position_ids": lone["position_ids"][0]}, model=model)
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_three_row_positions_next_to_cu_seq_lens_pack_exactly(qwen_models, model_type):
+    """Each sample's own 3-row positions and the row's boundaries: the prepared model adds the text row."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    batch = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)(
+        samples
+    )
+    three = dict(batch, position_ids=batch["position_ids"][1:])
+    with prepare_model_for_packing(model):
+        logits, grads = _packed_vs_alone(model, samples, three)
+        assert logits <= DEFAULT_TOLERANCE and grads <= DEFAULT_TOLERANCE, (logits, grads)
+        # negative control: image tokens placed by text positions, caught by the same comparison
+        text = batch["position_ids"][:1].expand(3, 1, -1)
+        logits, _ = _packed_vs_alone(model, samples, dict(batch, position_ids=text))
+    assert logits > 100 * DEFAULT_TOLERANCE, logits
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL)
+def test_a_stock_model_needs_use_cache_false_with_multimodal_collator_batches(qwen_models, model_type):
+    """What docs/vlm.md and MultimodalCollator's docstring say: an unprepared wrapper keeps use_cache=True in its
+    text config, and with a cache transformers builds the mask without the packed samples."""
+    model = qwen_models[model_type].eval()
+    samples = _qwen_samples(model)
+    batch = MultimodalCollator(model.model.get_rope_index, image_token_id=model.config.image_token_id)(
+        samples
+    )
+    cu = batch["cu_seq_lens_q"].tolist()
+    assert model.config.get_text_config().use_cache
+    with torch.no_grad():
+        alone = model(**_alone_kwargs(model, samples[-1])).logits[0]
+        exact = model(**batch, use_cache=False).logits[0, cu[-2] :]
+        cached = model(**batch).logits[0, cu[-2] :]  # the default: a cache, samples merged
+    assert float((exact - alone).abs().max()) <= DEFAULT_TOLERANCE
+    assert float((cached - alone).abs().max()) > 100 * DEFAULT_TOLERANCE
 
 
 def test_mrope_positions_restart_per_sample_and_match_the_model_alone(qwen_models):
@@ -613,3 +695,38 @@ def test_malformed_image_inputs_are_refused_by_name(qwen_models, model_type, pro
         with pytest.raises(ValueError, match=f"{model_type}: the packed row: {message}"):
             model(**batch)
         model(**collator(samples))  # negative control: the well-formed row of the same samples is served
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v", "qwen3_vl"])
+def test_validate_packed_batch_refuses_positions_an_unprepared_language_model_drops(model_type):
+    """Qwen2-VL / GLM-4V's language model reads (1, T) positions as 3 mRoPE rows and hands its layers and mask
+    none: under packing_hf's attention too, a restarting row without cu_seq_lens leaks. ``validate_packed_batch``
+    refuses it for the unprepared model, accepts it next to cu_seq_lens_q (exact) or prepared; Qwen3-VL hands its
+    layers the text row (no leak), the control the same checks accept."""
+    from packing_hf import PaddingFreeCollator
+
+    model = build_tiny_model(model_type, "packing_hf").eval()
+    first, second = [3, 4, 5, 6], [7, 8, 9]
+    batch = {
+        "input_ids": torch.tensor([first + second]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+    }
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([second]), use_cache=False).logits[0]
+        leak = (model(**batch, use_cache=False).logits[0, 4:] - alone).abs().max().item()
+    drops = model_type != "qwen3_vl"
+    assert (leak > 100 * DEFAULT_TOLERANCE) == drops, leak
+    if drops:
+        with pytest.raises(ValueError, match=r"hands its layers and its mask no positions.*cu_seq_lens_q"):
+            validate_packed_batch(batch, model=model)
+    else:
+        validate_packed_batch(batch, model=model)
+    flash = PaddingFreeCollator(return_flash_attn_kwargs=True)([{"input_ids": first}, {"input_ids": second}])
+    with torch.no_grad():
+        exact = model(**validate_packed_batch(flash, model=model)).logits[0, 4:]
+    assert (exact - alone).abs().max().item() <= DEFAULT_TOLERANCE
+    with prepare_model_for_packing(model):
+        validate_packed_batch(batch, model=model)
+    if drops:  # sdpa reads no cu_seq_lens: the mask it builds without positions leaks with them too
+        with pytest.raises(ValueError, match="hands its layers and its mask no positions"):
+            validate_packed_batch(flash, model=build_tiny_model(model_type, "sdpa"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import types
 from dataclasses import dataclass, field
 
 import datasets
@@ -477,3 +478,40 @@ def test_reference_made_by_create_reference_model_from_a_prepared_policy(tmp_pat
     else:
         compare()
     handle.revert()
+
+
+class _Scorer(torch.nn.Module):
+    """Stands for a model with TRL's fused LM head (per-token log-probs of the labels), on packing_hf's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(_attn_implementation=packing_hf.ATTENTION_NAME)
+
+    def forward(self, input_ids, labels, fused_lm_head=False, **kwargs):
+        return {"log_probs": (labels[:, 1:] != -100).float() * input_ids[:, 1:]}
+
+
+@pytest.mark.parametrize(
+    "collator", [{"pad_to_multiple_of": 8}, {"length_buckets": [16]}, {"shared_prompt": True}]
+)
+def test_a_router_loss_over_other_tokens_than_stocks_is_refused(collator):
+    """TRL's DPO/KTO ``aux_loss`` (``output_router_logits=True``) counts every token of the packed row; stock's
+    counts the padded batch's real tokens. A row with padding, or with each prompt held once, holds others:
+    refused by name. Controls: the same row without the router loss, and a row of exactly the real tokens."""
+    model = _Scorer()
+    hooks = PackedPreferenceForward(model)
+    pair = {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]}
+    for options, router_loss, refused in (
+        (collator, True, True),
+        (collator, False, False),
+        ({}, True, False),
+    ):
+        batch = PaddingFreePreferenceCollator(**options)([pair])
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        call = dict(batch, labels=labels, fused_lm_head=True, output_router_logits=router_loss)
+        if refused:
+            with pytest.raises(ValueError, match="router load-balancing loss.*pad_to_multiple_of"):
+                model(**call)
+        else:
+            assert model(**call)["log_probs"].shape == (2, batch["input_ids"].shape[1] - 1)
+    hooks.remove()

@@ -276,3 +276,28 @@ def test_an_empty_streaming_eval_set_is_refused_like_a_map_style_one(samples, ti
         trainer.evaluate(eval_dataset=datasets.Dataset.from_list(samples).select([]))
     with pytest.raises(ValueError, match="the dataset is empty"):
         trainer.evaluate(eval_dataset=Rows([]))
+
+
+@pytest.mark.parametrize("coefficient", [0.5, 0.0])
+def test_a_router_loss_is_refused_for_a_stream_on_several_processes(
+    samples, tiny_llama, tmp_path, coefficient
+):
+    """On several processes a rank whose shard ran out trains on one-token padding batches: their pad token adds
+    nothing to the token loss but would be routed and add its router load-balancing loss to the step, so a model
+    adding one (MoE, ``router_aux_loss_coef != 0``) is refused by name; ``router_aux_loss_coef=0`` (the
+    control) and one process (no padding batches) are accepted."""
+    from packing_hf.architectures import build_tiny_model
+
+    trainer = _trainer(tiny_llama, packing_hf.PaddingFreeCollator(), Rows(samples), tmp_path)
+    trainer.model = build_tiny_model("mixtral", packing_hf.register_attention())
+    trainer.model.config.output_router_logits = True
+    trainer.model.router_aux_loss_coef = coefficient
+    trainer._check_stream_settings(Rows(samples))  # one process: no padding batch
+    trainer._data_parallel_world = lambda: (2, 0)
+    if coefficient:
+        with pytest.raises(
+            ValueError, match="padding batches.*router load-balancing loss.*output_router_logits"
+        ):
+            trainer._check_stream_settings(Rows(samples))
+    else:
+        trainer._check_stream_settings(Rows(samples))

@@ -7,6 +7,7 @@ the pre-flight check (refuse, switch, prepare).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import datasets
@@ -444,3 +445,63 @@ def test_eval_is_packed_and_its_loss_is_the_padded_token_mean(gsm8k_tokenized, t
     seen.clear()
     stock.evaluate()
     assert len(seen) == math.ceil(len(eval_rows) / 8)  # stock: per_device_eval_batch_size samples per batch
+
+
+def test_a_padding_collator_leaves_the_router_loss_of_an_moe_model_as_stock(right_padded_batch, tmp_path):
+    """Mixtral with router_aux_loss_coef=0.5 through packing_hf.Trainer and PaddingFreeCollator(pad_to_multiple_of):
+    the first step's loss is stock's on the same samples right-padded (the model's loss with their attention_mask:
+    the padding is not counted by the router's load-balancing loss). Negative control: the same padded rows
+    without the padding's count differ."""
+    from packing_hf.architectures import build_tiny_model
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in (13, 29, 7, 21)]
+    dataset = datasets.Dataset.from_dict({"input_ids": rows})
+
+    def moe():
+        torch.manual_seed(0)
+        model = build_tiny_model("mixtral", "sdpa").train()
+        model.config.output_router_logits = True
+        model.router_aux_loss_coef = 0.5
+        return model
+
+    def first_loss(collator) -> float:
+        args = _args(tmp_path, per_device_train_batch_size=4, max_steps=1, remove_unused_columns=False)
+        trainer = packing_hf.Trainer(model=moe(), args=args, train_dataset=dataset, data_collator=collator)
+        trainer.train()
+        return next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+
+    padding = packing_hf.PaddingFreeCollator(pad_to_multiple_of=64)
+
+    def unmarked(features):
+        from packing_hf.varlen import PADDING_KEY
+
+        return {k: v for k, v in padding(features).items() if k != PADDING_KEY}
+
+    with torch.no_grad():  # stock's first step: the loss of the initial weights on the padded batch
+        stock = float(moe()(**right_padded_batch(rows), use_cache=False).loss)
+    packed = first_loss(padding)
+    assert padding.stats["padding_tokens"] > 0
+    assert math.isclose(packed, stock, rel_tol=1e-6), (packed, stock)
+    leaky = first_loss(unmarked)
+    assert abs(leaky - stock) > 1e-4, (leaky, stock)
+
+
+@pytest.mark.parametrize("coefficient", [0.5, 0.0])
+def test_packing_hfs_own_loss_refuses_a_router_loss_it_would_leave_out(tmp_path, coefficient):
+    """loss_normalization='sample' (or loss_weights) computes the loss from the logits (no labels to the model),
+    which would leave out the router load-balancing loss an MoE model adds to its own: refused by name at
+    set-up. Control: router_aux_loss_coef=0 leaves nothing out and is accepted."""
+    from packing_hf.architectures import build_tiny_model
+
+    model = build_tiny_model("mixtral", "sdpa")
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = coefficient
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7]]})
+    args = _args(tmp_path, max_steps=1, loss_normalization="sample", remove_unused_columns=False)
+    build = functools.partial(packing_hf.Trainer, model=model, args=args, train_dataset=dataset)
+    if coefficient:
+        with pytest.raises(ValueError, match="router load-balancing loss.*output_router_logits=False"):
+            build()
+    else:
+        build()

@@ -178,3 +178,57 @@ def test_the_pre_hook_sees_positional_input_ids():
     ids = batch.pop("input_ids")
     args, kwargs = packed_forward_pre_hook(torch.nn.Module(), (ids,), batch)
     assert args == (ids,) and "input_ids" not in kwargs and kwargs["use_cache"] is False
+
+
+def test_flat_position_ids_of_a_packed_row_are_refused_by_name():
+    # (T,) positions without the batch dimension: transformers' rotary embeddings fail on them far from the cause
+    batch = packed()
+    for flat in ({**batch, "position_ids": batch["position_ids"][0]},
+                 {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"][0]}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"no batch dimension: .*position_ids\[None\]"):
+            validate_packed_batch(flat)
+    # negative control: the same positions with their batch dimension, and flat positions that do not restart
+    validate_packed_batch(batch)
+    plain = {"input_ids": torch.tensor([[5, 6, 7]]), "position_ids": torch.arange(3)}
+    assert validate_packed_batch(plain) == plain
+
+
+def test_three_row_multimodal_positions_are_read_as_the_model_reads_them():
+    # (3, B, T) mRoPE positions carry no text row: an image sample alone (temporal row [0, 1, 2, 2, 2, 3]) is one
+    # sample, not a packed row whose second sample starts at position 2
+    image = torch.tensor([[0, 1, 2, 2, 2, 3], [0, 1, 2, 2, 3, 3], [0, 1, 2, 3, 2, 3]])[:, None]  # (3, 1, 6)
+    alone = {"input_ids": torch.arange(6)[None], "position_ids": image}
+    assert find_packed_boundaries(alone) is None and validate_packed_batch(alone) == alone
+    # negative control: the temporal row read as text positions is refused as a sample starting at position 2
+    with pytest.raises(ValueError, match=r"position_ids\[0, 3\] = 2 begins a packed sample"):
+        validate_packed_batch({**alone, "position_ids": image[0]})
+    # a right-padded batch of two (the model's own positions: padding slots at 1, as get_rope_index leaves them)
+    padded = torch.stack([image[:, 0], torch.tensor([[0, 1, 2, 1, 1, 1]] * 3)], dim=1)  # (3, 2, 6)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": padded, "attention_mask": mask}
+    assert validate_packed_batch(batch) == batch
+
+
+def test_three_row_positions_of_a_packed_row_need_cu_seq_lens():
+    positions = lengths_to_position_ids([3, 2])[None].expand(3, 1, 5)
+    with pytest.raises(ValueError, match="restart at token 3 of row 0 .* Pass cu_seq_lens_q/k next to them"):
+        validate_packed_batch({"input_ids": torch.arange(5)[None], "position_ids": positions})
+    batch = packed((3, 2), position_ids=positions)
+    assert validate_packed_batch(batch)["position_ids"] is positions
+    late = positions.clone()
+    late[2, 0, 3] = 1  # the second sample's width row does not start at 0
+    with pytest.raises(
+        ValueError, match=r"position_ids\[:, 0, 3\] = \[0, 0, 1\] at the start of a packed sample"
+    ):
+        validate_packed_batch(packed((3, 2), position_ids=late))
+
+
+def test_the_padding_key_must_be_the_segment_closing_the_row():
+    from packing_hf.varlen import PADDING_KEY
+
+    validate_packed_batch(packed((3, 2, 4), **{PADDING_KEY: torch.tensor(4)}))
+    validate_packed_batch(packed((3, 2), **{PADDING_KEY: torch.tensor(0)}))
+    with pytest.raises(ValueError, match="says the last 3 tokens of the row are padding"):
+        validate_packed_batch(packed((3, 2, 4), **{PADDING_KEY: torch.tensor(3)}))
+    with pytest.raises(ValueError, match="says the last 4 tokens"):  # the row's only segment is no padding
+        validate_packed_batch(packed((4,), **{PADDING_KEY: torch.tensor(4)}))

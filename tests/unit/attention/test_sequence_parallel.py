@@ -4,6 +4,7 @@ and every refusal names its fix. The multi-process exactness (sp=2, sp=4, DP x S
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -186,3 +187,67 @@ def test_shards_refuse_what_they_cannot_cut_or_a_changed_call():
             model(**dict(shard, **{SHARD_KEY: cut}))
         with pytest.raises(ValueError, match="attention_mask was passed next to a sequence-parallel shard"):
             model(**shard, attention_mask=torch.ones_like(shard["input_ids"]))
+
+
+def test_each_shard_carries_its_part_of_the_padding_closing_the_row(monkeypatch):
+    """``PADDING_KEY`` (the padding of pad_to_multiple_of / length_buckets) counts the tail of the whole row: every
+    rank's shard gets the count of its own tail, which is padding (the rank's group is faked: one process)."""
+    from packing_hf.varlen import PADDING_KEY
+
+    row = PaddingFreeCollator(pad_to_multiple_of=16)(
+        [{"input_ids": list(range(1, 8))}, {"input_ids": [3, 4, 5]}]
+    )
+    assert row["input_ids"].shape[1] == 16 and int(row[PADDING_KEY]) == 6
+    monkeypatch.setattr(
+        sequence_parallel, "_check_same_row", lambda *args: None
+    )  # the all-gather of the group
+    monkeypatch.setattr(sequence_parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group=None: 3)
+    counts, tails = [], []
+    for rank in range(3):
+        monkeypatch.setattr(sequence_parallel.dist, "get_rank", lambda group=None, rank=rank: rank)
+        shard = shard_packed_batch(row)
+        counts.append(int(shard[PADDING_KEY]))
+        ids = shard["input_ids"][0]
+        tails.append(ids[ids.numel() - counts[-1] :].tolist())
+    assert counts == [0, 1, 5]  # shards of 6, 5, 5 tokens: the row's last 6 are padding
+    assert all(all(t == 0 for t in tail) for tail in tails)  # pad_token_id 0: exactly the padding
+
+
+def _mixtral(coefficient: float):
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=coefficient,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).float()
+
+
+@pytest.mark.parametrize("coefficient", [0.5, 0.0])
+def test_a_router_loss_is_refused_at_set_up_and_in_the_loss_route(coefficient):
+    """The SP loss is the shards' logits' alone: a router load-balancing loss (not a sum over shards) would be
+    left out of the step, so a model adding one to its loss is refused by name, where the trainer sets up SP and
+    in the loss route; ``router_aux_loss_coef=0`` (nothing left out) is the negative control and runs."""
+    from packing_hf.integrations.loss import PackingLossMixin
+    from packing_hf.integrations.sequence_parallel import PackingSequenceParallelMixin
+
+    model = _mixtral(coefficient)
+    plan = SimpleNamespace(sequence_parallel=True, sp_size=2, sp_group=None, world_size=1)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(loss_normalization="token"), parallel_plan=plan, wording=SimpleNamespace(own_loss=False),
+        loss_is_scaled_for_ga=False, model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )  # fmt: skip
+
+    def refused():
+        message = r"sp_size=2.*router load-balancing loss.*output_router_logits=False"
+        return pytest.raises(ValueError, match=message) if coefficient else contextlib.nullcontext()
+
+    with refused():
+        PackingLossMixin._loss_setup(trainer)
+    model.train()
+    batch = _row()
+    with refused():
+        loss = PackingSequenceParallelMixin._sequence_parallel_loss(trainer, model, batch, None, 6, False)
+    if not coefficient:
+        assert torch.isfinite(loss)
