@@ -51,6 +51,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="llama", hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
     ),
+    "small": dict(  # width 256 (issue 49: a model wider than tiny that a CPU still trains in minutes)
+        model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    ),
     "smollm2-135m": dict(
         model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, tie_word_embeddings=True, vocab_size=49152, rope_theta=100000.0,
