@@ -427,8 +427,9 @@ def rebalance_micro_batches(
 def rebalance_equal_memory(lengths: Sequence[int], budget: int, grad_accum: int) -> int:
     """The largest effective batch size (samples per optimizer step) for which every micro-batch of
     ``BatchRebalanceSampler`` (``grad_accum`` micro-batches per step, padded to their longest) fits ``budget``
-    padded tokens over the epoch, found by bisection over sizes whose last step has a micro-batch for every slot
-    (a smaller tail would repeat samples); the result is checked on the epoch's own micro-batches."""
+    padded tokens over the epoch, found by bisection over the sizes the Trainer can ask for
+    (``per_device_train_batch_size * grad_accum``) whose last step has a micro-batch for every slot (a smaller
+    tail would repeat samples); every candidate is checked on the epoch's own micro-batches."""
     lengths = list(lengths)
     n = len(lengths)
 
@@ -436,7 +437,7 @@ def rebalance_equal_memory(lengths: Sequence[int], budget: int, grad_accum: int)
         plan = rebalance_micro_batches(lengths, size, grad_accum)
         return max(len(b) * max(lengths[i] for i in b) for b in plan) <= budget
 
-    sizes = [s for s in range(grad_accum, n + 1) if n % s == 0 or n % s >= grad_accum]
+    sizes = [s for s in range(grad_accum, n + 1, grad_accum) if n % s == 0 or n % s >= grad_accum]
     if not sizes or not fits(sizes[0]):
         raise ValueError(
             f"batch_rebalance: {grad_accum} micro-batches of one sample each exceed the budget {budget}"
