@@ -314,7 +314,8 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
         bf16=False, fp16=False, dataloader_num_workers=0, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
     if name == "packing_hf":
-        config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, **common)
+        # max_length: TRL's default (1024) would cut the long-tail mix's conversations; none is over the budget
+        config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, max_length=args.budget, **common)
         data = datasets.Dataset.from_dict({"input_ids": samples})
         return packing_hf.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     if name in ("trl_bfd", "trl_padding_free"):
