@@ -307,8 +307,11 @@ def batching_statistics(
         a low ``cv``); ``emitted_max_over_budget``: the largest micro-batch's emitted tokens over ``budget`` (what
         the peak activation memory follows: <= 1 at equal memory) and ``micro_batches_over_budget``;
         ``fill``: real over emitted tokens; ``step_mean_length_std``: the std across steps of a step's mean sample
-        length, ``mixing_ratio``: that over the same std for random steps of the same sample counts (the samples
-        shuffled, mean of ``shuffles``): ~1 is mixed like random batches, large is length-homogeneous steps;
+        length, ``mixing_ratio``: that over the same std for random steps cut the same way (the samples shuffled,
+        mean of ``shuffles``; ``mixing_reference`` says how: steps of the same sample counts where every step but
+        the last holds as many samples, else steps of at most ``budget`` tokens, filled in the shuffled order as
+        next-fit does, since a token budget couples a step's sample count to its lengths): ~1 is mixed like random
+        batches, large is length-homogeneous steps;
         ``position_corr``: Pearson's r of a step's mean length with its index in the epoch (a trend over the
         epoch), ``lag1_autocorr``: of consecutive steps' mean lengths (runs of long or short steps).
     """
@@ -319,10 +322,20 @@ def batching_statistics(
     means = np.array([np.mean(s) for s in lengths])
     counts = [len(s) for s in lengths]
     flat = np.concatenate([np.asarray(s, np.float64) for s in lengths])
-    cuts = np.cumsum(counts)[:-1]
+    fixed_count = len(set(counts[:-1])) <= 1
     random_std = []
     for seed in range(shuffles):
-        parts = np.split(np.random.default_rng(seed).permutation(flat), cuts)
+        shuffled = np.random.default_rng(seed).permutation(flat)
+        if fixed_count:
+            parts = np.split(shuffled, np.cumsum(counts)[:-1])
+        else:  # next-fit: a step closes when the next sample would take it over the budget
+            parts, start, total = [], 0, 0.0
+            for k, n in enumerate(shuffled):
+                if total + n > budget and k > start:
+                    parts.append(shuffled[start:k])
+                    start, total = k, 0.0
+                total += n
+            parts.append(shuffled[start:])
         random_std.append(float(np.std([p.mean() for p in parts])))
     reference = float(np.mean(random_std))
     std = float(means.std())
@@ -338,6 +351,7 @@ def batching_statistics(
         "step_mean_length_std": std,
         "random_step_mean_length_std": reference,
         "mixing_ratio": std / reference if reference else None,
+        "mixing_reference": "same sample counts" if fixed_count else "next-fit at the budget",
         "position_corr": _correlation(np.arange(means.size, dtype=np.float64), means),
         "lag1_autocorr": _correlation(means[:-1], means[1:]) if means.size > 3 else None,
     }

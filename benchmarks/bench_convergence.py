@@ -115,7 +115,7 @@ def parse_args():
     )  # fmt: skip
     parser.add_argument("--width", type=int, default=64, help="hidden size (intermediate 4x, heads of 16)")
     parser.add_argument(
-        "--noise-steps", type=int, default=None, help="steps probed for grad_noise (default 64)"
+        "--noise-steps", type=int, default=None, help="steps probed for grad_noise (default 24)"
     )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
@@ -126,7 +126,7 @@ def parse_args():
     args = parser.parse_args()
     defaults = dict(
         rows=(48, 1200), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20),
-        noise_steps=(8, 64),
+        noise_steps=(8, 24),
     )  # fmt: skip
     for key, (quick, full) in defaults.items():
         if getattr(args, key) is None:
