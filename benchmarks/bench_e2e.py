@@ -47,6 +47,7 @@ Presets: ``tiny`` (2-layer Llama, hidden 64, the vocabulary remapped to the ids 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from typing import Any
@@ -123,6 +124,11 @@ def parse_args():
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
+    parser.add_argument(
+        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
+        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
+        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
+    )  # fmt: skip
     parser.add_argument(
         "--loss-head",
         choices=("chunked", "model"),
@@ -225,7 +231,13 @@ def real_tokens(batch: dict[str, Any]) -> int:
 
 class Contender:
     def __init__(
-        self, name: str, model, steps: list[list[dict[str, Any]]], device: str, chunked: bool
+        self,
+        name: str,
+        model,
+        steps: list[list[dict[str, Any]]],
+        device: str,
+        chunked: bool,
+        cpu_memory: bool = True,
     ) -> None:
         self.name, self.model, self.batches, self.device = name, model, steps, device
         self.chunked = (
@@ -239,14 +251,14 @@ class Contender:
         self.emitted = []  # per micro-batch, padding included
         self.peak_bytes = 0
         self.step_peaks: list[int] = []  # CUDA: max_memory_allocated in the step; CPU: peak resident growth
-        self.rss = PeakRSS() if device == "cpu" else None
+        self.rss = PeakRSS() if device == "cpu" and cpu_memory else None
 
     def step(self) -> None:
         step = [moved(batch, self.device) for batch in self.batches[self.done]]
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        elif self.rss.available:
+        elif self.rss is not None and self.rss.available:
             self.rss.start()
         start = time.perf_counter()
         try:
@@ -262,7 +274,7 @@ class Contender:
             torch.cuda.synchronize()
             self.step_peaks.append(torch.cuda.max_memory_allocated())
             self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
-        elif self.rss.available:
+        elif self.rss is not None and self.rss.available:
             self.step_peaks.append(self.rss.growth())
         self.seconds += time.perf_counter() - start
         for batch in self.batches[self.done]:
@@ -313,7 +325,7 @@ def main() -> None:
         model.load_state_dict(init)
         batches = epoch_batches(name, samples, args.budget, args.seed)
         chunked = name == "packing_hf" and args.loss_head == "chunked"
-        contenders.append(Contender(name, model, batches, args.device, chunked))
+        contenders.append(Contender(name, model, batches, args.device, chunked, args.cpu_memory))
     del reference
     real_total = sum(map(len, samples))
     for c in contenders:  # one untimed warm-up step each (kernels, allocator): its gradients are dropped

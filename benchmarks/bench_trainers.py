@@ -70,6 +70,7 @@ first conversion), and random-init ``smollm2-135m``, ``qwen3-0.6b``, ``llama-1b`
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import importlib.util
@@ -140,6 +141,11 @@ def parse_args():
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
+    parser.add_argument(
+        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
+        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
+        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
+    )  # fmt: skip
     parser.add_argument(
         "--sizing", choices=("tokens", "memory"), default="tokens",
         help="fixed-count contenders sized to the packers' mean real tokens per step, or every contender to the "
@@ -240,12 +246,12 @@ class BatchRecorder:
 class StepTimer(TrainerCallback):
     """The end time of every optimizer step (CUDA: synchronised first) and the run's peak CUDA memory."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, cpu_memory: bool = True) -> None:
         self.cuda = device == "cuda"
         self.marks: list[float] = []
         self.peak_bytes = 0
         self.step_peaks: list[int] = []  # per optimizer step: CUDA max_memory_allocated, CPU peak RSS growth
-        self.rss = None if self.cuda else PeakRSS()
+        self.rss = PeakRSS() if not self.cuda and cpu_memory else None
 
     def _now(self) -> float:
         if self.cuda:
@@ -260,7 +266,7 @@ class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        elif self.rss.available:
+        elif self.rss is not None and self.rss.available:
             self.rss.start()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -268,7 +274,7 @@ class StepTimer(TrainerCallback):
         if self.cuda:
             self.step_peaks.append(torch.cuda.max_memory_allocated())
             self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
-        elif self.rss.available:
+        elif self.rss is not None and self.rss.available:
             self.step_peaks.append(self.rss.growth())
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -369,7 +375,7 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(name, model, samples, tokenizer, args, output_dir)
         recorder = trainer.data_collator = BatchRecorder(trainer.data_collator)
-        timer = StepTimer(args.device)
+        timer = StepTimer(args.device, args.cpu_memory)
         trainer.add_callback(timer)
         if args.batches_only:  # the epoch's batches as the trainer's own dataloader makes them, no model step
             for _ in trainer.get_train_dataloader():
