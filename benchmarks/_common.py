@@ -203,3 +203,264 @@ def write_json(name: str, payload: dict[str, Any], args: argparse.Namespace | No
     output.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {output.relative_to(ROOT) if output.is_relative_to(ROOT) else output}")
     return output
+
+
+# ---- data mixes (issue 49: packing against length-grouped padded batches) --------------------------------
+
+#: ``blend``: every real set at once (GSM8K train, GPTeacher, Alpaca-GPT4 1k); ``gsm8k``; ``alpaca_gpteacher``
+#: (instructions of a wide length spread); ``long_tail``: multi-turn conversations of real samples, their turn
+#: counts long-tailed, each up to the budget (see :func:`mix_token_ids`).
+MIXES = ("blend", "gsm8k", "alpaca_gpteacher", "long_tail")
+
+
+def mix_token_ids(mix: str, tokenizer, n: int, seed: int, budget: int) -> list[list[int]]:
+    """``n`` samples of a data mix as token ids (the SmolLM2 tokenizer, Alpaca template + answer + EOS), shuffled
+    with ``seed``. None is longer than ``budget``: a sample that is is an error, never cut (except in ``blend``,
+    whose benchmarks cut at the budget as before; none of its samples is longer than 1k tokens).
+
+    ``long_tail`` conversations have ``ceil(exp(N(1.0, 1.1)))`` turns (median 3, mean ~5, a few of 20+: the
+    distribution of benchmarks/bench_cost.py), every turn a real sample of the blend drawn at random; a
+    conversation ends before a turn that would take it over ``budget`` (so the longest reach the budget, none
+    passes it, and nothing is cut).
+    """
+    from bench_sampler import alpaca_text, real_datasets
+
+    if mix not in MIXES:
+        raise ValueError(f"unknown data mix {mix!r}; choose from {MIXES}")
+    data = real_datasets(False)
+    sources = {
+        "blend": [r for rows in data.values() for r in rows],
+        "gsm8k": data["gsm8k_train"],
+        "alpaca_gpteacher": data["gpteacher"] + data["alpaca_gpt4_1k"],
+        "long_tail": [r for rows in data.values() for r in rows],
+    }
+    records = sources[mix]
+    rng = np.random.default_rng(seed)
+    eos = tokenizer.eos_token
+    if mix != "long_tail":
+        order = rng.permutation(len(records))[:n]
+        ids = tokenizer([alpaca_text(records[i], eos) for i in order])["input_ids"]
+        if mix == "blend":
+            return [x[:budget] for x in ids]
+        too_long = max(map(len, ids))
+        if too_long > budget:
+            raise SystemExit(
+                f"--mix {mix}: a sample of {too_long} tokens is longer than --budget {budget}; raise it"
+            )
+        return ids
+    turns = np.ceil(np.exp(rng.normal(1.0, 1.1, n))).astype(np.int64)
+    picked = rng.integers(0, len(records), int(turns.sum()))
+    unique, inverse = np.unique(picked, return_inverse=True)
+    pool = tokenizer([alpaca_text(records[i], eos) for i in unique])["input_ids"]
+    conversations, start = [], 0
+    for count in turns:
+        conversation: list[int] = []
+        for k in inverse[start : start + count]:
+            if len(conversation) + len(pool[k]) > budget:
+                break
+            conversation += pool[k]
+        if not conversation:
+            raise SystemExit(
+                f"--mix long_tail: a turn of {len(pool[inverse[start]])} tokens is longer than --budget"
+            )
+        conversations.append(conversation)
+        start += count
+    return conversations
+
+
+# ---- what a batching does to the steps (issue 49's "real edges") -------------------------------------------
+
+
+def spread_stats(values: Sequence[float]) -> dict[str, float]:
+    """``min``, ``median``, ``max``, ``mean`` and the coefficient of variation ``cv`` (std / mean) of ``values``."""
+    array = np.asarray(values, dtype=np.float64)
+    mean = float(array.mean())
+    return {
+        "min": float(array.min()),
+        "median": float(np.median(array)),
+        "max": float(array.max()),
+        "mean": mean,
+        "cv": float(array.std() / mean) if mean else 0.0,
+    }
+
+
+def _correlation(x: np.ndarray, y: np.ndarray) -> float | None:
+    if x.size < 3 or x.std() == 0 or y.std() == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def batching_statistics(
+    steps: Sequence[Sequence[tuple[Sequence[int], int]]], budget: int, shuffles: int = 5
+) -> dict[str, Any]:
+    """How a batching shapes the steps of one epoch: tokens per step, padding and memory, and how mixed the steps are.
+
+    Args:
+        steps: per optimizer step, its micro-batches, each ``(sample lengths, emitted tokens)``: the emitted
+            tokens count the padding (a padded ``(B, L)`` batch emits ``B * L``; a packed row its real tokens).
+        budget: the tokens one micro-batch may hold at equal memory (a packed row's budget; a padded batch's
+            ``B * L``).
+        shuffles: random batchings of the same samples the mixing is compared with.
+
+    Returns a dict of:
+        ``real_tokens_per_step`` / ``real_tokens_per_micro_batch``: :func:`spread_stats` (constant tokens per step:
+        a low ``cv``); ``emitted_max_over_budget``: the largest micro-batch's emitted tokens over ``budget`` (what
+        the peak activation memory follows: <= 1 at equal memory) and ``micro_batches_over_budget``;
+        ``fill``: real over emitted tokens; ``step_mean_length_std``: the std across steps of a step's mean sample
+        length, ``mixing_ratio``: that over the same std for random steps cut the same way (the samples shuffled,
+        mean of ``shuffles``; ``mixing_reference`` says how: steps of the same sample counts where every step but
+        the last holds as many samples, else steps of at most ``budget`` tokens, filled in the shuffled order as
+        next-fit does, since a token budget couples a step's sample count to its lengths): ~1 is mixed like random
+        batches, large is length-homogeneous steps;
+        ``position_corr``: Pearson's r of a step's mean length with its index in the epoch (a trend over the
+        epoch), ``lag1_autocorr``: of consecutive steps' mean lengths (runs of long or short steps).
+    """
+    lengths = [[n for lens, _ in step for n in lens] for step in steps]
+    tokens = [sum(s) for s in lengths]
+    micro_real = [sum(lens) for step in steps for lens, _ in step]
+    micro_emitted = [emitted for step in steps for _, emitted in step]
+    means = np.array([np.mean(s) for s in lengths])
+    counts = [len(s) for s in lengths]
+    flat = np.concatenate([np.asarray(s, np.float64) for s in lengths])
+    fixed_count = len(set(counts[:-1])) <= 1
+    random_std = []
+    for seed in range(shuffles):
+        shuffled = np.random.default_rng(seed).permutation(flat)
+        if fixed_count:
+            parts = np.split(shuffled, np.cumsum(counts)[:-1])
+        else:  # next-fit: a step closes when the next sample would take it over the budget
+            parts, start, total = [], 0, 0.0
+            for k, n in enumerate(shuffled):
+                if total + n > budget and k > start:
+                    parts.append(shuffled[start:k])
+                    start, total = k, 0.0
+                total += n
+            parts.append(shuffled[start:])
+        random_std.append(float(np.std([p.mean() for p in parts])))
+    reference = float(np.mean(random_std))
+    std = float(means.std())
+    return {
+        "steps": len(steps),
+        "micro_batches": len(micro_real),
+        "samples_per_step": spread_stats(counts),
+        "real_tokens_per_step": spread_stats(tokens),
+        "real_tokens_per_micro_batch": spread_stats(micro_real),
+        "emitted_max_over_budget": max(micro_emitted) / budget,
+        "micro_batches_over_budget": sum(e > budget for e in micro_emitted),
+        "fill": sum(micro_real) / sum(micro_emitted),
+        "step_mean_length_std": std,
+        "random_step_mean_length_std": reference,
+        "mixing_ratio": std / reference if reference else None,
+        "mixing_reference": "same sample counts" if fixed_count else "next-fit at the budget",
+        "position_corr": _correlation(np.arange(means.size, dtype=np.float64), means),
+        "lag1_autocorr": _correlation(means[:-1], means[1:]) if means.size > 3 else None,
+    }
+
+
+def pin_mmap_threshold(threshold: int = 128 * 1024) -> bool:
+    """Fix glibc's ``mmap`` threshold (``mallopt(M_MMAP_THRESHOLD)``; its initial value by default), which turns off
+    its dynamic raise: by default a freed block of up to 32 MiB raises the threshold, later blocks of that size come
+    from the heap, which keeps freed memory, and a step's peak resident memory then no longer follows its tensors.
+    Pinned, every block above ``threshold`` is mapped and given back when freed (measured here: a tiny Llama's
+    step at 256 / 512 / 1,024 / 2,048 tokens grows the peak by 26 / 53 / 107 / 214 MiB every time; unpinned, the
+    same steps read 0 to 230 MiB). It costs every contender alike some page faults (~15 % CPU time on a tiny model).
+    Returns False where there is no glibc (the figures are then what the allocator gives)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).mallopt(-3, threshold))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakRSS:
+    """The growth of this process's peak resident memory over a span, on CPU (Linux): ``start()`` resets the peak
+    (``/proc/self/clear_refs``, the kernel's ``VmHWM`` reset), ``growth()`` is the peak since then minus the
+    resident memory at ``start()``, in bytes. With :func:`pin_mmap_threshold` (called here) large tensors are
+    ``mmap``-ed and given back when freed, so the peak follows a step's activations. ``available`` is False where
+    the reset is refused."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.pinned = pin_mmap_threshold()
+        try:
+            self.start()
+            self.available = True
+        except OSError:
+            self.available = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise OSError(f"/proc/self/status has no {key}")
+
+    def start(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = self._status("VmRSS")
+
+    def growth(self) -> int:
+        return self._status("VmHWM") - self.base
+
+
+# ---- equal memory: every contender's micro-batch within the same padded tokens -----------------------------
+
+
+def equal_memory_batch_size(lengths: Sequence[int], budget: int) -> int:
+    """The samples per padded batch whose worst case fits ``budget`` padded tokens: ``budget // longest`` (how a
+    user sizes ``per_device_train_batch_size`` so that no step runs out of memory). With ``group_by_length`` the
+    batch that holds the longest sample is padded to it all the same, so grouping cannot take more."""
+    longest = max(lengths)
+    if longest > budget:
+        raise ValueError(f"a sample of {longest} tokens is longer than the budget {budget}; raise it")
+    return budget // longest
+
+
+def rebalance_micro_batches(
+    lengths: Sequence[int], effective_batch_size: int, grad_accum: int, seed: int = 42, epoch: int = 0
+) -> list[list[int]]:
+    """transformers' ``BatchRebalanceSampler`` on one device as the Trainer builds it (its default seed 42,
+    ``dataloader_drop_last=False``): the micro-batches of one epoch, ``grad_accum`` per optimizer step."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    sampler = BatchRebalanceSampler(
+        lengths=list(lengths), effective_batch_size=effective_batch_size, dp_size=1, grad_accum=grad_accum,
+        seed=seed, drop_last=False,
+    )  # fmt: skip
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def rebalance_equal_memory(lengths: Sequence[int], budget: int, grad_accum: int) -> int:
+    """The largest effective batch size (samples per optimizer step) for which every micro-batch of
+    ``BatchRebalanceSampler`` (``grad_accum`` micro-batches per step, padded to their longest) fits ``budget``
+    padded tokens over the epoch, found by bisection over the sizes the Trainer can ask for
+    (``per_device_train_batch_size * grad_accum``) whose last step has a micro-batch for every slot (a smaller
+    tail would repeat samples); every candidate is checked on the epoch's own micro-batches."""
+    lengths = list(lengths)
+    n = len(lengths)
+
+    def fits(size: int) -> bool:
+        plan = rebalance_micro_batches(lengths, size, grad_accum)
+        return max(len(b) * max(lengths[i] for i in b) for b in plan) <= budget
+
+    sizes = [s for s in range(grad_accum, n + 1, grad_accum) if n % s == 0 or n % s >= grad_accum]
+    if not sizes or not fits(sizes[0]):
+        raise ValueError(
+            f"batch_rebalance: {grad_accum} micro-batches of one sample each exceed the budget {budget}"
+        )
+    low, high = 0, len(sizes) - 1  # sizes[low] fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(sizes[mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return sizes[low]

@@ -15,7 +15,23 @@ warmup + cosine schedule:
 - ``multipack``: ``MultipackBatchSampler`` (default ``mixing="random"``) + ``PaddingFreeCollator``;
 - ``multipack_sorted``: the same with ``mixing="sorted"`` (best-fit decreasing, the old default);
 - ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd")`` rows in a random order, one row per step,
-  collated by ``PaddingFreeCollator`` (which reads their ``seq_lengths``).
+  collated by ``PaddingFreeCollator`` (which reads their ``seq_lengths``);
+- ``group_by_length``: ``padded``'s batch size (the same steps and real tokens per step on average) in the order
+  of transformers' ``LengthGroupedSampler`` (``train_sampling_strategy="group_by_length"``: the samples shuffled,
+  mega-batches of 50 batches each sorted by length): length-homogeneous padded batches, sdpa;
+- ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``,
+  one device): ``padded``'s samples per step in ``max(4, --grad-accum)`` padded micro-batches of balanced cost,
+  sdpa.
+
+Issue 49's quality question (does a batching that groups lengths train worse?) is the eval loss of
+``group_by_length`` and ``batch_rebalance`` against ``padded`` and ``multipack``; beside it, for every contender,
+how it shapes the steps (``_common.batching_statistics`` of its epoch: real tokens per step with their CV, the
+``mixing_ratio`` of a step's mean length spread against random steps, its correlation with the step's position)
+and two gradient-noise proxies: ``grad_noise``, on the first seed, the token-weighted mean over the epoch's steps
+of ``|g_step - g|^2 / |g|^2`` at one set of weights for all (``padded``'s at the end of its epoch; ``g_step`` the
+gradient of the step's loss, ``g`` the whole epoch's, the same for every contender; at most ``--noise-steps``
+steps drawn at random), and ``loss_jitter``, the std of a step's training loss around the median of its 9
+neighbours over the second half of the epoch.
 
 The loss of a step is the sum of the token losses over every micro-batch of the step divided by the
 number of label tokens in the whole step (``num_items_in_batch``, as the HF Trainer does), also under
@@ -28,9 +44,10 @@ Token ids are remapped to the ids that occur in the data (a few thousand instead
 text and tokenization with a smaller embedding / LM head, identical for every contender, so that a
 CPU epoch takes about a minute.
 
-Run from the project root: ``python benchmarks/bench_convergence.py`` (full: 1,200 rows, 3 seeds,
-~15-30 min on 2 shared cores; writes ``benchmarks/results/convergence.json`` and ``convergence.png``)
-or ``--quick`` (48 rows, one seed, ~10 steps per contender; for CI).
+Run from the project root: ``python benchmarks/bench_convergence.py`` (full: 1,200 rows, 3 seeds, every
+contender: ~15 min on 2 idle cores; writes ``benchmarks/results/convergence.json`` and ``convergence.png``)
+or ``--quick`` (48 rows, one seed, ~10 steps per contender; for CI). ``--mix`` trains on another data mix
+(``_common.MIXES``; its eval set: held-out samples of the same mix), ``--width 256`` a wider model.
 """
 
 from __future__ import annotations
@@ -44,13 +61,34 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, base_parser, gsm8k_token_ids, load_tokenizer, print_table, write_json
+from _common import (
+    MIXES,
+    RESULTS_DIR,
+    base_parser,
+    batching_statistics,
+    gsm8k_token_ids,
+    load_tokenizer,
+    mix_token_ids,
+    print_table,
+    rebalance_micro_batches,
+    write_json,
+)
 
 import packing_hf
 from packing_hf import PaddingFreeCollator
 from packing_hf.sampler import MultipackBatchSampler
 
-CONTENDERS = ("padded", "flattened", "multipack", "multipack_sorted", "trl_bfd")
+CONTENDERS = (
+    "padded",
+    "flattened",
+    "multipack",
+    "multipack_sorted",
+    "trl_bfd",
+    "group_by_length",
+    "batch_rebalance",
+)
+PADDED = ("padded", "group_by_length", "batch_rebalance")  # padded batches, sdpa with a mask
+REBALANCE_MICRO_BATCHES = 4
 PACKED_ATTENTION = packing_hf.register_attention()
 # the harness check: flattened must follow padded to float noise (fp32; the trajectories only differ
 # by the order of floating-point sums in attention and the loss)
@@ -68,8 +106,21 @@ def parse_args():
         "--harness-seeds", type=int, default=1, help="seeds that also train 'flattened' (the harness check)"
     )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--lr", type=float, default=None,
+        help="peak learning rate (default 3e-3 * 64 / width: at width 256 and 3e-3 the long-tail mix trains unstably "
+        "and float noise between padded and flattened grows 10x a step, failing the harness check)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--mix", choices=("gsm8k_qa", *MIXES[1:]), default="gsm8k_qa",
+        help="gsm8k_qa (default: GSM8K as 'Question: ... Answer: ...', eval on its test split) or a mix of "
+        "_common.MIXES (Alpaca template; eval on held-out samples of the mix)",
+    )  # fmt: skip
+    parser.add_argument("--width", type=int, default=64, help="hidden size (intermediate 4x, heads of 16)")
+    parser.add_argument(
+        "--noise-steps", type=int, default=None, help="steps probed for grad_noise (default 24)"
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -78,11 +129,14 @@ def parse_args():
     )
     args = parser.parse_args()
     defaults = dict(
-        rows=(48, 1200), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20)
-    )
+        rows=(48, 1200), eval_rows=(16, 128), budget=(1024, 2048), seeds=(1, 3), eval_every=(4, 20),
+        noise_steps=(8, 24),
+    )  # fmt: skip
     for key, (quick, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
+    if args.lr is None:
+        args.lr = 3e-3 * 64 / args.width
     unknown = set(args.contenders.split(",")) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contenders {sorted(unknown)}; choose from {CONTENDERS}")
@@ -96,8 +150,12 @@ def parse_args():
 def load_data(args) -> tuple[list[list[int]], list[list[int]], int]:
     """Train and eval token ids, remapped to the ids that occur in them, and that vocabulary's size."""
     tokenizer = load_tokenizer()
-    train = gsm8k_token_ids("train", args.rows, tokenizer)
-    evaluation = gsm8k_token_ids("test", args.eval_rows, tokenizer)
+    if args.mix == "gsm8k_qa":
+        train = gsm8k_token_ids("train", args.rows, tokenizer)
+        evaluation = gsm8k_token_ids("test", args.eval_rows, tokenizer)
+    else:  # one shuffled draw of the mix: the first rows train, the rest evaluate
+        drawn = mix_token_ids(args.mix, tokenizer, args.rows + args.eval_rows, 1234, args.budget)
+        train, evaluation = drawn[: args.rows], drawn[args.rows :]
     too_long = [len(ids) for ids in train if len(ids) > args.budget]
     if too_long:
         raise SystemExit(f"{len(too_long)} train rows are longer than --budget {args.budget}; raise it")
@@ -122,14 +180,29 @@ def padded_batch(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-def plans(name: str, train: list[list[int]], budget: int, seed: int) -> list[tuple[str, list[Any]]]:
+def plans(
+    name: str, train: list[list[int]], budget: int, seed: int, grad_accum: int = 1
+) -> list[tuple[str, list[Any]]]:
     """The micro-batches of one epoch: ``("padded", rows)`` or ``("packed", features)`` each."""
     lengths = np.array([len(ids) for ids in train])
+    steps = len(MultipackBatchSampler(lengths, budget, seed=seed))
     if name in ("padded", "flattened"):
         # as many random batches as multipack has steps: the same number of steps, each with the same
         # real tokens on average (a batch holds ~budget / mean length samples)
-        steps = len(MultipackBatchSampler(lengths, budget, seed=seed))
         groups = np.array_split(np.random.default_rng(seed).permutation(lengths.size), steps)
+    elif name == "group_by_length":  # padded's samples per step, in the Trainer's LengthGroupedSampler order
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        size = max(1, round(lengths.size / steps))
+        order = get_length_grouped_indices(
+            lengths.tolist(), size, generator=torch.Generator().manual_seed(seed)
+        )
+        groups = [order[i : i + size] for i in range(0, len(order), size)]
+    elif name == "batch_rebalance":  # padded's samples per step, in `micro` micro-batches of balanced cost
+        micro = rebalance_accumulation(grad_accum)
+        size = rebalance_step_size(lengths.size, max(1, round(steps / grad_accum)), micro)  # optimizer steps
+        plan = rebalance_micro_batches(lengths.tolist(), size, micro, seed=seed)
+        return [("padded", [train[i] for i in b]) for b in plan]
     elif name in ("multipack", "multipack_sorted"):
         mixing = "random" if name == "multipack" else "sorted"
         groups = list(MultipackBatchSampler(lengths, budget, seed=seed, mixing=mixing))
@@ -143,9 +216,22 @@ def plans(name: str, train: list[list[int]], budget: int, seed: int) -> list[tup
         rows = packed.to_list()
         order = np.random.default_rng(seed).permutation(len(rows))
         return [("packed", [rows[i]]) for i in order]
-    if name == "padded":
+    if name in PADDED:
         return [("padded", [train[i] for i in group]) for group in groups]
     return [("packed", [{"input_ids": train[i]} for i in group]) for group in groups]
+
+
+def rebalance_accumulation(grad_accum: int) -> int:
+    """``batch_rebalance``'s micro-batches per step: at least 4 (one is random batches, sorted inside)."""
+    return max(REBALANCE_MICRO_BATCHES, grad_accum)
+
+
+def rebalance_step_size(n: int, steps: int, micro: int) -> int:
+    """The samples per step nearest ``n / steps`` whose last step still has a micro-batch for every slot (a
+    smaller tail would make ``BatchRebalanceSampler`` repeat samples)."""
+    target = max(micro, round(n / steps))
+    valid = [s for s in range(micro, n + 1) if n % s == 0 or n % s >= micro]
+    return min(valid, key=lambda s: (abs(s - target), s))
 
 
 def batch_lengths(micro_batch: tuple[str, list[Any]]) -> list[int]:
@@ -159,17 +245,17 @@ def batch_lengths(micro_batch: tuple[str, list[Any]]) -> list[int]:
 # training
 
 
-def make_model(vocab: int, seed: int, attn: str):
+def make_model(vocab: int, seed: int, attn: str, width: int = 64):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         "llama",
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=256,
+        hidden_size=width,
+        intermediate_size=4 * width,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=width // 16,
+        num_key_value_heads=width // 32,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
     )
@@ -182,13 +268,12 @@ class Run:
 
     def __init__(self, name: str, micro_batches, init_state, vocab: int, seed: int, args) -> None:
         self.name = name
-        self.attn = "sdpa" if name == "padded" else PACKED_ATTENTION
-        self.model = make_model(vocab, seed, self.attn)
+        self.attn = "sdpa" if name in PADDED else PACKED_ATTENTION
+        self.model = make_model(vocab, seed, self.attn, args.width)
         self.model.load_state_dict(init_state)
         self.model.train()
-        self.steps = [
-            micro_batches[i : i + args.grad_accum] for i in range(0, len(micro_batches), args.grad_accum)
-        ]
+        accum = rebalance_accumulation(args.grad_accum) if name == "batch_rebalance" else args.grad_accum
+        self.steps = [micro_batches[i : i + accum] for i in range(0, len(micro_batches), accum)]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
@@ -210,6 +295,35 @@ class Run:
         step_lengths = [[n for mb in step for n in batch_lengths(mb)] for step in self.steps]
         self.step_tokens = [sum(s) for s in step_lengths]
         self.step_mean_lengths = [float(np.mean(s)) for s in step_lengths]
+        self.budget = args.budget
+
+    def batching(self) -> dict[str, Any]:
+        """The epoch's steps through ``_common.batching_statistics`` (a padded micro-batch emits rows x longest)."""
+        steps = [
+            [(batch_lengths(mb), len(mb[1]) * max(map(len, mb[1])) if mb[0] == "padded" else sum(batch_lengths(mb)))
+             for mb in step]
+            for step in self.steps
+        ]  # fmt: skip
+        return batching_statistics(steps, self.budget)
+
+    def loss_jitter(self) -> float:
+        """The std of a step's training loss around the median of its 9 neighbours, over the second half of the
+        epoch: how much the loss jumps from step to step (length-homogeneous steps have different losses)."""
+        losses = np.asarray(self.losses)
+        half = range(max(4, losses.size // 2), losses.size - 4)
+        residuals = [losses[t] - np.median(np.delete(losses[t - 4 : t + 5], 4)) for t in half]
+        return float(np.std(residuals)) if residuals else 0.0
+
+    def step_gradient(self, micro_batches) -> tuple[torch.Tensor, int]:
+        """The gradient of one step's loss (its token mean over the step) at the current weights, flattened,
+        and the step's label tokens; the weights are not changed."""
+        batches = [self.collate(mb) for mb in micro_batches]
+        items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        for batch in batches:
+            self.model(**batch, num_items_in_batch=items).loss.backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in self.model.parameters() if p.grad is not None])
+        self.model.zero_grad(set_to_none=True)
+        return grad, items
 
     @property
     def progress(self) -> float:
@@ -254,9 +368,9 @@ class Run:
 
 
 def run_seed(seed: int, names: list[str], train, evaluation, vocab: int, args) -> dict[str, Run]:
-    init_state = {k: v.clone() for k, v in make_model(vocab, seed, "sdpa").state_dict().items()}
+    init_state = {k: v.clone() for k, v in make_model(vocab, seed, "sdpa", args.width).state_dict().items()}
     runs = {
-        name: Run(name, plans(name, train, args.budget, seed), init_state, vocab, seed, args)
+        name: Run(name, plans(name, train, args.budget, seed, args.grad_accum), init_state, vocab, seed, args)
         for name in names
     }
     eval_lengths = np.array([len(ids) for ids in evaluation])
@@ -279,6 +393,34 @@ def run_seed(seed: int, names: list[str], train, evaluation, vocab: int, args) -
                 flush=True,
             )
     return runs
+
+
+def gradient_noise(runs: dict[str, Run], train: list[list[int]], args) -> dict[str, Any]:
+    """``grad_noise`` of every contender (see the module's docstring) at ``padded``'s final weights (else the first
+    contender's): the token-weighted mean of ``|g_step - g|^2 / |g|^2`` over at most ``--noise-steps`` of its steps
+    drawn at random, ``g`` the gradient of the whole epoch's token mean. Run after training: it overwrites the
+    contenders' weights."""
+    reference = runs.get("padded") or next(iter(runs.values()))
+    weights = {k: v.detach().clone() for k, v in reference.model.state_dict().items()}
+    lengths = np.array([len(ids) for ids in train])
+    kind = "packed" if reference.attn == PACKED_ATTENTION else "padded"
+    whole = [
+        (kind, [{"input_ids": train[i]} for i in b] if kind == "packed" else [train[i] for i in b])
+        for b in MultipackBatchSampler(lengths, args.budget, shuffle=False, mixing="sorted")
+    ]
+    full, _ = reference.step_gradient(whole)
+    norm = float(full.square().sum())
+    result = {"weights": f"{reference.name}'s at the end of its epoch", "contenders": {}}
+    for name, run in runs.items():
+        run.model.load_state_dict(weights)
+        picked = np.random.default_rng(0).permutation(len(run.steps))[: args.noise_steps]
+        noise, tokens = 0.0, 0
+        for t in sorted(picked):
+            grad, items = run.step_gradient(run.steps[t])
+            noise += items * float((grad - full).square().sum()) / norm
+            tokens += items
+        result["contenders"][name] = {"grad_noise": noise / tokens, "steps_probed": len(picked)}
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -400,7 +542,8 @@ def plot(detail: dict[str, Any], path: Path, title: str) -> None:
 
 def plot_title(config: dict[str, Any]) -> str:
     return (
-        f"tiny Llama on {config['rows']} GSM8K rows, 1 epoch, {config['budget']} tokens/step, "
+        f"Llama ({config.get('model', 'hidden 64').split(',')[0]}) on {config['rows']} "
+        f"{config.get('mix', 'gsm8k_qa')} rows, 1 epoch, {config['budget']} tokens/step, "
         f"mean of {config['seeds']} seed(s)"
     )
 
@@ -420,20 +563,44 @@ def main() -> None:
     train, evaluation, vocab = load_data(args)
     mean_length = float(np.mean([len(ids) for ids in train]))
     print(
-        f"GSM8K: {len(train)} train rows (mean {mean_length:.0f} tokens), {len(evaluation)} eval rows, "
+        f"{args.mix}: {len(train)} train rows (mean {mean_length:.0f} tokens), {len(evaluation)} eval rows, "
         f"vocabulary {vocab}, budget {args.budget} tokens/step, {args.seeds} seed(s), {args.threads} thread(s)"
     )
     results: dict[str, list[Run]] = {name: [] for name in names}
+    noise = None
     for seed in range(args.seeds):
         these = [n for n in names if n != "flattened" or seed < args.harness_seeds]
-        for name, run in run_seed(seed, these, train, evaluation, vocab, args).items():
+        runs = run_seed(seed, these, train, evaluation, vocab, args)
+        for name, run in runs.items():
             results[name].append(run)
+        if seed == 0 and args.noise_steps > 0:
+            noise = gradient_noise(runs, train, args)
     rows, detail = summarize(results)
+    for row in rows:
+        name = row["contender"]
+        batching = results[name][0].batching()  # the first seed's epoch
+        row["mixing_ratio"] = batching["mixing_ratio"]
+        row["position_corr"] = batching["position_corr"]
+        row["tok_step_cv"] = batching["real_tokens_per_step"]["cv"]
+        row["loss_jitter"] = statistics.mean(r.loss_jitter() for r in results[name])
+        row["grad_noise"] = noise["contenders"][name]["grad_noise"] if noise else None
+        detail[name].update(
+            {k: row[k] for k in ("mixing_ratio", "position_corr", "tok_step_cv", "loss_jitter", "grad_noise")}
+        )
+        detail[name]["batching"] = batching
     print_table(
         rows,
         ["contender", "final_eval", "final_eval_std", "vs_padded", "vs_padded_std", "steps", "tokens_per_step",
          "fill", "batch_len_std", "epoch_s", "speedup"],
     )  # fmt: skip
+    print(
+        "\nhow each batching shapes the steps (first seed): tok_step_cv, mixing_ratio (~1: mixed like random "
+        "steps), position_corr; gradient-noise proxies: grad_noise (|g_step - g|^2 / |g|^2 at one set of weights), "
+        "loss_jitter"
+    )
+    print_table(
+        rows, ["contender", "tok_step_cv", "mixing_ratio", "position_corr", "grad_noise", "loss_jitter"]
+    )
     check = harness_check(results)
     if check is not None:
         verdict = "passed" if check["passed"] else "FAILED"
@@ -467,8 +634,12 @@ def main() -> None:
             "lr": args.lr,
             "eval_every": args.eval_every,
             "threads": args.threads,
-            "model": "llama: hidden 64, intermediate 256, 2 layers, 4 heads / 2 kv heads, tied embeddings",
+            "mix": args.mix,
+            "noise_steps": args.noise_steps,
+            "model": f"llama: hidden {args.width}, intermediate {4 * args.width}, 2 layers, {args.width // 16} heads / "
+            f"{args.width // 32} kv heads, tied embeddings",
         },
+        "grad_noise": noise,
         "table": rows,
         "harness_check": check,
         "goal": goal,

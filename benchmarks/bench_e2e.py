@@ -14,8 +14,21 @@ SmolLM2 tokenizer, Alpaca template + answer + EOS, shuffled once) at a budget of
   sdpa;
 - ``trl_bfd``: TRL's ``pack_dataset(strategy="bfd")`` rows of ``budget`` tokens in a random order, one row
   per step, TRL's padding-free collator, sdpa;
+- ``hf_group_by_length``: the padded batches of ``padded``'s size in the order of transformers'
+  ``LengthGroupedSampler`` (``train_sampling_strategy="group_by_length"``, the old ``group_by_length=True``: the
+  samples shuffled, mega-batches of 50 batches each sorted by length), right-padded, sdpa;
+- ``hf_batch_rebalance``: transformers' ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``)
+  on one device, 4 padded micro-batches per optimizer step (gradient accumulation), the most samples per step for
+  which every micro-batch fits the budget padded (searched on its own plan), sdpa;
 - ``packing_hf``: ``MultipackBatchSampler(budget)`` + ``PaddingFreeCollator`` + packing_hf's attention + its
   chunked LM head (the packing trainers' default; ``--loss-head model`` takes the model's own full-logits loss).
+
+Every contender is thus sized to the same peak memory: no micro-batch holds more than ``budget`` tokens, padding
+included. Per contender the batching figures of ``_common.batching_statistics`` (real tokens per step: min /
+median / max and CV; the largest padded micro-batch over the budget; how mixed the steps are against random
+steps: ``mixing_ratio``, the correlation of a step's mean length with its position and with the next step's) and
+the measured memory per step (CUDA: ``max_memory_allocated``; CPU: the growth of the process's peak resident
+memory in the step), median and max over the steps. ``--mix`` picks the data (``_common.MIXES``).
 
 Steps are interleaved (the contender furthest behind in its epoch goes next), so load from other processes
 hits all alike. Every epoch's batches are collated before the clock starts (collation costs well under 1% of a
@@ -25,6 +38,7 @@ padding) and, on CUDA, the peak memory of each contender's steps (on CPU: the la
 that runs out of GPU memory stops there and is reported as such; the others go on.
 
 Presets: ``tiny`` (2-layer Llama, hidden 64, the vocabulary remapped to the ids the data uses, for CPU),
+``small`` (the same, hidden 256: the width of a real model's attention heads' sum, still CPU-sized),
 ``smollm2-135m``, ``qwen3-0.6b`` and ``llama-1b`` (the shapes of those models, random init, for a GPU).
 
     python benchmarks/bench_e2e.py --device cpu --preset tiny --samples 600     # ~5 min on 2 busy cores
@@ -33,22 +47,41 @@ Presets: ``tiny`` (2-layer Llama, hidden 64, the vocabulary remapped to the ids 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from typing import Any
 
 import numpy as np
 import torch
-from _common import compact_vocabulary, load_tokenizer, print_table, write_json
+from _common import (
+    MIXES,
+    PeakRSS,
+    batching_statistics,
+    compact_vocabulary,
+    equal_memory_batch_size,
+    load_tokenizer,
+    mix_token_ids,
+    print_table,
+    rebalance_equal_memory,
+    rebalance_micro_batches,
+    spread_stats,
+    write_json,
+)
 
 import packing_hf
 from packing_hf import PaddingFreeCollator
+from packing_hf.flops import batch_sample_lengths
 from packing_hf.integrations.chunked_head import causal_lm_loss
 from packing_hf.sampler import MultipackBatchSampler
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         model_type="llama", hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "small": dict(  # width 256 (issue 49: a model wider than tiny that a CPU still trains in minutes)
+        model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
     ),
     "smollm2-135m": dict(
@@ -64,7 +97,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, vocab_size=128256, rope_theta=500000.0,
     ),
 }  # fmt: skip
-CONTENDERS = ("padded", "hf_flattening", "trl_padding_free", "trl_bfd", "packing_hf")
+CONTENDERS = (
+    "padded",
+    "hf_flattening",
+    "trl_padding_free",
+    "trl_bfd",
+    "hf_group_by_length",
+    "hf_batch_rebalance",
+    "packing_hf",
+)
+COMPACT = ("tiny", "small")  # presets whose vocabulary is the ids the data uses, renumbered (CPU)
+REBALANCE_MICRO_BATCHES = 4
 
 
 def parse_args():
@@ -80,6 +123,12 @@ def parse_args():
     )
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
+    parser.add_argument(
+        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
+        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
+        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
+    )  # fmt: skip
     parser.add_argument(
         "--loss-head",
         choices=("chunked", "model"),
@@ -92,14 +141,9 @@ def parse_args():
     return args
 
 
-def load_samples(n: int, seed: int, budget: int) -> list[list[int]]:
-    from bench_sampler import alpaca_text, real_datasets
-
-    tokenizer = load_tokenizer()
-    records = [r for rows in real_datasets(False).values() for r in rows]
-    order = np.random.default_rng(seed).permutation(len(records))[:n]
-    ids = tokenizer([alpaca_text(records[i], tokenizer.eos_token) for i in order])["input_ids"]
-    return [x[:budget] for x in ids]  # none is longer than 1k tokens; the cut only guards small budgets
+def load_samples(n: int, seed: int, budget: int, mix: str = "blend") -> list[list[int]]:
+    # blend: none is longer than 1k tokens, its cut only guards small budgets; the other mixes refuse one
+    return mix_token_ids(mix, load_tokenizer(), n, seed, budget)
 
 
 def build_model(preset: str, vocab: int, dtype: torch.dtype, device: str, attn: str):
@@ -123,23 +167,44 @@ def padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def epoch_batches(name: str, samples: list[list[int]], budget: int, seed: int) -> list[dict[str, Any]]:
-    """The collated batches of one epoch of a contender."""
+def epoch_batches(name: str, samples: list[list[int]], budget: int, seed: int) -> list[list[dict[str, Any]]]:
+    """The collated batches of one epoch of a contender: per optimizer step, its micro-batches (one, except
+    ``hf_batch_rebalance``'s gradient accumulation)."""
     from transformers import DataCollatorWithFlattening
+    from transformers.trainer_pt_utils import get_length_grouped_indices
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     lengths = np.array([len(x) for x in samples])
-    batch_size = max(1, budget // int(lengths.max()))  # the largest batch whose worst case fits the budget
+    batch_size = equal_memory_batch_size(
+        lengths, budget
+    )  # the largest batch whose worst case fits the budget
     order = np.random.default_rng(seed).permutation(len(samples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     trl_collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     if name == "padded":
-        return [padded([samples[i] for i in g]) for g in groups]
+        return [[padded([samples[i] for i in g])] for g in groups]
+    if (
+        name == "hf_group_by_length"
+    ):  # the Trainer's LengthGroupedSampler order, cut into batches as its loader
+        grouped = get_length_grouped_indices(
+            lengths.tolist(), batch_size, generator=torch.Generator().manual_seed(seed)
+        )
+        return [
+            [padded([samples[i] for i in grouped[k : k + batch_size]])]
+            for k in range(0, len(grouped), batch_size)
+        ]
+    if name == "hf_batch_rebalance":
+        micro = REBALANCE_MICRO_BATCHES
+        effective = rebalance_equal_memory(lengths.tolist(), budget, micro)
+        plan = rebalance_micro_batches(lengths.tolist(), effective, micro)
+        return [
+            [padded([samples[i] for i in b]) for b in plan[k : k + micro]] for k in range(0, len(plan), micro)
+        ]
     if name == "hf_flattening":
         collate = DataCollatorWithFlattening(return_position_ids=True)
-        return [collate([{"input_ids": samples[i]} for i in g]) for g in groups]
+        return [[collate([{"input_ids": samples[i]} for i in g])] for g in groups]
     if name == "trl_padding_free":
-        return [trl_collator([{"input_ids": samples[i]} for i in g]) for g in groups]
+        return [[trl_collator([{"input_ids": samples[i]} for i in g])] for g in groups]
     if name == "trl_bfd":
         import datasets
         from trl.data_utils import pack_dataset
@@ -148,15 +213,33 @@ def epoch_batches(name: str, samples: list[list[int]], budget: int, seed: int) -
             datasets.Dataset.from_dict({"input_ids": samples}), budget, strategy="bfd"
         ).to_list()
         shuffled = np.random.default_rng(seed).permutation(len(rows))
-        return [trl_collator([rows[i]]) for i in shuffled]
+        return [[trl_collator([rows[i]])] for i in shuffled]
     sampler = MultipackBatchSampler(lengths, budget, seed=seed)
     collate = PaddingFreeCollator()
-    return [collate([{"input_ids": samples[i]} for i in b]) for b in sampler]
+    return [[collate([{"input_ids": samples[i]} for i in b])] for b in sampler]
+
+
+def moved(batch: dict[str, Any], device: str) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def real_tokens(batch: dict[str, Any]) -> int:
+    """The batch's tokens without padding (a padded batch's attention mask; a packed row is all real)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
 
 
 class Contender:
-    def __init__(self, name: str, model, batches: list[dict[str, Any]], device: str, chunked: bool) -> None:
-        self.name, self.model, self.batches, self.device = name, model, batches, device
+    def __init__(
+        self,
+        name: str,
+        model,
+        steps: list[list[dict[str, Any]]],
+        device: str,
+        chunked: bool,
+        cpu_memory: bool = True,
+    ) -> None:
+        self.name, self.model, self.batches, self.device = name, model, steps, device
         self.chunked = (
             chunked  # the loss through packing_hf's chunked LM head (the packing trainers' default)
         )
@@ -165,18 +248,22 @@ class Contender:
         self.done = 0
         self.seconds = 0.0
         self.real_tokens = 0
-        self.emitted = []
+        self.emitted = []  # per micro-batch, padding included
         self.peak_bytes = 0
+        self.step_peaks: list[int] = []  # CUDA: max_memory_allocated in the step; CPU: peak resident growth
+        self.rss = PeakRSS() if device == "cpu" and cpu_memory else None
 
     def step(self) -> None:
-        batch = self.batches[self.done]
-        moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        step = [moved(batch, self.device) for batch in self.batches[self.done]]
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        elif self.rss is not None and self.rss.available:
+            self.rss.start()
         start = time.perf_counter()
         try:
-            self.loss(moved).backward()
+            for batch in step:  # gradient accumulation over the step's micro-batches (one but for rebalance)
+                (self.loss(batch) / len(step)).backward()
         except torch.OutOfMemoryError as error:
             self.out_of_memory = str(error).splitlines()[0]
             self.optimizer.zero_grad(set_to_none=True)
@@ -185,13 +272,14 @@ class Contender:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device == "cuda":
             torch.cuda.synchronize()
-            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+            self.step_peaks.append(torch.cuda.max_memory_allocated())
+            self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
+        elif self.rss is not None and self.rss.available:
+            self.step_peaks.append(self.rss.growth())
         self.seconds += time.perf_counter() - start
-        labels_or_ids = batch["attention_mask"] if "attention_mask" in batch else None
-        self.real_tokens += (
-            int(labels_or_ids.sum()) if labels_or_ids is not None else int(batch["input_ids"].numel())
-        )
-        self.emitted.append(int(batch["input_ids"].numel()))
+        for batch in self.batches[self.done]:
+            self.real_tokens += real_tokens(batch)
+            self.emitted.append(int(batch["input_ids"].numel()))
         self.done += 1
 
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -205,15 +293,21 @@ class Contender:
     def running(self) -> bool:
         return self.out_of_memory is None and self.done < len(self.batches)
 
+    def batching(self, budget: int) -> dict[str, Any]:
+        steps = [
+            [(batch_sample_lengths(b), int(b["input_ids"].numel())) for b in step] for step in self.batches
+        ]
+        return batching_statistics(steps, budget)
+
 
 def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     dtype = getattr(torch, args.dtype)
-    samples = load_samples(args.samples, args.seed, args.budget)
+    samples = load_samples(args.samples, args.seed, args.budget, args.mix)
     vocab = None
-    if args.preset == "tiny":  # the ids the data uses, renumbered: a small LM head for a CPU run
+    if args.preset in COMPACT:  # the ids the data uses, renumbered: a small LM head for a CPU run
         samples, vocab = compact_vocabulary(samples)
     torch.manual_seed(args.seed)
     reference = build_model(args.preset, vocab or 49152, dtype, args.device, "sdpa")
@@ -231,28 +325,34 @@ def main() -> None:
         model.load_state_dict(init)
         batches = epoch_batches(name, samples, args.budget, args.seed)
         chunked = name == "packing_hf" and args.loss_head == "chunked"
-        contenders.append(Contender(name, model, batches, args.device, chunked))
+        contenders.append(Contender(name, model, batches, args.device, chunked, args.cpu_memory))
     del reference
     real_total = sum(map(len, samples))
     for c in contenders:  # one untimed warm-up step each (kernels, allocator): its gradients are dropped
-        batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in c.batches[0].items()}
         try:
-            c.loss(batch).backward()
+            for batch in c.batches[0]:
+                c.loss(moved(batch, args.device)).backward()
         except torch.OutOfMemoryError as error:
             c.out_of_memory = str(error).splitlines()[0]
         c.model.zero_grad(set_to_none=True)
     while any(c.running for c in contenders):
         behind = min((c for c in contenders if c.running), key=lambda c: c.done / len(c.batches))
         behind.step()
-    rows = []
+    rows, batching = [], []
     for c in contenders:
+        figures = c.batching(args.budget)
         if c.out_of_memory is not None:
             print(
                 f"{c.name}: out of memory at step {c.done + 1} of {len(c.batches)} ({c.out_of_memory[:120]})"
             )
             rows.append({"contender": c.name, "steps": len(c.batches), "out_of_memory": c.out_of_memory})
             continue
-        assert c.real_tokens == real_total, (c.name, c.real_tokens, real_total)  # the same samples, each once
+        if c.real_tokens != real_total:  # the same samples, each once
+            raise RuntimeError(
+                f"{c.name} trained on {c.real_tokens} real tokens, the epoch holds {real_total}"
+            )
+        # memory per step after the first (the optimizer's state is allocated in the first)
+        peaks = spread_stats(c.step_peaks[1:] or c.step_peaks) if c.step_peaks else None
         rows.append(
             {
                 "contender": c.name,
@@ -263,6 +363,23 @@ def main() -> None:
                 "fill": c.real_tokens / sum(c.emitted),
                 "epoch_s": c.seconds,
                 "peak_mem_gib": c.peak_bytes / 2**30 if args.device == "cuda" else None,
+                "step_peak_mem_mib": {k: v / 2**20 for k, v in peaks.items()} if peaks else None,
+                "batching": figures,
+            }
+        )
+        batching.append(
+            {
+                "contender": c.name,
+                "tok_step_med": figures["real_tokens_per_step"]["median"],
+                "tok_step_min": figures["real_tokens_per_step"]["min"],
+                "tok_step_max": figures["real_tokens_per_step"]["max"],
+                "tok_step_cv": figures["real_tokens_per_step"]["cv"],
+                "padded_max/budget": figures["emitted_max_over_budget"],
+                "mixing_ratio": figures["mixing_ratio"],
+                "position_corr": figures["position_corr"],
+                "lag1_autocorr": figures["lag1_autocorr"],
+                "peak_mib_med": peaks["median"] / 2**20 if peaks else None,
+                "peak_mib_max": peaks["max"] / 2**20 if peaks else None,
             }
         )
     peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf" and "tokens_per_s" in r]
@@ -270,14 +387,25 @@ def main() -> None:
         if peers and "tokens_per_s" in r:
             r["vs_best_peer"] = r["tokens_per_s"] / max(peers)
     print(
-        f"\n== {args.preset} ({args.dtype}, {args.device}), budget {args.budget} tokens/step, {len(samples)} samples "
-        f"({real_total:,} tokens), one epoch per contender, interleaved =="
+        f"\n== {args.preset} ({args.dtype}, {args.device}), mix {args.mix}, budget {args.budget} tokens/step, "
+        f"{len(samples)} samples ({real_total:,} tokens), one epoch per contender, interleaved =="
     )
     print_table(
         rows,
         ["contender", "steps", "tokens_per_s", "vs_best_peer", "mean_step_tokens", "max_step_tokens", "fill", "epoch_s", "peak_mem_gib"],
     )  # fmt: skip
-    write_json(f"bench_e2e_{args.preset}_{args.device}", {"rows": rows, "real_tokens": real_total}, args)
+    print(
+        "\n== batching (real tokens per step, padded max over the budget, mixing) and memory per step, MiB =="
+    )
+    print_table(
+        batching,
+        ["contender", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv", "padded_max/budget",
+         "mixing_ratio", "position_corr", "lag1_autocorr", "peak_mib_med", "peak_mib_max"],
+    )  # fmt: skip
+    name = f"bench_e2e_{args.preset}_{args.device}" + (
+        f"_{args.mix}_{args.budget}" if args.mix != "blend" else ""
+    )
+    write_json(name, {"rows": rows, "batching": batching, "real_tokens": real_total}, args)
 
 
 if __name__ == "__main__":

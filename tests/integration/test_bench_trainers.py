@@ -12,20 +12,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTENDERS = {"packing_hf", "trl_bfd", "trl_padding_free", "hf_batch_rebalance", "padded"}
+CONTENDERS = {
+    "packing_hf",
+    "trl_bfd",
+    "trl_padding_free",
+    "hf_batch_rebalance",
+    "hf_group_by_length",
+    "padded",
+}
 
 pytest.importorskip("trl")
 
 
-def test_bench_trainers_smoke(tmp_path, data_dir):
+def run_bench(tmp_path, data_dir, *flags: str) -> tuple[dict, str]:
     out = tmp_path / "trainers.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PACKING_HF_DATA": str(data_dir), "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "benchmarks/bench_trainers.py", "--smoke", "--output", str(out)],
+        [sys.executable, "benchmarks/bench_trainers.py", *flags, "--output", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_bench_trainers_smoke(tmp_path, data_dir):
+    report, stdout = run_bench(tmp_path, data_dir, "--smoke")
     rows = {row["contender"]: row for row in report["rows"]}
     assert set(rows) == CONTENDERS
     for name, row in rows.items():
@@ -36,4 +47,29 @@ def test_bench_trainers_smoke(tmp_path, data_dir):
         # the same samples trained once each: the same model FLOPs, whatever the batching
         assert run["model_flops_epoch"] == report["model_flops_epoch"]
     assert rows["padded"]["fill"] < 1.0 == rows["trl_padding_free"]["fill"] == rows["packing_hf"]["fill"]
-    assert "vs_best_peer" in result.stdout and "packing_hf" in result.stdout
+    assert "vs_best_peer" in stdout and "packing_hf" in stdout
+    # every run's batching figures, from the batches its trainer collated
+    batching = {row["contender"]: row for row in report["batching"]}
+    assert set(batching) == CONTENDERS
+    for name, row in rows.items():
+        figures = row["runs"][0]["batching"]
+        assert figures["steps"] == row["steps"] == batching[name]["steps"], name
+        assert figures["real_tokens_per_step"]["min"] <= figures["real_tokens_per_step"]["median"]
+        assert figures["real_tokens_per_step"]["median"] <= figures["real_tokens_per_step"]["max"]
+
+
+def test_equal_memory_sizing_keeps_every_micro_batch_within_the_budget(tmp_path, data_dir):
+    """--sizing memory: no contender's micro-batch holds more than the budget in tokens, padding included (what
+    its peak activation memory follows), on the batches each trainer's own dataloader makes; the padded ones
+    then carry fewer real tokens per step than the packers. Under --sizing tokens padded batches do exceed it."""
+    flags = ("--batches-only", "--mix", "gsm8k", "--samples", "96", "--budget", "2048")
+    memory, _ = run_bench(tmp_path, data_dir, *flags, "--sizing", "memory")
+    rows = {row["contender"]: row for row in memory["batching"]}
+    assert set(rows) == CONTENDERS
+    for (run,) in memory["runs"].values():  # every sample once (the run checks it too)
+        assert round(run["batching"]["samples_per_step"]["mean"] * run["steps"]) == 96
+    assert all(row["padded_max/budget"] <= 1.0 for row in rows.values()), rows
+    assert rows["packing_hf"]["tok_step_med"] > rows["hf_group_by_length"]["tok_step_med"]
+    assert rows["hf_group_by_length"]["fill"] > rows["padded"]["fill"]  # grouping cuts padding, not underfill
+    tokens, _ = run_bench(tmp_path, data_dir, *flags, "--sizing", "tokens", "--contenders", "padded")
+    assert {row["contender"]: row for row in tokens["batching"]}["padded"]["padded_max/budget"] > 1.0

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTENDERS = {"padded", "flattened", "multipack", "multipack_sorted", "trl_bfd"}
+CONTENDERS = {
+    "padded",
+    "flattened",
+    "multipack",
+    "multipack_sorted",
+    "trl_bfd",
+    "group_by_length",
+    "batch_rebalance",
+}
 
 pytest.importorskip("trl")
 
@@ -41,6 +49,9 @@ def test_flattened_batches_train_exactly_like_the_same_padded_batches(quick_run)
     padded, flattened = (quick_run["contenders"][n]["seeds"][0] for n in ("padded", "flattened"))
     assert padded["steps"] == flattened["steps"] and padded["real_tokens"] == flattened["real_tokens"]
     assert flattened["computed_tokens"] == flattened["real_tokens"] < padded["computed_tokens"]  # no padding
+    # the gradient-noise probe sees the same steps as the same gradients: flattened's equals padded's
+    noise = quick_run["grad_noise"]["contenders"]
+    assert noise["padded"]["grad_noise"] == pytest.approx(noise["flattened"]["grad_noise"], rel=1e-3)
 
 
 def test_json_schema(quick_run):
@@ -56,6 +67,10 @@ def test_json_schema(quick_run):
             "fill",
             "batch_len_std",
             "epoch_s",
+            "mixing_ratio",
+            "tok_step_cv",
+            "loss_jitter",
+            "grad_noise",
         ):
             assert isinstance(result[key], float), (name, key)
         (seed,) = result["seeds"]
@@ -65,6 +80,11 @@ def test_json_schema(quick_run):
         # every packed contender trains on all of the data once: the same real tokens
         assert seed["real_tokens"] == quick_run["contenders"]["padded"]["seeds"][0]["real_tokens"]
     assert {row["contender"] for row in quick_run["table"]} == CONTENDERS
+    # the grouped and rebalanced contenders train padded's samples per step, in padded micro-batches
+    for name in ("group_by_length", "batch_rebalance"):
+        result = quick_run["contenders"][name]
+        assert result["fill"] < 1.0 and result["grad_noise"] > 0, name
+        assert result["batching"]["real_tokens_per_step"]["cv"] == result["tok_step_cv"]
     assert set(quick_run["goal"]) == {
         "multipack_minus_padded",
         "loss_within_0.01",
