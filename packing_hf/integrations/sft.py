@@ -47,7 +47,7 @@ from .._limits import option
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .loss import LossRoute
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
@@ -55,14 +55,6 @@ from .trainer import PackingTrainerMixin
 __all__ = ["SFTConfig", "SFTTrainer"]
 
 logger = logging.getLogger(__name__)
-
-
-class _DefaultLength(int):
-    """TRL's default ``max_length`` (1024), marked so that :class:`SFTConfig` can tell it from a value the user
-    set: a default must not cut a sample that a token budget has room for (see ``SFTConfig.max_length``)."""
-
-
-_TRL_MAX_LENGTH = _DefaultLength(trl.SFTConfig.max_length)
 
 
 @dataclass
@@ -74,14 +66,12 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
     'switch'
     """
 
-    max_length: int | None = option(
-        _TRL_MAX_LENGTH,
-        "Maximum length of a tokenized sample (TRL's field). Set: TRL's meaning (a longer sample is truncated "
-        "per truncation_mode, and one left with no trained token is dropped), and packing_hf counts what it cut: "
-        "logged once, and max_length_truncated_samples / _tokens / max_length_dropped_samples in the training "
-        "logs. Unset with max_tokens_per_batch: None without TRL's packing (no truncation; a sample longer than "
-        "the budget follows packing_overflow, an error by default) or the budget with it (packing=True: rows of "
-        "max_tokens_per_batch tokens). Unset otherwise: TRL's default, 1024, counted and logged the same way.",
+    max_length: int | None = budget_max_length(
+        "a longer sample is truncated per truncation_mode and one left with no trained token dropped, or with "
+        "packing=True the length of TRL's packed rows; counted: logged once, and max_length_truncated_samples / "
+        "_tokens and max_length_dropped_samples in the training logs",
+        "None without packing=True (the budget bounds a sample: a longer one follows packing_overflow, an error "
+        "by default), the budget with it (TRL packs rows of max_tokens_per_batch tokens)",
     )
     logit_metrics: str = option(
         "labelled",
@@ -91,10 +81,11 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
         "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits).",
     )
 
+    def _max_length_for_budget(self) -> int | None:
+        # TRL's own packing (packing=True) needs a row length: rows as long as the budget
+        return self.max_tokens_per_batch if self.packing else None
+
     def __post_init__(self) -> None:
-        if type(self.max_length) is _DefaultLength and self.max_tokens_per_batch is not None:
-            # the budget bounds a sample; TRL's default 1024 would cut one the budget has room for
-            self.max_length = self.max_tokens_per_batch if self.packing else None
         super().__post_init__()
         if self.logit_metrics not in ("labelled", "trl"):
             raise ValueError(f"logit_metrics must be 'labelled' or 'trl', got {self.logit_metrics!r}")
@@ -292,19 +283,6 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
                 " (with max_tokens_per_batch, a sample longer than the budget then follows packing_overflow)",
             )
         return dataset
-
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        stats = getattr(self, "max_length_stats", {}).get("train")
-        if stats and "loss" in logs and any(stats.values()):
-            # what max_length cut from the training set, in every training log (the same totals each time)
-            logs.update(
-                {
-                    "max_length_truncated_samples": stats["truncated_samples"],
-                    "max_length_truncated_tokens": stats["truncated_tokens"],
-                    "max_length_dropped_samples": stats["dropped_samples"],
-                }
-            )
-        super().log(logs, *args, **kwargs)
 
     def _multipack_lengths_of(self, dataset: Any) -> Any:
         """Sample lengths for the multipack sampler; a vision dataset's are its processed lengths (image

@@ -1,9 +1,10 @@
-"""``packing_hf.SFTTrainer`` and ``max_length``: a default never cuts a sample silently.
+"""The packed TRL trainers and ``max_length``: a default never cuts or drops a sample silently.
 
-TRL's ``SFTConfig.max_length`` defaults to 1024 and TRL truncates every longer sample when it prepares the
-dataset, without a count. With ``max_tokens_per_batch`` the budget bounds a sample instead (a longer one
-follows ``packing_overflow``); a ``max_length`` the user sets keeps TRL's meaning and what it cuts is counted
-(``SFTTrainer.max_length_stats``), logged and in the training logs. Real SmolLM2 tokenizer, tiny llama, CPU.
+TRL's configs default ``max_length`` to 1024: ``SFTTrainer`` truncates every longer sample when it prepares
+the dataset and ``RewardTrainer`` leaves the pair out, both without a count. With ``max_tokens_per_batch``
+the budget bounds a sample instead (a longer one follows ``packing_overflow``); a ``max_length`` the user sets
+keeps TRL's meaning and what it cuts is counted (``max_length_stats``), logged and in the training logs.
+Real SmolLM2 tokenizer, tiny llama, CPU.
 """
 
 from __future__ import annotations
@@ -60,14 +61,19 @@ def _whole(data, tokenizer, tiny_llama, tmp_path) -> list[list[int]]:
     return list(stock.train_dataset["input_ids"])
 
 
-def test_config_max_length_default_follows_the_budget():
+@pytest.mark.parametrize("name", ["SFTConfig", "DPOConfig", "KTOConfig", "TPOConfig", "RewardConfig"])
+def test_config_max_length_default_follows_the_budget(name):
+    from packing_hf.integrations.tpo import TPOConfig
+
+    config = TPOConfig if name == "TPOConfig" else getattr(packing_hf, name)
     common = dict(output_dir="out", report_to="none", use_cpu=True)
-    assert packing_hf.SFTConfig(**common).max_length == 1024  # TRL's default without a budget
-    assert packing_hf.SFTConfig(**common, max_tokens_per_batch=4096).max_length is None
-    assert packing_hf.SFTConfig(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
+    assert config(**common).max_length == 1024  # TRL's default without a budget
+    assert config(**common, max_tokens_per_batch=4096).max_length is None
     # a value the user sets keeps TRL's meaning, whatever the budget
-    assert packing_hf.SFTConfig(**common, max_tokens_per_batch=4096, max_length=1024).max_length == 1024
-    assert packing_hf.SFTConfig(**common, max_tokens_per_batch=4096, max_length=512).max_length == 512
+    assert config(**common, max_tokens_per_batch=4096, max_length=1024).max_length == 1024
+    assert config(**common, max_tokens_per_batch=4096, max_length=512).max_length == 512
+    if name == "SFTConfig":  # TRL's own packing needs a row length: the budget
+        assert config(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
 
 
 def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path):
@@ -145,3 +151,35 @@ def test_trl_bfd_packing_cut_is_counted(long_data, tokenizer, tiny_llama, tmp_pa
     assert sorted(n for row in trainer.train_dataset["seq_lengths"] for n in row) == sorted(
         [min(len(ids), 1024) for ids in whole]
     )
+
+
+def test_reward_max_length_filter_is_counted(long_data, tokenizer, tmp_path, caplog):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    texts = [p + c for p, c in zip(long_data["prompt"], long_data["completion"], strict=True)]
+    pairs = datasets.Dataset.from_dict({"chosen": texts, "rejected": [t + " no" for t in texts]})
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    too_long = sum(n + 1 > 1024 for n in lengths)  # TRL adds the EOS token to every sequence
+    assert too_long == 2
+    args = packing_hf.RewardConfig(
+        str(tmp_path / "reward"), max_length=1024, max_tokens_per_batch=2048, max_steps=1, logging_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.reward"):
+        trainer = packing_hf.RewardTrainer(
+            model=AutoModelForSequenceClassification.from_config(config),
+            args=args,
+            train_dataset=pairs,
+            processing_class=tokenizer,
+        )
+    assert len(trainer.train_dataset) == len(pairs) - too_long  # TRL's meaning kept: the pairs left out
+    assert trainer.max_length_stats["train"] == {"dropped_samples": too_long}
+    warning = [r.getMessage() for r in caplog.records if "max_length=1024" in r.getMessage()]
+    assert len(warning) == 1 and f"left out {too_long} of 3 pairs" in warning[0], warning
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert logged["max_length_dropped_samples"] == too_long
