@@ -153,13 +153,16 @@ class PackingArguments:
         :func:`budget_max_length`): None, the budget bounds a sample."""
         return None
 
-    def __post_init__(self) -> None:
-        if (
-            type(getattr(self, "max_length", None)) is _TrlDefaultLength
-            and self.max_tokens_per_batch is not None
-        ):
+    def follow_budget(self) -> None:
+        """An unset ``max_length`` (TRL's default) follows ``max_tokens_per_batch`` once that is set (see
+        :func:`budget_max_length`); called on construction, and by whoever sets the budget afterwards."""
+        unset = type(getattr(self, "max_length", None)) is _TrlDefaultLength
+        if unset and self.max_tokens_per_batch is not None:
             # the budget bounds a sample; TRL's default 1024 would cut one the budget has room for
             self.max_length = self._max_length_for_budget()
+
+    def __post_init__(self) -> None:
+        self.follow_budget()
         if self.sp_size is not None:
             self.sp_size = check_int(self.sp_size, "sp_size", 1)
             self.parallelism_config = with_sp_size(getattr(self, "parallelism_config", None), self.sp_size)

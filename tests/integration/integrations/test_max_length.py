@@ -183,3 +183,17 @@ def test_reward_max_length_filter_is_counted(long_data, tokenizer, tmp_path, cap
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h][0]
     assert logged["max_length_dropped_samples"] == too_long
+
+
+@pytest.mark.parametrize(
+    "keys", [{"max_tokens_per_batch": 4096}, {"sample_packing": True}], ids=["budget", "sample_packing"]
+)
+def test_cli_sft_multipack_max_length_follows_the_budget(keys):
+    """``packing-hf train`` with ``trainer: sft``: an unset max_length is not TRL's 1024 once multipack sets a
+    budget (also the one ``sample_packing: true`` derives after the config is built); a set one stays."""
+    from packing_hf.app.config import load_train_config
+
+    common = {"trainer": "sft", "output_dir": "/tmp/packing_hf_max_length", "use_cpu": True}
+    cfg = load_train_config({**common, **keys})
+    assert cfg.batching == "multipack" and cfg.training.max_length is None
+    assert load_train_config({**common, **keys, "max_length": 2048}).training.max_length == 2048
