@@ -46,9 +46,10 @@ def budget_max_length(meaning: str, with_budget: str = _BUDGET_BOUNDS) -> Any:
     budget has room for). ``meaning``: what TRL does with a longer sample; ``with_budget``: the value then.
 
     >>> from packing_hf.integrations.dpo import DPOConfig
-    >>> DPOConfig("out", report_to="none", max_tokens_per_batch=4096).max_length is None
+    >>> kwargs = dict(output_dir="out", report_to="none", use_cpu=True)
+    >>> DPOConfig(**kwargs, max_tokens_per_batch=4096).max_length is None
     True
-    >>> DPOConfig("out", report_to="none").max_length, DPOConfig("out", report_to="none", max_length=512).max_length
+    >>> DPOConfig(**kwargs).max_length, DPOConfig(**kwargs, max_tokens_per_batch=4096, max_length=512).max_length
     (1024, 512)
     """
     return option(
