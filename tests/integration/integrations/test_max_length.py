@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import pytest
@@ -197,3 +198,24 @@ def test_cli_sft_multipack_max_length_follows_the_budget(keys):
     cfg = load_train_config({**common, **keys})
     assert cfg.batching == "multipack" and cfg.training.max_length is None
     assert load_train_config({**common, **keys, "max_length": 2048}).training.max_length == 2048
+
+
+def test_cli_sft_summary_shows_what_max_length_cut(tmp_path, data_dir, capsys):
+    """``packing-hf train`` with ``trainer: sft`` and a max_length shorter than the samples: TRL truncates
+    them (its meaning), and the job says so and puts it in its summary, with the trainer's own counts."""
+    import json
+
+    from packing_hf.app.cli import main
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu.yaml"
+    out = tmp_path / "sft"
+    args = [
+        "train", str(config), "trainer=sft", f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+        "num_samples=4", "max_length=96", "max_steps=1",
+        f"output_dir={out}", "save_strategy=no", "disable_tqdm=true",
+    ]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((out / "packing_summary.json").read_text())
+    said = summary["max_length_cut"]
+    assert said.startswith("TRL's max_length=96 truncated 4 samples ("), said  # every GSM8K chat is longer
+    assert said in capsys.readouterr().out
