@@ -68,7 +68,8 @@ TRAINER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "overflow": (
         ("trainer",),
-        "trainer: {trainer} has TRL truncate a sample to its max_length itself; for a sample longer than "
+        "trainer: {trainer} has TRL truncate a sample to max_length when max_length is set (counted and "
+        "reported; unset with multipack, the budget bounds a sample); for a sample longer than "
         "max_tokens_per_batch set packing_overflow",
     ),
     "completion_only_loss": (
@@ -469,6 +470,7 @@ def _resolve_batching(cfg: Any) -> str:
     if batching == "multipack" and budget is None:
         budget = cfg.data.max_length * training.per_device_train_batch_size
         training.max_tokens_per_batch = budget
+        training.follow_budget()  # trainer: sft, an unset max_length: the budget bounds a sample, not TRL's 1024
         logger.info(
             "multipack: max_tokens_per_batch = max_length x per_device_train_batch_size = %d x %d = %d",
             cfg.data.max_length,

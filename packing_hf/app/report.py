@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_average", "machine_note", "plot_losses", "print_summary"]
+__all__ = ["describe_max_length_cut", "load_average", "machine_note", "plot_losses", "print_summary"]
 
 
 def _plural(count: int, word: str, plural: str | None = None) -> str:
@@ -44,6 +44,25 @@ def _describe_stream(stats: dict[str, Any]) -> str:
         f"in pass {int(stats['epoch']) + 1} of the data; overflow of the budget: "
         + (", ".join(overflow) if overflow else "none")
     )
+
+
+def describe_max_length_cut(trainer: Any, max_length: int | None) -> str | None:
+    """What TRL's ``max_length`` cut from the training set (``trainer.max_length_stats``: SFT truncates a
+    sample, reward leaves a pair out), or None when it cut nothing.
+
+    >>> class T: max_length_stats = {"train": {"truncated_samples": 2, "truncated_tokens": 900, "dropped_samples": 1}}
+    >>> describe_max_length_cut(T(), 1024)
+    "TRL's max_length=1024 truncated 2 samples (900 tokens cut) and left out 1 sample"
+    """
+    cut = getattr(trainer, "max_length_stats", {}).get("train") or {}
+    parts = []
+    if cut.get("truncated_samples"):
+        parts.append(
+            f"truncated {_plural(cut['truncated_samples'], 'sample')} ({cut['truncated_tokens']:,} tokens cut)"
+        )
+    if cut.get("dropped_samples"):
+        parts.append(f"left out {_plural(cut['dropped_samples'], 'sample')}")
+    return f"TRL's max_length={max_length} " + " and ".join(parts) if parts else None
 
 
 def _spread(base: dict[str, Any]) -> str:
@@ -138,6 +157,8 @@ def _run_lines(summary: dict[str, Any]) -> list[str]:
             f"data         {summary['dataset']}: {summary['num_samples']:,} samples, {summary['num_tokens']:,} "
             f"tokens ({summary['prompt_format']} format)"
         )
+    if summary.get("max_length_cut"):
+        lines.append(f"             {summary['max_length_cut']}")
     budget = summary.get("max_tokens_per_batch")
     losses = summary.get("losses") or []
     batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")

@@ -63,7 +63,15 @@ from .processes import combine_stream_stats, from_main, gather, main_first
 from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
-from .report import _describe_stream, _Phases, _plural, load_average, plot_losses, print_summary
+from .report import (
+    _describe_stream,
+    _Phases,
+    _plural,
+    describe_max_length_cut,
+    load_average,
+    plot_losses,
+    print_summary,
+)
 from .sharded import check_saved, save_whole, whole_before_training, whole_numel
 from .token_cache import cached_prepare
 
@@ -403,6 +411,10 @@ class TrainJob:
         )
         if self.peft_config is not None:
             self.summary["model"] = _describe_model(cfg.model, self.trainer.model)
+        cut = describe_max_length_cut(self.trainer, getattr(training, "max_length", None))
+        if cut is not None:  # trainer: sft, TRL's truncation (counted in the trainer)
+            self.summary["max_length_cut"] = cut
+            self.say(f"data: {cut}")
         self.autocast = None
         if torch.device(self.device).type == "cuda":
             self.autocast = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None

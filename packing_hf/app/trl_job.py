@@ -33,7 +33,7 @@ from .data_first import DataFirst, read_trl_data
 from .interrupt import resume_checkpoint, resumed_note, train_until_interrupted
 from .modeling import load_job_model, load_tokenizer, model_source, prepare_adapter
 from .processes import main_first
-from .report import print_summary
+from .report import describe_max_length_cut, print_summary
 from .rewards import resolve_reward_funcs, reward_spec
 from .train import (
     SUMMARY_NAME,
@@ -142,6 +142,12 @@ def run_trl_training(
     cls = getattr(integrations, _CLASSES[trainer_name])
     trainer = cls(model=model, args=training, train_dataset=dataset, processing_class=tokenizer, **kwargs)
     summary = _summary(cfg, trainer, records, plan)
+    cut = describe_max_length_cut(trainer, getattr(training, "max_length", None))
+    if (
+        cut is not None
+    ):  # trainer: reward, the pairs TRL's max_length filter left out (counted in the trainer)
+        summary["max_length_cut"] = cut
+        say(f"data: {cut}")
     say(
         f"model: {summary['model']} on {summary['device']}, {summary['precision']}, attention {user_attention}"
     )

@@ -25,9 +25,38 @@ from ..overflow import check_overflow
 from ..sampler import MIXINGS
 from .parallel import process_world, with_sp_size
 
-__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config"]
+__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config", "budget_max_length"]
 
 PREFLIGHT_MODES = ("switch", "error", "off")
+
+
+class _TrlDefaultLength(int):
+    """TRL's default ``max_length`` (1024), marked so that a packing config can tell it from a value the user
+    set: a default must not cut or drop a sample that the token budget has room for."""
+
+
+_BUDGET_BOUNDS = (
+    "None: the budget bounds a sample instead (a longer one follows packing_overflow, an error by default)"
+)
+
+
+def budget_max_length(meaning: str, with_budget: str = _BUDGET_BOUNDS) -> Any:
+    """The ``max_length`` field of a packed TRL config: TRL's default 1024, unless ``max_tokens_per_batch`` is
+    set and ``max_length`` is not (then ``_max_length_for_budget``, None: no default cuts or drops a sample the
+    budget has room for). ``meaning``: what TRL does with a longer sample; ``with_budget``: the value then.
+
+    >>> from packing_hf.integrations.dpo import DPOConfig
+    >>> kwargs = dict(output_dir="out", report_to="none", use_cpu=True)
+    >>> DPOConfig(**kwargs, max_tokens_per_batch=4096).max_length is None
+    True
+    >>> DPOConfig(**kwargs).max_length, DPOConfig(**kwargs, max_tokens_per_batch=4096, max_length=512).max_length
+    (1024, 512)
+    """
+    return option(
+        _TrlDefaultLength(1024),
+        f"Maximum length of a tokenized sequence (TRL's field). Set: TRL's meaning ({meaning}). Unset with "
+        f"max_tokens_per_batch: {with_budget}. Unset otherwise: TRL's default, 1024.",
+    )
 
 
 @dataclass
@@ -120,7 +149,21 @@ class PackingArguments:
         "(on CPU, say). Needs packing_metrics and batches whose samples packing_hf can count (refused otherwise).",
     )
 
+    def _max_length_for_budget(self) -> int | None:
+        """``max_length`` when the user left TRL's default and set ``max_tokens_per_batch`` (see
+        :func:`budget_max_length`): None, the budget bounds a sample."""
+        return None
+
+    def follow_budget(self) -> None:
+        """An unset ``max_length`` (TRL's default) follows ``max_tokens_per_batch`` once that is set (see
+        :func:`budget_max_length`); called on construction, and by whoever sets the budget afterwards."""
+        unset = type(getattr(self, "max_length", None)) is _TrlDefaultLength
+        if unset and self.max_tokens_per_batch is not None:
+            # the budget bounds a sample; TRL's default 1024 would cut one the budget has room for
+            self.max_length = self._max_length_for_budget()
+
     def __post_init__(self) -> None:
+        self.follow_budget()
         if self.sp_size is not None:
             self.sp_size = check_int(self.sp_size, "sp_size", 1)
             self.parallelism_config = with_sp_size(getattr(self, "parallelism_config", None), self.sp_size)

@@ -61,7 +61,7 @@ from .._limits import option
 from ..attention import register_attention
 from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .parallel import configured_parallelism, sequence_parallel_size
 from .preference_kit import (
     PackedForwardsMixin,
@@ -97,6 +97,11 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     >>> DPOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
     """
+
+    max_length: int | None = budget_max_length(
+        "every sequence, prompt + completion, truncated per truncation_mode by the collator, counted in its "
+        "stats and logged"
+    )
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("shared_prompt",)
     shared_prompt: bool | None = option(

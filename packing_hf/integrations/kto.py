@@ -40,7 +40,7 @@ import numpy as np
 import trl
 
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .preference_kit import PackedForwardsMixin, check_vocabulary, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -58,6 +58,10 @@ class KTOConfig(PackingArguments, trl.KTOConfig):
     >>> KTOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
     """
+
+    max_length: int | None = budget_max_length(
+        "the first max_length tokens of every sequence, cut by the collator, counted in its stats and logged"
+    )
 
 
 class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):

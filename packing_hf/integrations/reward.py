@@ -25,6 +25,7 @@ scores must be read before pooling), and prompt-learning PEFT (virtual tokens pe
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +35,14 @@ import trl
 
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .adapters import PackedRewardForward
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["RewardConfig", "RewardTrainer"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +55,11 @@ class RewardConfig(PackingArguments, trl.RewardConfig):
     >>> RewardConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
     """
+
+    max_length: int | None = budget_max_length(
+        "a pair whose chosen or rejected sequence is longer is left out of the dataset, counted in "
+        "RewardTrainer.max_length_stats, logged and in the training logs as max_length_dropped_samples"
+    )
 
 
 class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
@@ -104,6 +112,31 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
         finally:
             if padding_free:
                 args.padding_free = padding_free
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        """TRL's preparation; the pairs its ``max_length`` filter leaves out are counted (never silent):
+        ``self.max_length_stats[dataset_name]``, a warning with the fix, the training logs."""
+        import datasets
+
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if args.max_length is None or not isinstance(dataset, datasets.Dataset):
+            return prepared
+        dropped = len(dataset) - len(prepared)  # TRL's max_length filter is the only step that drops a pair
+        self.max_length_stats = {
+            **getattr(self, "max_length_stats", {}),
+            dataset_name: {"dropped_samples": dropped},
+        }
+        if dropped:
+            logger.warning(
+                "%s dataset: TRL's max_length=%d left out %d of %d pairs (a sequence longer than max_length); "
+                "to train them raise max_length or set it to None (with max_tokens_per_batch, a pair longer "
+                "than the budget then follows packing_overflow)",
+                dataset_name,
+                args.max_length,
+                dropped,
+                len(dataset),
+            )
+        return prepared
 
     def _install_packed_forward(self, model: Any) -> None:
         self.packing_session.adapter(self.accelerator.unwrap_model(model), PackedRewardForward)

@@ -34,7 +34,9 @@ packed sample in ``cu_seq_lens``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +47,14 @@ from .._limits import option
 from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .loss import LossRoute
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
 __all__ = ["SFTConfig", "SFTTrainer"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +66,13 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
     'switch'
     """
 
+    max_length: int | None = budget_max_length(
+        "a longer sample is truncated per truncation_mode and one left with no trained token dropped, or with "
+        "packing=True the length of TRL's packed rows; counted: logged once, and max_length_truncated_samples / "
+        "_tokens and max_length_dropped_samples in the training logs",
+        "None without packing=True (the budget bounds a sample: a longer one follows packing_overflow, an error "
+        "by default), the budget with it (TRL packs rows of max_tokens_per_batch tokens)",
+    )
     logit_metrics: str = option(
         "labelled",
         "How the loss and TRL's logged `entropy` / `mean_token_accuracy` are computed. labelled "
@@ -69,6 +80,10 @@ class SFTConfig(PackingArguments, trl.SFTConfig):
         "labelled tokens only (the same values TRL logs); trl: TRL's fused LM head, which scores every "
         "position over the whole vocabulary each step (about 3x slower on CPU, less memory for the logits).",
     )
+
+    def _max_length_for_budget(self) -> int | None:
+        # TRL's own packing (packing=True) needs a row length: rows as long as the budget
+        return self.max_tokens_per_batch if self.packing else None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,6 +201,88 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
                 self._tokenizer, pad_to_multiple_of=call["args"].pad_to_multiple_of
             )
         self.data_collator = data_collator
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's preparation, with what ``max_length`` cuts counted (never silent).
+
+        TRL truncates every sample to ``max_length`` (and drops one left with no trained token), or cuts it
+        to one packed row (``packing=True``), inside its ``_prepare_dataset``, without a count. Here TRL
+        tokenizes and builds the labels with ``max_length=None``, the lengths are read, and TRL's last steps
+        run as TRL runs them (its truncation and filter, or its ``pack_dataset``), with the samples and
+        tokens cut counted in ``self.max_length_stats[dataset_name]``, logged once with the fix and added to
+        the training logs. A streamed dataset (read lazily) or ``skip_prepare_dataset`` goes to TRL as is.
+        """
+        import datasets
+
+        if args.max_length is None or not isinstance(dataset, datasets.Dataset):
+            return super()._prepare_dataset(
+                dataset, processing_class, args, packing, formatting_func, dataset_name
+            )
+        whole_args = copy.copy(args)  # a shallow copy: TRL reads it, nothing re-runs __post_init__
+        whole_args.max_length, whole_args.shuffle_dataset = None, False
+        dataset = super()._prepare_dataset(
+            dataset, processing_class, whole_args, False, formatting_func, dataset_name
+        )
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy()
+        max_length = args.max_length
+        over = lengths > max_length
+        stats = {
+            "truncated_samples": int(over.sum()),
+            "truncated_tokens": int((lengths[over] - max_length).sum()),
+            "dropped_samples": 0,
+        }
+        map_kwargs = {"num_proc": args.dataset_num_proc}
+        if packing:
+            # TRL's own packing tail (trl.SFTTrainer._prepare_dataset): rows of max_length tokens; "bfd" cuts a
+            # longer sample to one row, "bfd_split" and "wrapped" carry the rest over to other rows
+            dataset = dataset.select_columns(["input_ids", "labels"])
+            if args.shuffle_dataset:
+                dataset = dataset.shuffle(seed=args.seed)
+            dataset = trl.pack_dataset(dataset, max_length, args.packing_strategy, map_kwargs)
+            if args.packing_strategy != "bfd":
+                stats["truncated_samples"] = stats["truncated_tokens"] = 0
+        else:
+            # TRL's truncation (truncation_mode), then its drop of every sample with no trained token
+            if stats["truncated_samples"]:
+                cut = (
+                    slice(None, max_length)
+                    if args.truncation_mode == "keep_start"
+                    else slice(-max_length, None)
+                )
+                dataset = dataset.map(
+                    lambda example: {
+                        "input_ids": example["input_ids"][cut],
+                        "labels": example["labels"][cut],
+                    },
+                    **map_kwargs,
+                )
+            kept = dataset.filter(
+                lambda example: any(label != -100 for label in example["labels"]), **map_kwargs
+            )
+            stats["dropped_samples"] = len(dataset) - len(kept)
+            dataset = kept
+        if args.shuffle_dataset:
+            dataset = dataset.shuffle(seed=args.seed)
+        self.max_length_stats = {**getattr(self, "max_length_stats", {}), dataset_name: stats}
+        if stats["truncated_samples"] or stats["dropped_samples"]:
+            logger.warning(
+                "%s dataset: max_length=%d %s %d of %d samples (%d tokens cut, the longest had %d tokens)%s; "
+                "to train them whole raise max_length or set it to None%s",
+                dataset_name,
+                max_length,
+                "cut to one packed row" if packing else f"truncated ({args.truncation_mode})",
+                stats["truncated_samples"],
+                lengths.size,
+                stats["truncated_tokens"],
+                int(lengths.max()),
+                f", and dropped {stats['dropped_samples']} left with no trained token"
+                if stats["dropped_samples"]
+                else "",
+                " (with max_tokens_per_batch, a sample longer than the budget then follows packing_overflow)",
+            )
+        return dataset
 
     def _multipack_lengths_of(self, dataset: Any) -> Any:
         """Sample lengths for the multipack sampler; a vision dataset's are its processed lengths (image

@@ -65,7 +65,7 @@ from .._limits import option
 from ..padding import PackedLayout
 from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from ..preference import unpack_shifted
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
@@ -88,6 +88,10 @@ class TPOConfig(PackingArguments, _StockTPOConfig):
     >>> TPOConfig(output_dir="out", padding_free=True, report_to="none", use_cpu=True).tpo_alpha
     1.0
     """
+
+    max_length: int | None = budget_max_length(
+        "every sequence truncated per truncation_mode by the collator, counted in its stats and logged"
+    )
 
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = option(

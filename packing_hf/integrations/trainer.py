@@ -249,6 +249,10 @@ class PackingTrainerMixin(
             steps = self.state.global_step - self._packing_last_logged_step
             self._packing_last_logged_step = self.state.global_step
             logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals, tables=tables))
+        cut = getattr(self, "max_length_stats", {}).get("train")
+        if cut and "loss" in logs and any(cut.values()):
+            # what TRL's max_length cut from the training set (SFT, reward), the same totals in every training log
+            logs.update({f"max_length_{key}": value for key, value in cut.items()})
         super().log(logs, *args, **kwargs)
 
 

@@ -1,0 +1,221 @@
+"""The packed TRL trainers and ``max_length``: a default never cuts or drops a sample silently.
+
+TRL's configs default ``max_length`` to 1024: ``SFTTrainer`` truncates every longer sample when it prepares
+the dataset and ``RewardTrainer`` leaves the pair out, both without a count. With ``max_tokens_per_batch``
+the budget bounds a sample instead (a longer one follows ``packing_overflow``); a ``max_length`` the user sets
+keeps TRL's meaning and what it cuts is counted (``max_length_stats``), logged and in the training logs.
+Real SmolLM2 tokenizer, tiny llama, CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import pytest
+
+trl = pytest.importorskip("trl")
+
+import packing_hf  # noqa: E402
+
+
+@dataclass
+class RecordingCollator(packing_hf.PaddingFreeCollator):
+    """Keeps the features of every batch it collates."""
+
+    features: list = field(default_factory=list, init=False, repr=False)
+
+    def __call__(self, features, return_tensors=None):
+        self.features.append([dict(f) for f in features])
+        return super().__call__(features, return_tensors)
+
+
+def _config(tmp_path, **overrides) -> packing_hf.SFTConfig:
+    values = dict(
+        output_dir=str(tmp_path / "sft"), report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=1,
+    )  # fmt: skip
+    values.update(overrides)
+    return packing_hf.SFTConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def long_data(gsm8k_rows):
+    """A short prompt/completion pair, one whose completion is longer than TRL's 1024 tokens, and one whose
+    prompt alone is (TRL's truncation leaves it no trained token)."""
+    rows = gsm8k_rows(12)
+    answers = " ".join(r["answer"] for r in rows)  # several thousand characters of real text
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": ["Question: 1+1?\nAnswer:", "Question: show every step.\nAnswer:", answers],
+            "completion": [" 2", " " + answers, " 7"],
+        }
+    )
+
+
+def _whole(data, tokenizer, tiny_llama, tmp_path) -> list[list[int]]:
+    """The samples as stock TRL prepares them with max_length=None: the reference, nothing cut."""
+    args = trl.SFTConfig(str(tmp_path / "stock"), max_length=None, report_to="none", use_cpu=True)
+    stock = trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer)
+    return list(stock.train_dataset["input_ids"])
+
+
+@pytest.mark.parametrize("name", ["SFTConfig", "DPOConfig", "KTOConfig", "TPOConfig", "RewardConfig"])
+def test_config_max_length_default_follows_the_budget(name):
+    from packing_hf.integrations.tpo import TPOConfig
+
+    config = TPOConfig if name == "TPOConfig" else getattr(packing_hf, name)
+    common = dict(output_dir="out", report_to="none", use_cpu=True)
+    assert config(**common).max_length == 1024  # TRL's default without a budget
+    assert config(**common, max_tokens_per_batch=4096).max_length is None
+    # a value the user sets keeps TRL's meaning, whatever the budget
+    assert config(**common, max_tokens_per_batch=4096, max_length=1024).max_length == 1024
+    assert config(**common, max_tokens_per_batch=4096, max_length=512).max_length == 512
+    if name == "SFTConfig":  # TRL's own packing needs a row length: the budget
+        assert config(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
+
+
+def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path):
+    data = long_data.select([0, 1])
+    whole = _whole(data, tokenizer, tiny_llama, tmp_path)
+    assert max(map(len, whole)) > 1024  # longer than TRL's default max_length
+    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    trainer = packing_hf.SFTTrainer(
+        model=tiny_llama(),
+        args=_config(tmp_path, max_tokens_per_batch=4096),
+        train_dataset=data,
+        processing_class=tokenizer,
+        data_collator=collator,
+    )
+    assert trainer.args.max_length is None
+    trainer.train()
+    trained = sorted((f["input_ids"] for f in collator.features[0]), key=len)
+    assert trained == sorted(whole, key=len)  # one batch of both samples, every token of each
+
+
+def test_a_sample_longer_than_the_budget_is_refused_by_name(long_data, tokenizer, tiny_llama, tmp_path):
+    trainer = packing_hf.SFTTrainer(
+        model=tiny_llama(),
+        args=_config(tmp_path, max_tokens_per_batch=1024),
+        train_dataset=long_data.select([0, 1]),
+        processing_class=tokenizer,
+    )
+    with pytest.raises(ValueError, match=r"sample 1 has \d+ tokens > max_tokens_per_batch=1024"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["max_length_set", "trl_default"])
+def test_max_length_truncation_is_counted_and_logged(
+    explicit, long_data, tokenizer, tiny_llama, tmp_path, caplog
+):
+    whole = _whole(long_data, tokenizer, tiny_llama, tmp_path)
+    cut = [len(ids) - 1024 for ids in whole if len(ids) > 1024]
+    assert len(cut) == 2
+    overrides = dict(max_length=1024, max_tokens_per_batch=2048) if explicit else {}
+    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.sft"):
+        trainer = packing_hf.SFTTrainer(
+            model=tiny_llama(),
+            args=_config(tmp_path, **overrides),
+            train_dataset=long_data,
+            processing_class=tokenizer,
+        )
+    # TRL's meaning kept: both cut to 1024 tokens, the one left with no trained token dropped
+    assert sorted(map(len, trainer.train_dataset["input_ids"])) == sorted([len(whole[0]), 1024])
+    stats = {"truncated_samples": 2, "truncated_tokens": sum(cut), "dropped_samples": 1}
+    assert trainer.max_length_stats["train"] == stats
+    warning = [r.getMessage() for r in caplog.records if "max_length=1024" in r.getMessage()]
+    assert len(warning) == 1 and "truncated (keep_start) 2 of 3 samples" in warning[0], warning
+    assert "raise max_length or set it to None" in warning[0]
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert {k: logged[f"max_length_{k}"] for k in stats} == stats
+
+
+def test_trl_bfd_packing_cut_is_counted(long_data, tokenizer, tiny_llama, tmp_path):
+    data = long_data.select([0, 1])
+    whole = _whole(data, tokenizer, tiny_llama, tmp_path)
+    trainer = packing_hf.SFTTrainer(
+        model=tiny_llama(),
+        args=_config(tmp_path, packing=True, padding_free=True, max_length=1024),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    long = max(map(len, whole))
+    assert trainer.max_length_stats["train"] == {
+        "truncated_samples": 1,
+        "truncated_tokens": long - 1024,
+        "dropped_samples": 0,
+    }
+    # TRL's bfd rows: the long sample cut to one row of 1024 tokens (what TRL itself does)
+    assert sorted(n for row in trainer.train_dataset["seq_lengths"] for n in row) == sorted(
+        [min(len(ids), 1024) for ids in whole]
+    )
+
+
+def test_reward_max_length_filter_is_counted(long_data, tokenizer, tmp_path, caplog):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    texts = [p + c for p, c in zip(long_data["prompt"], long_data["completion"], strict=True)]
+    pairs = datasets.Dataset.from_dict({"chosen": texts, "rejected": [t + " no" for t in texts]})
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    too_long = sum(n + 1 > 1024 for n in lengths)  # TRL adds the EOS token to every sequence
+    assert too_long == 2
+    args = packing_hf.RewardConfig(
+        str(tmp_path / "reward"), max_length=1024, max_tokens_per_batch=2048, max_steps=1, logging_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.reward"):
+        trainer = packing_hf.RewardTrainer(
+            model=AutoModelForSequenceClassification.from_config(config),
+            args=args,
+            train_dataset=pairs,
+            processing_class=tokenizer,
+        )
+    assert len(trainer.train_dataset) == len(pairs) - too_long  # TRL's meaning kept: the pairs left out
+    assert trainer.max_length_stats["train"] == {"dropped_samples": too_long}
+    warning = [r.getMessage() for r in caplog.records if "max_length=1024" in r.getMessage()]
+    assert len(warning) == 1 and f"left out {too_long} of 3 pairs" in warning[0], warning
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert logged["max_length_dropped_samples"] == too_long
+
+
+@pytest.mark.parametrize(
+    "keys", [{"max_tokens_per_batch": 4096}, {"sample_packing": True}], ids=["budget", "sample_packing"]
+)
+def test_cli_sft_multipack_max_length_follows_the_budget(keys):
+    """``packing-hf train`` with ``trainer: sft``: an unset max_length is not TRL's 1024 once multipack sets a
+    budget (also the one ``sample_packing: true`` derives after the config is built); a set one stays."""
+    from packing_hf.app.config import load_train_config
+
+    common = {"trainer": "sft", "output_dir": "/tmp/packing_hf_max_length", "use_cpu": True}
+    cfg = load_train_config({**common, **keys})
+    assert cfg.batching == "multipack" and cfg.training.max_length is None
+    assert load_train_config({**common, **keys, "max_length": 2048}).training.max_length == 2048
+
+
+def test_cli_sft_summary_shows_what_max_length_cut(tmp_path, data_dir, capsys):
+    """``packing-hf train`` with ``trainer: sft`` and a max_length shorter than the samples: TRL truncates
+    them (its meaning), and the job says so and puts it in its summary, with the trainer's own counts."""
+    import json
+
+    from packing_hf.app.cli import main
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu.yaml"
+    out = tmp_path / "sft"
+    args = [
+        "train", str(config), "trainer=sft", f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+        "num_samples=4", "max_length=96", "max_steps=1",
+        f"output_dir={out}", "save_strategy=no", "disable_tqdm=true",
+    ]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((out / "packing_summary.json").read_text())
+    said = summary["max_length_cut"]
+    assert said.startswith("TRL's max_length=96 truncated 4 samples ("), said  # every GSM8K chat is longer
+    assert said in capsys.readouterr().out
