@@ -31,7 +31,6 @@ import contextlib
 import gc
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ from .record_stream import RecordStream
 from .records import RecordSet
 from .render import trl_records
 from .report import _describe_stream, _Phases, _plural, load_average, plot_losses, print_summary
-from .sharded import check_saved, save_whole, whole_before_training, whole_numel
+from .sharded import save_whole, whole_before_training, whole_numel
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -542,10 +541,7 @@ class TrainJob:
             return
         self.phases.start("save")
         self.say(f"saving the {'adapter' if self.peft_config is not None else 'model'} to {self.output_dir}")
-        started = time.time()
         save_whole(self.trainer, self.output_dir)
-        if self.main:
-            check_saved(self.output_dir, started, self.trainer)
         summary["output_dir"] = str(self.output_dir)
         _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
 

@@ -35,6 +35,7 @@ from .modeling import load_job_model, load_tokenizer, model_source, prepare_adap
 from .processes import main_first
 from .report import print_summary
 from .rewards import resolve_reward_funcs, reward_spec
+from .sharded import save_whole, whole_numel
 from .train import (
     SUMMARY_NAME,
     _Phases,
@@ -161,7 +162,7 @@ def run_trl_training(
     if cfg.job.save_model:
         phases.start("save")
         say(f"saving the {'adapter' if peft_config is not None else 'model'} to {output_dir}")
-        trainer.save_model(str(output_dir))
+        save_whole(trainer, output_dir)  # whole under a sharding engine, checked written
         summary["output_dir"] = str(output_dir)
     phases.stop()
     if cfg.job.save_model:
@@ -257,7 +258,7 @@ def _describe(cfg: TrainConfig, model) -> str:
         if cfg.model.model_type is not None
         else cfg.model.gguf_file or cfg.model.model_name_or_path
     )
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(whole_numel(p) for p in model.parameters())
+    trained = sum(whole_numel(p) for p in model.parameters() if p.requires_grad)
     adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
     return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"
