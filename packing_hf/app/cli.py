@@ -215,6 +215,8 @@ def _train(argv: Sequence[str]) -> int:
 
 def _train_job(config: str, overrides: list[str]) -> int:
     """``packing-hf train CONFIG OVERRIDES...`` once the arguments are read: the exit status."""
+    from .sharded import ModelNotSaved
+
     _say(f"reading the config {config}")
     output_dir = None
     try:
@@ -236,7 +238,7 @@ def _train_job(config: str, overrides: list[str]) -> int:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
         return _error("train", error, 1)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError, ModelNotSaved) as error:
         if os.environ.get("PACKING_HF_TRACEBACK"):
             raise
         print(

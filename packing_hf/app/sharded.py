@@ -3,7 +3,8 @@ evaluate it before training, save it whole and check that the save wrote it.
 
 Under ZeRO-3 the model is partitioned at construction (``deepspeed.zero.Init``), so a parameter holds this
 process's part of the tensor; under FSDP2 the model is whole until ``train()`` shards it. Every function here is
-called on every process of a launch (the gathers are collectives), :func:`check_saved` on the main one.
+called on every process of a launch (the gathers are collectives), :func:`check_saved` on the main one. Every job
+of ``packing-hf train`` (``trainer: trainer | sft`` and the TRL trainers) saves through :func:`save_whole`.
 
 >>> import torch
 >>> whole_numel(torch.nn.Parameter(torch.zeros(2, 3)))
@@ -13,10 +14,18 @@ called on every process of a launch (the gathers are collectives), :func:`check_
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_saved", "save_whole", "whole_before_training", "whole_numel", "whole_zero3_save"]
+__all__ = [
+    "ModelNotSaved",
+    "check_saved",
+    "save_whole",
+    "whole_before_training",
+    "whole_numel",
+    "whole_zero3_save",
+]
 
 
 def whole_numel(parameter) -> int:
@@ -85,27 +94,36 @@ _WEIGHT_FILES = (
 
 
 def save_whole(trainer, output_dir: Path) -> None:
-    """``trainer.save_model`` with the weights whole, on every process (collective under a sharding engine): FSDP
-    saves a full state dict (accelerate's way of saving a model trained with ``SHARDED_STATE_DICT`` whole; the
-    checkpoints stay sharded); ZeRO-3 gathers the partitions (``stage3_gather_16bit_weights_on_model_save``, which
-    the config sets: :func:`whole_zero3_save`)."""
+    """``trainer.save_model`` with the weights whole, on every process (collective under a sharding engine), then
+    :func:`check_saved` on the main process: FSDP saves a full state dict (accelerate's way of saving a model trained
+    with ``SHARDED_STATE_DICT`` whole; the checkpoints stay sharded); ZeRO-3 gathers the partitions
+    (``stage3_gather_16bit_weights_on_model_save``, which the config sets: :func:`whole_zero3_save`)."""
+    started = time.time()
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
     if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
         plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(output_dir))
+    if trainer.is_world_process_zero():
+        check_saved(output_dir, started, trainer)
+
+
+class ModelNotSaved(RuntimeError):
+    """The save of the trained model wrote no weights file (:func:`check_saved`); the command line reports it in
+    one line, as its other errors."""
 
 
 def check_saved(output_dir: Path, started: float, trainer) -> None:
-    """The save wrote the model's weights (a file of :data:`_WEIGHT_FILES` written since ``started``), else a
-    ``RuntimeError``: a run never ends successfully without its trained model (an engine that saves a partitioned
-    checkpoint instead, with a warning, would)."""
+    """The save wrote the model's weights (a file of :data:`_WEIGHT_FILES` written since ``started``), else
+    :class:`ModelNotSaved`: a run never ends successfully without its trained model (an engine that saves a
+    partitioned checkpoint instead, with a warning, would)."""
+    output_dir = Path(output_dir)
     written = [name for name in _WEIGHT_FILES if (output_dir / name).is_file()]
     if any((output_dir / name).stat().st_mtime >= started - 1 for name in written):
         return
     engine = trainer.parallel_plan.describe()
-    raise RuntimeError(
+    raise ModelNotSaved(
         f"the trained model was not saved to {output_dir} ({engine}): no weights file ({', '.join(_WEIGHT_FILES[:2])}, "
-        f"...) was written{' since the save began' if written else ''}; the engine saved no whole model (a "
-        "partitioned checkpoint, if any, is in the checkpoint-* folders: DeepSpeed's zero_to_fp32.py recovers its "
-        "weights). Report this with the config"
+        f"...) was written{' since the save began' if written else ''}, the engine saved no whole model. The trained "
+        "weights are in the latest checkpoint-* folder (a partitioned one: DeepSpeed's zero_to_fp32.py, or "
+        "accelerate merge-weights for FSDP, makes them a model); please report this with the config"
     )

@@ -31,7 +31,6 @@ import contextlib
 import gc
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +71,7 @@ from .report import (
     plot_losses,
     print_summary,
 )
-from .sharded import check_saved, save_whole, whole_before_training, whole_numel
+from .sharded import save_whole, whole_before_training, whole_numel
 from .token_cache import cached_prepare
 
 __all__ = ["SUMMARY_NAME", "TrainJob", "run_training"]
@@ -554,10 +553,7 @@ class TrainJob:
             return
         self.phases.start("save")
         self.say(f"saving the {'adapter' if self.peft_config is not None else 'model'} to {self.output_dir}")
-        started = time.time()
         save_whole(self.trainer, self.output_dir)
-        if self.main:
-            check_saved(self.output_dir, started, self.trainer)
         summary["output_dir"] = str(self.output_dir)
         _write_summary(summary, self.phases, self.trainer, self.output_dir, self.say)
 

@@ -35,8 +35,10 @@ from .modeling import load_job_model, load_tokenizer, model_source, prepare_adap
 from .processes import main_first
 from .report import describe_max_length_cut, print_summary
 from .rewards import resolve_reward_funcs, reward_spec
+from .sharded import save_whole
 from .train import (
     SUMMARY_NAME,
+    _describe_model,
     _Phases,
     _restore_user_config,
     _stop_interrupted,
@@ -167,7 +169,7 @@ def run_trl_training(
     if cfg.job.save_model:
         phases.start("save")
         say(f"saving the {'adapter' if peft_config is not None else 'model'} to {output_dir}")
-        trainer.save_model(str(output_dir))
+        save_whole(trainer, output_dir)  # whole under a sharding engine, checked written
         summary["output_dir"] = str(output_dir)
     phases.stop()
     if cfg.job.save_model:
@@ -218,7 +220,7 @@ def _summary(cfg: TrainConfig, trainer, records: str, plan: str) -> dict[str, An
     precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
     return {
         "config": cfg.source,
-        "model": _describe(cfg, trainer.model),
+        "model": _describe_model(cfg.model, trainer.model),
         "device": str(device),
         "processes": training.world_size,
         "precision": precision,
@@ -255,15 +257,3 @@ def _train(trainer, resume_from: str | None, summary: dict[str, Any], say):
     if summary["rewards"]:
         say(f"mean reward per logged step: {', '.join(f'{r:.3f}' for r in summary['rewards'])}")
     return run
-
-
-def _describe(cfg: TrainConfig, model) -> str:
-    name = (
-        f"randomly initialised {cfg.model.model_type} (from config)"
-        if cfg.model.model_type is not None
-        else cfg.model.gguf_file or cfg.model.model_name_or_path
-    )
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    adapter = f", {trained / 1e6:.2f}M trained (adapter)" if trained < total else ""
-    return f"{name} ({model.config.model_type}, {total / 1e6:.1f}M parameters{adapter})"

@@ -1,12 +1,14 @@
 """``packing-hf train`` under ``torchrun`` on 2 CPU processes (gloo, ``use_cpu=true``): the command is rank-aware.
 
-One launch of ``python -m packing_hf.app.cli train configs/tiny_cpu.yaml`` (through ``_cli_launch_worker.py``, which
-records every file each process writes) per layout: plain DDP, and ``sp_size=2`` (one replica, its rows cut over
-the two processes). Each prints the command's lines once (not once per process), only the main process writes
-(the run's files, the tokenized-dataset cache; the other process reads the cache once written and writes
-nothing), the files are valid (the summary JSON, the loss curve, a model that loads), and the summary's counts
-are the whole run's: every sample and token of the data, both processes' tokens in the step logs. With
-``sp_size=2`` the run trains exactly as one process does: the same losses and eval loss.
+``packing-hf train configs/tiny_cpu.yaml`` (through ``_cli_launch_worker.py``, which records every file each process
+writes) once per layout: plain DDP, ``sp_size=2`` (one replica, its rows cut over the two processes), and the
+sharding engines (ZeRO-3, ZeRO-3 + ``sp_size=2``, FSDP2: :func:`_check_engine_run`), all in one launch: the worker
+runs the command once per layout in the same two processes (the interpreters and imports, most of a launch's cost,
+once), ZeRO-3 first, as DeepSpeed starts the process group from nothing. Each run prints the command's lines once (not once per process), only
+the main process writes (the run's files, the tokenized-dataset cache; the other process reads the cache once
+written and writes nothing), the files are valid (the summary JSON, the loss curve, a model that loads), and the
+summary's counts are the whole run's: every sample and token of the data, both processes' tokens in the step logs.
+With ``sp_size=2`` the run trains exactly as one process does: the same losses and eval loss.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ TINY_MODEL = (
     '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, '
     '"num_key_value_heads": 1}'
 )
-LAYOUTS = {"ddp": [], "sp2": ["sp_size=2"], "zero3": [], "zero3_sp2": ["sp_size=2"], "fsdp2": []}
+# the layouts' overrides, in the order the launch runs them (ZeRO-3 first: DeepSpeed starts the process group)
+LAYOUTS = {"zero3": [], "zero3_sp2": ["sp_size=2"], "fsdp2": [], "ddp": [], "sp2": ["sp_size=2"]}
 ENGINES = {"zero3": "deepspeed ZeRO-3", "zero3_sp2": "deepspeed ZeRO-3", "fsdp2": "fsdp2"}
 # ZeRO-3 with every parameter partitioned (DeepSpeed keeps parameters under its persistence threshold whole)
 ZERO3 = {
@@ -62,56 +65,68 @@ def _overrides(data_dir: Path, out: Path) -> list[str]:
     ]
 
 
-def _engine(folder: Path, layout: str) -> tuple[list[str], dict[str, str]]:
-    """The overrides and environment of a layout's engine: DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``) or FSDP2 (the
-    worker installs the CPU stand-in for accelerate's device gate), each run recording the job's weights."""
+def _engine(folder: Path, layout: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The overrides, the phase's environment and the launch's of a layout's engine: DeepSpeed ZeRO-3
+    (``DS_ACCELERATOR=cpu``) or FSDP2 (the worker installs the CPU stand-in for accelerate's device gate), each run
+    recording the job's weights."""
     env = {"PACKING_HF_TEST_WEIGHTS": str(folder / "weights.pt")} if layout in ENGINES else {}
     if layout.startswith("zero3"):
         (folder / "ds_zero3.json").write_text(json.dumps(ZERO3))
-        return [f"deepspeed={folder / 'ds_zero3.json'}"], {**env, "DS_ACCELERATOR": "cpu"}
+        return [f"deepspeed={folder / 'ds_zero3.json'}"], env, {"DS_ACCELERATOR": "cpu"}
     if layout == "fsdp2":
         (folder / "fsdp2.json").write_text(json.dumps(FSDP2))
-        return ["fsdp=full_shard", f"fsdp_config={folder / 'fsdp2.json'}"], {
-            **env,
-            "PACKING_HF_TEST_FSDP_ON_CPU": "1",
-        }
-    return [], env
-
-
-def _launch(folder: Path, data_dir: Path, torchrun_command, layout: str) -> None:
-    """One torchrun launch of the command; its combined output in ``folder/output.txt``."""
-    cache, out = folder / "cache", folder / "out"
-    cache.mkdir()
-    engine, engine_env = _engine(folder, layout)
-    command = [
-        *torchrun_command(),
-        str(WORKER),
-        str(folder),
-        f"{cache}:{out}",
-        "train",
-        TINY_CONFIG,
-        *_overrides(data_dir, out),
-        "baseline_time_share=1000",  # the padded baseline runs whatever its estimate: its lines are checked too
-        *LAYOUTS[layout],
-        *engine,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.update(
-        **engine_env,
-        PACKING_HF_CACHE=str(cache),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
-    env.pop("PYTEST_XDIST_WORKER", None)
-    try:
-        proc = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=folder
+        return (
+            ["fsdp=full_shard", f"fsdp_config={folder / 'fsdp2.json'}"],
+            env,
+            {"PACKING_HF_TEST_FSDP_ON_CPU": "1"},
         )
+    return [], env, {}
+
+
+def _launch(folder: Path, data_dir: Path, torchrun_command, layouts: list[str]) -> None:
+    """One torchrun launch running the command once per layout, in order, in the same processes (the worker's
+    phases); each layout's files in ``folder/<layout>``, its output in ``output-rank<R>.txt`` there."""
+    phases, launch_env = [], {}
+    for layout in layouts:
+        phase = folder / layout
+        cache, out = phase / "cache", phase / "out"
+        cache.mkdir(parents=True)
+        engine, phase_env, engine_env = _engine(phase, layout)
+        launch_env.update(engine_env)
+        argv = [
+            TINY_CONFIG,
+            *_overrides(data_dir, out),
+            "baseline_time_share=1000",  # the padded baseline runs whatever its estimate: its lines are checked too
+            *LAYOUTS[layout],
+            *engine,
+        ]
+        phases.append(
+            {
+                "dir": str(phase),
+                "roots": [str(cache), str(out)],
+                "argv": argv,
+                "env": {**phase_env, "PACKING_HF_CACHE": str(cache)},
+            }
+        )
+    (folder / "phases.json").write_text(json.dumps(phases, indent=1))
+    command = [*torchrun_command(), str(WORKER), str(folder / "phases.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(**launch_env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    timeout = LAUNCH_TIMEOUT_S * len(layouts)
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=folder)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"packing-hf train on 2 processes did not finish in {LAUNCH_TIMEOUT_S}s:\n{exc.stderr}")
+        pytest.fail(f"packing-hf train on 2 processes did not finish in {timeout}s:\n{exc.stderr}")
     (folder / "output.txt").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (
-        f"launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-    )
+    outputs = "".join(f"\n{layout}: {_output(folder / layout)[-3000:]}" for layout in layouts)
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}{outputs}"
+
+
+def _output(phase: Path) -> str:
+    """What a phase's processes printed (the main one's, then the other's)."""
+    files = [phase / f"output-rank{rank}.txt" for rank in (0, 1)]
+    return "".join(f.read_text() for f in files if f.is_file())
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +144,12 @@ def _writes(folder: Path, rank: int) -> list[str]:
     return (folder / f"writes-rank{rank}.txt").read_text().splitlines()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packing_hf_train_on_2_processes_prints_and_writes_once(
     layout, run_once, torchrun_command, data_dir, one_process
 ):
-    folder = run_once(f"cli-launch-{layout}", lambda f: _launch(f, data_dir, torchrun_command, layout))
-    output = (folder / "output.txt").read_text()
+    folder = run_once("cli-launch", lambda f: _launch(f, data_dir, torchrun_command, list(LAYOUTS))) / layout
+    output = _output(folder)
     out = folder / "out"
 
     # the command's own lines, once each (a progress bar may share a line with one: cut at \r)
@@ -210,7 +225,9 @@ def _check_engine_run(layout: str, folder: Path, summary: dict, saved, one_proce
     assert summary["model"] == one_process["model"]  # the whole model's parameters, not a partition's (0.0M)
     # the engine's own checkpoint: ZeRO-3's partitions, FSDP2's sharded state dict (the final model is whole all the same)
     checkpoint = folder / "out" / f"checkpoint-{summary['global_step']}"
-    engine_folder = f"global_step{summary['global_step']}" if layout.startswith("zero3") else "pytorch_model_fsdp_0"
+    engine_folder = (
+        f"global_step{summary['global_step']}" if layout.startswith("zero3") else "pytorch_model_fsdp_0"
+    )
     assert (checkpoint / engine_folder).is_dir(), sorted(p.name for p in checkpoint.iterdir())
     recorded = torch.load(folder / "weights.pt", weights_only=False)
     trained, initial = recorded["trained"], recorded["initial"]

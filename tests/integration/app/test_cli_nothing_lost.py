@@ -51,11 +51,36 @@ def test_a_failing_baseline_keeps_the_saved_model_and_exits_0(tmp_path, data_dir
     assert "padded baseline failed" in printed
 
 
-def test_a_save_that_writes_no_model_fails_the_command(tmp_path, data_dir, monkeypatch):
+# every job saves through one path (packing_hf.app.sharded.save_whole): the Trainer's and a TRL trainer's
+SAVE_NO_MODEL_RUNS = {
+    "trainer": [
+        "tiny_cpu.yaml",
+        "gguf_file=null",
+        "gguf_package=null",
+        "num_samples=16",
+        "eval_dataset=none",
+    ],
+    "dpo": [
+        "tiny_dpo.yaml",
+        "gguf_file=null",
+        "gguf_package=null",
+        "num_samples=4",
+        "max_length=384",
+        "per_device_train_batch_size=1",
+        'model_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1}',
+    ],
+}
+
+
+@pytest.mark.parametrize("trainer", sorted(SAVE_NO_MODEL_RUNS))
+def test_a_save_that_writes_no_model_fails_the_command(trainer, tmp_path, data_dir, monkeypatch, capsys):
     """What transformers does under ZeRO-3 without stage3_gather_16bit_weights_on_model_save (a warning and DeepSpeed's
     partitioned checkpoint, no model file) or under FSDP with SHARDED_STATE_DICT (nothing): the run must not end
-    successfully without its trained model. (The engine runs themselves: tests/distributed/test_cli_launch.py.)"""
-    import packing_hf
+    successfully without its trained model, whichever trainer ran, and says so in one line, as the command's other
+    errors, naming what is missing and where the trained weights are. (The engine runs themselves:
+    tests/distributed/test_cli_launch.py.)"""
+    import transformers
 
     out = tmp_path / "run"
     out.mkdir()
@@ -67,22 +92,28 @@ def test_a_save_that_writes_no_model_fails_the_command(tmp_path, data_dir, monke
     def save_without_weights(self, output_dir=None, _internal_call=False):
         (Path(output_dir) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(packing_hf.Trainer, "save_model", save_without_weights)
+    monkeypatch.setattr(transformers.Trainer, "save_model", save_without_weights)
     monkeypatch.setattr(train, "run_baseline", lambda *args, **kwargs: (None, "not measured here"))
-    with pytest.raises(RuntimeError, match="the trained model was not saved to"):
-        cli.main(
-            [
-                "train",
-                str(ROOT / "configs" / "tiny_cpu.yaml"),
-                f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
-                "gguf_file=null",
-                "gguf_package=null",
-                "num_samples=16",
-                "eval_dataset=none",
-                "--max_steps",
-                "1",
-                f"output_dir={out}",
-                "disable_tqdm=true",
-            ]
-        )
+    monkeypatch.delenv("PACKING_HF_TRACEBACK", raising=False)
+    config, *overrides = SAVE_NO_MODEL_RUNS[trainer]
+    status = cli.main(
+        [
+            "train",
+            str(ROOT / "configs" / config),
+            f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}",
+            *overrides,
+            "--max_steps",
+            "1",
+            f"output_dir={out}",
+            "disable_tqdm=true",
+        ]
+    )
+    errors = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("packing-hf train: error")
+    ]
+    assert status == 1
+    assert len(errors) == 1 and errors[0].startswith(
+        f"packing-hf train: error: the trained model was not saved to {out} ("
+    ), errors
+    assert "no weights file (model.safetensors" in errors[0] and "checkpoint-* folder" in errors[0]
     assert not (out / train.SUMMARY_NAME).exists()
