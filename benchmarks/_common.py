@@ -205,6 +205,64 @@ def write_json(name: str, payload: dict[str, Any], args: argparse.Namespace | No
     return output
 
 
+# ---- run conditions: threads, load, spread (issue 49: figures with their spread) ---------------------------
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's intra-op threads, set by :func:`set_threads` before the model is built."""
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads (torch.set_num_threads), default 1 on CPU: with as many threads as cores, "
+        "anything else taking a core (another job, the process's own data loading) makes the threads wait for "
+        "each other at every parallel region and the runs bimodal; on CUDA torch's own default",
+    )  # fmt: skip
+
+
+def set_threads(threads: int | None, device: str) -> dict[str, Any]:
+    """Set torch's intra-op threads (``threads``, or 1 on CPU and torch's default on CUDA when None) and return
+    what the run had: ``threads``, ``interop_threads``, ``cpu_count`` and the cores this process may run on."""
+    import torch
+
+    if threads is None:
+        threads = 1 if device == "cpu" else torch.get_num_threads()
+    if threads < 1:
+        raise SystemExit(f"--threads {threads}: give at least 1 thread")
+    torch.set_num_threads(threads)
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(affinity(0)) if affinity else None,
+    }
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (``os.getloadavg``), None where there is none: above the
+    cores a run uses, other jobs took them and wall-clock figures are not the machine's."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def relative_spread(values: Sequence[float | None]) -> float | None:
+    """``(max - min) / median`` of the values given (None left out): the spread of a figure over repeats."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else None
+
+
+def vs_ideal(tokens_per_s: float, rebalance_tokens_per_s: float, rebalance_fill: float) -> float:
+    """A padding-free contender's real tokens per second over its ideal against ``batch_rebalance``: the tokens
+    per second batch_rebalance would reach if none of its tokens were padding (its real tokens per second over its
+    real-token share ``rebalance_fill``, i.e. every token it computes per second). 1.0: packing costs nothing on
+    top of the model's work; the same for CPU seconds."""
+    return tokens_per_s / (rebalance_tokens_per_s / rebalance_fill)
+
+
 # ---- data mixes (issue 49: packing against length-grouped padded batches) --------------------------------
 
 #: ``blend``: every real set at once (GSM8K train, GPTeacher, Alpaca-GPT4 1k); ``gsm8k``; ``alpaca_gpteacher``

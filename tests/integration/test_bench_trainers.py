@@ -48,6 +48,31 @@ def test_bench_trainers_smoke(tmp_path, data_dir):
         assert run["model_flops_epoch"] == report["model_flops_epoch"]
     assert rows["padded"]["fill"] < 1.0 == rows["trl_padding_free"]["fill"] == rows["packing_hf"]["fill"]
     assert "vs_best_peer" in stdout and "packing_hf" in stdout
+    # the run's conditions: one torch thread on CPU by default, the cores, the load before and after
+    assert report["threads"]["threads"] == 1 == report["environment"]["torch_threads"]
+    assert report["threads"]["cpu_count"] == os.cpu_count()
+    for when in ("start", "end"):
+        assert len(report["load_average"][when]) == 3 and min(report["load_average"][when]) >= 0
+    assert "load average at start" in stdout
+    for name, row in rows.items():
+        (run,) = row["runs"]
+        # tokens per CPU second beside per wall second; one timed run: no spread
+        assert run["tokens_per_cpu_s"] > 0 and row["tokens_per_cpu_s"] == run["tokens_per_cpu_s"], name
+        assert row["spread"] == 0.0 == row["spread_cpu"], name
+        # one untimed warm-up run, from the same initial weights as the timed one: the same loss (a timed run
+        # that went on from the warm-up's trained weights would differ by ~1e-3)
+        (warmup,) = row["warmup_runs"]
+        assert warmup["steps"] == run["steps"] and row["loss_spread"] < 1e-4, (name, row["loss_spread"])
+    # vs_ideal: packing_hf's tokens/s over batch_rebalance's divided by its real-token share, wall and CPU
+    ours, base = rows["packing_hf"], rows["hf_batch_rebalance"]
+    for clock, key in (("wall", "tokens_per_s"), ("cpu", "tokens_per_cpu_s")):
+        expected = ours[key] * base["fill_timed"] / base[key]
+        assert report["vs_ideal"][clock]["vs_ideal"] == pytest.approx(expected, rel=1e-9), clock
+        assert report["vs_ideal"][clock]["rounds"] == [pytest.approx(expected, rel=1e-9)]
+    assert ours["vs_ideal"] == report["vs_ideal"]["wall"]["vs_ideal"] > 0
+    assert ours["vs_ideal_cpu"] == report["vs_ideal"]["cpu"]["vs_ideal"] > 0
+    assert all(rows[n]["vs_ideal"] is None for n in CONTENDERS - {"packing_hf"})
+    assert "vs_ideal_cpu" in stdout
     # every run's batching figures, from the batches its trainer collated
     batching = {row["contender"]: row for row in report["batching"]}
     assert set(batching) == CONTENDERS
