@@ -59,8 +59,9 @@ step to the end of the next: data loading, forward, backward, optimizer; on CUDA
 every step end) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` over the run. ``--repeats`` runs of
 every contender, interleaved (the order rotates every round), give min / median / max and the relative spread
 ``(max - min) / median``, after ``--warmup-runs`` untimed runs of every contender (default 1: the first run in a
-process was 8-18 % slower), each from the same initial weights (``loss_spread``: the training losses of all runs,
-which a run leaving state behind would move by ~1e-3). Beside real tokens per wall second, real tokens per CPU
+process was 8-18 % slower), each from the same initial weights and each model built from its own copy of the
+config (``loss_spread``: the training losses of all runs, 0 on CPU with one thread; a run leaving trained weights
+behind would move it by ~1e-3, a trainer's write into a shared config by ~1e-7). Beside real tokens per wall second, real tokens per CPU
 second (``time.process_time``, every thread: steadier on a shared machine). ``vs_ideal`` (wall and CPU; when
 ``packing_hf`` and ``hf_batch_rebalance`` both ran): packing_hf's tokens/s over batch_rebalance's tokens/s divided
 by its real-token share, from the medians and per round. ``--threads`` (default 1 on CPU, torch's own on CUDA) is
