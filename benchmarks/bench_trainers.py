@@ -59,8 +59,9 @@ step to the end of the next: data loading, forward, backward, optimizer; on CUDA
 every step end) and, on CUDA, the peak of ``torch.cuda.max_memory_allocated`` over the run. ``--repeats`` runs of
 every contender, interleaved (the order rotates every round), give min / median / max and the relative spread
 ``(max - min) / median``, after ``--warmup-runs`` untimed runs of every contender (default 1: the first run in a
-process was 8-18 % slower), each from the same initial weights (``loss_spread``: the training losses of all runs,
-which a run leaving state behind would move by ~1e-3). Beside real tokens per wall second, real tokens per CPU
+process was 8-18 % slower), each from the same initial weights and each model built from its own copy of the
+config (``loss_spread``: the training losses of all runs, 0 on CPU with one thread; a run leaving trained weights
+behind would move it by ~1e-3, a trainer's write into a shared config by ~1e-7). Beside real tokens per wall second, real tokens per CPU
 second (``time.process_time``, every thread: steadier on a shared machine). ``vs_ideal`` (wall and CPU; when
 ``packing_hf`` and ``hf_batch_rebalance`` both ran): packing_hf's tokens/s over batch_rebalance's tokens/s divided
 by its real-token share, from the medians and per round. ``--threads`` (default 1 on CPU, torch's own on CUDA) is
@@ -211,14 +212,20 @@ def load_samples(tokenizer, n: int, seed: int, budget: int, mix: str = "blend") 
 
 def build_model(args, vocab: int | None, attention: str, config: Any = None):
     """The preset's model on ``args.device`` in ``args.dtype`` (the GGUF file's weights for ``smollm2-135m-gguf``);
-    given a ``config``, a model of that config (every run's copy, which then loads the initial weights)."""
+    given a ``config``, a model of a copy of that config (every run's copy, which then loads the initial weights).
+
+    A copy: ``from_config`` keeps the config it is given as the model's own, and TRL's ``SFTTrainer`` (so
+    packing_hf's) writes the tokenizer's pad id into ``model.config.pad_token_id``; a later model built from that
+    same object would get ``nn.Embedding(padding_idx=pad)``, whose row of that id gets no gradient from the input
+    side: another model than the first run's (measured: the first run's step-1 gradients equal the plain model's,
+    every sample alone, to 7e-7; a later run's embedding row of the pad id differed, grad norm by ~5e-5)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
     if config is not None:
         with torch.device(args.device):
             return AutoModelForCausalLM.from_config(
-                config, attn_implementation=attention, dtype=dtype
+                copy.deepcopy(config), attn_implementation=attention, dtype=dtype
             ).train()
     if args.preset == "smollm2-135m-gguf":
         from packing_hf.app.config import ModelArguments
@@ -592,8 +599,8 @@ def main() -> None:
     for name, done in runs.items():
         speed = spread([r["tokens_per_s"] for r in done])
         # every run, warm-up included, starts from the same weights on the same batches: the same loss, unless a
-        # run left state behind (an epoch moves the loss by ~1e-3 relative) or the kernels are not deterministic
-        # (packing_hf's first run in a process, on CPU too, differs from the later ones at ~1e-6 relative)
+        # run left state behind (an epoch moves the loss by ~1e-3 relative; a trainer's write into a config shared
+        # by the runs, see build_model, ~1e-6) or the kernels are not deterministic
         losses = [r["training_loss"] for r in warmups[name] + done]
         rows.append(
             {

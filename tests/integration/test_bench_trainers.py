@@ -59,10 +59,11 @@ def test_bench_trainers_smoke(tmp_path, data_dir):
         # tokens per CPU second beside per wall second; one timed run: no spread
         assert run["tokens_per_cpu_s"] > 0 and row["tokens_per_cpu_s"] == run["tokens_per_cpu_s"], name
         assert row["spread"] == 0.0 == row["spread_cpu"], name
-        # one untimed warm-up run, from the same initial weights as the timed one: the same loss (a timed run
-        # that went on from the warm-up's trained weights would differ by ~1e-3)
+        # one untimed warm-up run, from the same initial weights as the timed one, one thread on CPU: the very same
+        # loss (a timed run that went on from the warm-up's trained weights would differ by ~1e-3; one whose model
+        # was built from a config the warm-up's trainer wrote its pad id into, ~5e-7)
         (warmup,) = row["warmup_runs"]
-        assert warmup["steps"] == run["steps"] and row["loss_spread"] < 1e-4, (name, row["loss_spread"])
+        assert warmup["steps"] == run["steps"] and row["loss_spread"] == 0.0, (name, row["loss_spread"])
     # vs_ideal: packing_hf's tokens/s over batch_rebalance's divided by its real-token share, wall and CPU
     ours, base = rows["packing_hf"], rows["hf_batch_rebalance"]
     for clock, key in (("wall", "tokens_per_s"), ("cpu", "tokens_per_cpu_s")):
@@ -81,6 +82,43 @@ def test_bench_trainers_smoke(tmp_path, data_dir):
         assert figures["steps"] == row["steps"] == batching[name]["steps"], name
         assert figures["real_tokens_per_step"]["min"] <= figures["real_tokens_per_step"]["median"]
         assert figures["real_tokens_per_step"]["median"] <= figures["real_tokens_per_step"]["max"]
+
+
+def test_every_run_builds_the_same_model_whatever_a_trainer_wrote_into_its_config():
+    """build_model(config=...) builds every run's model from a copy: TRL's SFTTrainer (so packing_hf's) writes the
+    tokenizer's pad id into model.config, which a model built straight from the shared config would turn into
+    nn.Embedding(padding_idx=pad) (no input-side gradient for that row): the second run trained another model."""
+    import argparse
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_trainers import build_model
+
+    args = argparse.Namespace(device="cpu", dtype="float32")
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=32, use_cache=False,
+    )  # fmt: skip
+    ids = torch.tensor([[5, 3, 7, 3, 9]])  # the pad id below among the inputs, as EOS is in a packed row
+
+    def embedding_gradient(model, init):
+        model.load_state_dict(init)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return model.get_input_embeddings().weight.grad
+
+    first = build_model(args, None, "sdpa", config=config)
+    init = {k: v.clone() for k, v in first.state_dict().items()}
+    expected = embedding_gradient(first, init)
+    first.config.pad_token_id = 3  # what the first run's SFTTrainer.__init__ does (pad = the tokenizer's)
+    second = build_model(args, None, "sdpa", config=config)
+    assert second.get_input_embeddings().padding_idx is None
+    assert torch.equal(embedding_gradient(second, init), expected)
+    # negative control: a model built from the config the trainer wrote into is another model (row 3 differs)
+    leaked = AutoModelForCausalLM.from_config(first.config, attn_implementation="sdpa")
+    assert leaked.get_input_embeddings().padding_idx == 3
+    assert not torch.equal(embedding_gradient(leaked, init)[3], expected[3])
 
 
 def test_equal_memory_sizing_keeps_every_micro_batch_within_the_budget(tmp_path, data_dir):
