@@ -336,11 +336,20 @@ def _orpo_common(tmp_path, name, **overrides):
     )  # fmt: skip
 
 
+def _orpo_trainer(kind, stock, data, tokenizer, tiny_llama, tmp_path, **config):
+    """TRL's (``stock``) or packing_hf's ORPO / CPO trainer on ``data`` (also its evaluation set)."""
+    stock_config, stock_trainer, packed_config, packed_trainer = _orpo_classes(kind)
+    config_class, trainer_class = (stock_config, stock_trainer) if stock else (packed_config, packed_trainer)
+    args = config_class(**_orpo_common(tmp_path, "stock" if stock else "packed", **config))
+    return trainer_class(
+        model=tiny_llama(), args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer
+    )
+
+
 def _stock_rows(kind, max_length, data, tokenizer, tiny_llama, tmp_path):
-    stock_config, stock_trainer, _, _ = _orpo_classes(kind)
-    args = stock_config(**_orpo_common(tmp_path, f"stock{max_length}", max_length=max_length))
-    stock = stock_trainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer)
-    return stock.train_dataset
+    return _orpo_trainer(
+        kind, True, data, tokenizer, tiny_llama, tmp_path, max_length=max_length
+    ).train_dataset
 
 
 @pytest.mark.parametrize("kind", ["orpo", "cpo"])
@@ -357,15 +366,8 @@ def test_orpo_cpo_tokenization_cut_is_counted(kind, pairs, tokenizer, tiny_llama
     ]
     over = [n for n in over if n]
     assert len(over) >= 3  # both answers of the long pair, both of the one whose prompt fills max_length
-    _, _, config, trainer_class = _orpo_classes(kind)
     with caplog.at_level(logging.WARNING, logger="packing_hf.integrations"):
-        trainer = trainer_class(
-            model=tiny_llama(),
-            args=config(**_orpo_common(tmp_path, "packed", max_length=SHORT)),
-            train_dataset=data,
-            eval_dataset=data,
-            processing_class=tokenizer,
-        )
+        trainer = _orpo_trainer(kind, False, data, tokenizer, tiny_llama, tmp_path, max_length=SHORT)
     assert trainer.train_dataset["chosen_input_ids"] == cut["chosen_input_ids"]  # TRL's meaning kept
     stats = {"truncated_samples": len(over), "truncated_tokens": sum(over)}
     assert trainer.max_length_stats == {"train": stats, "eval": stats}
@@ -397,29 +399,38 @@ def test_orpo_cpo_budget_without_max_length_cuts_nothing(kind, gsm8k_rows, token
         }
     )
     whole = _stock_rows(kind, 10**6, data, tokenizer, tiny_llama, tmp_path)
-    stock_config, stock_trainer, config, trainer_class = _orpo_classes(kind)
     assert max(map(len, whole["chosen_input_ids"])) > 1024  # longer than TRL's default max_length
     # both pairs in one batch, as in stock's batch of 3 (ORPO's NLL term is a token mean over the batch)
     budget = sum(map(len, [*whole["chosen_input_ids"], *whole["rejected_input_ids"]]))
-    trainer = trainer_class(
-        model=tiny_llama(),
-        args=config(**_orpo_common(tmp_path, "packed", max_tokens_per_batch=budget)),
-        train_dataset=data,
-        eval_dataset=data,
-        processing_class=tokenizer,
-    )
+    trainer = _orpo_trainer(kind, False, data, tokenizer, tiny_llama, tmp_path, max_tokens_per_batch=budget)
     assert trainer.args.max_length is None and trainer.max_length is None
     for column in ("chosen_input_ids", "rejected_input_ids", "chosen_labels", "rejected_labels"):
         assert trainer.train_dataset[column] == whole[column], column
     assert trainer.max_length_stats["train"] == {"truncated_samples": 0, "truncated_tokens": 0}
     if kind == "cpo":
         return  # the same rows and the same packed forward as ORPO's (test_orpo_cpo.py: both equal stock's)
-    stock = stock_trainer(
-        model=tiny_llama(),
-        args=stock_config(**_orpo_common(tmp_path, "stock", max_length=10**6)),
-        train_dataset=data,
-        eval_dataset=data,
-        processing_class=tokenizer,
-    )
+    stock = _orpo_trainer(kind, True, data, tokenizer, tiny_llama, tmp_path, max_length=10**6)
     # the loss of the whole pairs, forward only (the same weights): stock's with a max_length nothing reaches
     assert trainer.evaluate()["eval_loss"] == pytest.approx(stock.evaluate()["eval_loss"], rel=1e-5)
+
+
+def test_cli_dpo_summary_shows_what_the_collator_cuts(tmp_path, data_dir):
+    """``packing-hf train`` with ``trainer: dpo`` and a max_length shorter than the pairs: the collator's
+    truncation (TRL's meaning) is said and in the summary, as SFT's and reward's are."""
+    from packing_hf.app.config import load_train_config
+    from packing_hf.app.trl_job import run_job
+
+    root = Path(__file__).resolve().parents[3]
+    small = '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}'  # fmt: skip
+    overrides = [
+        f"tokenizer_name_or_path={data_dir / 'smollm2_tokenizer'}", "gguf_file=null", "gguf_package=null",
+        f"model_config={small}", "num_samples=4", "max_length=96", "max_steps=1", f"output_dir={tmp_path}",
+        "disable_tqdm=true", "save_strategy=no",
+    ]  # fmt: skip
+    printed: list[str] = []
+    summary = run_job(
+        load_train_config(root / "configs" / "tiny_dpo.yaml", overrides), print_fn=printed.append
+    )
+    said = summary["max_length_cut"]
+    assert said.startswith("TRL's max_length=96 truncated "), said  # every GSM8K answer pair is longer
+    assert any(said in line for line in printed), printed
