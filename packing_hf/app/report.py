@@ -47,8 +47,8 @@ def _describe_stream(stats: dict[str, Any]) -> str:
 
 
 def describe_max_length_cut(trainer: Any, max_length: int | None) -> str | None:
-    """What TRL's ``max_length`` cut from the training set (``trainer.max_length_stats``: SFT truncates a
-    sample, reward leaves a pair out), or None when it cut nothing.
+    """What TRL's ``max_length`` cut from the training set (``trainer.max_length_stats`` of any packed TRL
+    trainer: samples or sequences truncated, rows left out), or None when it cut nothing.
 
     >>> class T: max_length_stats = {"train": {"truncated_samples": 2, "truncated_tokens": 900, "dropped_samples": 1}}
     >>> describe_max_length_cut(T(), 1024)

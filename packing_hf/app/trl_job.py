@@ -145,9 +145,7 @@ def run_trl_training(
     trainer = cls(model=model, args=training, train_dataset=dataset, processing_class=tokenizer, **kwargs)
     summary = _summary(cfg, trainer, records, plan)
     cut = describe_max_length_cut(trainer, getattr(training, "max_length", None))
-    if (
-        cut is not None
-    ):  # trainer: reward, the pairs TRL's max_length filter left out (counted in the trainer)
+    if cut is not None:  # what TRL's max_length cut or left out (counted in the trainer: max_length_stats)
         summary["max_length_cut"] = cut
         say(f"data: {cut}")
     say(

@@ -64,6 +64,7 @@ from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments, budget_max_length
 from .parallel import configured_parallelism, sequence_parallel_size
 from .preference_kit import (
+    MaxLengthCountsMixin,
     PackedForwardsMixin,
     PreferenceStatsCollator,
     check_preference_call,
@@ -112,7 +113,7 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     )
 
 
-class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
+class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` on packed preference batches: same log-probs, losses and gradients, no padding.
 
     Same arguments as ``trl.DPOTrainer``; ``args`` is converted to :class:`DPOConfig` if it is a plain
@@ -151,6 +152,9 @@ class DPOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
     )
     # sp_size cuts packed rows over processes: the adapters shard each row and gather the per-token log-probs
     packing_sequence_parallel = True
+
+    def _max_length_columns(self, args: Any) -> tuple[str, ...]:
+        return ("chosen_ids", "rejected_ids")  # prompt + chosen, prompt + rejected
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, model, data_collator = call["args"], call["model"], call["data_collator"]

@@ -41,7 +41,7 @@ import trl
 
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
 from .args import PackingArguments, budget_max_length
-from .preference_kit import PackedForwardsMixin, check_vocabulary, pad_token_id
+from .preference_kit import MaxLengthCountsMixin, PackedForwardsMixin, check_vocabulary, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
@@ -64,7 +64,7 @@ class KTOConfig(PackingArguments, trl.KTOConfig):
     )
 
 
-class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
+class KTOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     """``trl.KTOTrainer`` on packed rows: same per-sample and KL log-probs, losses, gradients and metrics.
 
     Same arguments as ``trl.KTOTrainer``; ``args`` is converted to :class:`KTOConfig` if it is a plain
@@ -97,6 +97,10 @@ class KTOTrainer(PackedForwardsMixin, PackingTrainerMixin, trl.KTOTrainer):
     packing_collator = PaddingFreeUnpairedCollator
     packing_refusals = ("collator", "compute_metrics", "pad_to_multiple_of", "liger", *WHOLE_ROW_REFUSALS)
     wording = Wording("KTO examples", "KTO batches", "an example, whose sequences", "example")
+
+    def _max_length_columns(self, args: Any) -> tuple[str, ...]:
+        # prompt + completion of every example (its KL twin pairs the same completions with other prompts)
+        return ("completion_ids",)
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         check_vocabulary(call["processing_class"], call["model"])

@@ -25,8 +25,15 @@ an NLL term. These subclasses keep TRL's tokenization, loss and metrics, and rep
   batch without padding.
 
 ``max_tokens_per_batch`` packs pairs with multipack, a pair weighing ``len(chosen_input_ids) +
-len(rejected_input_ids)`` (TRL truncates every sequence to ``max_length`` when it tokenizes). ``padding_free``
-(``None`` or ``True``) is what these trainers always do.
+len(rejected_input_ids)``. ``padding_free`` (``None`` or ``True``) is what these trainers always do.
+
+``max_length``: TRL tokenizes every pair in its ``__init__`` and cuts the end of an answer whose sequence
+(prompt + answer) is longer than ``max_length`` (``None`` becomes 512 there), without a count. Here what it cut is
+counted against an untruncated tokenization of the same rows (only those that reach ``max_length``) and kept in
+``max_length_stats[dataset]``, with a warning and the fix, as ``max_length_truncated_samples`` /
+``_tokens`` in the training logs (``eval_max_length_*`` in the evaluation metrics) and in ``packing-hf train``'s
+summary. Unset with ``max_tokens_per_batch``, nothing is cut: the budget bounds a pair (a longer one follows
+``packing_overflow``, an error by default), and the loss of an untruncated pair is stock's.
 
 Refused with a ``ValueError``: ``padding_free=False``, a ``data_collator`` that does not pack pairs,
 encoder-decoder models (their labels go through the decoder, not a packed row), MoE models with
@@ -41,6 +48,9 @@ padded ones), ``generate_during_eval`` (it needs padded prompts), ``loss_normali
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,7 +66,7 @@ from .._limits import option
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
-from .args import PackingArguments
+from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
 from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
@@ -68,6 +78,11 @@ _PADDING_FREE_HELP = (
     "Packed pairs, no padding computed: what this trainer always does (None or True). False is refused: use "
     "TRL's own trainer for padded batches."
 )
+_MAX_LENGTH_MEANING = (
+    "TRL keeps the prompt and cuts the end of a longer answer when it tokenizes, 512 when None without "
+    "max_tokens_per_batch; what it cut counted in max_length_stats, logged once with the fix and in the logs"
+)
+_UNBOUNDED = sys.maxsize  # TRL's max_length while the budget bounds a pair: no sequence is cut
 
 
 @dataclass
@@ -80,6 +95,7 @@ class ORPOConfig(PackingArguments, _StockORPOConfig):
     'switch'
     """
 
+    max_length: int | None = budget_max_length(_MAX_LENGTH_MEANING)
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
@@ -94,6 +110,7 @@ class CPOConfig(PackingArguments, _StockCPOConfig):
     'sigmoid'
     """
 
+    max_length: int | None = budget_max_length(_MAX_LENGTH_MEANING)
     _optional_switches: ClassVar[tuple[str, ...]] = ("padding_free",)
     padding_free: bool | None = option(None, _PADDING_FREE_HELP)
 
@@ -134,9 +151,60 @@ class PackedPairsMixin:
             "args"
         ].remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns
 
+    @contextlib.contextmanager
+    def _during_stock_init(self, call: dict[str, Any]) -> Iterator[None]:
+        args = call["args"]
+        unbounded = args.max_length is None and args.max_tokens_per_batch is not None
+        if unbounded:  # TRL would cut at 512; the budget bounds a pair instead (packing_overflow decides)
+            args.max_length = _UNBOUNDED
+        try:
+            yield
+        finally:
+            if unbounded:
+                args.max_length = None
+
     def _after_stock_init(self, call: dict[str, Any]) -> None:
+        import datasets
+
         # stock's prediction_step warns on any collator but its own: this one is exact
         self.use_dpo_data_collator = True
+        for name, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
+            if isinstance(dataset, datasets.Dataset):  # TRL tokenized it already: what it cut is counted
+                self._count_max_length_cut(name, dataset)
+        if self.max_length == _UNBOUNDED:
+            self.max_length = None  # nothing was cut; TRL reads it only to tokenize
+
+    def _count_max_length_cut(self, name: str, dataset: Any) -> None:
+        """What TRL's tokenization cut from ``dataset`` at ``self.max_length``: its sequences that reach
+        ``max_length`` are tokenized again by TRL's ``tokenize_row`` without a limit and compared (the answer's
+        end is what TRL cuts), kept in ``max_length_stats[name]`` with a warning (see the module docstring)."""
+        from .dataloaders import column_lengths
+
+        limit = self.max_length
+        kept = column_lengths(dataset, ("chosen_input_ids", "rejected_input_ids"), "pair", "")
+        suspects = np.flatnonzero((kept[0] >= limit) | (kept[1] >= limit))
+        cut, emptied, longest = [], 0, 0
+        self.max_length = _UNBOUNDED
+        try:
+            for i in suspects.tolist():
+                row = dataset[i]
+                whole = self.tokenize_row(row)
+                for side, kept_length in zip(("chosen", "rejected"), kept, strict=True):
+                    length = len(whole[f"{side}_input_ids"])
+                    longest = max(longest, length)
+                    if length > kept_length[i]:
+                        cut.append(length - int(kept_length[i]))
+                        emptied += all(label == IGNORE_INDEX for label in row[f"{side}_labels"])
+        finally:
+            self.max_length = limit
+        stats = {"truncated_samples": len(cut), "truncated_tokens": sum(cut)}
+        said = (
+            f"TRL's max_length={limit} cut the answer of {len(cut)} of {2 * len(dataset)} sequences "
+            f"({sum(cut)} tokens cut, the longest had {longest} tokens)"
+        )
+        if emptied:
+            said += f", {emptied} of them left with no answer token (the prompt alone fills max_length)"
+        self._record_max_length_cut(name, stats, said)
 
     def _average_log_prob(self) -> bool:
         raise NotImplementedError

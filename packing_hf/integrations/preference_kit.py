@@ -6,6 +6,8 @@ reward).
   :class:`~packing_hf.integrations.session.PackingSession` while it trains, evaluates or precomputes
   reference log-probs;
 - :class:`PreferenceStatsCollator`: the packing metrics of preference batches;
+- :class:`MaxLengthCountsMixin`: what TRL's ``max_length`` leaves out of a dataset, or its collator will cut,
+  counted (DPO, KTO, TPO, reward);
 - the input checks that name a problem before TRL fails on it (:func:`check_preference_call`, :func:`check_preference_dataset`,
   :func:`check_vocabulary`), :func:`pad_token_id`, and whether the shared-prompt layout is exact for given
   models (:func:`shared_prompt_is_exact`).
@@ -23,6 +25,8 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..architectures import check_architecture
 from ..attention import register_attention
 from .adapters import SEQUENCE_PARALLEL_KEY, PackedPreferenceForward
@@ -31,6 +35,7 @@ from .preflight import base_model
 from .refusals import PackingRefused, first_row
 
 __all__ = [
+    "MaxLengthCountsMixin",
     "PackedForwardsMixin",
     "PreferenceStatsCollator",
     "check_preference_call",
@@ -66,6 +71,57 @@ class PreferenceStatsCollator(PackingStatsCollator):
             "padded_tokens": after["padded_layout_tokens"] - before["padded_layout_tokens"],
         }
         return batch
+
+
+class MaxLengthCountsMixin:
+    """TRL's ``_prepare_dataset(dataset, processing_class, args, dataset_name)`` (DPO, KTO, TPO, reward), with
+    what a set ``max_length`` does to the dataset counted, never silent: the rows TRL's filter leaves out
+    (reward: a pair with a longer sequence; DPO / KTO with ``keep_start``: a prompt that fills
+    ``max_length``), and the sequences the collator will truncate (``prompt_ids`` + each of
+    :meth:`_max_length_columns` longer than ``max_length``, once per sequence of the dataset, not per epoch).
+    Kept in ``max_length_stats[dataset_name]`` with a warning
+    (:meth:`~packing_hf.integrations.trainer.PackingTrainerMixin._record_max_length_cut`): the training and
+    evaluation logs and ``packing-hf train``'s summary read them there. A streamed dataset is not counted.
+    """
+
+    def _max_length_columns(self, args: Any) -> tuple[str, ...]:
+        """The answer columns whose ``prompt_ids + answer`` the collator cuts to ``max_length`` (none here)."""
+        return ()
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        import datasets
+
+        from .dataloaders import column_lengths
+
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)  # type: ignore[misc]
+        if args.max_length is None or not isinstance(dataset, datasets.Dataset):
+            return prepared
+        limit, unit = args.max_length, self.wording.unit  # type: ignore[attr-defined]
+        stats, said = {}, []
+        columns = self._max_length_columns(args)
+        if columns:
+            prompt, *answers = column_lengths(prepared, ("prompt_ids", *columns), "sequence", "")
+            lengths = np.concatenate([prompt + answer for answer in answers])
+            over = lengths > limit
+            stats = {
+                "truncated_samples": int(over.sum()),
+                "truncated_tokens": int((lengths[over] - limit).sum()),
+            }
+            if over.any():
+                mode = getattr(args, "truncation_mode", "keep_start")
+                said.append(
+                    f"truncates ({mode}) {stats['truncated_samples']} of {lengths.size} sequences "
+                    f"({stats['truncated_tokens']} tokens cut, the longest has {int(lengths.max())} tokens)"
+                )
+        # TRL's filter is the only step that drops a row
+        stats["dropped_samples"] = len(dataset) - len(prepared)
+        if stats["dropped_samples"]:
+            why = "a sequence longer than max_length" if not columns else "the prompt alone fills max_length"
+            said.append(f"left out {stats['dropped_samples']} of {len(dataset)} {unit} ({why})")
+        self._record_max_length_cut(  # type: ignore[attr-defined]
+            dataset_name, stats, f"TRL's max_length={limit} " + " and ".join(said)
+        )
+        return prepared
 
 
 def shared_prompt_is_exact(models: list[Any]) -> bool:

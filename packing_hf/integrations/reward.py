@@ -25,7 +25,6 @@ scores must be read before pooling), and prompt-learning PEFT (virtual tokens pe
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +35,11 @@ import trl
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .adapters import PackedRewardForward
 from .args import PackingArguments, budget_max_length
-from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .preference_kit import MaxLengthCountsMixin, PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import Wording
 from .trainer import PackingTrainerMixin
 
 __all__ = ["RewardConfig", "RewardTrainer"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +59,7 @@ class RewardConfig(PackingArguments, trl.RewardConfig):
     )
 
 
-class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
+class RewardTrainer(MaxLengthCountsMixin, PackingTrainerMixin, trl.RewardTrainer):
     """``trl.RewardTrainer`` on packed pair batches: the same scores, loss, gradients and metrics, no padding.
 
     Same arguments as ``trl.RewardTrainer``; ``args`` is converted to :class:`RewardConfig` if it is a plain
@@ -112,31 +109,6 @@ class RewardTrainer(PackingTrainerMixin, trl.RewardTrainer):
         finally:
             if padding_free:
                 args.padding_free = padding_free
-
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        """TRL's preparation; the pairs its ``max_length`` filter leaves out are counted (never silent):
-        ``self.max_length_stats[dataset_name]``, a warning with the fix, the training logs."""
-        import datasets
-
-        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-        if args.max_length is None or not isinstance(dataset, datasets.Dataset):
-            return prepared
-        dropped = len(dataset) - len(prepared)  # TRL's max_length filter is the only step that drops a pair
-        self.max_length_stats = {
-            **getattr(self, "max_length_stats", {}),
-            dataset_name: {"dropped_samples": dropped},
-        }
-        if dropped:
-            logger.warning(
-                "%s dataset: TRL's max_length=%d left out %d of %d pairs (a sequence longer than max_length); "
-                "to train them raise max_length or set it to None (with max_tokens_per_batch, a pair longer "
-                "than the budget then follows packing_overflow)",
-                dataset_name,
-                args.max_length,
-                dropped,
-                len(dataset),
-            )
-        return prepared
 
     def _install_packed_forward(self, model: Any) -> None:
         self.packing_session.adapter(self.accelerator.unwrap_model(model), PackedRewardForward)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +52,6 @@ from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
 __all__ = ["SFTConfig", "SFTTrainer"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -265,23 +262,14 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
             dataset = kept
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
-        self.max_length_stats = {**getattr(self, "max_length_stats", {}), dataset_name: stats}
-        if stats["truncated_samples"] or stats["dropped_samples"]:
-            logger.warning(
-                "%s dataset: max_length=%d %s %d of %d samples (%d tokens cut, the longest had %d tokens)%s; "
-                "to train them whole raise max_length or set it to None%s",
-                dataset_name,
-                max_length,
-                "cut to one packed row" if packing else f"truncated ({args.truncation_mode})",
-                stats["truncated_samples"],
-                lengths.size,
-                stats["truncated_tokens"],
-                int(lengths.max()),
-                f", and dropped {stats['dropped_samples']} left with no trained token"
-                if stats["dropped_samples"]
-                else "",
-                " (with max_tokens_per_batch, a sample longer than the budget then follows packing_overflow)",
-            )
+        how = "cut to one packed row" if packing else f"truncated ({args.truncation_mode})"
+        said = (
+            f"max_length={max_length} {how} {stats['truncated_samples']} of {lengths.size} samples "
+            f"({stats['truncated_tokens']} tokens cut, the longest had {int(lengths.max())} tokens)"
+        )
+        if stats["dropped_samples"]:
+            said += f", and dropped {stats['dropped_samples']} left with no trained token"
+        self._record_max_length_cut(dataset_name, stats, said)
         return dataset
 
     def _multipack_lengths_of(self, dataset: Any) -> Any:

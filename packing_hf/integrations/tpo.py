@@ -67,7 +67,7 @@ from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from ..preference import unpack_shifted
 from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
-from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .preference_kit import MaxLengthCountsMixin, PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
@@ -154,7 +154,7 @@ class PackedTripleForward:
         return output
 
 
-class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
+class TPOTrainer(MaxLengthCountsMixin, PackingTrainerMixin, _StockTPOTrainer):
     """``trl.experimental.tpo.TPOTrainer`` on packed rows: same log-probs, loss, gradients and metrics.
 
     Same arguments as TRL's; ``args`` is converted to :class:`TPOConfig` if it is a plain ``TrainingArguments``
@@ -196,6 +196,10 @@ class TPOTrainer(PackingTrainerMixin, _StockTPOTrainer):
     wording = Wording(
         "TPO rows", "preference batches", "a TPO example, whose sequences", "example plus its own NLL mean"
     )
+
+    def _max_length_columns(self, args: Any) -> tuple[str, ...]:
+        branches = TRIPLE_BRANCHES if args.tpo_alpha != 0.0 else TRIPLE_BRANCHES[:2]  # the reference rows
+        return tuple(f"{branch}_ids" for branch in branches)
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         args, collator, processing_class = call["args"], call["data_collator"], call["processing_class"]

@@ -249,11 +249,43 @@ class PackingTrainerMixin(
             steps = self.state.global_step - self._packing_last_logged_step
             self._packing_last_logged_step = self.state.global_step
             logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals, tables=tables))
-        cut = getattr(self, "max_length_stats", {}).get("train")
-        if cut and "loss" in logs and any(cut.values()):
-            # what TRL's max_length cut from the training set (SFT, reward), the same totals in every training log
-            logs.update({f"max_length_{key}": value for key, value in cut.items()})
+        logs.update(self._max_length_logs(logs))
         super().log(logs, *args, **kwargs)
+
+    # ---- what max_length cut ---------------------------------------------------------------------
+
+    def _record_max_length_cut(self, dataset_name: str, stats: dict[str, int], said: str) -> None:
+        """Keep what ``max_length`` cut from one dataset (``stats``: ``truncated_samples`` / ``_tokens``,
+        ``dropped_samples``) in ``self.max_length_stats[dataset_name]``, where the training and evaluation logs
+        (:meth:`log`) and ``packing-hf train``'s summary read it, and warn with the fix when it cut anything
+        (``said``: what it did)."""
+        self.max_length_stats = {**getattr(self, "max_length_stats", {}), dataset_name: stats}
+        if any(stats.values()):
+            logger.warning(
+                "%s dataset: %s; to train them whole raise max_length or set it to None (with "
+                "max_tokens_per_batch, one longer than the budget then follows packing_overflow)",
+                dataset_name,
+                said,
+            )
+
+    def _max_length_logs(self, logs: dict[str, float]) -> dict[str, int]:
+        """What ``max_length`` cut (``self.max_length_stats``), for ``logs``: the training set's in every
+        training log (``max_length_<count>``), an evaluation set's in its evaluation metrics
+        (``eval_max_length_<count>``, ``eval_<name>_max_length_<count>`` for a dict of evaluation sets); the same
+        totals each time. Nothing for a dataset it cut nothing from."""
+        added: dict[str, int] = {}
+        named = isinstance(self.eval_dataset, dict)
+        for name, cut in getattr(self, "max_length_stats", {}).items():
+            if not any(cut.values()):
+                continue
+            if name == "train":
+                if "loss" in logs:
+                    added.update({f"max_length_{key}": value for key, value in cut.items()})
+                continue
+            prefix = f"eval_{name}" if named else "eval"
+            if f"{prefix}_runtime" in logs:  # stock's evaluate() metrics of that dataset
+                added.update({f"{prefix}_max_length_{key}": value for key, value in cut.items()})
+        return added
 
 
 class Trainer(PackingTrainerMixin, transformers.Trainer):
