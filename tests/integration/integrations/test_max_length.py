@@ -10,7 +10,6 @@ Real SmolLM2 tokenizer, tiny llama, CPU.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -19,17 +18,6 @@ import pytest
 trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
-
-
-@dataclass
-class RecordingCollator(packing_hf.PaddingFreeCollator):
-    """Keeps the features of every batch it collates."""
-
-    features: list = field(default_factory=list, init=False, repr=False)
-
-    def __call__(self, features, return_tensors=None):
-        self.features.append([dict(f) for f in features])
-        return super().__call__(features, return_tensors)
 
 
 def _config(tmp_path, **overrides) -> packing_hf.SFTConfig:
@@ -83,11 +71,11 @@ def test_config_max_length_default_follows_the_budget(name):
         assert config(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
 
 
-def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path):
+def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path, recording_collator):
     data = long_data.select([0, 1])
     whole = _whole(data, tokenizer, tiny_llama, tmp_path)
     assert max(map(len, whole)) > 1024  # longer than TRL's default max_length
-    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
     trainer = packing_hf.SFTTrainer(
         model=tiny_llama(),
         args=_config(tmp_path, max_tokens_per_batch=4096),

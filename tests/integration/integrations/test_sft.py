@@ -7,8 +7,6 @@ the batches, a conversational dataset trains with multipack, the loss decreases 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import datasets
 import pytest
 import torch
@@ -16,17 +14,6 @@ import torch
 trl = pytest.importorskip("trl")
 
 import packing_hf  # noqa: E402
-
-
-@dataclass
-class RecordingCollator(packing_hf.PaddingFreeCollator):
-    """Keeps the features of every batch it collates."""
-
-    features: list = field(default_factory=list, init=False, repr=False)
-
-    def __call__(self, features, return_tensors=None):
-        self.features.append([dict(f) for f in features])
-        return super().__call__(features, return_tensors)
 
 
 def _config(tmp_path, **overrides) -> packing_hf.SFTConfig:
@@ -66,7 +53,7 @@ def test_stock_trl_refuses_a_custom_collator_in_padding_free_mode(tokenizer, tin
         )
 
 
-def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama, tmp_path):
+def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama, tmp_path, recording_collator):
     rows = gsm8k_rows(12)
     data = datasets.Dataset.from_dict(
         {
@@ -76,7 +63,7 @@ def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama,
     )
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, packing=True, padding_free=True, max_length=512, per_device_train_batch_size=1)
     trainer = packing_hf.SFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, data_collator=collator
@@ -104,7 +91,7 @@ def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama,
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp_path):
+def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp_path, recording_collator):
     """Conversational prompt/completion rendered with SmolLM2's ChatML template; multipack batches,
     completion-only loss (the system and user turns, and the assistant header, are not trained)."""
     rows = gsm8k_rows(8, offset=40)
@@ -118,7 +105,7 @@ def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp
         ]
     )
     model = tiny_llama()
-    collator = RecordingCollator(pad_token_id=tokenizer.pad_token_id)
+    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, max_tokens_per_batch=700, max_length=None)
     trainer = packing_hf.SFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, data_collator=collator
