@@ -21,6 +21,6 @@ class RecordingCollator(packing_hf.PaddingFreeCollator):
 
 
 @pytest.fixture
-def recording_collator() -> type[RecordingCollator]:
+def feature_recording_collator() -> type[RecordingCollator]:
     """The class of a ``PaddingFreeCollator`` that keeps the features of every batch it collates."""
     return RecordingCollator

@@ -71,11 +71,11 @@ def test_config_max_length_default_follows_the_budget(name):
         assert config(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
 
 
-def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path, recording_collator):
+def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path, feature_recording_collator):
     data = long_data.select([0, 1])
     whole = _whole(data, tokenizer, tiny_llama, tmp_path)
     assert max(map(len, whole)) > 1024  # longer than TRL's default max_length
-    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
+    collator = feature_recording_collator(pad_token_id=tokenizer.pad_token_id)
     trainer = packing_hf.SFTTrainer(
         model=tiny_llama(),
         args=_config(tmp_path, max_tokens_per_batch=4096),

@@ -53,7 +53,7 @@ def test_stock_trl_refuses_a_custom_collator_in_padding_free_mode(tokenizer, tin
         )
 
 
-def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama, tmp_path, recording_collator):
+def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama, tmp_path, feature_recording_collator):
     rows = gsm8k_rows(12)
     data = datasets.Dataset.from_dict(
         {
@@ -63,7 +63,7 @@ def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama,
     )
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
+    collator = feature_recording_collator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, packing=True, padding_free=True, max_length=512, per_device_train_batch_size=1)
     trainer = packing_hf.SFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, data_collator=collator
@@ -91,7 +91,7 @@ def test_sft_bfd_packing_with_custom_collator(gsm8k_rows, tokenizer, tiny_llama,
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp_path, recording_collator):
+def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp_path, feature_recording_collator):
     """Conversational prompt/completion rendered with SmolLM2's ChatML template; multipack batches,
     completion-only loss (the system and user turns, and the assistant header, are not trained)."""
     rows = gsm8k_rows(8, offset=40)
@@ -105,7 +105,7 @@ def test_sft_chat_template_with_multipack(gsm8k_rows, tokenizer, tiny_llama, tmp
         ]
     )
     model = tiny_llama()
-    collator = recording_collator(pad_token_id=tokenizer.pad_token_id)
+    collator = feature_recording_collator(pad_token_id=tokenizer.pad_token_id)
     config = _config(tmp_path, max_tokens_per_batch=700, max_length=None)
     trainer = packing_hf.SFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, data_collator=collator
