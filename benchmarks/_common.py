@@ -208,6 +208,17 @@ def write_json(name: str, payload: dict[str, Any], args: argparse.Namespace | No
 # ---- run conditions: threads, load, spread (issue 49: figures with their spread) ---------------------------
 
 
+def add_mix_and_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mix`` (one of :data:`MIXES`) and ``--cpu-memory`` / ``--no-cpu-memory``, shared by bench_trainers and
+    bench_e2e."""
+    parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
+    parser.add_argument(
+        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
+        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
+        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
+    )  # fmt: skip
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads``: torch's intra-op threads, set by :func:`set_threads` before the model is built."""
     parser.add_argument(

@@ -52,7 +52,6 @@ Presets: ``tiny`` (2-layer Llama, hidden 64, the vocabulary remapped to the ids 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from typing import Any
@@ -60,8 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 from _common import (
-    MIXES,
     PeakRSS,
+    add_mix_and_memory_arguments,
     add_threads_argument,
     batching_statistics,
     compact_vocabulary,
@@ -132,12 +131,7 @@ def parse_args():
     )
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
-    parser.add_argument(
-        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
-        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
-        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
-    )  # fmt: skip
+    add_mix_and_memory_arguments(parser)
     parser.add_argument(
         "--loss-head",
         choices=("chunked", "model"),

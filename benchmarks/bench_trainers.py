@@ -80,7 +80,6 @@ first conversion), and random-init ``smollm2-135m``, ``qwen3-0.6b``, ``llama-1b`
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import importlib.util
@@ -92,9 +91,9 @@ from typing import Any
 import numpy as np
 import torch
 from _common import (
-    MIXES,
     TOKENIZER_DIR,
     PeakRSS,
+    add_mix_and_memory_arguments,
     add_threads_argument,
     base_parser,
     batching_statistics,
@@ -161,12 +160,7 @@ def parse_args():
         "the benchmark sets one value for all, default off)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mix", choices=MIXES, default="blend", help="the data mix (see _common.MIXES)")
-    parser.add_argument(
-        "--cpu-memory", action=argparse.BooleanOptionalAction, default=True,
-        help="on CPU, measure every step's peak resident memory (pins glibc's mmap threshold for the whole run: "
-        "~15%% more CPU time for every contender alike; --no-cpu-memory for throughput alone)",
-    )  # fmt: skip
+    add_mix_and_memory_arguments(parser)
     parser.add_argument(
         "--sizing", choices=("tokens", "memory"), default="tokens",
         help="fixed-count contenders sized to the packers' mean real tokens per step, or every contender to the "
