@@ -6,7 +6,7 @@ Llama-shaped model from config, fp32, with ``dp = world / sp`` data-parallel rep
 row of ``--tokens`` tokens cut over its ``sp`` processes
 (:func:`packing_hf.attention.sequence_parallel.shard_packed_batch`, the Ulysses all-to-alls in packing_hf's
 attention), the loss from the chunked LM head on the shard
-(:func:`~packing_hf.attention.sequence_parallel.sequence_parallel_chunked_loss`), the loss contract's
+(:func:`~packing_hf.shard_loss.sequence_parallel_chunked_loss`), the loss contract's
 ``"token"`` denominator all-reduced over the step. The engines, in the same run:
 
 - ``ddp``: ``DistributedDataParallel`` over every process: weights, gradients (and DDP's gradient buckets) and
@@ -136,12 +136,9 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
 
     from packing_hf import register_attention
     from packing_hf._loss import step_denominator
-    from packing_hf.attention.sequence_parallel import (
-        sequence_parallel_mesh,
-        shard_loss_counts,
-        shard_packed_batch,
-    )
+    from packing_hf.attention.sequence_parallel import sequence_parallel_mesh, shard_packed_batch
     from packing_hf.integrations.chunked_head import shard_lm_loss
+    from packing_hf.shard_loss import shard_loss_counts
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -115,9 +115,9 @@ _MOVED: dict[str, str] = {
     "flash_attention_patched": "attention",
     "shared_prefix_attention": "attention",
     "shard_packed_batch": "attention.sequence_parallel",
-    "sequence_parallel_loss": "attention.sequence_parallel",
+    "sequence_parallel_loss": "shard_loss",
     "sequence_parallel_groups": "attention.sequence_parallel",
-    "shard_loss_counts": "attention.sequence_parallel",
+    "shard_loss_counts": "shard_loss",
     "check_sequence_parallel_model": "attention.sequence_parallel",
     # architectures
     "PackingPreparation": "architectures",

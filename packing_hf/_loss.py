@@ -234,7 +234,7 @@ def target_coefficients(
     loss in the numerator (its weight, over its sample's weight for ``"sample"``; 0 where ignored).
 
     Computed on a whole row, then cut, it lets every shard of the row add its own targets' share exactly
-    (sequence parallelism: :func:`packing_hf.attention.sequence_parallel.sequence_parallel_loss`).
+    (sequence parallelism: :func:`packing_hf.shard_loss.sequence_parallel_loss`).
 
     >>> target_coefficients(torch.tensor([[-100, 1, 1, -100, 1]]), "sample", cu_seq_lens=torch.tensor([0, 3, 5])).tolist()
     [[0.5, 0.5, 0.0, 1.0]]

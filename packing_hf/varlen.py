@@ -43,6 +43,7 @@ __all__ = [
     "lengths_to_seq_idx",
     "max_length_from_cu_seqlens",
     "PADDING_KEY",
+    "SHARD_KEY",
     "check_row_padding",
     "mrope_position_restarts",
     "position_restarts",
@@ -58,6 +59,11 @@ IGNORE_INDEX = -100
 # it). The padding is its own segment, so attention and loss never see it; a router's load-balancing loss
 # would (it counts every token of the row): a prepared model consumes the key and leaves the padding out of it.
 PADDING_KEY = "packing_hf_padding"
+
+# Batch key of one rank's shard of a packed row under sequence parallelism: its
+# :class:`~packing_hf.attention.ulysses.SequenceShard` (the group, where the shard sits in the row, the whole row's
+# boundaries, labels and loss weights). A plain name: transformers hands it to every attention layer.
+SHARD_KEY = "packing_hf_sequence_shard"
 
 
 LengthsLike = Sequence[int] | np.ndarray | torch.Tensor

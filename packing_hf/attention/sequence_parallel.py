@@ -7,10 +7,11 @@ rank is the data-parallel rank). :func:`shard_packed_batch` checks the row whole
 shard of ``input_ids`` / ``position_ids`` / ``shift_labels``, with a
 :class:`~packing_hf.attention.ulysses.SequenceShard` carrying the row's boundaries. The model runs on the
 shard; its attention layers (``attn_implementation=packing_hf.ATTENTION_NAME``) see the whole row for
-``H / sp`` heads (:mod:`packing_hf.attention.ulysses`). :func:`sequence_parallel_loss` gives each rank its
-targets' share of the row's loss under any ``loss_normalization`` / ``loss_weights``, with the row's own
-denominator: the shares add up to the one-process loss, and the gradients summed over the group (DDP's
-average times the world size) are the one-process gradients.
+``H / sp`` heads (:mod:`packing_hf.attention.ulysses`). The loss of the shards is loss arithmetic, beside the
+rest of it: :mod:`packing_hf.shard_loss` gives each rank its targets' share of the row's loss under any
+``loss_normalization`` / ``loss_weights`` (the shares add up to the one-process loss, and the gradients summed
+over the group are the one-process gradients). :func:`gather_shard_tokens` sums per-token values of the
+group's shards back into the whole row (a loss every rank computes from the whole row: DPO's).
 
 What cannot be exact is refused by name (:func:`check_sequence_parallel_model`): token mixers (SSM,
 DeltaNet, convolutions) need whole samples; models whose attention is not packing_hf's would attend within
@@ -28,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator, target_coefficients
-from ..loss_head import LogitHead, linear_cross_entropy
+from .._loss import LOSS_WEIGHTS_KEY
 from ..registry import router_loss_coefficient, support
 from ..varlen import IGNORE_INDEX, PADDING_KEY, position_ids_to_cu_seqlens
 from .admission import needs_preparation, preparation_of
@@ -43,15 +43,10 @@ __all__ = [
     "check_sequence_parallel_model",
     "check_sequence_parallel_router_loss",
     "gather_shard_tokens",
-    "sequence_parallel_chunked_loss",
     "sequence_parallel_groups",
-    "sequence_parallel_loss",
     "sequence_parallel_mesh",
-    "shard_loss_counts",
     "shard_lengths",
     "shard_packed_batch",
-    "shard_row_denominator",
-    "shard_target_coefficients",
 ]
 
 # the per-token keys a shard keeps (cut), the keys consumed into the shard, and what else it may carry
@@ -136,29 +131,20 @@ def sequence_parallel_groups(sp_size: int) -> tuple[Any, int, int, int]:
     """The sequence-parallel group of this process: ``(group, sp_rank, dp_rank, dp_size)``.
 
     The world is cut into ``world / sp_size`` groups of consecutive ranks (``0..sp-1``, ``sp..2sp-1``, ...): the
-    ranks of a group hold one row together, the groups are the data-parallel replicas. Every process must
-    call it (``new_group`` is collective). Needs ``torch.distributed`` initialised: on 4 processes,
-    ``sequence_parallel_groups(2)`` on rank 3 returns ``(the group of ranks 2 and 3, 1, 1, 2)``
-    (``tests/distributed/_sp_worker.py`` runs it).
+    ranks of a group hold one row together, the groups are the data-parallel replicas: the ``"sp"`` and
+    ``"dp"`` dimensions of :func:`sequence_parallel_mesh`, which builds them. Every process must call it
+    (collective). Needs ``torch.distributed`` initialised: on 4 processes, ``sequence_parallel_groups(2)`` on
+    rank 3 returns ``(the group of ranks 2 and 3, 1, 1, 2)`` (``tests/distributed/_sp_worker.py`` runs it).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(
-            f"sp_size={sp_size} must divide the number of processes ({world}): every data-parallel replica is "
-            "a group of sp_size processes"
-        )
-    group = None
-    for start in range(0, world, sp_size):
-        ranks = list(range(start, start + sp_size))
-        created = dist.new_group(ranks)
-        if rank in ranks:
-            group = created
-    return group, rank % sp_size, rank // sp_size, world // sp_size
+    mesh = sequence_parallel_mesh(sp_size)
+    return mesh.get_group("sp"), mesh.get_local_rank("sp"), mesh.get_local_rank("dp"), mesh.size(0)
 
 
 def sequence_parallel_mesh(sp_size: int, device_type: str | None = None) -> Any:
-    """The world as a ``(dp, sp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`: the groups of
-    :func:`sequence_parallel_groups` along ``"sp"`` (consecutive ranks), the data-parallel replicas along ``"dp"``.
+    """The world as a ``(dp, sp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`: the sequence-parallel
+    groups along ``"sp"`` (consecutive ranks), the data-parallel replicas along ``"dp"``. The one builder of this
+    layout: :func:`sequence_parallel_groups` and the trainers'
+    :class:`~packing_hf.integrations.parallel.ParallelPlan` take their groups from it.
 
     ``mesh.get_group("sp")`` is the group to pass to :func:`shard_packed_batch`; ``mesh.get_local_rank("dp")`` and
     ``mesh.size(0)`` are the multipack sampler's ``rank`` / ``num_replicas``. FSDP2 shards over it either way:
@@ -343,152 +329,6 @@ def _lengthen_row(batch: dict, size: int) -> dict:
         if isinstance(batch.get(key), torch.Tensor):
             out[key] = torch.cat([batch[key], batch[key].new_full((1, extra), fill)], dim=1)
     return out
-
-
-def shard_loss_counts(batch: dict) -> tuple[float, int]:
-    """``(target weight, samples)`` of a shard's whole row (:func:`packing_hf._loss.loss_counts`), on the first
-    rank of its group only (``(0.0, 0)`` on the others): summed over every rank of a step, each row counts once.
-
-    >>> from packing_hf import PaddingFreeCollator
-    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
-    >>> shard_loss_counts(shard)  # 3 targets, 2 samples
-    (3.0, 2)
-    """
-    shard: SequenceShard = batch[SHARD_KEY]
-    if shard.rank != 0 or shard.labels is None:
-        return 0.0, 0
-    return _row_counts(shard)
-
-
-def _row_counts(shard: SequenceShard) -> tuple[float, int]:
-    return loss_counts(shard.labels, shard.loss_weights, shard.position_ids, shard.cu_seq_lens)
-
-
-def sequence_parallel_loss(
-    logits: torch.Tensor,
-    batch: dict,
-    normalization: str = "token",
-    denominator: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """This rank's share of the loss of a sequence-parallel row: its targets' numerator over ``denominator``.
-
-    The shares of the group's ranks add up to the loss of the whole row computed on one process, for every
-    ``loss_normalization`` (a sample cut by a shard edge is normalised by its whole weight); sum the gradients
-    over the group (DDP averages them: scale the loss by the number of processes, as packing_hf's Trainer does).
-
-    Args:
-        logits: ``(1, T_rank, V)`` the model's output on the shard.
-        batch: what :func:`shard_packed_batch` returned (its ``shift_labels`` and shard).
-        normalization: ``"token"``, ``"sample"`` or ``"sample_sum"`` (``docs/loss.md``).
-        denominator: the step's denominator (its summed :func:`shard_loss_counts`, through
-            :func:`packing_hf._loss.step_denominator`); ``None``: this row's own.
-
-    Returns:
-        A scalar that keeps the graph.
-
-    >>> from packing_hf import PaddingFreeCollator
-    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
-    >>> logits = torch.zeros(1, 5, 10)  # uniform over 10 tokens: every target costs log(10)
-    >>> round(float(sequence_parallel_loss(logits, shard)), 4)
-    2.3026
-    """
-    coefficients = shard_target_coefficients(batch, normalization).to(logits.device)
-    targets = batch["shift_labels"].to(logits.device)
-    per_token = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view_as(coefficients)
-    # where, not a product: an ignored target's loss must add exactly 0
-    numerator = torch.where(coefficients > 0, per_token * coefficients, torch.zeros_like(per_token)).sum()
-    if denominator is None:
-        denominator = shard_row_denominator(batch, normalization)
-    return numerator / denominator
-
-
-def shard_target_coefficients(batch: dict, normalization: str = "token") -> torch.Tensor:
-    """``(1, T_rank)`` float: the factor of each target of this rank's shard (``shift_labels``) in the row's loss
-    numerator, computed on the whole row (a sample cut by a shard edge is normalised by its whole weight).
-
-    >>> from packing_hf import PaddingFreeCollator
-    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
-    >>> shard_target_coefficients(shard, "sample").tolist()  # 2 targets in sample 0, 1 in sample 1
-    [[0.5, 0.5, 0.0, 1.0, 0.0]]
-    """
-    shard: SequenceShard = batch[SHARD_KEY]
-    if shard.labels is None:
-        raise ValueError("the sharded row had no labels, so it has no loss; collate with labels")
-    coefficients = target_coefficients(
-        shard.labels, normalization, shard.loss_weights, shard.position_ids, shard.cu_seq_lens
-    )  # (1, T - 1): the factor of the target of every token but the last
-    return F.pad(coefficients, (0, 1))[:, shard.offset : shard.offset + shard.length]
-
-
-def shard_row_denominator(batch: dict, normalization: str = "token") -> float:
-    """The denominator of the loss of this shard's whole row alone (its target weight, or sample count).
-
-    >>> from packing_hf import PaddingFreeCollator
-    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
-    >>> shard_row_denominator(shard), shard_row_denominator(shard, "sample")
-    (3.0, 2.0)
-    """
-    return float(step_denominator(_row_counts(batch[SHARD_KEY]), normalization))
-
-
-def sequence_parallel_chunked_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    batch: dict,
-    normalization: str = "token",
-    denominator: float | torch.Tensor | None = None,
-    *,
-    bias: torch.Tensor | None = None,
-    head: LogitHead | None = None,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """:func:`sequence_parallel_loss` from the LM head's input instead of its logits: the shard's targets are
-    projected chunk by chunk (:func:`packing_hf.loss_head.linear_cross_entropy`), so the ``(T_rank, V)`` logits
-    never exist whole. The same share of the row's loss, to float rounding.
-
-    Args:
-        hidden: ``(1, T_rank, H)`` the model's final hidden states on the shard (what its LM head receives).
-        weight: ``(V, H)`` the LM head's weight (unsharded: under FSDP2, read it while the head's parameters are
-            gathered, e.g. right after the forward of a root that keeps them); ``bias``: ``(V,)`` or ``None``.
-        batch, normalization, denominator: as in :func:`sequence_parallel_loss`.
-        head: the model's logit processing (:class:`~packing_hf.loss_head.LogitHead`; default none).
-        chunk_size: tokens per chunk (default: automatic).
-
-    Returns:
-        A scalar that keeps the graph.
-
-    >>> from packing_hf import PaddingFreeCollator
-    >>> shard = shard_packed_batch(PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]))
-    >>> hidden, weight = torch.zeros(1, 5, 4), torch.ones(10, 4)  # uniform over 10 tokens: log(10) per target
-    >>> round(float(sequence_parallel_chunked_loss(hidden, weight, shard)), 4)
-    2.3026
-    """
-    shard: SequenceShard = batch[SHARD_KEY]
-    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, shard.length):
-        raise ValueError(
-            f"{shard!r}: hidden states of shape {tuple(hidden.shape)} are not (1, {shard.length}, hidden_size), "
-            "the LM head's input on this rank's shard"
-        )
-    coefficients = shard_target_coefficients(batch, normalization)[0].to(hidden.device)  # (T_rank,)
-    targets = batch["shift_labels"][0].to(hidden.device)
-    mask = (targets != IGNORE_INDEX) & (coefficients > 0)  # only the targets are projected
-    numerator, _ = linear_cross_entropy(
-        hidden[0][mask],
-        weight,
-        targets[mask],
-        bias,
-        weights=coefficients[mask],
-        head=head,
-        chunk_size=chunk_size,
-    )
-    if denominator is None:
-        denominator = shard_row_denominator(batch, normalization)
-    return numerator / denominator
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -10,8 +10,8 @@ all-to-alls are autograd functions whose backward is the other one, so gradients
 
 The :class:`SequenceShard` travels with the call (the batch key :data:`SHARD_KEY`, handed by transformers to
 every attention layer, and saved with a checkpointed layer's arguments): it holds the process group and the
-row's boundaries, never model state. Building shards and the loss over them:
-:mod:`packing_hf.attention.sequence_parallel`.
+row's boundaries, never model state. Building shards: :mod:`packing_hf.attention.sequence_parallel`; the loss
+over them: :mod:`packing_hf.shard_loss`.
 
 >>> shard_lengths(10, 4)
 [3, 3, 2, 2]
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..varlen import SHARD_KEY  # the batch key carrying a rank's SequenceShard (beside the other batch keys)
+
 __all__ = ["SHARD_KEY", "SequenceShard", "shard_lengths"]
 
-#: the batch key carrying a rank's :class:`SequenceShard` (a plain name: transformers hands it to the layers)
-SHARD_KEY = "packing_hf_sequence_shard"
 
 
 def shard_lengths(total: int, size: int) -> list[int]:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entropy, token_logprobs
+from ..shard_loss import sequence_parallel_chunked_loss
 from .adapters import head_inputs
 from .preflight import base_model
 
@@ -278,17 +279,15 @@ def shard_lm_loss(
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``(loss, outputs)``: this rank's share of the loss of a row cut over a sequence-parallel group, from the LM
-    head in chunks: :func:`packing_hf.attention.sequence_parallel.sequence_parallel_chunked_loss` on the model's
+    head in chunks: :func:`packing_hf.shard_loss.sequence_parallel_chunked_loss` on the model's
     hidden states (no ``(T_rank, V)`` logits).
 
     Args:
         model, resolved, chunk_size: as in :func:`causal_lm_loss`.
         shard: what :func:`packing_hf.attention.sequence_parallel.shard_packed_batch` returned for this rank
             (the model gets it without its ``shift_labels``).
-        normalization, denominator: as in :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_loss`.
+        normalization, denominator: as in :func:`~packing_hf.shard_loss.sequence_parallel_loss`.
     """
-    from ..attention.sequence_parallel import sequence_parallel_chunked_loss
-
     inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
     head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
 

@@ -368,11 +368,9 @@ class ParallelPlan:
         if world % sp_size:
             raise ValueError(f"sp_size={sp_size} must divide the number of processes ({world})")
         _check_sequence_parallel_engine(sp_size, world, engine, level, configured_parallelism(trainer.args))
-        from torch.distributed.device_mesh import init_device_mesh
+        from ..attention.sequence_parallel import sequence_parallel_mesh
 
-        mesh = init_device_mesh(
-            accelerator.device.type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp")
-        )
+        mesh = sequence_parallel_mesh(sp_size, accelerator.device.type)  # the one builder of the (dp, sp) layout
         return cls(
             engine,
             level,

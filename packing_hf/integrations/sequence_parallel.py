@@ -1,6 +1,7 @@
 """Sequence parallelism in the packing trainers: ``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))``
 with ``max_tokens_per_batch`` trains every packed row cut over ``N`` processes, with the one-process loss and
-gradients (:mod:`packing_hf.attention.sequence_parallel`).
+gradients (the rows cut by :mod:`packing_hf.attention.sequence_parallel`, the shards' loss from
+:mod:`packing_hf.shard_loss`).
 
 accelerate 1.15 and transformers 5.24 read ``sp_size > 1`` as DeepSpeed's ALST/Ulysses (``sp_backend`` accepts
 only ``"deepspeed"``): they skip the device mesh, wrap the training DataLoader in DeepSpeed's
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from .._loss import LOSS_WEIGHTS_KEY
+from ..shard_loss import sequence_parallel_loss, shard_row_denominator
 from .chunked_head import shard_lm_loss
 from .parallel import ParallelPlan, training_mode
 
@@ -59,9 +61,7 @@ class PackingSequenceParallelMixin:
         from ..attention.sequence_parallel import (
             check_sequence_parallel_model,
             check_sequence_parallel_router_loss,
-            sequence_parallel_loss,
             shard_packed_batch,
-            shard_row_denominator,
         )
 
         plan = self.parallel_plan

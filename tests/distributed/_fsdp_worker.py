@@ -19,11 +19,11 @@ the last step (``full_tensor()`` of FSDP's shards); the test compares them with 
 - world 4 (data parallel 2 x sequence parallel 2, :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_mesh`):
   each replica's rows cut over its SP group (:func:`~packing_hf.attention.sequence_parallel.shard_packed_batch`,
   the Ulysses all-to-alls in the attention); ``ddp_sp2`` (DDP over the 4 processes, full logits and
-  :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_loss`, the groups of
+  :func:`~packing_hf.shard_loss.sequence_parallel_loss`, the groups of
   :func:`~packing_hf.attention.sequence_parallel.sequence_parallel_groups`: what ``packing_hf.Trainer`` runs with
   ``sp_size=2``), ``fsdp_sp2`` (parameters, gradients and optimizer state sharded over all 4 processes, activation
   checkpointing), ``hsdp_sp2`` (sharded over each SP group, replicated over the replicas), both with the chunked
-  head on shards (:func:`~packing_hf.attention.sequence_parallel.sequence_parallel_chunked_loss`);
+  head on shards (:func:`~packing_hf.shard_loss.sequence_parallel_chunked_loss`);
   ``fsdp_sp2_local_only``: the negative control, every shard attending within its own tokens.
 
 The reference: one process, the rows of both replicas whole, full logits and
@@ -213,13 +213,10 @@ def _no_sync(model, last: bool):
 def _micro_loss(case: str, model, row: dict, denominator: float, group) -> tuple:
     """This process's share of the step's loss on ``row`` (unscaled) as the trainers compute it."""
     from packing_hf._loss import target_coefficients
-    from packing_hf.attention.sequence_parallel import (
-        sequence_parallel_chunked_loss,
-        sequence_parallel_loss,
-        shard_packed_batch,
-    )
+    from packing_hf.attention.sequence_parallel import shard_packed_batch
     from packing_hf.integrations.adapters import head_inputs
     from packing_hf.integrations.chunked_head import causal_lm_loss, resolve_head
+    from packing_hf.shard_loss import sequence_parallel_chunked_loss, sequence_parallel_loss
 
     resolved = resolve_head(model)
     if isinstance(resolved, str):
@@ -250,7 +247,8 @@ def run_case(case: str, world: int, mesh, dp_rank: int, group) -> dict:
     import torch.distributed as dist
 
     from packing_hf._loss import step_denominator
-    from packing_hf.attention.sequence_parallel import shard_loss_counts, shard_packed_batch
+    from packing_hf.attention.sequence_parallel import shard_packed_batch
+    from packing_hf.shard_loss import shard_loss_counts
 
     model = _wrap(case, make_model(), mesh)
     inner = getattr(model, "module", model)
@@ -517,7 +515,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     else:
         mesh = sequence_parallel_mesh(sp)
         dp_rank = mesh.get_local_rank("dp")
-        group, sp_rank, dp_of_group, _ = sequence_parallel_groups(sp)  # what the Trainer builds today
+        group, sp_rank, dp_of_group, _ = sequence_parallel_groups(sp)  # a second mesh's groups, the same layout
         if (sp_rank, dp_of_group) != (mesh.get_local_rank("sp"), dp_rank):
             raise RuntimeError(
                 "sequence_parallel_mesh and sequence_parallel_groups lay the ranks out differently"

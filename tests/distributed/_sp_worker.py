@@ -115,11 +115,8 @@ def parallel_step(model, rows: list[dict], normalization: str, group, local_only
     import torch.distributed as dist
 
     from packing_hf._loss import step_denominator
-    from packing_hf.attention.sequence_parallel import (
-        sequence_parallel_loss,
-        shard_loss_counts,
-        shard_packed_batch,
-    )
+    from packing_hf.attention.sequence_parallel import shard_packed_batch
+    from packing_hf.shard_loss import sequence_parallel_loss, shard_loss_counts
 
     model.zero_grad(set_to_none=True)
     shards = [shard_packed_batch(row, group, local_only=local_only) for row in rows]

@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf._loss",
             # the LM head and its loss in chunks of tokens (pure torch)
             "packing_hf.loss_head",
+            # the loss of a packed row cut over a sequence-parallel group: each shard's share (pure torch)
+            "packing_hf.shard_loss",
             # data about architectures, read by the attention to refuse models it cannot keep exact
             "packing_hf.registry",
             # the refusal exception, its reason as data (raised by the attention and the trainers)

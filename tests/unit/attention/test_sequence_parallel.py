@@ -18,13 +18,11 @@ from packing_hf._loss import loss_counts, loss_numerator, step_denominator
 from packing_hf.attention.sequence_parallel import (
     SHARD_KEY,
     check_sequence_parallel_model,
-    sequence_parallel_chunked_loss,
-    sequence_parallel_loss,
     shard_lengths,
-    shard_loss_counts,
     shard_packed_batch,
 )
 from packing_hf.attention.ulysses import SequenceShard, _spread_kv_heads
+from packing_hf.shard_loss import sequence_parallel_chunked_loss, sequence_parallel_loss, shard_loss_counts
 
 
 def _llama(heads: int = 4, kv_heads: int = 2):
