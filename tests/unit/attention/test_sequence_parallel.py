@@ -22,7 +22,7 @@ from packing_hf.attention.sequence_parallel import (
     shard_packed_batch,
 )
 from packing_hf.attention.ulysses import SequenceShard, _spread_kv_heads
-from packing_hf.shard_loss import sequence_parallel_chunked_loss, sequence_parallel_loss, shard_loss_counts
+from packing_hf.shard_loss import sequence_parallel_loss
 
 
 def _llama(heads: int = 4, kv_heads: int = 2):
@@ -75,69 +75,6 @@ def test_a_one_rank_group_trains_the_row_itself(normalization, assert_close):
     unshifted = dict(shard, shift_labels=row["labels"])
     with pytest.raises(AssertionError):
         assert_close(sequence_parallel_loss(logits, unshifted, normalization), want, "loss", rel=1e-6)
-
-
-def _check_untrained_shard(normalization: str) -> None:
-    """A row without targets (a prompt-only sample, a one-token sample): the shard's loss is 0 and every gradient
-    exactly zero, under the denominator the Trainer passes (the step's counts through ``step_denominator``) and the
-    row's own."""
-    model = _llama()
-    row = PaddingFreeCollator()(
-        [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}, {"input_ids": [4], "labels": [4]}]
-    )
-    shard = shard_packed_batch(row)
-    counts = shard_loss_counts(shard)
-    assert counts == (0.0, 0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for denominator in (step_denominator(counts, normalization), None):
-        loss = sequence_parallel_loss(model(**shard).logits, shard, normalization, denominator)
-        grads = torch.autograd.grad(loss, params)
-        value = float(loss.detach())
-        assert value == 0.0, f"{normalization}: the loss of a shard without targets is {value}"
-        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads), f"{normalization}: non-zero gradients"
-
-
-@pytest.mark.parametrize("normalization", ["token", "sample", "sample_sum"])
-def test_a_shard_without_targets_has_zero_loss_and_gradients(normalization):
-    _check_untrained_shard(normalization)
-
-
-def test_negative_control_a_zero_denominator_is_caught(monkeypatch):
-    # the row's own count as the denominator, unguarded: 0/0
-    monkeypatch.setattr(sequence_parallel, "step_denominator", lambda totals, normalization: float(totals[0]))
-    with pytest.raises(AssertionError, match="the loss of a shard without targets is nan"):
-        _check_untrained_shard("token")
-
-
-@pytest.mark.parametrize("normalization", ["token", "sample", "sample_sum"])
-def test_the_chunked_share_equals_the_logits_share(normalization, assert_close):
-    """The shard's loss from the LM head's input in chunks (what the chunked head gives under SP) equals the one
-    from its logits, and so do the gradients of the head and of the hidden states."""
-    model = _llama()
-    shard = shard_packed_batch(_row(weighted=True))
-    model_inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
-    hidden = model.model(**model_inputs).last_hidden_state.detach().requires_grad_()  # (1, T, H)
-    head = model.lm_head.weight
-    want = sequence_parallel_loss(model.lm_head(hidden), shard, normalization, denominator=3.0)
-    want_grads = torch.autograd.grad(want, (hidden, head))
-    got = sequence_parallel_chunked_loss(hidden, head, shard, normalization, denominator=3.0, chunk_size=3)
-    got_grads = torch.autograd.grad(got, (hidden, head))
-    assert_close(got, want, "loss", rel=1e-6)
-    for name, g, w in zip(("hidden", "head"), got_grads, want_grads, strict=True):
-        assert float(w.abs().max()) > 0
-        assert_close(g, w, f"grad of {name}", rel=1e-6)
-    own = sequence_parallel_chunked_loss(hidden, head, shard, normalization)  # the row's own denominator
-    assert_close(own, sequence_parallel_loss(model.lm_head(hidden), shard, normalization), "loss", rel=1e-6)
-    unshifted = dict(shard, shift_labels=_row(weighted=True)["labels"])  # the same loss, targets not shifted
-    with pytest.raises(AssertionError):
-        assert_close(
-            sequence_parallel_chunked_loss(hidden, head, unshifted, normalization, 3.0),
-            want,
-            "loss",
-            rel=1e-6,
-        )
-    with pytest.raises(ValueError, match="not \\(1, 8, hidden_size\\)"):
-        sequence_parallel_chunked_loss(hidden[0], head, shard)
 
 
 def test_the_model_check_refuses_by_name():
