@@ -19,7 +19,8 @@ attention), the loss from the chunked LM head on the shard
   sizes transformers' ``"auto"`` gives this hidden size; on CPU ``DS_ACCELERATOR=cpu`` and gloo): weights,
   gradients and AdamW's moments ``1 / world`` per process, a layer gathered while it runs. The head's weight is a
   shard outside its call, so the chunked head runs inside a call of the head
-  (:func:`~packing_hf.integrations.chunked_head.shard_lm_loss`, as ``packing_hf.Trainer`` does under ZeRO-3).
+  (:func:`~packing_hf.integrations.chunked_head.shard_lm_loss` with the engine's plan, as ``packing_hf.Trainer``
+  does under ZeRO-3).
   DeepSpeed's state is allocated by a first step at learning rate 0 (weights unchanged) before the peak is reset.
 
 The default model (hidden 1024, 4 layers, MLP 4096, vocabulary 8,192 untied: 80M parameters, 16 bytes each
@@ -137,7 +138,8 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
     from packing_hf import register_attention
     from packing_hf._loss import step_denominator
     from packing_hf.attention.sequence_parallel import sequence_parallel_mesh, shard_packed_batch
-    from packing_hf.integrations.chunked_head import shard_lm_loss
+    from packing_hf.integrations.chunked_head import resolve_head, shard_lm_loss
+    from packing_hf.integrations.parallel import ParallelPlan
     from packing_hf.shard_loss import shard_loss_counts
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -178,6 +180,12 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
             model.model.embed_tokens, mesh=flat
         )  # as accelerate does; lm_head stays in the root's group
         fully_shard(model, mesh=flat)
+    # the layout a packed trainer's plan would hold: its engine's hooks are expected on the head
+    engine_of_plan = {"ddp": ("ddp", None), "fsdp2": ("fsdp", 2), "zero3": ("deepspeed", 3)}[engine]
+    plan = ParallelPlan(*engine_of_plan, world, rank, sp)
+    head = resolve_head(model, plan)
+    if isinstance(head, str):
+        raise RuntimeError(f"the chunked head refused the model: {head}")
     shard = shard_packed_batch({k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items()}, group)
     counts = torch.tensor([shard_loss_counts(shard)[0]], dtype=torch.float64, device=device)
     dist.all_reduce(counts)  # the step's target count, every row once
@@ -185,7 +193,7 @@ def _rank(rank: int, engine: str, world: int, sp: int, port: int, shape: dict, o
 
     def step() -> torch.Tensor:
         # the chunked head on the shard, where each engine gathers the head (ZeRO-3: inside a call of the head)
-        loss, _ = shard_lm_loss(model, shard, "token", denominator)
+        loss, _ = shard_lm_loss(model, shard, "token", denominator, head)
         if engine == "zero3":
             model.backward(loss * world)  # ZeRO averages the gradients over the processes; the shares sum
             model.step()

@@ -32,7 +32,7 @@ def pass_through_batch_shard(dataloader: Any, sampler: Any) -> Any:
     return shard
 
 
-def gather_uneven_rows(accelerator: Any) -> None:
+def gather_uneven_rows(accelerator: Any, plan: Any) -> None:
     """Let ``accelerator.gather`` (and ``gather_for_metrics``, which calls it) take tensors whose first dimension
     differs between the processes; a no-op with one process.
 
@@ -42,15 +42,17 @@ def gather_uneven_rows(accelerator: Any) -> None:
     aborts the process on gloo and may hang on NCCL. Each tensor is padded to the longest rank's rows,
     gathered and the padding dropped: every rank's rows in rank order, as a plain gather returns them when
     the lengths agree. Scalars, and the tensors inside tuples, lists and dicts, are handled alike; anything
-    else goes to the plain gather. Installed once per accelerator by the packing trainers.
+    else goes to the plain gather. Installed once per accelerator by the packing trainers; ``plan``: the run's
+    :class:`~packing_hf.integrations.parallel.ParallelPlan`.
 
     >>> from accelerate import Accelerator
+    >>> from packing_hf.integrations.parallel import ParallelPlan
     >>> accelerator = Accelerator(cpu=True)
-    >>> gather_uneven_rows(accelerator)  # one process: accelerate's own gather is kept
+    >>> gather_uneven_rows(accelerator, ParallelPlan())  # one process: accelerate's own gather is kept
     >>> accelerator.gather(torch.tensor([1, 2])).tolist()
     [1, 2]
     """
-    if accelerator.num_processes == 1 or getattr(accelerator, "_packing_uneven_gather", False):
+    if plan.world_size == 1 or getattr(accelerator, "_packing_uneven_gather", False):
         return
     plain = accelerator.gather
 

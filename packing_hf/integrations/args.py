@@ -23,7 +23,7 @@ from .._limits import check_bool, check_int, option
 from .._loss import check_loss_normalization
 from ..overflow import check_overflow
 from ..sampler import MIXINGS
-from .parallel import process_world, with_sp_size
+from .parallel import apply_sp_size, check_deepspeed_world
 
 __all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config", "budget_max_length"]
 
@@ -164,9 +164,7 @@ class PackingArguments:
 
     def __post_init__(self) -> None:
         self.follow_budget()
-        if self.sp_size is not None:
-            self.sp_size = check_int(self.sp_size, "sp_size", 1)
-            self.parallelism_config = with_sp_size(getattr(self, "parallelism_config", None), self.sp_size)
+        apply_sp_size(self)  # the parallel layout's sizes are read in parallel.py
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments base this is mixed into
         budget = self.max_tokens_per_batch
         # tokens per micro-batch per device; None flattens per_device_train_batch_size samples per step
@@ -210,10 +208,8 @@ class PackingArguments:
         for name in self._optional_switches:
             setattr(self, name, check_bool(getattr(self, name), name, optional=True))
         if getattr(self, "deepspeed", None):
-            # ZeRO-3 partitions a model built after these arguments over the process group's world
-            # (deepspeed.zero.Init), where a world accelerate miscounts fails in DeepSpeed's batch-size assertion
-            # before any Trainer is made: refused here, by name, as the Trainer refuses it under ZeRO-1/2
-            process_world(self.world_size, deepspeed=True)
+            # a world accelerate miscounts, refused before a ZeRO-3 model built after these arguments is partitioned
+            check_deepspeed_world(self)
             _join_deepspeed_comm()
 
 

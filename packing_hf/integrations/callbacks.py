@@ -330,7 +330,8 @@ class PackingMetrics:
 
 class StepClock(TrainerCallback):
     """Times every optimizer step into a :class:`PackingMetrics` and sets up its FLOPs count when training
-    begins (from the model's config, ``args.peak_tflops``, ``args.device`` and ``args.world_size``).
+    begins (from the model's config, ``args.peak_tflops``, ``args.device`` and ``devices``: the devices that
+    train together, :attr:`ParallelPlan.devices <packing_hf.integrations.parallel.ParallelPlan.devices>`).
 
     A step runs from the end of the previous one (or of the log, save or evaluation after it, or the start of
     the epoch) to its own end: what is timed is data loading, forwards, backwards and the optimizer step.
@@ -341,8 +342,9 @@ class StepClock(TrainerCallback):
     1
     """
 
-    def __init__(self, metrics: PackingMetrics) -> None:
+    def __init__(self, metrics: PackingMetrics, devices: int = 1) -> None:
         self.metrics = metrics
+        self.devices = devices
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # PEFT forwards .config; DDP wraps the model in .module
@@ -351,7 +353,7 @@ class StepClock(TrainerCallback):
             config,
             peak_tflops=getattr(args, "peak_tflops", None),
             device=args.device,
-            devices=args.world_size,
+            devices=self.devices,
         )
         self.metrics.start_step()
 

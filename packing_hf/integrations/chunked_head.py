@@ -10,7 +10,8 @@ Under an engine that holds the head's weight itself, the chunked head reads it w
 (:func:`_with_head_weight`): under FSDP2 after the model's forward (the head's group stays unsharded until the
 backward), under DeepSpeed ZeRO-3 (a partition outside the head's calls) in a second call of the head, its
 ``forward`` replaced for that call, so that DeepSpeed's hooks gather the weight for it and for its backward. The
-engine's hooks are the only hooks such a head may carry.
+engine is the run's :class:`~packing_hf.integrations.parallel.ParallelPlan`'s (given to :func:`resolve_head`;
+none without one), and its hooks are the only hooks such a head may carry.
 
 A model is chunked only where that is exact: its output embeddings are the ``torch.nn.Linear`` its causal-LM
 ``forward`` calls as ``self.lm_head``, and what the ``forward`` does to the logits between the head and the
@@ -33,16 +34,17 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..loss_head import LogitHead, LogitStats, TokenLogProbs, linear_cross_entropy, token_logprobs
 from ..shard_loss import sequence_parallel_chunked_loss
 from .adapters import head_inputs
+from .parallel import ParallelPlan
 from .preflight import base_model
 
-__all__ = ["causal_lm_loss", "model_token_logprobs", "resolve_head", "shard_lm_loss"]
+__all__ = ["ChunkedHead", "causal_lm_loss", "model_token_logprobs", "resolve_head", "shard_lm_loss"]
 
 _HEAD_CALL = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)$")
 # what a causal LM's forward may do to the logits between its head and its loss, and what it means
@@ -83,22 +85,35 @@ def _processing_of(cls: type) -> str:
     return _PROCESSINGS[between]
 
 
-#: where the hooks of the engines that gather the head's weight around its calls are defined, by engine (FSDP2's
-#: ``FSDPState`` methods and group hooks; DeepSpeed ZeRO-3's parameter-offload closures, some wrapped by
+#: where the hooks of the engines that gather the head's weight around its calls are defined, by the plan's engine
+#: (FSDP2's ``FSDPState`` methods and group hooks; DeepSpeed ZeRO-3's parameter-offload closures, some wrapped by
 #: ``deepspeed.utils.nvtx``): they do not change what the head computes, and the chunked head reads the weight where
 #: they have gathered it (:func:`_with_head_weight`)
 _ENGINE_HOOK_MODULES = {"fsdp": "torch.distributed.fsdp.", "deepspeed": "deepspeed."}
 
 
-def _hook_engine(hook: Any) -> str | None:
-    """The engine ``hook`` belongs to (a key of :data:`_ENGINE_HOOK_MODULES`), or ``None``."""
+class ChunkedHead(NamedTuple):
+    """A causal LM's head that can be chunked exactly (:func:`resolve_head`).
+
+    Attributes:
+        head: the ``lm_head`` module (its weight ``(V, H)`` read by the chunked head).
+        logit_head: what the model's ``forward`` does to its logits (:class:`~packing_hf.loss_head.LogitHead`).
+        in_calls: whether the run's engine holds the weight gathered only inside the head's calls (DeepSpeed
+            ZeRO-3, :attr:`ParallelPlan.gathers_in_module_calls
+            <packing_hf.integrations.parallel.ParallelPlan.gathers_in_module_calls>`): the chunked head then runs as
+            a call of the head.
+    """
+
+    head: torch.nn.Linear
+    logit_head: LogitHead
+    in_calls: bool = False
+
+
+def _is_engine_hook(hook: Any, engine: str) -> bool:
+    """Whether ``hook`` is one of ``engine``'s (the plan's engine; a key of :data:`_ENGINE_HOOK_MODULES`)."""
+    prefix = _ENGINE_HOOK_MODULES.get(engine)
     module = str(getattr(getattr(hook, "func", hook), "__module__", ""))  # .func: a functools.partial
-    return next((engine for engine, prefix in _ENGINE_HOOK_MODULES.items() if module.startswith(prefix)), None)
-
-
-def _gathering_engine(head: torch.nn.Module) -> str | None:
-    """The engine gathering ``head``'s weight around its calls (whose forward pre-hooks it registered), or ``None``."""
-    return next(filter(None, map(_hook_engine, head._forward_pre_hooks.values())), None)
+    return prefix is not None and module.startswith(prefix)
 
 
 def _is_linear(head: torch.nn.Module) -> bool:
@@ -112,13 +127,13 @@ def _is_linear(head: torch.nn.Module) -> bool:
     return type(head).__bases__ == (FSDPModule, torch.nn.Linear)
 
 
-def _bypassed_calls(head: torch.nn.Module) -> str | None:
+def _bypassed_calls(head: torch.nn.Module, engine: str) -> str | None:
     """What a call of ``head`` runs besides ``F.linear(x, weight, bias)``, which the chunked head (reading the
     weight itself) would skip, or ``None``: hooks registered on it (a temperature, a vocabulary mask, an
     adapter's wrapper), hooks registered on every module (``torch.nn.modules.module.register_module_*_hook``),
-    or a ``forward`` replaced on the instance (accelerate's device hooks). The hooks of an engine gathering the
-    weight (FSDP2, DeepSpeed ZeRO-3: :func:`_hook_engine`) are not counted: the chunked head reads the weight
-    where they have gathered it (:func:`_with_head_weight`).
+    or a ``forward`` replaced on the instance (accelerate's device hooks). The hooks of the run's ``engine``
+    (FSDP2, DeepSpeed ZeRO-3 gather the weight: :func:`_is_engine_hook`) are not counted: the chunked head reads
+    the weight where they have gathered it (:func:`_with_head_weight`).
 
     Such a head keeps the full logits, even where the hook is row-wise (a temperature, a mask) and would be exact
     per chunk of tokens: nothing says which hooks are; one sees the ``(B, T, V)`` logits of the whole call, holds
@@ -131,7 +146,7 @@ def _bypassed_calls(head: torch.nn.Module) -> str | None:
     found = [
         what
         for kind, what in kinds.items()
-        if any(_hook_engine(h) is None for h in getattr(head, f"_{kind}_hooks").values())
+        if any(not _is_engine_hook(h, engine) for h in getattr(head, f"_{kind}_hooks").values())
     ]
     found += [
         f"global {what} (on every module)"
@@ -143,11 +158,13 @@ def _bypassed_calls(head: torch.nn.Module) -> str | None:
     return ", ".join(found) if found else None
 
 
-def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
-    """``(lm_head, LogitHead)`` of a causal LM whose head can be chunked exactly, else why not (a sentence).
+def resolve_head(model: Any, plan: ParallelPlan | None = None) -> ChunkedHead | str:
+    """The :class:`ChunkedHead` of a causal LM whose head can be chunked exactly, else why not (a sentence).
 
-    ``model`` may be wrapped (DDP, PEFT): the ``PreTrainedModel`` inside is read.
+    ``model`` may be wrapped (DDP, PEFT): the ``PreTrainedModel`` inside is read. ``plan``: the run's layout, whose
+    engine may hold the head's weight (its hooks on the head are then expected); ``None``: no engine.
     """
+    plan = ParallelPlan() if plan is None else plan
     inner = base_model(model)
     head = getattr(inner, "lm_head", None)
     get = getattr(inner, "get_output_embeddings", None)
@@ -157,7 +174,7 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
         return (
             f"its lm_head is a {type(head).__name__}, not a torch.nn.Linear (an adapter or a quantized head)"
         )
-    bypassed = _bypassed_calls(head)
+    bypassed = _bypassed_calls(head, plan.engine)
     if bypassed is not None:
         return f"its lm_head has {bypassed}, which computing the logits in chunks would skip"
     config = getattr(inner, "config", None)
@@ -166,37 +183,38 @@ def resolve_head(model: Any) -> tuple[torch.nn.Linear, LogitHead] | str:
         return "it adds a router auxiliary loss to the model's own loss (output_router_logits=True)"
     processing = _processing_of(type(inner))
     if processing == "none":
-        return head, LogitHead()
-    if processing == "scale":
-        return head, LogitHead(scale=float(inner.logit_scale))
-    if processing == "divisor":
-        return head, LogitHead(divisor=float(config.logits_scaling))
-    if processing == "softcap":
-        return head, LogitHead(softcap=config.final_logit_softcapping)
-    return processing
+        logit_head = LogitHead()
+    elif processing == "scale":
+        logit_head = LogitHead(scale=float(inner.logit_scale))
+    elif processing == "divisor":
+        logit_head = LogitHead(divisor=float(config.logits_scaling))
+    elif processing == "softcap":
+        logit_head = LogitHead(softcap=config.final_logit_softcapping)
+    else:
+        return processing  # why not
+    return ChunkedHead(head, logit_head, plan.gathers_in_module_calls)
 
 
 def _hidden_states(
-    model: Any, inputs: dict[str, Any], resolved: tuple[torch.nn.Linear, LogitHead] | None
-) -> tuple[torch.nn.Linear, LogitHead, torch.Tensor, Any]:
-    """``(head, logit_head, hidden (B, T, H), outputs)``: the model called on ``inputs``, its head's input kept,
-    no logits made; ``resolved`` is :func:`resolve_head` of the model (looked up when ``None``)."""
+    model: Any, inputs: dict[str, Any], resolved: ChunkedHead | None
+) -> tuple[ChunkedHead, torch.Tensor, Any]:
+    """``(resolved, hidden (B, T, H), outputs)``: the model called on ``inputs``, its head's input kept, no logits
+    made; ``resolved`` is :func:`resolve_head` of the model (looked up, without an engine, when ``None``)."""
     if resolved is None:
         resolved = resolve_head(model)
         if isinstance(resolved, str):
             raise ValueError(f"the LM head of this model cannot be chunked exactly: {resolved}")
-    head, logit_head = resolved
-    with head_inputs(head) as captured:
+    with head_inputs(resolved.head) as captured:
         outputs = model(**inputs)
     if len(captured) != 1:
         raise RuntimeError(
             f"the model called its lm_head {len(captured)} times in one forward; the chunked loss needs one call. "
             "Set chunked_loss=False"
         )
-    return head, logit_head, captured[0], outputs
+    return resolved, captured[0], outputs
 
 
-def _with_head_weight(head: torch.nn.Linear, hidden: torch.Tensor, compute: Any) -> Any:
+def _with_head_weight(resolved: ChunkedHead, hidden: torch.Tensor, compute: Any) -> Any:
     """``compute(hidden, weight, bias)`` (a tensor, or a tuple of tensors and ``None``) with the head's weight whole,
     after the model's forward.
 
@@ -207,15 +225,15 @@ def _with_head_weight(head: torch.nn.Linear, hidden: torch.Tensor, compute: Any)
       resharded after the forward (a ``DTensor`` weight) is refused. (Running ``compute`` as a second call of
       the head instead, as for ZeRO-3, crashes FSDP2's backward: that call's post-backward reshards the whole
       group, the final norm's weight included, before the norm's backward.)
-    - DeepSpeed ZeRO-3, which holds a partition of the weight outside the head's calls: ``compute`` runs as a
-      call of ``head`` (its ``forward`` set on the instance for the call, removed after it). DeepSpeed's hooks
-      gather the weight before it, attach their pre-backward hook to what it returns (the weight gathered again
-      for its backward, where its gradient is reduced), and release the weight after the call and after its
-      backward, as for the head's own call. No hook can do this: what DeepSpeed hooks must be the call's output,
-      and a forward hook's replacement of it comes after the projection.
+    - DeepSpeed ZeRO-3 (``resolved.in_calls``), which holds a partition of the weight outside the head's calls:
+      ``compute`` runs as a call of the head (its ``forward`` set on the instance for the call, removed after
+      it). DeepSpeed's hooks gather the weight before it, attach their pre-backward hook to what it returns (the
+      weight gathered again for its backward, where its gradient is reduced), and release the weight after the
+      call and after its backward, as for the head's own call. No hook can do this: what DeepSpeed hooks must be
+      the call's output, and a forward hook's replacement of it comes after the projection.
     """
-    engine = _gathering_engine(head)
-    if engine != "deepspeed":
+    head = resolved.head
+    if not resolved.in_calls:
         weight = head.weight
         if hasattr(weight, "placements"):  # a DTensor: FSDP2's shard
             raise RuntimeError(
@@ -238,7 +256,7 @@ def causal_lm_loss(
     inputs: dict[str, Any],
     labels: torch.Tensor,
     coefficients: torch.Tensor | None = None,
-    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    resolved: ChunkedHead | None = None,
     chunk_size: int | None = None,
     metrics: bool = False,
 ) -> tuple[torch.Tensor, LogitStats, Any]:
@@ -250,7 +268,7 @@ def causal_lm_loss(
         labels: ``(B, T)`` int64, unshifted (position ``t`` predicts ``labels[:, t + 1]``), -100 = not a target.
         coefficients: ``(B, T - 1)`` float, each target's weight in the sum
             (:func:`packing_hf.loss_head.target_coefficients`), or ``None`` (1 per target).
-        resolved: :func:`resolve_head` of the model (looked up when ``None``).
+        resolved: :func:`resolve_head` of the model with the run's plan (looked up without an engine when ``None``).
         chunk_size: tokens per chunk (default: automatic).
         metrics: also the labelled targets' entropy sum and top-1 hits (TRL's SFT metrics).
 
@@ -258,15 +276,15 @@ def causal_lm_loss(
         the fp32 sum ``sum c * CE`` over the targets, the labelled targets' :class:`LogitStats`, and the model's
         outputs (their ``logits`` are empty).
     """
-    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
+    resolved, hidden, outputs = _hidden_states(model, inputs, resolved)
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
         loss, stats = _summed_cross_entropy(
-            hidden[:, :-1], weight, bias, logit_head, labels[:, 1:], coefficients, chunk_size, metrics
+            hidden[:, :-1], weight, bias, resolved.logit_head, labels[:, 1:], coefficients, chunk_size, metrics
         )
         return loss, stats.entropy, stats.hits, stats.count  # tensors: what the engines' hooks see through
 
-    loss, entropy, hits, count = _with_head_weight(head, hidden, compute)
+    loss, entropy, hits, count = _with_head_weight(resolved, hidden, compute)
     return loss, LogitStats(entropy, hits, count), outputs
 
 
@@ -275,7 +293,7 @@ def shard_lm_loss(
     shard: dict[str, Any],
     normalization: str,
     denominator: float | torch.Tensor,
-    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    resolved: ChunkedHead | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``(loss, outputs)``: this rank's share of the loss of a row cut over a sequence-parallel group, from the LM
@@ -289,14 +307,21 @@ def shard_lm_loss(
         normalization, denominator: as in :func:`~packing_hf.shard_loss.sequence_parallel_loss`.
     """
     inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
-    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
+    resolved, hidden, outputs = _hidden_states(model, inputs, resolved)
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return sequence_parallel_chunked_loss(
-            hidden, weight, shard, normalization, denominator, bias=bias, head=logit_head, chunk_size=chunk_size
+            hidden,
+            weight,
+            shard,
+            normalization,
+            denominator,
+            bias=bias,
+            head=resolved.logit_head,
+            chunk_size=chunk_size,
         )
 
-    return _with_head_weight(head, hidden, compute), outputs
+    return _with_head_weight(resolved, hidden, compute), outputs
 
 
 def _summed_cross_entropy(
@@ -331,7 +356,7 @@ def model_token_logprobs(
     model: Any,
     inputs: dict[str, Any],
     targets: torch.Tensor,
-    resolved: tuple[torch.nn.Linear, LogitHead] | None = None,
+    resolved: ChunkedHead | None = None,
     entropy: bool = False,
     mean_logits: bool = False,
     chunk_size: int | None = None,
@@ -350,7 +375,7 @@ def model_token_logprobs(
     Returns:
         :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
     """
-    head, logit_head, hidden, outputs = _hidden_states(model, inputs, resolved)
+    resolved, hidden, outputs = _hidden_states(model, inputs, resolved)
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenLogProbs:
         return token_logprobs(
@@ -358,13 +383,13 @@ def model_token_logprobs(
             weight,
             targets.reshape(-1).to(hidden.device),
             bias,
-            head=logit_head,
+            head=resolved.logit_head,
             entropy=entropy,
             mean_logits=mean_logits,
             chunk_size=chunk_size,
             top1=top1,
         )
 
-    out = _with_head_weight(head, hidden, compute)
+    out = _with_head_weight(resolved, hidden, compute)
     shape = hidden.shape[:-1]
     return TokenLogProbs(*(None if x is None else x.view(shape) for x in out)), outputs

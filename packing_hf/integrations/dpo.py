@@ -62,7 +62,7 @@ from ..attention import register_attention
 from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments, budget_max_length
-from .parallel import configured_parallelism, sequence_parallel_size
+from .parallel import requested_sp_size
 from .preference_kit import (
     MaxLengthCountsMixin,
     PackedForwardsMixin,
@@ -165,7 +165,9 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
                 f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
             )
-        sequence_parallel = sequence_parallel_size(configured_parallelism(args)) > 1
+        # the collator is built before the plan exists (the stock __init__ makes the accelerator, then precomputes
+        # reference log-probs with it): the size the plan will hold, from parallel.py
+        sequence_parallel = requested_sp_size(args) > 1
         shared_asked = args.shared_prompt if self._own_collator else data_collator.shared_prompt
         if sequence_parallel and shared_asked:
             raise PackingRefused(

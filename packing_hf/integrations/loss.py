@@ -223,7 +223,7 @@ class PackingLossMixin:
         elif plan.shards_sample_tokens:
             reason = f"accelerate cuts a sample over processes ({plan.shards_sample_tokens})"
         else:
-            resolved = resolve_head(model)
+            resolved = resolve_head(model, plan)
             if not isinstance(resolved, str):
                 return resolved
             reason = resolved

@@ -19,9 +19,11 @@ once per epoch across them, and neither set-up can give that (the first one's lo
 averaging disagree; the second one has no group to average over). Likewise FSDP asked for where accelerate runs
 DDP (on CPU: accelerate enables FSDP on accelerators only), which would replicate what the user asked to shard.
 
-This module, :mod:`packing_hf.integrations.launcher` (what ``accelerate launch`` was asked for against what its
-processes got) and :mod:`packing_hf.attention.sequence_parallel` (the groups it cuts rows over) are the only ones
-that read the parallel sizes of a configuration.
+Inside :mod:`packing_hf.integrations`, this module and :mod:`packing_hf.integrations.launcher` (what
+``accelerate launch`` was asked for against what its processes got) are the only ones that read parallel sizes
+or world sizes (from arguments, accelerate, ``torch.distributed`` or the environment); the others ask the plan or
+a function of this module (``tests/unit/test_layout.py`` keeps it so). The SP groups come from
+:func:`packing_hf.attention.sequence_parallel.sequence_parallel_mesh`, the one builder of the ``(dp, sp)`` mesh.
 
 >>> plan = ParallelPlan()  # one process, no engine
 >>> plan.engine, plan.world_size, plan.data_parallel, plan.sequence_parallel
@@ -38,15 +40,19 @@ from typing import Any
 
 import torch
 
+from .._limits import check_int
 from .launcher import check_launch
 
 __all__ = [
     "ParallelPlan",
+    "apply_sp_size",
+    "check_deepspeed_world",
     "configured_parallelism",
     "fsdp_layout",
     "fsdp_request",
     "hidden_sequence_parallelism",
     "process_world",
+    "requested_sp_size",
     "sequence_parallel_size",
     "training_mode",
     "with_sp_size",
@@ -103,6 +109,21 @@ def with_sp_size(parallelism_config: Any, sp_size: int) -> Any:
     return ParallelismConfig(sp_size=sp_size)
 
 
+def apply_sp_size(args: Any) -> None:
+    """``TrainingArguments(sp_size=N)`` checked (an int >= 1) and made the arguments' ``parallelism_config``
+    (:func:`with_sp_size`); nothing where ``sp_size`` is unset. Called when the arguments are made.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(sp_size=2, parallelism_config=None)
+    >>> apply_sp_size(args); args.parallelism_config.sp_size
+    2
+    """
+    if args.sp_size is None:
+        return
+    args.sp_size = check_int(args.sp_size, "sp_size", 1)
+    args.parallelism_config = with_sp_size(getattr(args, "parallelism_config", None), args.sp_size)
+
+
 def sequence_parallel_size(parallelism_config: Any) -> int:
     """``sp_size`` of a ``ParallelismConfig`` packing_hf can serve (1 without one), else a ``ValueError``.
 
@@ -124,6 +145,19 @@ def sequence_parallel_size(parallelism_config: Any) -> int:
             f"ZeRO, FSDP2) only, not with {clashing}; set those to 1"
         )
     return size
+
+
+def requested_sp_size(args: Any) -> int:
+    """The ``sp_size`` training arguments ask for (their ``ParallelismConfig``, else the launcher's; 1 without),
+    checked by :func:`sequence_parallel_size`: the size the :class:`ParallelPlan` of a trainer that cuts rows
+    itself holds once its accelerator is made (:func:`hidden_sequence_parallelism` keeps it from accelerate).
+    For what must be decided before the plan exists: DPO's collator, built before the stock ``__init__`` that
+    makes the accelerator, and used inside it to precompute reference log-probs.
+
+    >>> requested_sp_size(None)
+    1
+    """
+    return sequence_parallel_size(configured_parallelism(args))
 
 
 def fsdp_request(args: Any) -> str | None:
@@ -237,6 +271,14 @@ def process_world(accelerator_processes: int, deepspeed: bool = False) -> tuple[
     return world, rank
 
 
+def check_deepspeed_world(args: Any) -> None:
+    """Refuse, by name, DeepSpeed training arguments whose processes accelerate miscounts (:func:`process_world`
+    on ``args.world_size``), when the arguments are made: ZeRO-3 partitions a model built after them over the
+    process group's world (``deepspeed.zero.Init``), where a miscounted world fails in DeepSpeed's batch-size
+    assertion before any Trainer is made (which refuses it under ZeRO-1/2)."""
+    process_world(args.world_size, deepspeed=True)
+
+
 @contextlib.contextmanager
 def hidden_sequence_parallelism(args: Any, serve: bool) -> Iterator[int]:
     """While accelerate is made: ``sp_size`` hidden from it when this trainer serves it (``serve``), yielding the
@@ -246,13 +288,12 @@ def hidden_sequence_parallelism(args: Any, serve: bool) -> Iterator[int]:
     run their own all-to-all, so accelerate is built without the config (and without the launcher's flag), or,
     under FSDP, with the data-parallel layout alone (:func:`fsdp_layout`); both are put back after.
     """
-    config = configured_parallelism(args)
-    size = sequence_parallel_size(config)
+    size = requested_sp_size(args)
     if not serve or size == 1:
         yield 1
         return
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    layout = fsdp_layout(config, size, world) if fsdp_request(args) else None
+    layout = fsdp_layout(configured_parallelism(args), size, world) if fsdp_request(args) else None
     given, args.parallelism_config = args.parallelism_config, layout
     flag = os.environ.pop(_LAUNCHER_FLAG, None)
     try:
@@ -331,6 +372,7 @@ class ParallelPlan:
             GPUs in one process).
         engine_level: the ZeRO stage (``"deepspeed"``) or the FSDP version (``"fsdp"``), else ``None``.
         world_size, rank: the process group's (``torch.distributed``), 1 and 0 without one.
+        local_devices: the devices each process trains on: ``args.n_gpu`` under ``"data_parallel"``, else 1.
         sp_size, sp_rank, sp_group: the sequence-parallel group this process cuts packed rows with (``sp_size``
             consecutive ranks; ``None`` group without SP).
         mesh: the ``DeviceMesh`` ``("dp", "sp")`` the SP groups come from (``None`` without SP).
@@ -347,6 +389,7 @@ class ParallelPlan:
     sp_group: Any = None
     mesh: Any = None
     accelerate_sizes: dict[str, int] = field(default_factory=dict)
+    local_devices: int = 1
 
     @classmethod
     def of(cls, trainer: Any, sp_size: int = 1) -> ParallelPlan:
@@ -359,8 +402,10 @@ class ParallelPlan:
         world, rank = process_world(accelerator.num_processes, getattr(trainer, "is_deepspeed_enabled", False))
         engine, level = _engine(trainer, world)
         accelerate_sizes = _sizes(getattr(accelerator, "parallelism_config", None), _TOKEN_SPLITS)
+        # DataParallel: one process drives every GPU it sees (transformers' args.n_gpu), which its world omits
+        local = int(trainer.args.n_gpu) if engine == "data_parallel" else 1
         if sp_size == 1:
-            return cls(engine, level, world, rank, accelerate_sizes=accelerate_sizes)
+            return cls(engine, level, world, rank, accelerate_sizes=accelerate_sizes, local_devices=local)
         if trainer.args.max_tokens_per_batch is None:
             raise ValueError(
                 f"sp_size={sp_size} cuts packed rows over processes; set max_tokens_per_batch (the row's token budget)"
@@ -381,12 +426,23 @@ class ParallelPlan:
             mesh.get_group("sp"),
             mesh,
             accelerate_sizes,
+            local,
         )
 
     @property
     def sequence_parallel(self) -> bool:
         """Whether packed rows are cut over an SP group."""
         return self.sp_size > 1
+
+    @property
+    def devices(self) -> int:
+        """How many devices train together (the MFU divides the model FLOP/s by ``peak x devices``): every
+        process of the world, each with its ``local_devices``.
+
+        >>> ParallelPlan("data_parallel", None, 1, 0, local_devices=2).devices
+        2
+        """
+        return self.world_size * self.local_devices
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -405,6 +461,27 @@ class ParallelPlan:
         """The sizes accelerate was told that cut one sample's tokens or model over processes (tensor, context or
         DeepSpeed's sequence parallelism): multipack and packing_hf's loss refuse them by name."""
         return dict(self.accelerate_sizes)
+
+    @property
+    def gathers_in_module_calls(self) -> bool:
+        """Whether the engine holds the parameters partitioned outside each module's calls, gathered by its hooks
+        around a call and its backward (DeepSpeed ZeRO-3): code reading a module's weight itself (the chunked LM
+        head, :mod:`packing_hf.integrations.chunked_head`) must then run as a call of the module.
+
+        >>> [ParallelPlan(*engine).gathers_in_module_calls for engine in (("deepspeed", 3), ("deepspeed", 2))]
+        [True, False]
+        """
+        return self.engine == "deepspeed" and self.engine_level == 3
+
+    @property
+    def shards_sequences(self) -> dict[str, int]:
+        """The context / sequence parallelism accelerate was told (``cp_size``, ``sp_size`` above 1), which cuts
+        every sequence over processes: trainers that do not cut packed rows themselves refuse it by name.
+
+        >>> ParallelPlan(accelerate_sizes={"sp_size": 2, "tp_size": 2}).shards_sequences
+        {'sp_size': 2}
+        """
+        return {name: size for name, size in self.accelerate_sizes.items() if name in ("cp_size", "sp_size")}
 
     @property
     def chunked_head_refusal(self) -> str | None:
@@ -436,4 +513,5 @@ class ParallelPlan:
         """
         level = {"deepspeed": f" ZeRO-{self.engine_level}", "fsdp": f"{self.engine_level}"}.get(self.engine, "")
         layout = f" (dp {self.data_parallel[0]} x sp {self.sp_size})" if self.sequence_parallel else ""
+        layout += f" ({self.local_devices} GPUs each)" if self.local_devices > 1 else ""
         return f"{self.engine}{level}, {self.world_size} process{'es' if self.world_size > 1 else ''}{layout}"

@@ -218,15 +218,14 @@ def _router_aux_loss(t: Any, c: Mapping[str, Any]) -> str | None:
 
 def _sequence_parallelism(t: Any, c: Mapping[str, Any]) -> str | None:
     # the sizes accelerate was given (a trainer that cuts rows itself keeps sp_size from it: not refused here)
-    sizes = c["trainer"].parallel_plan.shards_sample_tokens
-    for name in ("cp_size", "sp_size"):
-        size = sizes.get(name, 1)
-        if size > 1:
-            return (
-                f"{name}={size}: context/sequence parallelism shards sequences, which a packed row of this "
-                f"trainer does not support; unset it or use {t.stock}"
-            )
-    return None
+    split = next(iter(c["trainer"].parallel_plan.shards_sequences.items()), None)
+    if split is None:
+        return None
+    name, size = split
+    return (
+        f"{name}={size}: context/sequence parallelism shards sequences, which a packed row of this trainer does "
+        f"not support; unset it or use {t.stock}"
+    )
 
 
 @dataclass(frozen=True)

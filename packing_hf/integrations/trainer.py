@@ -123,10 +123,12 @@ class PackingTrainerMixin(
         self._stream_batches_consumed = 0
         self._packing_metrics = PackingMetrics(args.max_tokens_per_batch)
         if args.packing_metrics:
-            self.add_callback(StepClock(self._packing_metrics))  # step times and model FLOPs in the logs
+            # step times and model FLOPs in the logs; the MFU over every device of the run
+            self.add_callback(StepClock(self._packing_metrics, self.parallel_plan.devices))
         self._packing_last_logged_step = 0
         self._loss_setup()
-        gather_uneven_rows(self.accelerator)  # ranks' packed batches hold different numbers of samples
+        # ranks' packed batches hold different numbers of samples
+        gather_uneven_rows(self.accelerator, self.parallel_plan)
         if args.max_tokens_per_batch is None:
             return
         if not is_packing_collator(self.data_collator):

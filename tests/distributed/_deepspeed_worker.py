@@ -648,8 +648,8 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
     - ``zero3_partitioned_head``: ``chunked_loss=True`` (the default); ``zero3_partitioned_head_full``:
       ``chunked_loss=False``, the full logits under the same engine;
     - ``zero3_partitioned_head_outside`` (negative control): the chunked head reading the weight after the model's
-      call, outside a call of the head (as it does without an engine), where it is this rank's empty partition:
-      the error.
+      call, outside a call of the head (as it does where the plan names no engine holding the weight), where it
+      is this rank's empty partition: the error.
 
     Each records the losses, the parameters after the epoch (rank 0), how many chunked-head projections ran inside
     a call of the head with DeepSpeed's hooks, the chunked head's logged refusals, and the head weight's size on
@@ -660,18 +660,23 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
 
     config = deepspeed_config(3)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    inside, original, gathering = [0], chunked_head._with_head_weight, chunked_head._gathering_engine
+    inside, outside, original = [0], [False], chunked_head._with_head_weight
 
-    def counted(head, hidden, compute):
-        inside[0] += chunked_head._gathering_engine(head) == "deepspeed"
-        return original(head, hidden, compute)
+    def deepspeed_gathers(head) -> bool:  # DeepSpeed's ZeRO-3 hooks gather the head around its calls
+        modules = (str(getattr(getattr(h, "func", h), "__module__", "")) for h in head._forward_pre_hooks.values())
+        return any(module.startswith("deepspeed.") for module in modules)
+
+    def counted(resolved, hidden, compute):
+        if outside[0]:
+            resolved = resolved._replace(in_calls=False)
+        inside[0] += resolved.in_calls and deepspeed_gathers(resolved.head)
+        return original(resolved, hidden, compute)
 
     chunked_head._with_head_weight = counted
     results = {}
     for case in ("zero3_partitioned_head", "zero3_partitioned_head_full", "zero3_partitioned_head_outside"):
         inside[0] = 0
-        if case.endswith("_outside"):
-            chunked_head._gathering_engine = lambda head: None
+        outside[0] = case.endswith("_outside")
         args = packing_hf.TrainingArguments(
             os.path.join(out_dir, case), max_tokens_per_batch=MAX_TOKENS_PER_BATCH, num_train_epochs=1, optim="sgd",
             optim_args=f"momentum={MOMENTUM}", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0,
@@ -687,7 +692,6 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
             trainer.train()
         except (RuntimeError, ValueError) as error:
             results[case] = {**record, "error": str(error)}
-            chunked_head._gathering_engine = gathering
             continue
         parameters = whole_parameters(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         results[case] = {

@@ -232,7 +232,7 @@ def _micro_loss(case: str, model, row: dict, denominator: float, group) -> tuple
     if case == "ddp_sp2":  # what packing_hf.Trainer runs with sp_size today: the shard's logits
         logits = model(**inputs).logits  # (1, T_rank, V)
         return sequence_parallel_loss(logits, shard, "token", denominator), shard
-    head, logit_head = resolved
+    head, logit_head = resolved.head, resolved.logit_head
     with head_inputs(head) as captured:
         model(**inputs)
     loss = sequence_parallel_chunked_loss(
@@ -402,7 +402,8 @@ def resharded_head_refusal(mesh) -> str:
     ``[final norm, lm_head]`` group."""
     from torch.distributed.fsdp import fully_shard
 
-    from packing_hf.integrations.chunked_head import causal_lm_loss
+    from packing_hf.integrations.chunked_head import causal_lm_loss, resolve_head
+    from packing_hf.integrations.parallel import ParallelPlan
 
     model = make_model()
     for module in (*model.model.layers, model.model.embed_tokens):
@@ -410,8 +411,9 @@ def resharded_head_refusal(mesh) -> str:
     fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     row = replica_rows(0)[0]
+    resolved = resolve_head(model, ParallelPlan("fsdp", 2, mesh.size(), mesh.get_rank()))  # FSDP2's hooks expected
     try:
-        causal_lm_loss(model, {k: v for k, v in row.items() if k != "labels"}, row["labels"])
+        causal_lm_loss(model, {k: v for k, v in row.items() if k != "labels"}, row["labels"], resolved=resolved)
     except RuntimeError as error:
         return str(error)
     finally:
@@ -419,16 +421,22 @@ def resharded_head_refusal(mesh) -> str:
     return ""
 
 
+def _fsdp_gathers(head) -> bool:
+    """Whether FSDP2's hooks gather ``head`` around its calls (its ``fully_shard`` group holds it)."""
+    modules = (str(getattr(getattr(h, "func", h), "__module__", "")) for h in head._forward_pre_hooks.values())
+    return any(module.startswith("torch.distributed.fsdp.") for module in modules)
+
+
 def _chunked_head_counted(chunked_head, counter: list, detached: bool):
     """``chunked_head._with_head_weight`` counting, in ``counter[0]``, the chunked head's projections where FSDP2
     gathered the head; ``detached``: the negative control, the head's weight detached (no gradient reaches it)."""
     original = chunked_head._with_head_weight
 
-    def counted(head, hidden, compute):
-        counter[0] += chunked_head._gathering_engine(head) == "fsdp"
+    def counted(resolved, hidden, compute):
+        counter[0] += _fsdp_gathers(resolved.head)
         if detached:
-            return original(head, hidden, lambda h, weight, bias: compute(h, weight.detach(), bias))
-        return original(head, hidden, compute)
+            return original(resolved, hidden, lambda h, weight, bias: compute(h, weight.detach(), bias))
+        return original(resolved, hidden, compute)
 
     return counted
 

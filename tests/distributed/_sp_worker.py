@@ -354,6 +354,7 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
         # the packing metrics of the step (counted once per data-parallel replica, not once per SP rank)
         logged = [e for e in trainer.state.log_history if "loss" in e]
         result["metrics"] = {k: logged[0].get(k) for k in ("real_tokens_per_step", "model_flops_per_step")}
+        result["mfu_devices"] = trainer._packing_metrics.devices  # what the MFU divides the FLOP/s by
         if kind in ("trainer", "dpo"):
             result["eval"] = trainer.evaluate()["eval_loss"]
             result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)

@@ -70,10 +70,11 @@ def test_sequence_parallel_equals_one_process(results, case, assert_close):
 @pytest.mark.parametrize("case", ["trainer_sp2", "sft_sp2"])
 def test_sequence_parallel_counts_the_packing_metrics_once_per_row(results, case):
     """Every rank of an SP group gets the whole micro-batch: its tokens and FLOPs are logged as one process logs
-    them, not once per rank of the group."""
+    them, not once per rank of the group; the MFU divides them by the devices that share them (the plan's)."""
     reference, got = results[case]
     assert reference["metrics"]["real_tokens_per_step"] > 0
     assert got["metrics"] == reference["metrics"]
+    assert (reference["mfu_devices"], got["mfu_devices"]) == (1, 2)
 
 
 @pytest.mark.parametrize("case", ["trainer_sp2", "sft_sp2", "stream_sp2"])

@@ -397,3 +397,87 @@ def test_the_patch_scan_sees_every_kind_of_site():
     )
     lines = [line for line, _ in patch_sites(source)]
     assert lines == [4, 5, 6, 7, 8, 9, 10, 11, 12]
+
+
+# -- who reads the parallel layout -----------------------------------------------------------------------
+# The run's parallel layout has one owner: integrations/parallel.py (the ParallelPlan a packed trainer builds with
+# its accelerator, and the functions that read a configuration's sizes), with integrations/launcher.py (what a
+# launcher was asked for against what its processes got). Every other integrations module asks the plan
+# (``self.parallel_plan.world_size``, ``plan.sp_size``) or a function of parallel.py, never the arguments,
+# accelerate, torch.distributed or the environment: a size read there can disagree with the plan (accelerate
+# miscounts DeepSpeed's CPU group; DataParallel's devices are not processes). A *layout read* is:
+# - an attribute read of a size (PARALLEL_SIZES) on anything but the plan (an owner named in PLAN_NAMES);
+# - a call of ``get_world_size`` (torch.distributed's, or any other);
+# - a size named as a string (``getattr(args, "sp_size")``, ``os.environ["WORLD_SIZE"]``) or as a keyword
+#   (``ParallelismConfig(sp_size=2)``).
+LAYOUT_OWNERS = frozenset({"packing_hf.integrations.parallel", "packing_hf.integrations.launcher"})
+PARALLEL_SIZES = frozenset(
+    {
+        "sp_size",
+        "cp_size",
+        "tp_size",
+        "dp_shard_size",
+        "dp_replicate_size",
+        "world_size",
+        "num_processes",
+        "get_world_size",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    }
+)
+PLAN_NAMES = frozenset({"parallel_plan", "plan"})
+
+
+def layout_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, code)`` of every layout read in ``source`` (see the comment above LAYOUT_OWNERS)."""
+    reads = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in PARALLEL_SIZES:
+            owner = _chain(node.value)
+            if not owner or owner[-1] not in PLAN_NAMES or node.attr == "get_world_size":
+                reads.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Name) and node.id == "get_world_size":
+            reads.append((node.lineno, node.id))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in PARALLEL_SIZES:
+            reads.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.keyword) and node.arg in PARALLEL_SIZES:
+            reads.append((node.value.lineno, f"{node.arg}=..."))
+    return sorted(reads)
+
+
+def test_only_the_plan_reads_the_parallel_layout_inside_integrations():
+    wrong = [
+        f"  {path.relative_to(ROOT)}:{line}: {code}"
+        for module, path in MODULES.items()
+        if module.startswith("packing_hf.integrations.") and module not in LAYOUT_OWNERS
+        for line, code in layout_reads(path.read_text())
+    ]
+    assert not wrong, (
+        "parallel sizes or world sizes read outside integrations/parallel.py and launcher.py: ask the run's "
+        "ParallelPlan (self.parallel_plan) or a function of parallel.py instead\n" + "\n".join(wrong)
+    )
+
+
+def test_the_layout_scan_sees_every_kind_of_read():
+    """The scanner itself (negative control): each kind of read is found, the plan's attributes are not."""
+    source = (
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed import get_world_size\n"
+        "def f(self, args, accelerator, plan):\n"
+        "    args.world_size\n"  # the arguments' count of processes
+        "    self.args.parallelism_config.sp_size\n"  # a configuration's size
+        "    accelerator.num_processes\n"  # accelerate's count
+        "    dist.get_world_size()\n"  # torch.distributed's
+        "    get_world_size()\n"
+        "    os.environ['WORLD_SIZE']\n"  # the launcher's
+        "    getattr(args, 'dp_shard_size', 1)\n"
+        "    ParallelismConfig(dp_replicate_size=2)\n"
+        "    plan.get_world_size()\n"  # not a plan attribute: a read whatever its owner
+        "    self.parallel_plan.world_size\n"  # the plan's: not reads
+        "    plan.sp_size\n"
+        "    sp_size = 2\n"  # a local of that name reads nothing
+        "    'sp_size=2 needs max_tokens_per_batch'\n"  # words in a message
+    )
+    lines = [line for line, _ in layout_reads(source)]
+    assert lines == [5, 6, 7, 8, 9, 10, 11, 12, 13]

@@ -20,7 +20,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import packing_hf
 from packing_hf import _loss, loss_head
 from packing_hf.integrations import chunked_head
-from packing_hf.integrations.chunked_head import causal_lm_loss, model_token_logprobs, resolve_head
+from packing_hf.integrations.chunked_head import (
+    ChunkedHead,
+    causal_lm_loss,
+    model_token_logprobs,
+    resolve_head,
+)
+from packing_hf.integrations.parallel import ParallelPlan
 from packing_hf.loss_head import LogitHead, target_coefficients
 
 REL = 1e-6
@@ -238,9 +244,42 @@ def test_hooks_on_the_head_are_honoured(tmp_path, hook, assert_close):
 def test_negative_control_hooks_skipped_by_the_chunked_head_are_caught(
     tmp_path, hook, assert_close, monkeypatch
 ):
-    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head: None)
+    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head, engine: None)
     with pytest.raises(AssertionError, match="loss" if hook != "gradient_scale" else "d/dmodel"):
         _check_hooked_head(tmp_path, hook, assert_close)
+
+
+def test_the_plan_names_the_engine_whose_hooks_the_head_may_carry(assert_close):
+    """An engine's hooks on the head (DeepSpeed ZeRO-3 gathers the weight in them) are expected where the run's
+    :class:`ParallelPlan` runs that engine, and nowhere else: without it they are hooks the chunked head would
+    skip, so the full logits are kept. Under ZeRO-3 the chunked head runs as a call of the head (``in_calls``:
+    the hooks run around it), with the loss of the head read as held."""
+    model = _model("llama_untied")
+    calls = []
+
+    def gather(module, args):  # stands for DeepSpeed's pre-forward gather (ZeRO-3 registers it on every module)
+        calls.append(module)
+
+    gather.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    handle = model.lm_head.register_forward_pre_hook(gather)
+    try:
+        assert "its lm_head has forward pre-hooks" in resolve_head(model)  # no engine: a hook like any other
+        assert "its lm_head has forward pre-hooks" in resolve_head(model, ParallelPlan("fsdp", 2, 2, 0))
+        zero3 = resolve_head(model, ParallelPlan("deepspeed", 3, 2, 0))
+        assert isinstance(zero3, ChunkedHead) and zero3.head is model.lm_head and zero3.in_calls
+        zero2 = resolve_head(model, ParallelPlan("deepspeed", 2, 2, 0))
+        assert isinstance(zero2, ChunkedHead) and not zero2.in_calls
+        inputs, labels, weights = _packed_row()
+        coefficients = target_coefficients(labels, "token", weights, inputs["position_ids"])
+        calls.clear()
+        in_call, _, _ = causal_lm_loss(model, inputs, labels, coefficients, zero3, chunk_size=CHUNK)
+        assert len(calls) == 2  # the model's call of its head, and the chunked head's own
+        calls.clear()
+        held, _, _ = causal_lm_loss(model, inputs, labels, coefficients, zero2, chunk_size=CHUNK)
+        assert len(calls) == 1
+    finally:
+        handle.remove()
+    assert_close(in_call, held, "the chunked loss in a call of the head", rel=REL)
 
 
 def test_a_forward_of_its_own_on_the_head_is_honoured():

@@ -29,6 +29,39 @@ def test_one_plan_per_trainer(tmp_path, tiny_llama):
     assert not plan.sequence_parallel and plan.counts_rows and plan.describe() == "none, 1 process"
 
 
+def test_the_mfu_divides_by_every_device_of_the_run(tmp_path, tiny_llama):
+    """DataParallel (``args.n_gpu > 1``: one process driving every GPU it sees, no process group): the MFU in the
+    logs divides by the run's devices (the plan's), not by ``args.world_size``, which counts processes (1) and
+    would report it ``n_gpu`` times too high. On CPU torch's DataParallel runs the module itself; the GPU count
+    set here is what transformers counts on a two-GPU machine without a launcher."""
+    from packing_hf.integrations.callbacks import STATS_KEY, PackingStatsCollator, StepClock
+
+    args = packing_hf.TrainingArguments(
+        str(tmp_path), report_to="none", max_tokens_per_batch=64, use_cpu=True, peak_tflops=1.0
+    )
+    args._n_gpu = 2
+    trainer = packing_hf.Trainer(
+        model=tiny_llama(vocab_size=32), args=args, train_dataset=[{"input_ids": [1, 2]}]
+    )
+    plan = trainer.parallel_plan
+    assert (plan.engine, plan.world_size, plan.devices, args.world_size) == ("data_parallel", 1, 2, 1)
+    assert plan.describe() == "data_parallel, 1 process (2 GPUs each)"
+    (clock,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, StepClock)]
+    clock.on_train_begin(args, trainer.state, trainer.control, model=trainer.model)
+    metrics = trainer._packing_metrics
+    assert metrics.devices == 2
+    metrics._clock.mark = iter([10.0, 12.0]).__next__  # one step of 2 s
+    metrics.start_step()
+    metrics.update(
+        PackingStatsCollator(packing_hf.PaddingFreeCollator())([{"input_ids": [1, 2, 3]}])[STATS_KEY]
+    )
+    metrics.end_step()
+    out = metrics.compute(num_steps=1)
+    assert out["mfu"] == pytest.approx(out["model_tflops_per_s"] / (1.0 * 2), rel=1e-12)
+    # negative control: one process's single device (what args.world_size says) doubles the figure
+    assert out["mfu"] != pytest.approx(out["model_tflops_per_s"] / 1.0, rel=1e-6)
+
+
 def test_a_launch_the_trainer_runs_as_one_process_is_refused(tmp_path, tiny_llama, monkeypatch):
     """``torchrun --nproc_per_node 2`` on CPU without ``use_cpu=True``: no process group joins the processes
     (transformers' parallel mode is NOT_PARALLEL), so each would train its own copy on all the data."""
@@ -75,5 +108,7 @@ def test_the_fsdp_layout_folds_sp_into_the_shard_dimension(monkeypatch):
     assert [getattr(layout, name) for name in sizes] == [2, 4, 1, 1, 1]
     assert layout.total_size == 8 and layout.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
     assert fsdp_layout(ParallelismConfig(sp_size=2, dp_replicate_size=1), 2, 8) is None  # FSDP2 over everyone
-    with pytest.raises(ValueError, match=r"dp_replicate_size=2 x dp_shard_size=2 x sp_size=2 must be the number"):
+    with pytest.raises(
+        ValueError, match=r"dp_replicate_size=2 x dp_shard_size=2 x sp_size=2 must be the number"
+    ):
         fsdp_layout(config, 2, 4)
