@@ -201,7 +201,7 @@ def test_a_hook_on_the_lm_head_is_honoured(tmp_path, tokenizer, twins, pairs, mo
     _close(loss_p, loss_s, "loss")
     _close(grads_p, grads_s, "gradients")
     # negative control: the chunked head blind to the hook
-    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head: None)
+    monkeypatch.setattr(chunked_head, "_bypassed_calls", lambda head, engine: None)
     with pytest.raises(AssertionError, match="loss"):
         _close(_loss_grads_metrics(packed, packed_batch)[0], loss_s, "loss")
 
