@@ -164,3 +164,13 @@ def test_a_hybrid_model_is_refused_by_name(samples, depth):
             )
     finally:
         handle.revert()
+
+
+def test_the_guides_example_runs():
+    """docs/prefix_trees.md's example (a tiny Llama; it asserts its own claims)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "prefix_trees.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    exec(compile(code, "docs/prefix_trees.md", "exec"), {})
