@@ -159,7 +159,7 @@ class PrefixTree:
         return values
 
 
-def _as_token_lists(samples: Sequence) -> list[list[int]]:
+def _as_token_arrays(samples: Sequence) -> list[np.ndarray]:
     if isinstance(samples, torch.Tensor | np.ndarray) or not isinstance(samples, Sequence):
         raise TypeError(
             f"samples must be a sequence of token id sequences (lists, arrays or 1-D tensors), got "
@@ -177,25 +177,23 @@ def _as_token_lists(samples: Sequence) -> list[list[int]]:
             )
         if array.size == 0:
             raise ValueError(f"samples[{i}] has no tokens; drop empty samples before building the tree")
-        tokens.append(array.astype(np.int64).tolist())
+        tokens.append(array.astype(np.int64))
     return tokens
 
 
-def _common_run(tokens: list[list[int]], group: list[int], depth: int) -> int:
+def _common_run(tokens: list[np.ndarray], group: list[int], depth: int) -> int:
     """How many tokens from ``depth`` on every sample of ``group`` shares."""
-    first = tokens[group[0]]
     limit = min(len(tokens[s]) for s in group) - depth
-    run = 0
-    while run < limit and all(tokens[s][depth + run] == first[depth + run] for s in group):
-        run += 1
-    return run
+    block = np.stack([tokens[s][depth : depth + limit] for s in group])  # (samples, limit)
+    differs = np.flatnonzero((block != block[0]).any(axis=0))
+    return int(differs[0]) if differs.size else limit
 
 
-def _split(tokens: list[list[int]], group: list[int], at: int) -> list[list[int]]:
+def _split(tokens: list[np.ndarray], group: list[int], at: int) -> list[list[int]]:
     """``group`` cut by the token at ``at`` (first-seen order); a sample ending there is a group of its own."""
     groups: dict[object, list[int]] = {}
     for s in group:
-        key = ("end", s) if len(tokens[s]) == at else tokens[s][at]
+        key = ("end", s) if len(tokens[s]) == at else int(tokens[s][at])
         groups.setdefault(key, []).append(s)
     return list(groups.values())
 
@@ -226,7 +224,7 @@ def build_prefix_tree(samples: Sequence, *, min_shared_tokens: int = 1) -> Prefi
         raise ValueError(
             f"min_shared_tokens={min_shared_tokens!r}: give an int >= 1 (1 merges every common prefix)"
         )
-    tokens = _as_token_lists(samples)
+    tokens = _as_token_arrays(samples)
     check_int32_tokens(sum(len(t) for t in tokens), "the samples of a prefix tree")
     nodes: list[tuple[int, int, int]] = []  # (sample whose tokens it holds, start, end) per node
     parents: list[int] = []
@@ -250,7 +248,7 @@ def build_prefix_tree(samples: Sequence, *, min_shared_tokens: int = 1) -> Prefi
             stack.append((rest, depth + run, node))
     lengths = [end - start for _, start, end in nodes]
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    input_ids = torch.tensor([t for s, a, b in nodes for t in tokens[s][a:b]], dtype=torch.int64)
+    input_ids = torch.from_numpy(np.concatenate([tokens[s][a:b] for s, a, b in nodes]))
     cu_seqlens = torch.from_numpy(starts).to(torch.int32)
     prefix_seq_idx = torch.tensor(parents, dtype=torch.int32)
     index = [np.arange(starts[n], starts[n + 1]) for path in paths for n in path]

@@ -26,6 +26,7 @@ from packing_hf.attention.interface import varlen_attention_forward
 from packing_hf.errors import PackingRefused
 from packing_hf.prefix_tree import build_prefix_tree
 from packing_hf.shared_prefix import prefix_chains, shared_prefix_position_ids
+from packing_hf.varlen import cu_seqlens_to_position_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -174,3 +175,20 @@ def test_the_guides_example_runs():
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     torch.manual_seed(0)
     exec(compile(code, "docs/prefix_trees.md", "exec"), {})
+
+
+def test_a_prepared_model_accepts_a_tree_row_and_refuses_positions_that_ignore_it():
+    """The batch guards of a prepared model check a tree row's positions against the ancestor chains."""
+    model = _model("llama")
+    tree = build_prefix_tree(_conversations(model.config.vocab_size))
+    inputs = tree.model_inputs()
+    handle = packing_hf.prepare_model_for_packing(model)
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits  # the guards accept positions continuing every ancestor
+        assert logits.shape[1] == tree.input_ids.numel()
+        restarting = cu_seqlens_to_position_ids(tree.cu_seqlens)[None]  # every segment from 0: no tree
+        with pytest.raises(ValueError, match=r"position_ids\[0, \d+\] = 0 but cu_seq_lens_q puts token"):
+            model(**{**inputs, "position_ids": restarting})
+    finally:
+        handle.revert()
