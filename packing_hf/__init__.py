@@ -40,6 +40,9 @@ _LAZY: dict[str, str] = {
     "PaddingFreeUnpairedCollator": "unpaired",
     # multimodal.py: image+text samples in one packed row
     "MultimodalCollator": "multimodal",
+    # prefix_tree.py: samples sharing token prefixes as one prefix-tree row, each prefix computed once
+    "build_prefix_tree": "prefix_tree",
+    "PrefixTree": "prefix_tree",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -231,6 +234,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     )
     from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
+    from .prefix_tree import PrefixTree, build_prefix_tree
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .unpaired import PaddingFreeUnpairedCollator

@@ -1,27 +1,33 @@
-"""The shared-prefix layout of a packed row, in pure torch: one prefix segment, ``G`` branches attending to it.
+"""The prefix-tree layout of a packed row, in pure torch: segments that continue an earlier segment, at any depth.
 
 A packed row is cut into segments by ``cu_seqlens`` as usual. ``prefix_seq_idx`` (``(n,)`` int32, one
-entry per segment) says which earlier segment every segment continues: ``-1`` for an ordinary segment (a
-sample on its own, or a prefix), ``p`` for a *branch* of the prefix segment ``p``. A branch attends to
-every key of its prefix and causally to its own keys, never to its sibling branches; its positions
-continue from the prefix's end. So a row ``[prompt | chosen | rejected]`` with ``prefix_seq_idx = [-1, 0,
-0]`` computes exactly what ``prompt + chosen`` and ``prompt + rejected`` compute when run alone, with the
-prompt stored and computed once. Several groups and ordinary segments may share one row.
+entry per segment) names every segment's *parent*: ``-1`` for a root (a sample on its own, or the first
+node of a tree), ``p`` for a segment that continues the earlier segment ``p``. A segment attends to every
+key of its ancestors (its parent, the parent's parent, ... up to the root) and causally to its own keys,
+never to its siblings, cousins or other trees; its positions continue from its parent's end. So a row
+``[prompt | chosen | rejected]`` with ``prefix_seq_idx = [-1, 0, 0]`` computes exactly what ``prompt +
+chosen`` and ``prompt + rejected`` compute when run alone, with the prompt stored and computed once; a row
+``[system | turn 1 | turn 2a | turn 2b]`` with ``[-1, 0, 1, 1]`` computes ``system + turn 1 + turn 2a`` and
+``system + turn 1 + turn 2b``, the first two segments once. Several trees and ordinary segments may share
+one row. The one-level shared prefix (a prompt and its branches) is the depth-1 case.
 
-A prefix cannot itself be a branch (no chains), and it comes before its branches.
+A parent comes before its children in the row (``p < i``), so every segment's ancestors are known when it
+is read. :mod:`packing_hf.prefix_tree` builds such rows from tokenized samples (a trie).
 
->>> cu = torch.tensor([0, 3, 5, 6, 8], dtype=torch.int32)  # prefix(3) | branch(2) | branch(1) | alone(2)
->>> idx = torch.tensor([-1, 0, 0, -1], dtype=torch.int32)
+>>> cu = torch.tensor([0, 3, 5, 6, 8], dtype=torch.int32)  # root(3) | child(2) | its child(1) | alone(2)
+>>> idx = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
 >>> shared_prefix_position_ids(cu, idx).tolist()
-[0, 1, 2, 3, 4, 3, 0, 1]
->>> shared_prefix_plan(cu, idx).cu_seqlens_k.tolist()  # every branch's keys: its prefix, then its own
-[0, 3, 8, 12, 14]
+[0, 1, 2, 3, 4, 5, 0, 1]
+>>> shared_prefix_plan(cu, idx).cu_seqlens_k.tolist()  # every segment's keys: its ancestors', then its own
+[0, 3, 8, 14, 16]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .varlen import LengthsLike, _as_int64_1d, check_cu_seqlens
@@ -30,6 +36,7 @@ __all__ = [
     "PREFIX_KEY",
     "SharedPrefixPlan",
     "check_prefix_seq_idx",
+    "prefix_chains",
     "shared_prefix_plan",
     "shared_prefix_position_ids",
 ]
@@ -43,7 +50,7 @@ def check_prefix_seq_idx(
 ) -> list[int]:
     """Check a ``prefix_seq_idx`` against ``n_segments`` segments; return its host values.
 
-    Every entry is ``-1`` or the index of an earlier segment whose own entry is ``-1``.
+    Every entry is ``-1`` (a root) or the index of an earlier segment (its parent, at any depth).
 
     Args:
         prefix_seq_idx: ``(n,)`` ints (int32 tensor from a collator, array or list).
@@ -53,12 +60,12 @@ def check_prefix_seq_idx(
     Returns:
         The entries as Python ints.
 
-    >>> check_prefix_seq_idx([-1, 0, 0], 3)
-    [-1, 0, 0]
-    >>> check_prefix_seq_idx([-1, 0, 1], 3)
+    >>> check_prefix_seq_idx([-1, 0, 1, 1], 4)
+    [-1, 0, 1, 1]
+    >>> check_prefix_seq_idx([-1, 2, -1], 3)
     Traceback (most recent call last):
     ...
-    ValueError: prefix_seq_idx[2] = 1 names segment 1, which is itself a branch (prefix_seq_idx[1] = 0); a prefix must be an ordinary segment (-1)
+    ValueError: prefix_seq_idx[1] = 2: a segment names an earlier segment (0 <= p < 1) as its parent, or -1; put every parent before its children in the row
     """
     values = _as_int64_1d(prefix_seq_idx, name).tolist()
     if len(values) != n_segments:
@@ -67,18 +74,24 @@ def check_prefix_seq_idx(
             "per segment (-1 for an ordinary segment)"
         )
     for i, p in enumerate(values):
-        if p == -1:
-            continue
-        if not 0 <= p < i:
+        if p != -1 and not 0 <= p < i:
             raise ValueError(
-                f"{name}[{i}] = {p}: a branch names an earlier segment (0 <= p < {i}) as its prefix, or -1"
-            )
-        if values[p] != -1:
-            raise ValueError(
-                f"{name}[{i}] = {p} names segment {p}, which is itself a branch ({name}[{p}] = {values[p]}); "
-                "a prefix must be an ordinary segment (-1)"
+                f"{name}[{i}] = {p}: a segment names an earlier segment (0 <= p < {i}) as its parent, or -1; "
+                "put every parent before its children in the row"
             )
     return values
+
+
+def prefix_chains(prefix_seq_idx: Sequence[int]) -> list[list[int]]:
+    """Every segment's ancestors, root first (``[]`` for a root), from checked ``prefix_seq_idx`` values.
+
+    >>> prefix_chains([-1, 0, 1, 1, -1])
+    [[], [0], [0, 1], [0, 1], []]
+    """
+    chains: list[list[int]] = []
+    for p in prefix_seq_idx:
+        chains.append([] if p < 0 else [*chains[p], p])
+    return chains
 
 
 def _segments(cu_seqlens: LengthsLike, prefix_seq_idx: LengthsLike) -> tuple[list[int], list[int]]:
@@ -89,8 +102,9 @@ def _segments(cu_seqlens: LengthsLike, prefix_seq_idx: LengthsLike) -> tuple[lis
 def shared_prefix_position_ids(
     cu_seqlens: LengthsLike, prefix_seq_idx: LengthsLike, start: int = 0
 ) -> torch.Tensor:
-    """``(T,)`` int64 positions of a shared-prefix row: restarting at ``start`` in every ordinary segment and
-    continuing from the prefix's end in every branch.
+    """``(T,)`` int64 positions of a prefix-tree row: restarting at ``start`` in every root segment and
+    continuing from the parent's end in every other (so a segment's first position is ``start`` plus the
+    tokens of all its ancestors).
 
     Args:
         cu_seqlens: ``(n + 1,)`` int32 segment boundaries.
@@ -99,25 +113,30 @@ def shared_prefix_position_ids(
 
     >>> shared_prefix_position_ids([0, 2, 4, 5], [-1, 0, 0]).tolist()
     [0, 1, 2, 3, 2]
+    >>> shared_prefix_position_ids([0, 2, 4, 5], [-1, 0, 1]).tolist()
+    [0, 1, 2, 3, 4]
     """
-    bounds, prefix = _segments(cu_seqlens, prefix_seq_idx)
-    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dtype=torch.int64)
-    offset = torch.tensor([0 if p < 0 else int(lengths[p]) for p in prefix], dtype=torch.int64) + start
-    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
-    total = bounds[-1]
-    return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts - offset, lengths)
+    bounds, parents = _segments(cu_seqlens, prefix_seq_idx)
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    offsets: list[int] = []  # tokens of every segment's ancestors
+    for p in parents:
+        offsets.append(0 if p < 0 else offsets[p] + lengths[p])
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    shift = torch.tensor(bounds[:-1], dtype=torch.int64) - torch.tensor(offsets, dtype=torch.int64) - start
+    return torch.arange(bounds[-1], dtype=torch.int64) - torch.repeat_interleave(shift, lengths_t)
 
 
 class SharedPrefixPlan(NamedTuple):
-    """The keys of a shared-prefix row laid out for one plain varlen call.
+    """The keys of a prefix-tree row laid out for one plain varlen call.
 
-    Key segment ``i`` is segment ``i``'s own tokens, preceded by its prefix's tokens when it is a branch.
-    With the queries left as they are (``cu_seqlens`` of the row), a causal varlen call aligned bottom-right
+    Key segment ``i`` is segment ``i``'s own tokens, preceded by its ancestors' tokens, root first. With the
+    queries left as they are (``cu_seqlens`` of the row), a causal varlen call aligned bottom-right
     (FlashAttention's rule for ``Lk > Lq``: query ``j`` of a segment sees keys up to ``j + Lk - Lq``) then
-    lets every branch token see its whole prefix and its own earlier tokens: exactly what the branch
-    computes when run after its prefix alone. Gathering the prefix keys once per branch costs ``G`` copies
-    of the prefix's keys and values per layer, never of its queries, activations or MLP work; the backward
-    of the gather sums the ``G`` key/value gradients into the prefix's tokens.
+    lets every token see all its ancestors and its own earlier tokens, at the relative positions they hold
+    in the sample alone: exactly what the segment computes when run after its ancestors alone. Gathering
+    the ancestors' keys costs, per layer, one copy of a segment's keys and values for every descendant (not
+    of its queries, activations or MLP work); the backward of the gather sums those copies' gradients into
+    the segment's tokens.
     """
 
     key_index: torch.Tensor  # (Tk,) int64 row token of every gathered key
@@ -138,17 +157,18 @@ def shared_prefix_plan(cu_seqlens: LengthsLike, prefix_seq_idx: LengthsLike) -> 
     >>> plan = shared_prefix_plan([0, 2, 3, 5], [-1, 0, 0])
     >>> plan.key_index.tolist(), plan.cu_seqlens_k.tolist(), plan.max_length_k
     ([0, 1, 0, 1, 2, 0, 1, 3, 4], [0, 2, 5, 9], 4)
+    >>> shared_prefix_plan([0, 2, 3, 5], [-1, 0, 1]).key_index.tolist()  # a chain: root, child, grandchild
+    [0, 1, 0, 1, 2, 0, 1, 2, 3, 4]
     """
-    bounds, prefix = _segments(cu_seqlens, prefix_seq_idx)
+    bounds, parents = _segments(cu_seqlens, prefix_seq_idx)
+    starts, ends = np.asarray(bounds[:-1], dtype=np.int64), np.asarray(bounds[1:], dtype=np.int64)
     pieces, cu_k = [], [0]
-    for i, p in enumerate(prefix):
-        own = torch.arange(bounds[i], bounds[i + 1], dtype=torch.int64)
-        keys = own if p < 0 else torch.cat([torch.arange(bounds[p], bounds[p + 1], dtype=torch.int64), own])
+    for i, chain in enumerate(prefix_chains(parents)):
+        keys = np.concatenate([np.arange(starts[s], ends[s]) for s in (*chain, i)])
         pieces.append(keys)
-        cu_k.append(cu_k[-1] + keys.numel())
+        cu_k.append(cu_k[-1] + keys.size)
     lengths = [b - a for a, b in zip(cu_k[:-1], cu_k[1:], strict=True)]
+    index = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
     return SharedPrefixPlan(
-        torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64),
-        torch.tensor(cu_k, dtype=torch.int32),
-        max(lengths, default=0),
+        torch.from_numpy(index), torch.tensor(cu_k, dtype=torch.int32), max(lengths, default=0)
     )

@@ -35,6 +35,8 @@ __all__ = [
     "mixer_free",
     "needs_preparation",
     "note_split_config",
+    "prefix_tree_refusal",
+    "refuse_prefix_tree",
     "preparation_of",
     "served_config_key",
     "unsupported_layers",
@@ -213,6 +215,45 @@ def needs_preparation(config: Any, *, varlen: bool = False, preparation: Any = N
         if not (varlen and not entry.own_attention) and not _fixes_mask(preparation):
             return entry.reason
     return None
+
+
+def prefix_tree_refusal(config: Any) -> str | None:
+    """Why a prefix-tree row (``prefix_seq_idx``: segments continuing earlier segments) cannot be exact on the
+    model of ``config``; ``None`` when its every token mixer is attention.
+
+    A child segment must start from its parent's end. The attention does that by gathering the ancestors'
+    keys (:mod:`packing_hf.attention.prefix`); a hybrid's non-attention mixers (SSM scans, linear attention,
+    short convolutions) would need their parent's final state, and the per-sample split of
+    :func:`packing_hf.prepare_model_for_packing` starts every segment from a zero state instead, so a child
+    would lose its ancestors there. Carrying the state along the tree is not implemented: refused.
+
+    >>> from transformers import AutoConfig
+    >>> prefix_tree_refusal(AutoConfig.for_model("llama")) is None
+    True
+    >>> prefix_tree_refusal(AutoConfig.for_model("bamba"))[:30]
+    'bamba: a prefix-tree row (pref'
+    """
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    text = wrapper_text_config(config) if model_type not in REGISTRY else None
+    rules = config if text is None else text
+    entry = support(str(getattr(rules, "model_type", model_type)))
+    why = entry.reason if entry.status == "mixers" and not mixer_free(rules) else unsupported_layers(rules)
+    if why is None:
+        return None
+    return (
+        f"{model_type}: a prefix-tree row (prefix_seq_idx: segments that continue a shared prefix) cannot be exact "
+        f"on this model: {why}, and a child segment would have to start from its parent's final state, which "
+        "packing_hf does not carry along the tree (its per-sample split starts every segment from a zero state). "
+        "Pack these samples without shared prefixes (flat rows stay exact), or use an attention-only model"
+    )
+
+
+def refuse_prefix_tree(config: Any) -> None:
+    """Raise :class:`~packing_hf.errors.PackingRefused` (reason ``"prefix_seq_idx"``) where
+    :func:`prefix_tree_refusal` says why; the batch guards and the attention both call it."""
+    refusal = None if config is None else prefix_tree_refusal(config)
+    if refusal is not None:
+        raise PackingRefused("prefix_seq_idx", refusal)
 
 
 def served_config_key(config: Any) -> tuple:

@@ -13,8 +13,9 @@ few vectorized comparisons, at most one host sync) and returns the batch to pass
 - ``position_ids`` that do not restart at 0 at every sample boundary (or that disagree with
   ``cu_seq_lens_q``), or no ``position_ids`` at all next to ``cu_seq_lens_q``: refused, since eager/sdpa
   would merge the samples and rotary embeddings would be offset;
-- a shared-prefix row (``prefix_seq_idx``): branch positions must continue their prefix's, and the model
-  must run packing_hf's attention (any other would ignore the layout and let branches see each other);
+- a prefix-tree row (``prefix_seq_idx``): every segment's positions must continue its parent's, and the model
+  must run packing_hf's attention (any other would ignore the layout and let siblings see each other) and
+  have no non-attention token mixer (a hybrid's SSM or convolution would not start from the parent's state);
 - a packed row too long for int32 offsets, ``cu_seq_lens`` that do not cover the row, a ``max_length``
   shorter than a sample: refused;
 - ``labels`` at a sample start that are not ``-100``: the last token of one sample would be trained to
@@ -55,7 +56,7 @@ from ..varlen import (
     mrope_position_restarts,
     position_restarts,
 )
-from .admission import flat_positions_dropped_by, needs_preparation, preparation_of
+from .admission import flat_positions_dropped_by, needs_preparation, preparation_of, refuse_prefix_tree
 from .host import remember_host_values
 from .interface import ATTENTION_NAME
 from .prefix import PREFIX_KEY
@@ -200,11 +201,13 @@ def _filled(host: list[int]) -> list[int]:
 
 
 def _check_prefix_attention(config: Any) -> None:
-    """A shared-prefix row only means what it says under packing_hf's attention, which reads prefix_seq_idx."""
+    """A prefix-tree row only means what it says under packing_hf's attention, which reads prefix_seq_idx, on a
+    model whose every token mixer is attention."""
+    refuse_prefix_tree(config)
     implementation = getattr(config, "_attn_implementation", None) if config is not None else None
     if implementation is not None and implementation != ATTENTION_NAME:
         raise ValueError(
-            f"the batch has {PREFIX_KEY} (branches sharing a prefix segment), which attn_implementation="
+            f"the batch has {PREFIX_KEY} (segments continuing a shared prefix segment), which attn_implementation="
             f"{implementation!r} ignores: its branches would attend to each other. Load the model with "
             "attn_implementation=packing_hf.register_attention() or collate without the shared prefix"
         )

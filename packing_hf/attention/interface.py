@@ -31,7 +31,13 @@ from ..multimodal import refuse_unprepared_media
 from ..padding import PackedLayout
 from ..varlen import PADDING_KEY, check_int32_tokens, position_restarts
 from . import host
-from .admission import check_served_config, config_has_split_model, preparation_of, served_config_key
+from .admission import (
+    check_served_config,
+    config_has_split_model,
+    preparation_of,
+    refuse_prefix_tree,
+    served_config_key,
+)
 from .backends import _varlen_attention_masked, check_backend_name, varlen_attention
 from .chunks import chunk_position_ids
 from .host import cached_host_values, host_values
@@ -210,8 +216,8 @@ def attend(
         max_length_k: longest key segment.
         backend: a :func:`packing_hf.varlen_attention` backend; ``None`` = the one given to
             :func:`register_attention` (``"auto"`` by default).
-        prefix_seq_idx: ``(n,)`` int32 next to ``cu_seq_lens_q``: the shared-prefix layout (branches attend
-            to their prefix segment; :mod:`packing_hf.attention.prefix`). Causal self-attention only.
+        prefix_seq_idx: ``(n,)`` int32 next to ``cu_seq_lens_q``: the prefix-tree layout (every segment
+            attends to its ancestor segments; :mod:`packing_hf.attention.prefix`). Causal self-attention only.
 
     Returns:
         ``(B, Tq, Hq, Dv)``; padding query positions are 0.
@@ -231,7 +237,7 @@ def attend(
         layout = _given_layout(
             cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, batch, padding, query.device
         )
-        # a shared-prefix row's branches continue their prefix's positions: only its total is checked here
+        # a prefix-tree row's segments continue their parents' positions: only its total is checked here
         positions = _packed_position_ids(position_ids, batch, tq) if prefix_seq_idx is None else None
         _check_row_boundaries(cu_seq_lens_q, positions, tq)
     else:
@@ -275,20 +281,20 @@ def attend(
 
 
 def _check_prefix_call(cu_seq_lens_q, dense, layout: _Layout, causal: bool, tq: int, tk: int) -> None:
-    """Refuse a shared-prefix layout where it cannot be what the collator meant."""
+    """Refuse a prefix-tree layout where it cannot be what the collator meant."""
     problem = None
     if cu_seq_lens_q is None:
         problem = "it needs cu_seq_lens_q (the segments prefix_seq_idx refers to)"
     elif dense is not None or layout.grid_q is not None:
         problem = "an attention_mask was passed next to it"
     elif not causal:
-        problem = "the layer is not causal (a prefix shared by branches is a causal notion)"
+        problem = "the layer is not causal (a prefix shared by several segments is a causal notion)"
     elif tq != tk or (layout.cu_k is not layout.cu_q and not torch.equal(layout.cu_k, layout.cu_q)):
         problem = "the keys are not the row's own tokens (a cache or cross-attention)"
     if problem is not None:
         raise ValueError(
-            f"prefix_seq_idx (a shared-prefix packed row) cannot be used here: {problem}. Build the batch with "
-            "the collator's shared-prefix option and call the model without a mask or cache"
+            f"prefix_seq_idx (a prefix-tree packed row) cannot be used here: {problem}. Build the batch with "
+            "packing_hf.build_prefix_tree or a collator's shared-prefix option and call the model without a mask or cache"
         )
 
 
@@ -508,6 +514,8 @@ def varlen_attention_forward(
             varlen_attention_forward, module, query, key, value, attention_mask, **named, **kwargs
         )
     _check_served(getattr(module, "config", None), module)
+    if kwargs.get(PREFIX_KEY) is not None:
+        refuse_prefix_tree(getattr(module, "config", None))
     refuse_unprepared_media(kwargs)  # packed image rows in a model that was not prepared
     if getattr(getattr(module, "config", None), "output_router_logits", False) and PADDING_KEY in kwargs:
         # a prepared model consumes the key: this one would count the padding in its router loss

@@ -1,19 +1,22 @@
-"""Shared-prefix attention: branches of a packed row that attend to a common prefix segment.
+"""Prefix-tree attention: segments of a packed row that attend to their ancestor segments (a shared prefix
+at any depth).
 
 A batch carries the layout as ``prefix_seq_idx`` (``(n,)`` int32, one entry per segment of
-``cu_seq_lens_q``; see :mod:`packing_hf.shared_prefix`): ``-1`` for an ordinary segment, ``p`` for a
-branch of the prefix segment ``p``. The attention then gathers, for every branch, its prefix's keys and
-values in front of its own and runs one ordinary causal varlen call whose key segments are longer than
-its query segments: every backend aligns causality bottom-right (FlashAttention's rule), so branch query
-``j`` sees the whole prefix and its own keys ``0..j``, which is what the branch sees when it runs after
-its prefix alone, for every backend, sliding windows, softcaps, sinks and ALiBi included (the gathered keys
-sit at the same relative positions as in the sample alone). Gradients of the prefix's keys and values are
-the sum over its branches (the backward of the gather), equal to ``G`` separate copies of the prefix.
+``cu_seq_lens_q``; see :mod:`packing_hf.shared_prefix`): ``-1`` for a root, ``p`` for a segment continuing
+the earlier segment ``p`` (its parent; a one-level shared prefix is a tree of depth 1). The attention then
+gathers, for every segment, its ancestors' keys and values (root first) in front of its own and runs one
+ordinary causal varlen call whose key segments are longer than its query segments: every backend aligns
+causality bottom-right (FlashAttention's rule), so query ``j`` of a segment sees all its ancestors and its
+own keys ``0..j``, which is what it sees when it runs after its ancestors alone, for every backend, sliding
+windows, softcaps, sinks and ALiBi included (the gathered keys sit at the same relative positions as in
+the sample alone). Siblings, cousins and other trees are never gathered, so never seen. Gradients of a
+segment's keys and values are the sum over its descendants' copies (the backward of the gather), equal to
+running every root-to-leaf sample separately.
 
-Why a gather and not two varlen calls (branch vs prefix, branch vs itself) merged by their log-sum-exp:
-FlashAttention's and torch's varlen kernels return the log-sum-exp but do not differentiate through it,
-so the merged output's gradient would be wrong in training. The gather costs ``G`` copies of the prefix's
-keys and values per layer (not of its queries, hidden states or MLP work) and is exact forward and backward.
+Why a gather and not one varlen call per ancestor merged by their log-sum-exp: FlashAttention's and
+torch's varlen kernels return the log-sum-exp but do not differentiate through it, so the merged output's
+gradient would be wrong in training. The gather costs, per layer, one copy of a segment's keys and values
+for every descendant (not of its queries, hidden states or MLP work) and is exact forward and backward.
 
 >>> q = torch.randn(5, 2, 4)  # (T, H, D): prefix of 2, branches of 2 and 1 tokens
 >>> out = shared_prefix_attention(q, q, q, torch.tensor([0, 2, 4, 5]), torch.tensor([-1, 0, 0]))
@@ -45,13 +48,13 @@ def _plan(cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor) -> SharedPrefi
 def gather_prefix_keys(
     key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Keys and values of a shared-prefix row laid out per segment: ``[prefix keys, own keys]`` for branches.
+    """Keys and values of a prefix-tree row laid out per segment: ``[ancestors' keys (root first), own keys]``.
 
     Args:
         key: ``(T, Hkv, D)`` keys of the packed row.
         value: ``(T, Hkv, Dv)`` values.
         cu_seqlens: ``(n + 1,)`` int32 segment boundaries of the row.
-        prefix_seq_idx: ``(n,)`` int32 (``-1`` or the prefix segment of every segment).
+        prefix_seq_idx: ``(n,)`` int32 (``-1`` or the parent segment of every segment).
 
     Returns:
         ``(key (Tk, Hkv, D), value (Tk, Hkv, Dv), cu_seqlens_k (n + 1,) int32, max_seqlen_k)`` on the
@@ -65,8 +68,8 @@ def gather_prefix_keys(
     plan = _plan(cu_seqlens, prefix_seq_idx)
     if plan.cu_seqlens_k[-1] and int(plan.key_index[-1]) >= key.shape[0]:
         raise ValueError(
-            f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but the keys hold {key.shape[0]}; the shared-"
-            "prefix layout describes one packed row of self-attention"
+            f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but the keys hold {key.shape[0]}; the "
+            "prefix-tree layout describes one packed row of self-attention"
         )
     index = plan.key_index.to(key.device)
     return (
@@ -88,7 +91,7 @@ def shared_prefix_attention(
     backend: str = "auto",
     **kwargs,
 ) -> torch.Tensor:
-    """Causal attention over a packed row whose branches attend to their shared prefix.
+    """Causal attention over a packed prefix-tree row: every segment attends to its ancestors and to itself.
 
     Args:
         query: ``(T, Hq, D)``.

@@ -101,3 +101,27 @@ def test_registered_model_on_cuda_packed_equals_separate(tiny_causal_lm_factory)
         ).float()
     # bf16 end to end: a leak would show as O(1) differences, rounding stays far below
     assert (packed - alone).abs().max().item() < 0.1
+
+
+# a prefix tree: root -> child -> two grandchildren, root -> second child, then an ordinary sample
+TREE_LENGTHS = [96, 40, 17, 65, 33, 80]
+TREE_PARENTS = [-1, 0, 1, 1, 0, -1]
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("features", [{}, {"window_size": (31, 0)}])
+def test_cuda_backends_on_a_prefix_tree(backend, features):
+    """The kernels get one causal call whose key segments are the gathered ancestor chains (Lk > Lq)."""
+    if backend not in cuda_backends():
+        pytest.skip(f"{backend} is not installed or not supported on this GPU")
+    from packing_hf.attention import shared_prefix_attention
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    total = sum(TREE_LENGTHS)
+    q, k, v = (torch.randn(total, h, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    cu = lengths_to_cu_seqlens(TREE_LENGTHS).cuda()
+    parents = torch.tensor(TREE_PARENTS, dtype=torch.int32, device="cuda")
+    out = shared_prefix_attention(q, k, v, cu, parents, backend=backend, **features)
+    ref = shared_prefix_attention(q.float(), k.float(), v.float(), cu, parents, backend="sdpa", **features)
+    baseline = shared_prefix_attention(q, k, v, cu, parents, backend="sdpa", **features)
+    check_close(out, ref, baseline, f"{backend} on a prefix tree")

@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.unpaired",
             "packing_hf.multimodal",
             "packing_hf.rollouts",
+            "packing_hf.prefix_tree",
             "packing_hf.streaming",
         ),
     ),

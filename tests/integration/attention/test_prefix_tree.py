@@ -1,0 +1,194 @@
+"""A prefix-tree packed row equals every sample alone on real tiny models: logits, per-sample loss and
+gradients, fp32.
+
+The samples are multi-turn conversations branching at three depths (a shared system prompt, two answers to
+the first turn, two answers to the second), with a duplicate, a sample that is a strict prefix of another
+and an unrelated sample, given in shuffled order; :func:`packing_hf.prefix_tree.build_prefix_tree` merges
+them into one row. Models: Llama, Qwen3, Gemma 3 (sliding window shorter than the samples), gpt-oss
+(attention sinks, MoE), built with ``AutoConfig.for_model`` + ``from_config`` (``tiny_config``) under
+packing_hf's attention. The same comparison catches a sibling leak (a segment given its sibling as parent).
+A hybrid (Bamba: Mamba2 layers) is refused by name.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import packing_hf
+from packing_hf.architectures import tiny_config
+from packing_hf.attention.guards import validate_packed_batch
+from packing_hf.attention.interface import varlen_attention_forward
+from packing_hf.errors import PackingRefused
+from packing_hf.prefix_tree import build_prefix_tree
+from packing_hf.shared_prefix import prefix_chains, shared_prefix_position_ids
+from packing_hf.varlen import cu_seqlens_to_position_ids
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _conversations(vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(vocab, (n,), generator=g).tolist()
+
+    system, user_1, answer_1a, answer_1b = tokens(6), tokens(4), tokens(5), tokens(3)
+    user_2, answer_2a, answer_2b = tokens(4), tokens(3), tokens(5)
+    turn_2 = system + user_1 + answer_1a + user_2
+    samples = [
+        turn_2 + answer_2a,
+        turn_2 + answer_2b,
+        system + user_1 + answer_1b,
+        turn_2 + answer_2a,  # duplicate
+        system + user_1 + answer_1a,  # strict prefix of the first
+        tokens(7),  # unrelated
+    ]
+    random.Random(seed).shuffle(samples)
+    return [torch.tensor(s) for s in samples]
+
+
+def _model(model_type: str, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(model_type, **overrides)
+    return AutoModelForCausalLM.from_config(
+        config, attn_implementation=packing_hf.register_attention(), dtype=torch.float32
+    ).eval()
+
+
+def _sibling_as_parent(tree, inputs: dict) -> dict:
+    """Negative control: the last segment that has an earlier sibling reads that sibling as its parent (positions
+    follow the wrong layout, so only the leak differs)."""
+    parents = tree.prefix_seq_idx.tolist()
+    leaking = max(i for i, p in enumerate(parents) if p >= 0 and parents[:i].count(p) > 0)
+    sibling = max(j for j in range(leaking) if parents[j] == parents[leaking])
+    parents[leaking] = sibling
+    wrong = torch.tensor(parents, dtype=torch.int32)
+    positions = shared_prefix_position_ids(tree.cu_seqlens, wrong)[None]
+    return {**inputs, "prefix_seq_idx": wrong, "position_ids": positions}
+
+
+def _compare(model, samples, tamper=None) -> dict[str, float]:
+    """Largest relative error of the tree row's per-sample logits, losses and gradients against every sample
+    run alone (the loss: each sample's mean next-token cross-entropy, summed over samples)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    want_logits, want_losses = [], []
+    for ids in samples:
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        loss = F.cross_entropy(logits[:-1], ids[1:])
+        loss.backward()
+        want_logits.append(logits.detach())
+        want_losses.append(loss.detach())
+    want_grads = torch.cat([p.grad.flatten() for p in params])
+
+    tree = build_prefix_tree(samples)
+    assert tree.token_ratio > 1.5  # the row really shares: fewer tokens than the samples hold
+    inputs = tree.model_inputs()
+    if tamper is not None:
+        inputs = tamper(tree, inputs)
+    model.zero_grad()
+    logits = model(**inputs, use_cache=False).logits
+    losses = [-lp.mean() for lp in tree.token_logprobs(logits)]
+    torch.stack(losses).sum().backward()
+    got_grads = torch.cat([p.grad.flatten() for p in params])
+    got_logits = torch.cat(tree.sample_values(logits.detach()))
+
+    def relative(got, want):
+        return float((got - want).abs().max() / want.abs().max())
+
+    return {
+        "logits": relative(got_logits, torch.cat(want_logits)),
+        "loss": relative(torch.stack(losses).detach(), torch.stack(want_losses)),
+        "grads": relative(got_grads, want_grads),
+    }
+
+
+MODELS = {
+    "llama": {},
+    "qwen3": {},
+    "gemma3_text": {},  # tiny_config keeps a sliding window (4) shorter than the samples
+    "gpt_oss": {},  # attention sinks, MoE routing
+}
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_prefix_tree_row_equals_every_sample_alone(model_type):
+    model = _model(model_type, **MODELS[model_type])
+    if model_type == "gemma3_text":
+        assert model.config.sliding_window < 8 and "sliding_attention" in model.config.layer_types
+    if model_type == "gpt_oss":
+        assert any("sinks" in name for name, _ in model.named_parameters())
+    errors = _compare(model, _conversations(model.config.vocab_size))
+    assert all(error < 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_sibling_leak_is_caught_by_the_same_comparison(model_type):
+    model = _model(model_type)
+    errors = _compare(model, _conversations(model.config.vocab_size), tamper=_sibling_as_parent)
+    assert errors["logits"] > 1e-3 and errors["grads"] > 1e-3, errors
+
+
+@pytest.mark.parametrize(
+    "samples, depth",
+    [([[1, 2, 3, 4], [1, 2, 3, 5]], 1), ([[1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [1, 2, 9]], 2)],
+    ids=["one_level", "two_levels"],
+)
+def test_a_hybrid_model_is_refused_by_name(samples, depth):
+    """Bamba's Mamba2 layers would start every segment from a zero state (a one-level shared prefix as well):
+    refused by the batch guards, the prepared model's forward and the attention, naming the model and why."""
+    model = _model("bamba")
+    tree = build_prefix_tree(samples)
+    inputs = tree.model_inputs()
+    assert max(len(chain) for chain in prefix_chains(tree.prefix_seq_idx.tolist())) == depth
+    handle = packing_hf.prepare_model_for_packing(model)
+    try:
+        with pytest.raises(
+            PackingRefused, match="bamba: a prefix-tree row .* Mamba2 layers carry their scan state"
+        ):
+            validate_packed_batch(inputs, model=model)
+        with pytest.raises(PackingRefused, match="bamba: a prefix-tree row") as refused, torch.no_grad():
+            model(**inputs, use_cache=False)
+        assert refused.value.reason == "prefix_seq_idx"
+        # an attention layer called on its own (past the model's guards) refuses too
+        layer = next(m for m in model.modules() if type(m).__name__ == "BambaAttention")
+        q = torch.randn(1, layer.config.num_attention_heads, inputs["input_ids"].shape[1], layer.head_dim)
+        kv = torch.randn(1, layer.config.num_key_value_heads, q.shape[2], layer.head_dim)
+        with pytest.raises(PackingRefused, match="bamba: a prefix-tree row"):
+            varlen_attention_forward(
+                layer, q, kv, kv, None, **{k: v for k, v in inputs.items() if k != "input_ids"}
+            )
+    finally:
+        handle.revert()
+
+
+def test_the_guides_example_runs():
+    """docs/prefix_trees.md's example (a tiny Llama; it asserts its own claims)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "prefix_trees.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    exec(compile(code, "docs/prefix_trees.md", "exec"), {})
+
+
+def test_a_prepared_model_accepts_a_tree_row_and_refuses_positions_that_ignore_it():
+    """The batch guards of a prepared model check a tree row's positions against the ancestor chains."""
+    model = _model("llama")
+    tree = build_prefix_tree(_conversations(model.config.vocab_size))
+    inputs = tree.model_inputs()
+    handle = packing_hf.prepare_model_for_packing(model)
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits  # the guards accept positions continuing every ancestor
+        assert logits.shape[1] == tree.input_ids.numel()
+        restarting = cu_seqlens_to_position_ids(tree.cu_seqlens)[None]  # every segment from 0: no tree
+        with pytest.raises(ValueError, match=r"position_ids\[0, \d+\] = 0 but cu_seq_lens_q puts token"):
+            model(**{**inputs, "position_ids": restarting})
+    finally:
+        handle.revert()
