@@ -29,6 +29,7 @@ import numpy as np
 
 from ..architectures import check_architecture
 from ..attention import register_attention
+from ..attention.admission import prefix_tree_refusal
 from .adapters import SEQUENCE_PARALLEL_KEY, PackedPreferenceForward
 from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model
@@ -124,26 +125,38 @@ class MaxLengthCountsMixin:
         return prepared
 
 
-def shared_prompt_is_exact(models: list[Any]) -> bool:
-    """Whether packing_hf's varlen attention keeps every given model exact (cached per architecture)."""
+def _shared_prompt_obstacle(models: list[Any]) -> str | None:
+    """Why a shared-prompt row (a prefix and its branches) would not be exact on one of ``models``; ``None`` if it is."""
     name = register_attention()
     for model in models:
         if model is None or isinstance(model, str):
             continue
         config = getattr(base_model(model), "config", None)
-        if config is None or check_architecture(config, name).leaked:
-            return False
-    return True
+        if config is None:
+            return "a model without a config"
+        if check_architecture(config, name).leaked:
+            kind = getattr(config, "model_type", "?")
+            return f"packing_hf's varlen attention does not keep {kind!r} exact, and only it reads the shared-prompt layout"
+        why = prefix_tree_refusal(config)
+        if why is not None:
+            return why
+    return None
+
+
+def shared_prompt_is_exact(models: list[Any]) -> bool:
+    """Whether a shared-prompt row keeps every given model exact: packing_hf's varlen attention keeps it exact
+    (cached per architecture) and every token mixer is attention (a hybrid's SSM or convolution would start each
+    branch from a zero state instead of its prompt's)."""
+    return _shared_prompt_obstacle(models) is None
 
 
 def refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
-    """Refuse ``shared_prompt=True`` where packing_hf's attention does not keep every model exact."""
-    if not shared_prompt_is_exact(models):
-        types = sorted({getattr(base_model(m).config, "model_type", "?") for m in models if m is not None})
+    """Refuse ``shared_prompt=True`` where a shared-prompt row would not keep every model exact."""
+    why = _shared_prompt_obstacle(models)
+    if why is not None:
         raise PackingRefused(
             "shared_prompt",
-            f"shared_prompt=True: packing_hf's varlen attention does not keep {types} exact, and only it reads "
-            "the shared-prompt layout; set shared_prompt=False (packed pairs without sharing stay exact)",
+            f"shared_prompt=True: {why}; set shared_prompt=False (packed pairs without sharing stay exact)",
         )
 
 

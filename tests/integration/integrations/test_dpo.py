@@ -25,6 +25,7 @@ trl = pytest.importorskip("trl")
 import packing_hf  # noqa: E402
 from packing_hf.integrations.adapters import PackedPreferenceForward  # noqa: E402
 from packing_hf.integrations.dpo import DPOConfig, DPOTrainer  # noqa: E402
+from packing_hf.integrations.refusals import PackingRefused  # noqa: E402
 from packing_hf.preference import PaddingFreePreferenceCollator, preference_pair_lengths  # noqa: E402
 
 REL = 1e-5
@@ -515,3 +516,32 @@ def test_a_router_loss_over_other_tokens_than_stocks_is_refused(collator):
         else:
             assert model(**call)["log_probs"].shape == (2, batch["input_ids"].shape[1] - 1)
     hooks.remove()
+
+
+def test_a_hybrid_keeps_its_prompts_unshared_unless_asked_and_is_refused_when_asked(tmp_path, tokenizer, pairs):
+    """A hybrid's Mamba2 mixer would start every branch of a shared-prompt row from a zero state instead of its
+    prompt's (branch logits 27-30 % off): ``shared_prompt`` left unset is off for it (the pairs are packed
+    without sharing and train), ``shared_prompt=True`` is refused naming the model and why. Negative control:
+    the same trainer on a Llama (attention only) turns sharing on by itself."""
+    from transformers import AutoModelForCausalLM
+
+    from packing_hf.architectures.tiny import tiny_config
+
+    def trainer(model_type, **options):
+        config = tiny_config(model_type, vocab_size=len(tokenizer))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=packing_hf.register_attention())
+        return DPOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=DPOConfig(**_common(tmp_path, model_type, loss_type=["sigmoid"], **options)),
+            train_dataset=pairs(4),
+            processing_class=tokenizer,
+        )
+
+    hybrid = trainer("bamba")
+    assert hybrid.data_collator.shared_prompt is False
+    hybrid.train()
+    assert math.isfinite(hybrid.state.log_history[-1]["train_loss"])
+    with pytest.raises(PackingRefused, match=r"shared_prompt=True: bamba: a prefix-tree row"):
+        trainer("bamba", shared_prompt=True)
+    assert trainer("llama").data_collator.shared_prompt is True
