@@ -13,13 +13,11 @@ import importlib.util
 import logging
 from typing import Any
 
+from .catalogue import trainer_entry, trainers_where
 from .record_stream import STREAM_OVERFLOWS
 
 __all__ = [
-    "SP_TRAINERS",
-    "TRAINERS",
     "TRAINER_KEYS",
-    "TRL_JOB_TRAINERS",
     "check_attn_implementation",
     "check_model_type",
     "check_reward_funcs",
@@ -32,86 +30,85 @@ __all__ = [
 
 logger = logging.getLogger("packing_hf.app.config")
 
-TRAINERS = ("trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo")
-# the trainers whose job is `packing_hf.app.trl_job` (TRL's data formats, TRL's own evaluation)
-TRL_JOB_TRAINERS = TRAINERS[2:]
-_GENERATING = ("grpo", "rloo")  # their samples are prompts plus what the model generates
-_TOKENIZE_AHEAD = tuple(t for t in TRAINERS if t not in _GENERATING)
-# the trainers that cut packed rows over `sp_size` processes themselves (their `packing_sequence_parallel`)
-SP_TRAINERS = ("trainer", "sft", "dpo")
-
 # A key of packing_hf's own config groups (model, data, job) that some trainers have no use for:
-# key -> (the trainers that use it, why another trainer does not, with what to use instead).
-TRAINER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+# key -> (the property of a trainer's catalogue entry that says it uses the key, why another trainer does not,
+# with what to use instead; ``{users}``: the trainers that use it).
+TRAINER_KEYS: dict[str, tuple[str, str]] = {
     "mixed_formats": (
-        ("trainer", "sft"),
+        "reads_records",
         "trainer: {trainer} reads one TRL format (its columns, renamed by column_mapping), not packing_hf's "
         "record formats",
     ),
     "column_mapping": (
-        TRL_JOB_TRAINERS,
+        "reads_trl_format",
         "trainer: {trainer} reads packing_hf's record formats (messages, conversations, question/answer, "
         "...), whose fields are found by name; column_mapping renames the columns of the TRL trainers' data",
     ),
     "eval_dataset": (
-        ("trainer",),
-        "trainer: {trainer} measures no held-out eval loss (trainer: trainer does, before and after training)",
+        "measures",
+        "trainer: {trainer} measures no held-out eval loss (trainer: {users} does, before and after training)",
     ),
     "eval_num_samples": (
-        ("trainer",),
-        "trainer: {trainer} measures no held-out eval loss (trainer: trainer does, before and after training)",
+        "measures",
+        "trainer: {trainer} measures no held-out eval loss (trainer: {users} does, before and after training)",
     ),
     "prompt_format": (
-        ("trainer",),
+        "app_tokenizes",
         "trainer: {trainer} has TRL render the records (the tokenizer's chat template, or prompt + "
         "completion without one)",
     ),
     "overflow": (
-        ("trainer",),
+        "app_tokenizes",
         "trainer: {trainer} has TRL truncate a sample to max_length when max_length is set (counted and "
         "reported; unset with multipack, the budget bounds a sample); for a sample longer than "
         "max_tokens_per_batch set packing_overflow",
     ),
     "completion_only_loss": (
-        ("trainer", "sft"),
+        "reads_records",
         "trainer: {trainer} trains on the completions by construction",
     ),
     "max_length": (
-        _TOKENIZE_AHEAD,
+        "tokenizes_ahead",
         "a trainer: {trainer} sample is a prompt and its generated completion; set max_completion_length",
     ),
     "dataset_num_proc": (
-        _TOKENIZE_AHEAD,
+        "tokenizes_ahead",
         "trainer: {trainer} tokenizes no dataset ahead (the prompts are tokenized as completions are generated)",
     ),
     "streaming": (
-        ("trainer", "sft"),
-        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for trainer and sft",
+        "reads_records",
+        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for {users}",
     ),
     "stream_check_records": (
-        ("trainer", "sft"),
-        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for trainer and sft",
+        "reads_records",
+        "trainer: {trainer} reads its whole dataset in TRL's format; streaming is for {users}",
     ),
     "sample_packing": (
-        ("trainer", "sft"),
+        "chooses_batching",
         "trainer: {trainer} always packs (its pairs, examples or rollouts as packed rows); set "
         "max_tokens_per_batch for multipack batches of at most that many tokens",
     ),
     "baseline_batches": (
-        ("trainer",),
-        "trainer: {trainer} times no padded baseline (trainer: trainer does; benchmarks/ compares the other "
+        "measures",
+        "trainer: {trainer} times no padded baseline (trainer: {users} does; benchmarks/ compares the other "
         "trainers with TRL's padded ones)",
     ),
     "baseline_time_share": (
-        ("trainer",),
-        "trainer: {trainer} times no padded baseline (trainer: trainer does; benchmarks/ compares the other "
+        "measures",
+        "trainer: {trainer} times no padded baseline (trainer: {users} does; benchmarks/ compares the other "
         "trainers with TRL's padded ones)",
     ),
     "reward_funcs": (
-        _GENERATING,
-        "trainer: {trainer} generates no completions to score (reward_funcs are for grpo and rloo)",
+        "generates",
+        "trainer: {trainer} generates no completions to score (reward_funcs are for {users})",
     ),
 }
+
+
+def _users(attribute: str) -> str:
+    """The trainers whose entry has ``attribute``, as a message names them (``grpo and rloo``)."""
+    names = trainers_where(attribute)
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _is_hub_name(source: str | None) -> bool:
@@ -138,16 +135,17 @@ def unused_keys(cfg: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
     'trainer: dpo generates no completions to score (reward_funcs are for grpo and rloo)'
     """
     model, data, job = cfg.model, cfg.data, cfg.job
+    entry = trainer_entry(job.trainer)
     unused: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for key, (trainers, why) in TRAINER_KEYS.items():
-        if job.trainer not in trainers:
-            unused[key] = (why.format(trainer=job.trainer), ("trainer",))
+    for key, (uses, why) in TRAINER_KEYS.items():
+        if not getattr(entry, uses):
+            unused[key] = (why.format(trainer=job.trainer, users=_users(uses)), ("trainer",))
     if not data.streaming:
         unused.setdefault(
             "stream_check_records",
             ("it checks the first records of a stream (streaming: true)", ("streaming",)),
         )
-    if job.trainer == "trainer" and data.eval_dataset is None:
+    if entry.measures and data.eval_dataset is None:
         unused.setdefault(
             "eval_num_samples",
             (
@@ -252,7 +250,7 @@ def check_reward_funcs(cfg: Any, origin) -> None:
     (or none for a dataset other than the embedded one) fails before the data and the model, not after them."""
     from .rewards import resolve_reward_funcs, reward_spec
 
-    if cfg.job.trainer not in _GENERATING:
+    if not trainer_entry(cfg.job.trainer).generates:
         return
     try:
         resolve_reward_funcs(reward_spec(cfg.job.trainer, cfg.job.reward_funcs, cfg.data.dataset))
@@ -302,7 +300,7 @@ _NO_EVAL_SET = (
 
 
 def _evaluates(cfg: Any) -> bool:
-    return cfg.job.trainer == "trainer" and cfg.data.eval_dataset is not None
+    return trainer_entry(cfg.job.trainer).measures and cfg.data.eval_dataset is not None
 
 
 UNREAD_TRAINING_KEYS: dict[str, tuple[Any, str]] = {
@@ -361,10 +359,10 @@ def refuse_parallel_keys(given: dict[str, Any], trainer: str, origin) -> None:
             "docs/distributed.md). Remove parallelism_config"
         )
     size = given.get("sp_size")
-    if size is not None and trainer not in SP_TRAINERS:
+    if size is not None and not trainer_entry(trainer).sequence_parallel:
         raise ValueError(
             f"{origin('sp_size')}: sp_size: {size} is not used: trainer: {trainer} does not cut packed rows over "
-            f"processes (sp_size serves trainer: {', '.join(SP_TRAINERS)}); remove sp_size"
+            f"processes (sp_size serves trainer: {', '.join(trainers_where('sequence_parallel'))}); remove sp_size"
         )
 
 
@@ -444,7 +442,7 @@ def _resolve_batching(cfg: Any) -> str:
     job, training = cfg.job, cfg.training
     budget = getattr(training, "max_tokens_per_batch", None)
     batching = job.batching
-    if job.trainer not in ("trainer", "sft"):  # TRL's preference / RL trainers: always packed
+    if trainer_entry(job.trainer).always_packs:  # TRL's preference / RL trainers
         if batching not in ("auto", "multipack" if budget is not None else "padding_free"):
             raise ValueError(
                 f"trainer: {job.trainer} always packs (its pairs, examples or rollouts as packed rows, of at most "

@@ -91,6 +91,7 @@ def _help_line(f) -> str:
 def _train_help(every: bool = False) -> str:
     import dataclasses
 
+    from .catalogue import CATALOGUE
     from .config import DataArguments, JobArguments, ModelArguments, _training_class
 
     lines = [
@@ -112,9 +113,10 @@ def _train_help(every: bool = False) -> str:
             "\n  training (packing_hf.TrainingArguments = transformers.TrainingArguments + packing):"
         )
         lines += [_help_line(training[name]) for name in sorted(training)]
+        others = [name for name, entry in CATALOGUE.items() if entry.package == "trl"]
         lines.append(
-            "\n  with trainer: sft | dpo | kto | reward | orpo | cpo | grpo | rloo, every field of its packing_hf "
-            "config\n  (SFTConfig, DPOConfig, ...: TRL's config + packing) as well."
+            f"\n  with trainer: {' | '.join(others)}, every field of its packing_hf config\n  (SFTConfig, "
+            "DPOConfig, ...: TRL's config + packing) as well."
         )
     else:
         lines.append(

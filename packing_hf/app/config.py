@@ -38,9 +38,8 @@ from typing import Any, Literal
 from .._limits import option
 from ..overflow import check_overflow
 from .blocks import check_column_mapping, check_fsdp_config, check_nested, check_peft
+from .catalogue import TRAINERS, trainer_entry, trainers_where
 from .checks import (
-    TRAINERS,
-    TRL_JOB_TRAINERS,
     _check_streaming,
     _check_training,
     _resolve_batching,
@@ -57,8 +56,6 @@ from .data import DATA_OVERFLOWS
 from .sharded import whole_zero3_save
 
 __all__ = [
-    "TRAINERS",
-    "TRL_JOB_TRAINERS",
     "DataArguments",
     "JobArguments",
     "ModelArguments",
@@ -206,7 +203,9 @@ class DataArguments:
     column_mapping: dict | str | None = option(
         None,
         "Rename the dataset's columns to the names the trainer reads, {your name: trl name}, e.g. "
-        "{question: prompt, good: chosen, bad: rejected} (trainer: dpo | kto | reward | orpo | cpo | grpo | rloo).",
+        "{question: prompt, good: chosen, bad: rejected} (trainer: "
+        + " | ".join(trainers_where("reads_trl_format"))
+        + ").",
     )
     stream_check_records: int = option(
         1000,
@@ -264,11 +263,12 @@ class JobArguments:
     'trainer'
     """
 
-    trainer: Literal["trainer", "sft", "dpo", "kto", "reward", "orpo", "cpo", "grpo", "rloo"] = option(
+    trainer: Literal[TRAINERS] = option(  # the names of packing_hf.app.catalogue
         "trainer",
         "trainer = packing_hf.Trainer (+ TrainingArguments); sft = packing_hf.SFTTrainer (+ SFTConfig); "
-        "dpo | kto | reward | orpo | cpo | grpo | rloo = packing_hf's packed TRL trainer of that name (+ its "
-        "config), on TRL's data formats (conversational or standard; column_mapping renames).",
+        + " | ".join(trainers_where("reads_trl_format"))
+        + " = packing_hf's packed TRL trainer of that name (+ its config), on TRL's data formats "
+        "(conversational or standard; column_mapping renames).",
     )
     batching: Literal["auto", "multipack", "padding_free", "padded"] = option(
         "auto",
@@ -305,9 +305,9 @@ class JobArguments:
     )
     reward_funcs: str | None = option(
         None,
-        "trainer: grpo | rloo: reward functions, comma-separated import paths (module:function, "
-        "TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in answer match "
-        "of the embedded GSM8K data; the default for dataset embedded).",
+        f"trainer: {' | '.join(trainers_where('generates'))}: reward functions, comma-separated import paths "
+        "(module:function, TRL's signature: completions, **columns -> list of floats) or gsm8k (the built-in "
+        "answer match of the embedded GSM8K data; the default for dataset embedded).",
     )
 
     def __post_init__(self) -> None:
@@ -413,12 +413,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, list[str]]:
 
 def _training_class(trainer: str):
     """packing_hf's training-arguments class for ``trainer`` (imported lazily: it pulls transformers/TRL)."""
-    from .. import integrations
-
-    if trainer not in TRAINERS:
-        raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {trainer!r}")
-    name = "TrainingArguments" if trainer == "trainer" else f"{trainer.upper()}Config"
-    return getattr(integrations, {"REWARDConfig": "RewardConfig"}.get(name, name))
+    return trainer_entry(trainer).config_class()
 
 
 def _field_names(cls) -> list[str]:
@@ -544,7 +539,7 @@ def load_train_config(
     _check_training(training_args, origin)
     whole_zero3_save(result, origin)
     _own_output_dir(result, values, cli)
-    if job_args.trainer != "trainer" and "eval_dataset" not in values | cli:
+    if not trainer_entry(job_args.trainer).measures and "eval_dataset" not in values | cli:
         data_args.eval_dataset = None  # auto: only trainer: trainer measures a held-out loss
     _refuse_unused(result, {key for key in values if key in own} | (from_cli & own), from_cli, origin)
     refuse_unread_keys(result, set(values) | from_cli, origin)

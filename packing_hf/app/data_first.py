@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import missing_extra
-from .config import TRAINERS, TRL_JOB_TRAINERS, DataArguments, parse_overrides, read_yaml
+from .catalogue import CATALOGUE, trainer_entry
+from .config import DataArguments, parse_overrides, read_yaml
 from .records import RecordSet, read_records
 
 __all__ = ["DataFirst", "check_installed", "read_data_first", "read_job_data", "read_trl_data"]
@@ -56,7 +57,7 @@ def read_job_data(data: DataArguments, trainer: str, say) -> tuple[RecordSet | N
         records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         say(records.describe())
     eval_records = None
-    if data.eval_dataset is not None and trainer == "trainer":  # the config refuses it for the others
+    if data.eval_dataset is not None and trainer_entry(trainer).measures:  # the config refuses it for the others
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
         eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
         eval_records.limit_key = "eval_num_samples"
@@ -67,9 +68,9 @@ def read_job_data(data: DataArguments, trainer: str, say) -> tuple[RecordSet | N
 def read_trl_data(data: DataArguments, trainer: str, say) -> tuple[Any, str]:
     """The training rows of a TRL trainer's job in TRL's format (:mod:`packing_hf.app.trl_data`), checked,
     and their description."""
-    from .trl_data import FORMATS, load_trl_dataset
+    from .trl_data import load_trl_dataset, trl_format
 
-    kind = FORMATS[trainer][0]
+    kind = trl_format(trainer).name
     say(f"reading {data.dataset} as TRL's {kind} format for trainer: {trainer}")
     rows = load_trl_dataset(
         trainer,
@@ -122,7 +123,8 @@ def _data_settings(values: Mapping[str, Any], cli: Mapping[str, list[str]]) -> t
             settings[field.name] = values[field.name]
     trainer = cli["trainer"][0] if cli.get("trainer") else values.get("trainer", "trainer")
     data = DataArguments(**settings)
-    if trainer != "trainer" and "eval_dataset" not in {**values, **cli}:
+    measures = trainer in CATALOGUE and CATALOGUE[trainer].measures
+    if not measures and "eval_dataset" not in {**values, **cli}:
         data.eval_dataset = None  # as load_train_config: only trainer: trainer measures a held-out loss
     return str(trainer), data
 
@@ -134,7 +136,7 @@ def check_installed(trainer: str, peft: bool) -> None:
     Raises:
         ImportError: one is missing; the message says how to install it (``make setup``, the pip extra).
     """
-    needs = [("trl", f"trainer: {trainer}")] if trainer == "sft" or trainer in TRL_JOB_TRAINERS else []
+    needs = [("trl", f"trainer: {trainer}")] if trainer_entry(trainer).package == "trl" else []
     if peft:
         needs.append(("peft", "the config's peft: adapter"))
     for module, what in needs:
@@ -159,12 +161,12 @@ def read_data_first(
         trainer, data = _data_settings(values, cli)
     except (ValueError, TypeError, FileNotFoundError):
         return None
-    if trainer not in TRAINERS:
+    if trainer not in CATALOGUE:
         return None
     peft = cli["peft"] not in ([], ["null"], ["None"]) if "peft" in cli else values.get("peft") is not None
     check_installed(trainer, peft)
     first = DataFirst(trainer=trainer, data=data)
-    if trainer in TRL_JOB_TRAINERS:
+    if trainer_entry(trainer).reads_trl_format:
         first.trl_rows, first.trl_description = read_trl_data(data, trainer, say)
     elif data.streaming:
         return None  # streamed records are checked once the tokenizer is loaded (stream_check_records)

@@ -47,6 +47,7 @@ from .baseline import (
     run_baseline,
     samples_of,
 )
+from .catalogue import trainer_entry
 from .config import ModelArguments, TrainConfig, check_model, trl_packs
 from .data import PreparedDataset, prepare_dataset
 from .data_first import DataFirst, read_job_data
@@ -141,11 +142,10 @@ def _build_trainer(
     TRL tokenizes and renders conversations with the chat template). With ``stream`` the Trainer packs it online (a
     ``PackedStream`` of ``max_tokens_per_batch``, the default buffer); ``trainer: sft`` gets its records as
     a ``datasets.IterableDataset`` that TRL tokenizes as it reads."""
-    import packing_hf
-
     training = cfg.training
-    if stream is not None and cfg.job.trainer != "sft":
-        return packing_hf.Trainer(
+    entry = trainer_entry(cfg.job.trainer)
+    if stream is not None and entry.app_tokenizes:
+        return entry.trainer_class()(
             model=model,
             args=training,
             train_dataset=stream.stream,
@@ -153,13 +153,13 @@ def _build_trainer(
             data_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
             peft_config=peft_config,
         )
-    if cfg.job.trainer == "sft":
+    if not entry.app_tokenizes:  # trainer: sft, TRL renders and tokenizes
         collator = (
             PaddingFreeCollator.for_tokenizer(tokenizer)
             if trl_packs(training) or cfg.batching == "multipack"
             else None
         )
-        return packing_hf.SFTTrainer(
+        return entry.trainer_class()(
             model=model,
             args=training,
             train_dataset=stream.trl_dataset() if stream is not None else trl_records(records, tokenizer),
@@ -172,7 +172,7 @@ def _build_trainer(
         if cfg.batching == "padded"
         else PaddingFreeCollator.for_tokenizer(tokenizer)
     )
-    return packing_hf.Trainer(
+    return entry.trainer_class()(
         model=model,
         args=training,
         train_dataset=prepared.dataset.remove_columns("where"),
@@ -250,7 +250,7 @@ class TrainJob:
         self.main = cfg.training.process_index == 0
         self.phases = _Phases()
         self.training = cfg.training
-        self.sft = cfg.job.trainer == "sft"
+        self.entry = trainer_entry(cfg.job.trainer)
         self.summary: dict[str, Any] = {}
         self.records: RecordSet | None = None
         self.eval_records: RecordSet | None = None
@@ -273,23 +273,13 @@ class TrainJob:
 
     def run(self) -> dict[str, Any]:
         """Every phase in order; returns the summary (see :func:`run_training`)."""
-        from transformers import set_seed
-
         cfg = self.cfg
-        if cfg.job.trainer not in ("trainer", "sft"):
+        if not self.entry.reads_records:
             raise ValueError(
-                f"run_training runs trainer: trainer | sft; trainer: {cfg.job.trainer} is run by "
-                "packing_hf.app.trl_job.run_job"
+                f"run_training runs the trainers of packing_hf's record formats; trainer: {cfg.job.trainer} is "
+                "run by packing_hf.app.trl_job.run_job"
             )
-        check_model(cfg.model, cfg.source)
-        self.resume_from = resume_checkpoint(
-            cfg.job.resume, self.training.resume_from_checkpoint, str(self.training.output_dir)
-        )
-        set_seed(self.training.seed)
-        for note in cfg.notes:
-            self.say(note)
-        if self.resume_from is not None:
-            self.say(f"resuming from {self.resume_from} (model, optimizer, scheduler, data position)")
+        self.resume_from = _begin_job(cfg, self.say)
         self.read()
         self.load_tokenizer()
         self.tokenize()
@@ -335,7 +325,7 @@ class TrainJob:
 
     def tokenize(self) -> None:
         """The training and eval records tokenized with loss masks (``trainer: sft``: TRL tokenizes)."""
-        if self.sft:
+        if not self.entry.app_tokenizes:
             return
         self.phases.start("tokenize")
         # the main process tokenizes first and fills the cache; the others then load it from there
@@ -561,7 +551,8 @@ class TrainJob:
         """The padded baseline (:func:`packing_hf.app.baseline.run_baseline`; not for ``trainer: sft`` or
         ``baseline_batches: 0``); a failure is reported in ``baseline_note`` and never costs the trained model."""
         cfg, summary = self.cfg, self.summary
-        if self.sft or cfg.job.baseline_batches <= 0 or (self.prepared is None and self.stream is None):
+        nothing_to_time = self.prepared is None and self.stream is None
+        if not self.entry.measures or cfg.job.baseline_batches <= 0 or nothing_to_time:
             return
         self.phases.start("baseline")
         try:
@@ -624,6 +615,22 @@ def run_training(cfg: TrainConfig, *, print_fn=print, data_first: DataFirst | No
     :class:`~packing_hf.app.interrupt.TrainingInterrupted`; ``resume: true`` continues from it.
     """
     return TrainJob(cfg, print_fn=print_fn, data_first=data_first).run()
+
+
+def _begin_job(cfg: TrainConfig, say) -> str | None:
+    """What a job does first: the config's model checked, the checkpoint to resume from found, the seed set, the
+    config's notes said. Returns that checkpoint (None for a fresh start)."""
+    from transformers import set_seed
+
+    training = cfg.training
+    check_model(cfg.model, cfg.source)
+    resume_from = resume_checkpoint(cfg.job.resume, training.resume_from_checkpoint, str(training.output_dir))
+    set_seed(training.seed)
+    for note in cfg.notes:
+        say(note)
+    if resume_from is not None:
+        say(f"resuming from {resume_from} (model, optimizer, scheduler, data position)")
+    return resume_from
 
 
 def _finish_summary(summary: dict[str, Any], phases: _Phases) -> dict[str, Any]:

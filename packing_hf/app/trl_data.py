@@ -30,18 +30,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMATS", "gsm8k_as", "load_trl_dataset"]
+from .catalogue import PREFERENCE, PROMPT_ONLY, UNPAIRED_PREFERENCE, DataFormat, trainer_entry, trainers_where
 
-# trainer -> (format name, the columns it needs, the columns that may come with them)
-FORMATS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    "dpo": ("preference", ("chosen", "rejected"), ("prompt",)),
-    "reward": ("preference", ("chosen", "rejected"), ("prompt",)),
-    "orpo": ("preference", ("chosen", "rejected"), ("prompt",)),
-    "cpo": ("preference", ("chosen", "rejected"), ("prompt",)),
-    "kto": ("unpaired preference", ("prompt", "completion", "label"), ()),
-    "grpo": ("prompt-only", ("prompt",), ()),
-    "rloo": ("prompt-only", ("prompt",), ()),
-}
+__all__ = ["gsm8k_as", "load_trl_dataset", "trl_format"]
+
+
+def trl_format(trainer: str) -> DataFormat:
+    """The TRL format ``trainer`` reads (its catalogue entry's); refused for a trainer reading packing_hf's
+    records.
+
+    >>> trl_format("kto").columns
+    ('prompt', 'completion', 'label')
+    """
+    entry = trainer_entry(trainer)
+    if not entry.reads_trl_format:
+        raise ValueError(
+            f"no TRL data format for trainer {trainer!r}; one of {', '.join(trainers_where('reads_trl_format'))}"
+        )
+    return entry.data
 
 
 def _user(text: str) -> list[dict[str, str]]:
@@ -55,7 +61,8 @@ def _assistant(text: str) -> list[dict[str, str]]:
 def gsm8k_as(trainer: str, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """GSM8K ``question``/``answer`` rows in the conversational format of ``trainer`` (see the module doc)."""
     n = len(rows)
-    if n < 2 and FORMATS[trainer][0] != "prompt-only":
+    data = trl_format(trainer)
+    if n < 2 and data is not PROMPT_ONLY:
         raise ValueError(
             f"trainer: {trainer} builds its rejected answers from other questions' answers: it needs at least 2 "
             f"rows, got {n}; raise num_samples"
@@ -64,10 +71,9 @@ def gsm8k_as(trainer: str, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]
     for i, row in enumerate(rows):
         prompt, answer = _user(row["question"]), row["answer"]
         other = rows[(i + 1) % n]["answer"] if n > 1 else None
-        kind = FORMATS[trainer][0]
-        if kind == "preference":
+        if data is PREFERENCE:
             out.append({"prompt": prompt, "chosen": _assistant(answer), "rejected": _assistant(other)})
-        elif kind == "unpaired preference":
+        elif data is UNPAIRED_PREFERENCE:
             out.append({"prompt": prompt, "completion": _assistant(answer), "label": True})
             out.append({"prompt": prompt, "completion": _assistant(other), "label": False})
         else:
@@ -155,9 +161,8 @@ def load_trl_dataset(
     """
     import datasets
 
-    if trainer not in FORMATS:
-        raise ValueError(f"no TRL data format for trainer {trainer!r}; one of {', '.join(FORMATS)}")
-    kind, needed, optional = FORMATS[trainer]
+    data = trl_format(trainer)
+    kind, needed, optional = data.name, data.columns, data.optional
     if source in ("embedded", "embedded:eval"):
         dataset = datasets.Dataset.from_list(gsm8k_as(trainer, _read_embedded(source, limit)))
     else:

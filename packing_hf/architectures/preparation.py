@@ -284,13 +284,22 @@ class PackingPreparation:
         for module in model.modules():
             setattr(module, PREPARED_ATTRIBUTE, self)
         self._note_configs(True)
+        specs, hooked = self._layer_specs(mixers)
+        self._install_hooks(specs, hooked)
 
+    def _layer_specs(
+        self, mixers: list[torch.nn.Module]
+    ) -> tuple[list[tuple[torch.nn.Module, _LayerSpec]], list[torch.nn.Module]]:
+        """The decoder layers to hook, each with the slot of its ``attention_mask`` (the mask fix) and the mixers
+        it holds (their per-sample layout); and the layers whose decoders are hooked too (for a pure state-space
+        stack: the blocks holding its mixers). Refuses a model whose layers cannot carry the boundaries."""
+        model, model_type = self._model, self.model_type
         specs: dict[int, tuple[torch.nn.Module, int | None, list[torch.nn.Module]]] = {}
-        if mask_fix:
+        if self.mask_fix:
             layers = _decoder_layers(_language_model(model))
             if not layers:
                 raise ValueError(
-                    f"{entry.model_type}: no decoder layer taking an attention_mask was found to apply the "
+                    f"{model_type}: no decoder layer taking an attention_mask was found to apply the "
                     "per-sample mask fix; packing cannot be made exact for this model"
                 )
             for layer, index in layers:
@@ -301,25 +310,32 @@ class PackingPreparation:
             for mixer, layer in enclosing:
                 if layer is None:
                     raise ValueError(
-                        f"{entry.model_type}: the token mixer {type(mixer).__name__} sits in no decoder layer of a "
+                        f"{model_type}: the token mixer {type(mixer).__name__} sits in no decoder layer of a "
                         "ModuleList, so no call carries its packed boundaries; packing cannot be made exact here"
                     )
                 specs.setdefault(id(layer), (layer, None, []))[2].append(mixer)
         hooked = [layer for layer, _, _ in specs.values()]
         if self.split_stack:
             hooked = [layer for _, layer in enclosing if layer is not None]
+        layer_specs = [(layer, _LayerSpec(layer, index, tuple(held))) for layer, index, held in specs.values()]
+        return layer_specs, hooked
+
+    def _install_hooks(
+        self, specs: list[tuple[torch.nn.Module, _LayerSpec]], hooked: list[torch.nn.Module]
+    ) -> None:
+        """The hooks on the model, on every decoder that calls ``hooked`` layers (it can be called on its own)
+        and on the router loss's receiver, and on each layer of ``specs``; kept for :meth:`revert`."""
+        model = self._model
         decoders = [d for d in _decoders(hooked, model) if d is not model]
         if self._router_receiver is not None and all(d is not self._router_receiver for d in decoders):
             decoders.append(self._router_receiver)  # it drops the router loss's mask (_drop_router_mask)
         self._stack_decoders = decoders if self.split_stack else []
-        # the model itself, then every decoder that calls hooked layers (it can be called on its own)
         for module in [model, *decoders]:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(
                 module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             )
-        for layer, index, layer_mixers in specs.values():
-            spec = _LayerSpec(layer, index, tuple(layer_mixers))
+        for layer, spec in specs:
             self._handles.append(
                 layer.register_forward_pre_hook(functools.partial(self._layer_pre, spec), with_kwargs=True)
             )

@@ -214,6 +214,58 @@ def test_no_module_over_700_lines():
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
 
 
+# docs/architecture.md, "Style measures", states the same measure
+MAX_FUNCTION_LINES = 80
+
+
+def function_lengths(source: str) -> list[tuple[str, int, int]]:
+    """``(name, line, length)`` of every function and method in ``source``. The length is the function's physical
+    lines, from its ``def`` to its last line, less its docstring: blank and comment lines count, and a nested
+    function counts both on its own and inside the function that holds it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = node.end_lineno - node.lineno + 1
+        if ast.get_docstring(node, clean=False) is not None:
+            length -= node.body[0].end_lineno - node.body[0].lineno + 1
+        found.append((node.name, node.lineno, length))
+    return found
+
+
+def long_functions(sources: dict[str, str]) -> list[str]:
+    """``file:line name (length)`` of every function over ``MAX_FUNCTION_LINES`` in ``{file name: source}``,
+    the numba kernels (``*_kernels.py``) left out: a compiled loop is written as one function."""
+    return [
+        f"{file}:{line} {name} ({length} lines)"
+        for file, source in sources.items()
+        if not file.endswith("_kernels.py")
+        for name, line, length in function_lengths(source)
+        if length > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_over_80_lines():
+    """A function over 80 lines of code does several things: split it by phase, as ``TrainJob`` / ``TrlJob`` are."""
+    long = long_functions({str(p.relative_to(ROOT)): p.read_text() for p in MODULES.values()})
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code (split them):\n" + "\n".join(long)
+
+
+def test_the_function_measure_counts_code_not_docstrings():
+    """The checker itself (negative control): a synthetic 81-line function is flagged, one of 80 lines is not, nor
+    is the 81-line one in a numba kernels module; a docstring does not count, comments, blank lines and a nested
+    function do."""
+    statements = [f"    x{i} = {i}\n" for i in range(80)]
+    over = "def over():\n" + "".join(statements)
+    at_limit = "def at_limit():\n" + "".join(statements[1:])
+    assert function_lengths(over) == [("over", 1, 81)]
+    assert long_functions({"a.py": over, "b.py": at_limit, "_c_kernels.py": over}) == ["a.py:1 over (81 lines)"]
+    documented = 'def documented():\n    """One.\n\n    Two.\n    """\n' + "".join(statements[1:])
+    assert function_lengths(documented) == [("documented", 1, 80)]
+    padded = "def padded():\n    # why\n\n    def inner():\n        return 1\n\n    return inner\n"
+    assert sorted(function_lengths(padded)) == [("inner", 4, 2), ("padded", 1, 7)]
+
+
 # -- who may patch third-party objects -------------------------------------------------------------------
 # A *patch site* changes an object that belongs to someone else: the user's model, its config, the
 # trainer's accelerator, a transformers module. The AST shows four kinds:

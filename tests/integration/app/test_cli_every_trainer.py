@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from packing_hf.app.checks import SP_TRAINERS, unused_keys
+from packing_hf.app.catalogue import CATALOGUE, TRAINERS, trainers_where
+from packing_hf.app.checks import unused_keys
 from packing_hf.app.cli import main
 from packing_hf.app.config import (
-    TRAINERS,
     DataArguments,
     JobArguments,
     ModelArguments,
@@ -350,7 +350,7 @@ def test_a_config_key_made_moot_by_the_command_line_is_dropped_with_a_note(confi
 
 # ---- the engine and the process layout: training arguments every trainer honours, or refuses by name ----------
 
-SP = frozenset(SP_TRAINERS)
+SP = frozenset(trainers_where("sequence_parallel"))
 # key -> (the trainers that honour it, a value, the keys that make it live, what the trainer's arguments then hold)
 ENGINE_KEYS: dict[str, tuple[frozenset, object, dict, dict]] = {
     "sp_size": (SP, 2, {"max_tokens_per_batch": 2048}, {"sp_size": 2, "parallelism_config.sp_size": 2}),
@@ -374,14 +374,24 @@ def _held(training, path: str):
     return value
 
 
-def test_the_sp_trainers_are_the_trainers_that_cut_rows():
-    """``SP_TRAINERS`` (what the config lets ``sp_size`` through for) is the trainers that serve it themselves."""
-    import packing_hf.integrations as integrations
-    from packing_hf.app.trl_job import _CLASSES
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_the_catalogue_entry_says_what_its_trainer_class_is(trainer):
+    """The catalogue (what the config, its checks and the jobs read) agrees with the packed trainer class: the
+    config class that parses its keys, the package of its stock trainer, whether it cuts packed rows over sp_size
+    itself (``packing_sequence_parallel``: what the config lets ``sp_size`` through for), and whether its stock
+    trainer takes a ``ref_model`` (the job hands it a copy) and ``reward_funcs`` (generated samples)."""
+    import inspect
 
-    classes = {"trainer": "Trainer", "sft": "SFTTrainer", **_CLASSES}
-    serving = {name for name, cls in classes.items() if getattr(integrations, cls).packing_sequence_parallel}
-    assert serving == SP
+    entry = CATALOGUE[trainer]
+    cls = entry.trainer_class()
+    assert cls.packing_sequence_parallel == entry.sequence_parallel
+    assert cls.config_class is entry.config_class()
+    assert cls.stock.split(".")[0] == entry.package
+    stock = next(c for c in cls.__mro__ if not c.__module__.startswith("packing_hf"))
+    assert f"{stock.__module__}.{stock.__qualname__}".startswith(entry.package + ".")
+    takes = inspect.signature(stock.__init__).parameters
+    assert ("ref_model" in takes) == (entry.reference == "ref_model")
+    assert ("reward_funcs" in takes) == entry.generates
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
