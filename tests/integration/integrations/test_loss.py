@@ -301,7 +301,7 @@ def test_negative_control_a_micro_batch_without_targets_counted_as_a_sample(
         segments = _loss.target_segments(labels, *args[1:], **kwargs)
         return weight, int(segments.unique().numel()) if segments.numel() else 1
 
-    monkeypatch.setattr(packing_hf.integrations.loss, "loss_counts", counting_every_sample)
+    monkeypatch.setattr(packing_hf.integrations.loss_policy, "loss_counts", counting_every_sample)
     with pytest.raises(AssertionError, match="logged loss"):
         test_a_micro_batch_without_targets_adds_nothing("sample", False, tmp_path, assert_close)
 
