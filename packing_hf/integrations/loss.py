@@ -128,7 +128,7 @@ class PackingLossMixin:
                 result = self._sft_plain_loss(model, inputs, num_items_in_batch, head)
             elif route is LossRoute.PACKED:
                 result = self._packed_loss(model, inputs, weights, return_outputs, num_items_in_batch, head)
-            else:
+            else:  # LossRoute.SEQUENCE_PARALLEL
                 result = self._sequence_parallel_loss(
                     model, inputs, weights, num_items_in_batch, return_outputs, head
                 )
