@@ -62,6 +62,7 @@ from ..attention import register_attention
 from ..errors import PackingRefused
 from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments, budget_max_length
+from .loss_policy import StockLoss
 from .parallel import requested_sp_size
 from .preference_kit import (
     MaxLengthCountsMixin,
@@ -150,6 +151,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
     wording = Wording(
         "preference pairs", "preference batches", "a preference pair, whose two sequences", "preference pair"
     )
+    packing_loss = StockLoss.PER_EXAMPLE
     # sp_size cuts packed rows over processes: the adapters shard each row and gather the per-token log-probs
     packing_sequence_parallel = True
 

@@ -81,6 +81,7 @@ class PackingEvalMixin:
     """Packed evaluation; part of :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
 
     args: PackingArguments
+    loss_policy: Any  # the trainer's LossPolicy (integrations/loss_policy.py): no num_items_in_batch in a packed loop
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -184,7 +185,8 @@ class PackingEvalMixin:
             return super().evaluation_loop(dataloader, description, *args, **kwargs)
         self._packing_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         try:
-            output = super().evaluation_loop(dataloader, description, *args, **kwargs)
+            with self.loss_policy.packed_evaluation():
+                output = super().evaluation_loop(dataloader, description, *args, **kwargs)
             totals = self._packing_eval_sums
             if self.parallel_plan.world_size > 1:
                 totals = self.accelerator.reduce(totals, reduction="sum")
@@ -203,14 +205,6 @@ class PackingEvalMixin:
         if output.metrics is not None and dropped:
             output.metrics[f"{prefix}_dropped_samples"] = dropped
         return output
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
-        if getattr(self, "_packing_eval_sums", None) is not None:
-            # Packed evaluation weighs each batch's mean loss by the batch's own token count (prediction_step).
-            # Stock's count is gathered over ranks in evaluation too, which would make each rank's loss its
-            # share of a global mean (times the number of processes) instead of its own mean.
-            return None
-        return super()._get_num_items_in_batch(batch_samples, device)
 
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, *args: Any, **kwargs: Any

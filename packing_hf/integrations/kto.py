@@ -33,6 +33,8 @@ logged for KTO batches.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ import trl
 
 from ..unpaired import KL_PREFIX, ROW_KEYS, PaddingFreeUnpairedCollator
 from .args import PackingArguments, budget_max_length
+from .loss_policy import StockLoss
 from .preference_kit import MaxLengthCountsMixin, PackedForwardsMixin, check_vocabulary, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -97,6 +100,7 @@ class KTOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
     packing_collator = PaddingFreeUnpairedCollator
     packing_refusals = ("collator", "compute_metrics", "pad_to_multiple_of", "liger", *WHOLE_ROW_REFUSALS)
     wording = Wording("KTO examples", "KTO batches", "an example, whose sequences", "example")
+    packing_loss = StockLoss.PER_EXAMPLE
 
     def _max_length_columns(self, args: Any) -> tuple[str, ...]:
         # prompt + completion of every example (its KL twin pairs the same completions with other prompts)
@@ -113,18 +117,16 @@ class KTOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
             )
         self._kl_rows: dict[str, Any] | None = None  # TRL's __init__ may already run forwards
 
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
-    ):
+    @contextlib.contextmanager
+    def _loss_call(self, model: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
         # TRL hands every batch key to the main forward: the KL row waits aside for _compute_kl_logps
-        inputs = dict(inputs)
-        self._kl_rows = {k: inputs.pop(KL_PREFIX + k) for k in ROW_KEYS if KL_PREFIX + k in inputs}
-        try:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        finally:
-            self._kl_rows = None
+        with super()._loss_call(model, inputs) as inputs:
+            inputs = dict(inputs)
+            self._kl_rows = {k: inputs.pop(KL_PREFIX + k) for k in ROW_KEYS if KL_PREFIX + k in inputs}
+            try:
+                yield inputs
+            finally:
+                self._kl_rows = None
 
     def _compute_kl_logps(self, model: Any, batch: dict[str, Any]):
         if self._kl_rows:  # the KL forward runs on the KL row (TRL swaps in the padded KL_ layout itself)

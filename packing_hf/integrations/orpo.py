@@ -68,6 +68,7 @@ from ..preference import preference_pair_lengths, unpack_shifted
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
+from .loss_policy import StockLoss
 from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -139,6 +140,7 @@ class PackedPairsMixin:
     wording = Wording(
         "pairs", "preference batches", "a preference pair, whose two sequences", "pair plus its own NLL mean"
     )
+    packing_loss = StockLoss.PER_EXAMPLE
     _logits_drop_last: ClassVar[bool]
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
@@ -231,7 +233,7 @@ class PackedPairsMixin:
             k: batch[k]
             for k in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
         }
-        resolved = self._chunked_head(model)
+        resolved = self.loss_policy.chunked_head(self, model)
         if resolved is not None:
             # the chunked LM head: no (T, V) logits; the logits/* metrics average each position's mean logit
             targets = torch.cat([packed_ids[:, 1:], torch.full_like(packed_ids[:, :1], IGNORE_INDEX)], dim=1)

@@ -270,15 +270,13 @@ class PackedForwardsMixin:
         self._install_packed_forward(model)
         return super().compute_ref_log_probs(model, inputs)
 
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
-    ):
+    @contextlib.contextmanager
+    def _loss_call(self, model: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
         self._install_packed_forward(model)
         if self.ref_model is not None:
             self._install_packed_forward(self.ref_model)
         plan = self.parallel_plan
         if plan.sequence_parallel:  # the adapters cut the row over the SP group
             inputs = {**inputs, SEQUENCE_PARALLEL_KEY: plan.sp_group}
-        return super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
+        with super()._loss_call(model, inputs) as inputs:
+            yield inputs

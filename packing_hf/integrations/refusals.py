@@ -46,19 +46,15 @@ WHOLE_ROW_REFUSALS = ("cut_overflow", "vision_data", "prompt_learning", "sequenc
 class Wording:
     """What a packed trainer's refusal messages call its packed things.
 
-    >>> Wording("rollouts", "rollouts").own_loss
-    False
+    >>> Wording("reward pairs", "reward batches", "a reward pair, whose two sequences", "reward pair").loss_term
+    'reward pair'
     """
 
     unit: str = "samples"  # "data_collator=X does not pack <unit>"
     batches: str = "batches"  # "vision-language <batches> are not packed"
     whole: str = "a sample, whose tokens"  # "<overflow> would cut <whole> must be scored whole"
-    loss_term: str | None = None  # "the loss of <stock> is one term per <loss_term>"
-
-    @property
-    def own_loss(self) -> bool:
-        """The stock loss is one term per ``loss_term``, not a token mean: ``loss_normalization`` stays "token"."""
-        return self.loss_term is not None
+    # "the loss of <stock> is one term per <loss_term>" (trainers declaring StockLoss.PER_EXAMPLE)
+    loss_term: str | None = None
 
 
 def first_row(dataset: Any) -> Any:

@@ -35,6 +35,7 @@ import trl
 from ..preference import PaddingFreeRewardCollator, preference_pair_lengths
 from .adapters import PackedRewardForward
 from .args import PackingArguments, budget_max_length
+from .loss_policy import StockLoss
 from .preference_kit import MaxLengthCountsMixin, PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import Wording
 from .trainer import PackingTrainerMixin
@@ -89,6 +90,7 @@ class RewardTrainer(MaxLengthCountsMixin, PackingTrainerMixin, trl.RewardTrainer
     packing_collator = PaddingFreeRewardCollator
     packing_refusals = ("collator", "prompt_learning")
     wording = Wording("reward pairs", "reward batches", "a reward pair, whose two sequences", "reward pair")
+    packing_loss = StockLoss.PER_EXAMPLE
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         check_preference_call(call)
@@ -117,13 +119,11 @@ class RewardTrainer(MaxLengthCountsMixin, PackingTrainerMixin, trl.RewardTrainer
         """Remove the packed-forward hooks from the model."""
         self.packing_session.remove_adapters()
 
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
-    ):
+    @contextlib.contextmanager
+    def _loss_call(self, model: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
         self._install_packed_forward(model)
-        return super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
+        with super()._loss_call(model, inputs) as inputs:
+            yield inputs
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:
         """Tokens of every pair in a packed row: both sequences."""

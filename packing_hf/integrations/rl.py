@@ -45,6 +45,7 @@ from .._limits import check_bool, check_int, option
 from ..attention import register_attention
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES
+from .loss_policy import StockLoss
 from .refusals import Wording
 from .skeleton import PackedTrainerSkeleton
 
@@ -130,6 +131,8 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
 
     packing_refusals = ("liger", "vision_data", "prompt_learning", "sequence_parallelism", "router_aux_loss")
     wording = Wording("rollouts", "rollouts")
+    # TRL's own loss over the rollouts: packing_hf packs its forwards only
+    packing_loss = StockLoss.PER_EXAMPLE
 
     def _packing_setup(self) -> None:
         self.packing_stats = {

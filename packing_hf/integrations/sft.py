@@ -43,11 +43,10 @@ import torch
 import trl
 
 from .._limits import option
-from .._loss import LOSS_WEIGHTS_KEY
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
 from .args import PackingArguments, budget_max_length
-from .loss import LossRoute
+from .loss_policy import StockLoss
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
 
@@ -163,6 +162,8 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
     algorithm = "SFT"
     stock = "trl.SFTTrainer"
     packing_collator = (PaddingFreeCollator, MultimodalCollator)
+    # TRL's SFT loss: the model's token mean, plus TRL's metrics (the plain route computes both)
+    packing_loss = StockLoss.SFT
     # sp_size cuts packed rows over processes (integrations/sequence_parallel.py)
     packing_sequence_parallel = True
 
@@ -282,29 +283,9 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
 
         return np.array([collator.process(dataset[i])["input_ids"].shape[-1] for i in range(len(dataset))])
 
-    def _plain_loss(self, inputs: dict[str, Any], return_outputs: bool) -> bool:
-        """Whether the step's loss is the model's own (TRL's default SFT loss: mean negative log-likelihood of
-        the labelled tokens), so the logits it returns can give the metrics without TRL's fused LM head."""
-        args = self.args
-        return (
-            getattr(args, "logit_metrics", "labelled") == "labelled"
-            # packing_hf's own loss (loss_normalization sample/sample_sum, loss_weights, a cut row) is the mixin's
-            and self._packing_step_route is LossRoute.STOCK
-            and not self.parallel_plan.sequence_parallel
-            and getattr(args, "loss_normalization", "token") == "token"
-            and LOSS_WEIGHTS_KEY not in inputs
-            and not return_outputs
-            and self.compute_loss_func is None
-            and self.label_smoother is None
-            and args.loss_type == "nll"
-            and not self.aux_loss_enabled
-            and "shift_labels" not in inputs
-            and "labels" in inputs
-            and not self.parallel_plan.shards_sample_tokens
-        )
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's SFT loss and its logged metrics, without scoring every position over the whole vocabulary.
+    def _sft_plain_loss(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any, head: Any) -> Any:
+        """SFT's plain route (:class:`~packing_hf.integrations.loss_policy.LossRoute`): TRL's SFT loss and its
+        logged metrics, without scoring every position over the whole vocabulary.
 
         TRL's ``compute_loss`` runs a fused LM head that computes log-probabilities, entropy and top-1 for every
         position of the row (prompt tokens too, on CPU) on every step: about 3x the cost of the step itself
@@ -312,27 +293,17 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         value: the summed negative log-likelihood of the labelled tokens over ``num_items_in_batch``), and
         ``entropy`` / ``mean_token_accuracy`` are computed from its logits, detached, at the labelled
         positions only, where TRL's values are non-zero anyway: the logged numbers mean what TRL's mean. With
-        ``chunked_loss`` (default) the loss and both metrics come from the chunked LM head, no logits kept.
-        Other losses (packing_hf's ``loss_normalization`` / ``loss_weights``, DFT, label smoothing,
-        ``compute_loss_func``, MoE aux loss, sequence parallelism) go down the usual chain: packing_hf's loss
-        mixin, then TRL's own ``compute_loss``.
+        ``chunked_loss`` (default: ``head``, the resolved chunked LM head) the loss and both metrics come from the
+        chunked LM head, no logits kept. The loss policy sends other losses (packing_hf's ``loss_normalization`` /
+        ``loss_weights``, DFT, label smoothing, ``compute_loss_func``, MoE aux loss, sequence parallelism) down
+        their own routes, TRL's ``compute_loss`` among them.
         """
-        if not self._plain_loss(inputs, return_outputs):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
         inputs["use_cache"] = False
-        resolved = self._chunked_head(model)
-        if resolved is not None:
-            # the same loss from the chunked head; the metrics from its chunks, at the labelled tokens
-            loss, stats, _ = self._chunked_stock_loss(
-                model, inputs, num_items_in_batch, resolved, metrics=True
-            )
+        loss, stats, outputs = self._model_loss(model, inputs, num_items_in_batch, head, metrics=True)
+        if stats is not None:  # the metrics from the chunked head's chunks, at the labelled tokens
             entropy_sum, num_correct, num_valid = stats.entropy, stats.hits, stats.count
         else:
-            # transformers.Trainer's compute_loss (skipping TRL's): the model's own loss, num_items_in_batch applied
-            loss, outputs = super(trl.SFTTrainer, self).compute_loss(
-                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
-            )
             entropy_sum, num_correct, num_valid = _labelled_logit_metrics(outputs.logits, inputs["labels"])
         gather = self.accelerator.gather_for_metrics
         num_valid, entropy_sum, num_correct = (gather(x).sum() for x in (num_valid, entropy_sum, num_correct))

@@ -6,7 +6,9 @@ writes only what is really its own:
 
 - declarations (class attributes): ``config_class`` (``args`` is converted to it), ``stock`` (the unpacked
   trainer refusals point to), ``packing_collator``, ``packing_refusals`` (keys of
-  :data:`~packing_hf.integrations.refusals.REFUSALS`) and the nouns the refusal wordings use;
+  :data:`~packing_hf.integrations.refusals.REFUSALS`), the nouns the refusal wordings use, and ``packing_loss``
+  (what its stock loss is: :class:`~packing_hf.integrations.loss_policy.StockLoss`, checked when the class is
+  made);
 - hooks, named for when they run: :meth:`~PackedTrainerSkeleton._packing_config` (first),
   :meth:`~PackedTrainerSkeleton._before_stock_init` (own checks, the collator),
   :meth:`~PackedTrainerSkeleton._during_stock_init` (around the stock ``__init__``),
@@ -32,6 +34,7 @@ from typing import Any, ClassVar
 
 from ..collator import PaddingFreeCollator
 from .args import TrainingArguments, as_config
+from .loss_policy import LossPolicy, StockLoss, check_declaration
 from .parallel import ParallelPlan, hidden_sequence_parallelism
 from .refusals import Wording, check_refusals
 from .session import PackingSession
@@ -52,8 +55,16 @@ class PackedTrainerSkeleton:
     wording: ClassVar[Wording] = Wording()  # what the refusal messages call its packed things
     #: whether this trainer cuts packed rows over ``sp_size`` processes itself (else ``sp_size`` stays accelerate's)
     packing_sequence_parallel: ClassVar[bool] = False
+    #: what the stock trainer's ``compute_loss`` computes (:mod:`~packing_hf.integrations.loss_policy`)
+    packing_loss: ClassVar[StockLoss] = StockLoss.CAUSAL_LM
     #: the run's parallel layout, built once with the accelerator (:mod:`~packing_hf.integrations.parallel`)
     parallel_plan: ParallelPlan
+    #: the run's loss: the step's route, denominator and scaling, each call's route (built beside the plan)
+    loss_policy: LossPolicy
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_declaration(cls, PackedTrainerSkeleton)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stock_init = super().__init__
@@ -84,10 +95,12 @@ class PackedTrainerSkeleton:
 
     def create_accelerator_and_postprocess(self) -> None:
         """Stock's, then the run's :class:`~packing_hf.integrations.parallel.ParallelPlan` (``sp_size`` kept
-        from accelerate where this trainer serves it)."""
+        from accelerate where this trainer serves it) and its
+        :class:`~packing_hf.integrations.loss_policy.LossPolicy`."""
         with hidden_sequence_parallelism(self.args, self.packing_sequence_parallel) as sp_size:
             result = super().create_accelerator_and_postprocess()
         self.parallel_plan = ParallelPlan.of(self, sp_size)
+        self.loss_policy = LossPolicy.of(self, self.parallel_plan)
         return result
 
     def _packing_setup(self) -> None:

@@ -67,6 +67,7 @@ from ..pair_rows import TRIPLE_BRANCHES, PaddingFreeTripleCollator
 from ..preference import unpack_shifted
 from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
+from .loss_policy import StockLoss
 from .preference_kit import MaxLengthCountsMixin, PreferenceStatsCollator, check_preference_call, pad_token_id
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -196,6 +197,7 @@ class TPOTrainer(MaxLengthCountsMixin, PackingTrainerMixin, _StockTPOTrainer):
     wording = Wording(
         "TPO rows", "preference batches", "a TPO example, whose sequences", "example plus its own NLL mean"
     )
+    packing_loss = StockLoss.PER_EXAMPLE
 
     def _max_length_columns(self, args: Any) -> tuple[str, ...]:
         branches = TRIPLE_BRANCHES if args.tpo_alpha != 0.0 else TRIPLE_BRANCHES[:2]  # the reference rows
@@ -228,7 +230,7 @@ class TPOTrainer(MaxLengthCountsMixin, PackingTrainerMixin, _StockTPOTrainer):
         padded = {k: inputs[k] for k in ("input_ids", "attention_mask", "completion_mask")}
         packed = {k: inputs[k] for k in ("packed_input_ids", "packed_index", *_PACKED_INPUTS)}
         # return_outputs: trainer.predict(), whose predictions are the logits (evaluate() asks for the loss alone)
-        resolved = None if return_outputs else self._chunked_head(model)
+        resolved = None if return_outputs else self.loss_policy.chunked_head(self, model)
         if resolved is None:
             return super()._compute_loss(PackedTripleForward(model, packed), padded, return_outputs)
         return self._chunked_compute_loss(model, padded, packed, resolved)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 import transformers
@@ -63,7 +62,6 @@ from .callbacks import STATS_KEY, PackingMetrics, StepClock
 from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
-from .parallel import training_mode
 from .peft_models import apply_peft
 from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
@@ -86,8 +84,8 @@ logger = logging.getLogger(__name__)
 
 class PackingTrainerMixin(
     PackingSequenceParallelMixin,
+    PackingLossMixin,  # before the skeleton: past it, compute_loss is the stock trainer's (loss_policy.py)
     PackedTrainerSkeleton,
-    PackingLossMixin,
     PackingEvalMixin,
     PackingDataMixin,
     PackingResumeMixin,
@@ -126,7 +124,7 @@ class PackingTrainerMixin(
             # step times and model FLOPs in the logs; the MFU over every device of the run
             self.add_callback(StepClock(self._packing_metrics, self.parallel_plan.devices))
         self._packing_last_logged_step = 0
-        self._loss_setup()
+        self.loss_policy.check_setup(self)
         # ranks' packed batches hold different numbers of samples
         gather_uneven_rows(self.accelerator, self.parallel_plan)
         if args.max_tokens_per_batch is None:
@@ -227,14 +225,6 @@ class PackingTrainerMixin(
         if counts is not None:
             self._packing_metrics.update(counts)
         return super().training_step(model, inputs, *args, **kwargs)
-
-    def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any):
-        # the forward + loss time of this rank's micro-batch (packing metrics: how long ranks wait)
-        start = time.perf_counter()
-        result = super().compute_loss(model, inputs, *args, **kwargs)
-        if training_mode(model):
-            self._packing_metrics.record_time(time.perf_counter() - start)
-        return result
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         # Training logs (they carry "loss") are emitted on every rank, so the collectives below are matched.

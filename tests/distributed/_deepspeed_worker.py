@@ -700,7 +700,7 @@ def zero3_chunked_head_cases(out_dir: str, dataset, collator, start: dict, train
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "parameters": parameters if int(os.environ["RANK"]) == 0 else None,
             "inside": inside[0],
-            "refusals": sorted(trainer.__dict__.get("_chunked_refusals", ())),
+            "refusals": list(trainer.loss_policy.chunked_head_refusals),
         }
         del trainer, model
     chunked_head._with_head_weight = original

@@ -494,7 +494,7 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
             "placements": str(getattr(weight, "placements", None)),
             "shard_calls": calls[0],
             "fsdp_head_projections": projections[0],
-            "chunked_refusals": sorted(trainer.__dict__.get("_chunked_refusals", ())),
+            "chunked_refusals": list(trainer.loss_policy.chunked_head_refusals),
             "eval_before": eval_before,
         }
         del trainer, model, params, weight

@@ -177,12 +177,13 @@ def test_a_head_that_cannot_be_chunked_keeps_the_logits_and_says_why_once(tmp_pa
     model = AutoModelForCausalLM.from_config(config)
     assert "does not call its head once" in resolve_head(model)
     trainer = _trainer(tmp_path, model, True)
-    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.loss"):
-        assert trainer._chunked_head(model) is None
-        assert trainer._chunked_head(model) is None
+    with caplog.at_level(logging.WARNING, logger="packing_hf.integrations.loss_policy"):
+        assert trainer.loss_policy.chunked_head(trainer, model) is None
+        assert trainer.loss_policy.chunked_head(trainer, model) is None
     said = [r.getMessage() for r in caplog.records if "chunked_loss" in r.getMessage()]
     assert len(said) == 1 and "OPTForCausalLM" in said[0], said
-    assert _trainer(tmp_path, _model("llama_untied"), False)._chunked_head(model) is None  # opted out
+    opted_out = _trainer(tmp_path, _model("llama_untied"), False)
+    assert opted_out.loss_policy.chunked_head(opted_out, model) is None
 
 
 def _register(model, hook: str, labels: torch.Tensor):

@@ -17,7 +17,7 @@ import torch
 
 import packing_hf
 from packing_hf import _loss
-from packing_hf.integrations.loss import LossRoute
+from packing_hf.integrations.loss_policy import LossRoute
 
 _spec = importlib.util.spec_from_file_location(
     "packing_hf_loss_worker", Path(__file__).parents[2] / "distributed" / "_loss_worker.py"
@@ -156,9 +156,9 @@ def test_default_is_stock_loss(tmp_path):
         train_dataset=harness.make_samples(weighted=False),
     )
     batch = packing_hf.PaddingFreeCollator()(harness.make_samples(weighted=False)[:3])
-    trainer._packing_counting = True
-    count = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
-    assert trainer._packing_step_route is LossRoute.STOCK and trainer.loss_is_scaled_for_ga is None
+    with trainer.loss_policy.counting_step():
+        count = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+    assert trainer.loss_policy.step_route is LossRoute.STOCK and trainer.loss_is_scaled_for_ga is None
     assert int(count) == int((batch["labels"][:, 1:] != -100).sum())
 
 
@@ -301,7 +301,7 @@ def test_negative_control_a_micro_batch_without_targets_counted_as_a_sample(
         segments = _loss.target_segments(labels, *args[1:], **kwargs)
         return weight, int(segments.unique().numel()) if segments.numel() else 1
 
-    monkeypatch.setattr(packing_hf.integrations.loss, "loss_counts", counting_every_sample)
+    monkeypatch.setattr(packing_hf.integrations.loss_policy, "loss_counts", counting_every_sample)
     with pytest.raises(AssertionError, match="logged loss"):
         test_a_micro_batch_without_targets_adds_nothing("sample", False, tmp_path, assert_close)
 

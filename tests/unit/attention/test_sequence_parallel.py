@@ -164,14 +164,14 @@ def test_a_router_loss_is_refused_at_set_up_and_in_the_loss_route(coefficient):
     """The SP loss is the shards' logits' alone: a router load-balancing loss (not a sum over shards) would be
     left out of the step, so a model adding one to its loss is refused by name, where the trainer sets up SP and
     in the loss route; ``router_aux_loss_coef=0`` (nothing left out) is the negative control and runs."""
-    from packing_hf.integrations.loss import PackingLossMixin
+    from packing_hf.integrations.loss_policy import LossPolicy, StockLoss
     from packing_hf.integrations.sequence_parallel import PackingSequenceParallelMixin
 
     model = _mixtral(coefficient)
     plan = SimpleNamespace(sequence_parallel=True, sp_size=2, sp_group=None, world_size=1)
     trainer = SimpleNamespace(
-        args=SimpleNamespace(loss_normalization="token"), parallel_plan=plan, wording=SimpleNamespace(own_loss=False),
-        loss_is_scaled_for_ga=False, model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        args=SimpleNamespace(loss_normalization="token"), parallel_plan=plan, model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
     )  # fmt: skip
 
     def refused():
@@ -179,7 +179,7 @@ def test_a_router_loss_is_refused_at_set_up_and_in_the_loss_route(coefficient):
         return pytest.raises(ValueError, match=message) if coefficient else contextlib.nullcontext()
 
     with refused():
-        PackingLossMixin._loss_setup(trainer)
+        LossPolicy(StockLoss.CAUSAL_LM, plan).check_setup(trainer)
     model.train()
     batch = _row()
     with refused():
