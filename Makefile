@@ -29,8 +29,11 @@ setup: $(STAMP)
 train: $(TRAIN_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/packing-hf train configs/smollm2_demo.yaml
 
+# --dist loadfile: every test module runs on one worker, so a module fixture (a multi-process launch, a trained
+# model) is computed once, not once per worker, and no worker waits for a launch the other one runs;
+# --no-loadscope-reorder keeps the collection order: the slowest modules (tests/distributed/) first, doctests last
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q
 
 lint: setup
 	$(VENV)/bin/ruff check packing_hf tests benchmarks examples tools conftest.py

@@ -426,6 +426,38 @@ def batching_statistics(
     }
 
 
+def batching_row(
+    contender: str,
+    figures: dict[str, Any],
+    columns: Sequence[str],
+    peak_mib_med: float | None = None,
+    peak_mib_max: float | None = None,
+) -> dict[str, Any]:
+    """One table row of a contender's :func:`batching_statistics` ``figures``: the ``columns`` named, in that order,
+    from ``contender``, ``steps``, ``tok_step_med`` / ``_min`` / ``_max`` / ``_cv`` (real tokens per optimizer step),
+    ``tok_micro_cv`` (per micro-batch), ``padded_max/budget``, ``fill``, ``mixing_ratio``, ``position_corr``,
+    ``lag1_autocorr`` and the measured peak memory per step ``peak_mib_med`` / ``peak_mib_max`` (MiB, None where
+    not measured)."""
+    tokens = figures["real_tokens_per_step"]
+    row = {
+        "contender": contender,
+        "steps": figures["steps"],
+        "tok_step_med": tokens["median"],
+        "tok_step_min": tokens["min"],
+        "tok_step_max": tokens["max"],
+        "tok_step_cv": tokens["cv"],
+        "tok_micro_cv": figures["real_tokens_per_micro_batch"]["cv"],
+        "padded_max/budget": figures["emitted_max_over_budget"],
+        "fill": figures["fill"],
+        "mixing_ratio": figures["mixing_ratio"],
+        "position_corr": figures["position_corr"],
+        "lag1_autocorr": figures["lag1_autocorr"],
+        "peak_mib_med": peak_mib_med,
+        "peak_mib_max": peak_mib_max,
+    }
+    return {column: row[column] for column in columns}
+
+
 def pin_mmap_threshold(threshold: int = 128 * 1024) -> bool:
     """Fix glibc's ``mmap`` threshold (``mallopt(M_MMAP_THRESHOLD)``; its initial value by default), which turns off
     its dynamic raise: by default a freed block of up to 32 MiB raises the threshold, later blocks of that size come

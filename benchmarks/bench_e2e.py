@@ -62,6 +62,7 @@ from _common import (
     PeakRSS,
     add_mix_and_memory_arguments,
     add_threads_argument,
+    batching_row,
     batching_statistics,
     compact_vocabulary,
     equal_memory_batch_size,
@@ -116,6 +117,8 @@ CONTENDERS = (
 )
 COMPACT = ("tiny", "small")  # presets whose vocabulary is the ids the data uses, renumbered (CPU)
 REBALANCE_MICRO_BATCHES = 4
+BATCHING_COLUMNS = ["contender", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv", "padded_max/budget",
+                    "mixing_ratio", "position_corr", "lag1_autocorr", "peak_mib_med", "peak_mib_max"]  # fmt: skip
 
 
 def parse_args():
@@ -377,19 +380,13 @@ def main() -> None:
             }
         )
         batching.append(
-            {
-                "contender": c.name,
-                "tok_step_med": figures["real_tokens_per_step"]["median"],
-                "tok_step_min": figures["real_tokens_per_step"]["min"],
-                "tok_step_max": figures["real_tokens_per_step"]["max"],
-                "tok_step_cv": figures["real_tokens_per_step"]["cv"],
-                "padded_max/budget": figures["emitted_max_over_budget"],
-                "mixing_ratio": figures["mixing_ratio"],
-                "position_corr": figures["position_corr"],
-                "lag1_autocorr": figures["lag1_autocorr"],
-                "peak_mib_med": peaks["median"] / 2**20 if peaks else None,
-                "peak_mib_max": peaks["max"] / 2**20 if peaks else None,
-            }
+            batching_row(
+                c.name,
+                figures,
+                BATCHING_COLUMNS,
+                peak_mib_med=peaks["median"] / 2**20 if peaks else None,
+                peak_mib_max=peaks["max"] / 2**20 if peaks else None,
+            )
         )
     load_end = load_average()
     peers = [r["tokens_per_s"] for r in rows if r["contender"] != "packing_hf" and "tokens_per_s" in r]
@@ -413,11 +410,7 @@ def main() -> None:
     print(
         "\n== batching (real tokens per step, padded max over the budget, mixing) and memory per step, MiB =="
     )
-    print_table(
-        batching,
-        ["contender", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv", "padded_max/budget",
-         "mixing_ratio", "position_corr", "lag1_autocorr", "peak_mib_med", "peak_mib_max"],
-    )  # fmt: skip
+    print_table(batching, BATCHING_COLUMNS)
     name = f"bench_e2e_{args.preset}_{args.device}" + (
         f"_{args.mix}_{args.budget}" if args.mix != "blend" else ""
     )

@@ -96,6 +96,7 @@ from _common import (
     add_mix_and_memory_arguments,
     add_threads_argument,
     base_parser,
+    batching_row,
     batching_statistics,
     compact_vocabulary,
     equal_memory_batch_size,
@@ -465,37 +466,27 @@ def spread(values: list[float | None]) -> dict[str, float] | None:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+BATCHING_COLUMNS = ["contender", "steps", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv",
+                    "tok_micro_cv", "padded_max/budget", "fill", "mixing_ratio", "position_corr", "lag1_autocorr",
+                    "peak_mib_med", "peak_mib_max"]  # fmt: skip
+
+
 def batching_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per contender of its epoch's batching figures (the first run's: the batches are the same every
     run) and, after training, its measured peak memory per step (median and max over steps and runs)."""
     rows = []
     for name, done in runs.items():
-        b = done[0]["batching"]
         peaks = [r["step_peak_mem_mib"] for r in done if r.get("step_peak_mem_mib")]
         rows.append(
-            {
-                "contender": name,
-                "steps": b["steps"],
-                "tok_step_med": b["real_tokens_per_step"]["median"],
-                "tok_step_min": b["real_tokens_per_step"]["min"],
-                "tok_step_max": b["real_tokens_per_step"]["max"],
-                "tok_step_cv": b["real_tokens_per_step"]["cv"],
-                "tok_micro_cv": b["real_tokens_per_micro_batch"]["cv"],
-                "padded_max/budget": b["emitted_max_over_budget"],
-                "fill": b["fill"],
-                "mixing_ratio": b["mixing_ratio"],
-                "position_corr": b["position_corr"],
-                "lag1_autocorr": b["lag1_autocorr"],
-                "peak_mib_med": statistics.median(p["median"] for p in peaks) if peaks else None,
-                "peak_mib_max": max(p["max"] for p in peaks) if peaks else None,
-            }
+            batching_row(
+                name,
+                done[0]["batching"],
+                BATCHING_COLUMNS,
+                peak_mib_med=statistics.median(p["median"] for p in peaks) if peaks else None,
+                peak_mib_max=max(p["max"] for p in peaks) if peaks else None,
+            )
         )
     return rows
-
-
-BATCHING_COLUMNS = ["contender", "steps", "tok_step_med", "tok_step_min", "tok_step_max", "tok_step_cv",
-                    "tok_micro_cv", "padded_max/budget", "fill", "mixing_ratio", "position_corr", "lag1_autocorr",
-                    "peak_mib_med", "peak_mib_max"]  # fmt: skip
 
 
 def result_name(args) -> str:

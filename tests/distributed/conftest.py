@@ -77,11 +77,12 @@ def load_worker() -> Callable[[Path], ModuleType]:
 def run_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
     """``run_once(name, run)``: the folder in which ``run(folder)`` ran exactly once in this test session.
 
-    A module whose tests all read one launch keeps it in a module fixture, but pytest-xdist may hand those
-    tests to different workers, and each worker would launch it again (``xdist_group`` does not help: with
-    pytest 9 its group suffix no longer reaches the node ids). So the first worker to ask runs it under a
-    file lock in the session's shared temporary folder; the others wait and read its files. A run that fails
-    leaves no result, and the next worker to ask runs it again (and fails the same way)."""
+    A module whose tests all read one launch keeps it in a module fixture. ``make test`` (``--dist loadfile``)
+    runs a module's tests on one worker; under another distribution pytest-xdist may hand them to different
+    workers, and each worker would launch it again (``xdist_group`` does not help: with pytest 9 its group
+    suffix no longer reaches the node ids). So the first worker to ask runs it under a file lock in the
+    session's shared temporary folder; the others wait and read its files. A run that fails leaves no result,
+    and the next worker to ask runs it again (and fails the same way)."""
     base = tmp_path_factory.getbasetemp()
     # under xdist every worker's basetemp is popen-gwN inside the session's folder; without it, basetemp is
     # the session's folder itself (its parent holds earlier sessions' folders)

@@ -43,10 +43,12 @@ def long_data(gsm8k_rows):
     )
 
 
-def _whole(data, tokenizer, tiny_llama, tmp_path) -> list[list[int]]:
-    """The samples as stock TRL prepares them with max_length=None: the reference, nothing cut."""
-    args = trl.SFTConfig(str(tmp_path / "stock"), max_length=None, report_to="none", use_cpu=True)
-    stock = trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer)
+@pytest.fixture(scope="module")
+def whole(long_data, tokenizer, tiny_llama, tmp_path_factory) -> list[list[int]]:
+    """``long_data``'s samples as stock TRL prepares them with max_length=None: the reference, nothing cut (each
+    row on its own: the first two of them are what stock makes of ``long_data.select([0, 1])``)."""
+    args = trl.SFTConfig(str(tmp_path_factory.mktemp("stock")), max_length=None, report_to="none", use_cpu=True)
+    stock = trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=long_data, processing_class=tokenizer)
     return list(stock.train_dataset["input_ids"])
 
 
@@ -71,9 +73,8 @@ def test_config_max_length_default_follows_the_budget(name):
         assert config(**common, max_tokens_per_batch=4096, packing=True).max_length == 4096
 
 
-def test_budget_without_max_length_trains_a_long_sample_whole(long_data, tokenizer, tiny_llama, tmp_path, feature_recording_collator):
-    data = long_data.select([0, 1])
-    whole = _whole(data, tokenizer, tiny_llama, tmp_path)
+def test_budget_without_max_length_trains_a_long_sample_whole(long_data, whole, tokenizer, tiny_llama, tmp_path, feature_recording_collator):
+    data, whole = long_data.select([0, 1]), whole[:2]
     assert max(map(len, whole)) > 1024  # longer than TRL's default max_length
     collator = feature_recording_collator(pad_token_id=tokenizer.pad_token_id)
     trainer = packing_hf.SFTTrainer(
@@ -102,9 +103,8 @@ def test_a_sample_longer_than_the_budget_is_refused_by_name(long_data, tokenizer
 
 @pytest.mark.parametrize("explicit", [True, False], ids=["max_length_set", "trl_default"])
 def test_max_length_truncation_is_counted_and_logged(
-    explicit, long_data, tokenizer, tiny_llama, tmp_path, caplog
+    explicit, long_data, whole, tokenizer, tiny_llama, tmp_path, caplog
 ):
-    whole = _whole(long_data, tokenizer, tiny_llama, tmp_path)
     cut = [len(ids) - 1024 for ids in whole if len(ids) > 1024]
     assert len(cut) == 2
     overrides = dict(max_length=1024, max_tokens_per_batch=2048) if explicit else {}
@@ -134,9 +134,8 @@ def test_max_length_truncation_is_counted_and_logged(
     assert "max_length_truncated_samples" not in metrics  # the training set's are in the training logs only
 
 
-def test_trl_bfd_packing_cut_is_counted(long_data, tokenizer, tiny_llama, tmp_path):
-    data = long_data.select([0, 1])
-    whole = _whole(data, tokenizer, tiny_llama, tmp_path)
+def test_trl_bfd_packing_cut_is_counted(long_data, whole, tokenizer, tiny_llama, tmp_path):
+    data, whole = long_data.select([0, 1]), whole[:2]
     trainer = packing_hf.SFTTrainer(
         model=tiny_llama(),
         args=_config(tmp_path, packing=True, padding_free=True, max_length=1024),
@@ -386,7 +385,8 @@ def test_orpo_cpo_budget_without_max_length_cuts_nothing(kind, gsm8k_rows, token
             "rejected": [" 3", " " + " ".join(reversed(answers))],
         }
     )
-    whole = _stock_rows(kind, 10**6, data, tokenizer, tiny_llama, tmp_path)
+    stock = _orpo_trainer(kind, True, data, tokenizer, tiny_llama, tmp_path, max_length=10**6)
+    whole = stock.train_dataset
     assert max(map(len, whole["chosen_input_ids"])) > 1024  # longer than TRL's default max_length
     # both pairs in one batch, as in stock's batch of 3 (ORPO's NLL term is a token mean over the batch)
     budget = sum(map(len, [*whole["chosen_input_ids"], *whole["rejected_input_ids"]]))
@@ -397,7 +397,6 @@ def test_orpo_cpo_budget_without_max_length_cuts_nothing(kind, gsm8k_rows, token
     assert trainer.max_length_stats["train"] == {"truncated_samples": 0, "truncated_tokens": 0}
     if kind == "cpo":
         return  # the same rows and the same packed forward as ORPO's (test_orpo_cpo.py: both equal stock's)
-    stock = _orpo_trainer(kind, True, data, tokenizer, tiny_llama, tmp_path, max_length=10**6)
     # the loss of the whole pairs, forward only (the same weights): stock's with a max_length nothing reaches
     assert trainer.evaluate()["eval_loss"] == pytest.approx(stock.evaluate()["eval_loss"], rel=1e-5)
 
