@@ -50,9 +50,17 @@ def _args(data_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture
-def ctrl_c_during_step(monkeypatch):
+def ctrl_c_during_step(monkeypatch, request):
     """SIGINT delivered to this process during step ``n``, right after its optimizer update (before the step
-    ends), as a terminal's Ctrl-C is."""
+    ends), as a terminal's Ctrl-C is. The process starts with Python's own SIGINT handler, as a command run from
+    a terminal does (an earlier test of this worker may have left another one: the CLI only takes Ctrl-C over
+    where it can hand it back), restored afterwards."""
+    import torch.distributed as dist
+
+    left = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: left is not None and signal.signal(signal.SIGINT, left))
+    assert not dist.is_initialized(), "an earlier test left a process group: the CLI would see a launcher"
 
     def arm(n: int) -> None:
         def on_optimizer_step(self, args, state, control, **kwargs):
