@@ -175,6 +175,15 @@ def _fixes_mask(preparation: Any) -> bool:
     return preparation is not None and bool(getattr(preparation, "mask_fix", False))
 
 
+def _rules_of(config: Any) -> tuple[str, Any, Any]:
+    """``(model_type, rules, entry)``: the config's model type, the config its rules are read from (a
+    wrapper's text config when the wrapper is not in the registry itself) and its registry entry."""
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    text = wrapper_text_config(config) if model_type not in REGISTRY else None
+    rules = config if text is None else text
+    return model_type, rules, support(str(getattr(rules, "model_type", model_type)))
+
+
 def needs_preparation(config: Any, *, varlen: bool = False, preparation: Any = None) -> str | None:
     """Why the model of ``config``, as loaded, lets packed samples see each other until
     :func:`packing_hf.prepare_model_for_packing` prepares it; ``None`` when it needs nothing or is prepared.
@@ -204,10 +213,7 @@ def needs_preparation(config: Any, *, varlen: bool = False, preparation: Any = N
     >>> needs_preparation(AutoConfig.for_model("bamba"))[:6]
     'Mamba2'
     """
-    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
-    text = wrapper_text_config(config) if model_type not in REGISTRY else None
-    rules = config if text is None else text
-    entry = support(str(getattr(rules, "model_type", model_type)))
+    _, rules, entry = _rules_of(config)
     mixers_split = entry.status == "mixers" and _splits_mixers(preparation)
     if entry.status == "mixers" and not mixers_split and not mixer_free(rules):
         return entry.reason
@@ -233,10 +239,7 @@ def prefix_tree_refusal(config: Any) -> str | None:
     >>> prefix_tree_refusal(AutoConfig.for_model("bamba"))[:30]
     'bamba: a prefix-tree row (pref'
     """
-    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
-    text = wrapper_text_config(config) if model_type not in REGISTRY else None
-    rules = config if text is None else text
-    entry = support(str(getattr(rules, "model_type", model_type)))
+    model_type, rules, entry = _rules_of(config)
     why = entry.reason if entry.status == "mixers" and not mixer_free(rules) else unsupported_layers(rules)
     if why is None:
         return None
