@@ -43,9 +43,12 @@ import trl
 
 from .._limits import check_bool, check_int, option
 from ..attention import register_attention
+from ..attention.admission import prefix_tree_refusal
+from ..errors import PackingRefused
 from ..rollouts import pack_rollouts, unpack_rollouts
 from .args import PREFLIGHT_MODES
 from .loss_policy import StockLoss
+from .preflight import base_model
 from .refusals import Wording
 from .skeleton import PackedTrainerSkeleton
 
@@ -135,6 +138,17 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
     packing_loss = StockLoss.PER_EXAMPLE
 
     def _packing_setup(self) -> None:
+        if self.args.share_prompt:
+            # a shared prompt is a depth-1 prefix tree: a hybrid's SSM or convolution would start every
+            # completion from a zero state instead of its prompt's (refused here, before the first forward)
+            for model in (self.model, getattr(self, "ref_model", None)):
+                config = getattr(base_model(model), "config", None) if model is not None else None
+                why = prefix_tree_refusal(config) if config is not None else None
+                if why is not None:
+                    raise PackingRefused(
+                        "share_prompt",
+                        f"share_prompt=True: {why}; set share_prompt=False (rollouts stay exact)",
+                    )
         self.packing_stats = {
             "forwards": 0,
             "packed_tokens": 0,

@@ -477,3 +477,15 @@ def test_hybrid_with_checkpointing_and_several_packs_per_backward_matches_stock(
         return
     _train_both(stock, packed, assert_close)
     assert packed.packing_stats["forwards"] > packed.state.global_step  # several packs per backward
+
+
+def test_share_prompt_on_a_hybrid_is_refused_when_the_trainer_is_built(tmp_path, hybrid_dir, tokenizer, prompts):
+    """A shared prompt is a depth-1 prefix tree: a hybrid's Mamba2 mixer would start every completion from a
+    zero state instead of its prompt's, so ``share_prompt=True`` is refused by name when the trainer is built
+    (before, at the first forward). Negative control: the same hybrid without ``share_prompt`` is built."""
+    from packing_hf.errors import PackingRefused
+
+    with pytest.raises(PackingRefused, match=r"share_prompt=True: bamba: a prefix-tree row"):
+        _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2), share_prompt=True)
+    _, packed = _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2))
+    assert packed.args.share_prompt is False
