@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._cache import IdentityCache
 from ..errors import PackingRefused
 from ..registry import MIXERS_BY_LAYER_TYPE, REGISTRY, support, wrapper_text_config
 
@@ -251,12 +252,22 @@ def prefix_tree_refusal(config: Any) -> str | None:
     )
 
 
+_TREES_SERVED = IdentityCache(size=16)
+
+
 def refuse_prefix_tree(config: Any) -> None:
     """Raise :class:`~packing_hf.errors.PackingRefused` (reason ``"prefix_seq_idx"``) where
-    :func:`prefix_tree_refusal` says why; the batch guards and the attention both call it."""
-    refusal = None if config is None else prefix_tree_refusal(config)
+    :func:`prefix_tree_refusal` says why; the batch guards and the attention (every layer) both call it, so an
+    accepted config is remembered until a field the check reads (:func:`served_config_key`) changes."""
+    if config is None:
+        return
+    key = served_config_key(config)
+    if _TREES_SERVED.get((config,), data=key):
+        return
+    refusal = prefix_tree_refusal(config)
     if refusal is not None:
         raise PackingRefused("prefix_seq_idx", refusal)
+    _TREES_SERVED.put((config,), True, data=key)
 
 
 def served_config_key(config: Any) -> tuple:

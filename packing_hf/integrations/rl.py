@@ -142,8 +142,8 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
             # a shared prompt is a depth-1 prefix tree: a hybrid's SSM or convolution would start every
             # completion from a zero state instead of its prompt's (refused here, before the first forward)
             for model in (self.model, getattr(self, "ref_model", None)):
-                config = getattr(base_model(model), "config", None) if model is not None else None
-                why = prefix_tree_refusal(config) if config is not None else None
+                config = None if model is None else getattr(base_model(model), "config", None)
+                why = None if config is None else prefix_tree_refusal(config)
                 if why is not None:
                     raise PackingRefused(
                         "share_prompt",
