@@ -15,6 +15,9 @@ row, a token that is no prediction target).
 - :meth:`PackedLayout.shifted`: the layout of per-token results of a causal LM's shifted forward (packed
   position ``t`` predicts token ``t + 1``; it lands where a right-padded forward puts the prediction of the
   same token: column ``j - 1`` of a ``(rows, width - 1)`` grid).
+- :meth:`PackedLayout.from_paths`: a grid whose rows *repeat* packed tokens (every segment of a prefix-tree
+  row after its ancestors' tokens): :meth:`PackedLayout.pad` then gathers (a token fills several slots, the
+  backward sums their gradients), :meth:`PackedLayout.unpad` reads every token from its own segment's row.
 
 Both directions are differentiable in the tensor they move and read no value back to the host, except the
 constructors that say so (:meth:`PackedLayout.from_starts` needs the longest sample;
@@ -54,6 +57,9 @@ class PackedLayout:
         rows, width: the padded grid.
         complete: every packed token has a slot (no sentinel in ``index``): :meth:`pad` and :meth:`unpad`
             then skip the sentinel's handling. Set by the constructors that know it.
+        source: ``None``, or ``(rows * width,)`` int64 for a grid whose rows repeat packed tokens
+            (:meth:`from_paths`): the packed token every slot holds, ``prod(packed_shape)`` for an empty slot.
+            :meth:`pad` then gathers from it; ``index`` still names the one slot every token is read back from.
 
     >>> layout = PackedLayout.from_starts(torch.tensor([[True, False, True]]))  # samples of 2 and 1 tokens
     >>> layout.rows, layout.width, layout.packed_shape, layout.index.tolist()
@@ -65,6 +71,7 @@ class PackedLayout:
     rows: int
     width: int
     complete: bool = False
+    source: torch.Tensor | None = None
 
     @property
     def sentinel(self) -> int:
@@ -157,6 +164,64 @@ class PackedLayout:
         offset = torch.arange(flat.numel(), device=flat.device) - begin[sample]
         return cls(sample * longest + offset, tuple(starts.shape), int(begin.numel()), longest, True)
 
+    @classmethod
+    def from_paths(
+        cls,
+        cu_seqlens: torch.Tensor,
+        path_index: torch.Tensor,
+        cu_paths: torch.Tensor,
+        packed_shape: tuple[int, ...],
+    ) -> PackedLayout:
+        """Segment ``s`` as row ``s`` of the grid, *after* other packed tokens: the row holds
+        ``path_index[cu_paths[s]:cu_paths[s + 1]]``, whose last ``cu_seqlens[s + 1] - cu_seqlens[s]`` entries are
+        the segment's own tokens (a prefix tree's root-to-segment path: the ancestors' tokens, then its own; see
+        :func:`packing_hf.shared_prefix.shared_prefix_plan`). :meth:`pad` gathers every row's tokens (a token in
+        several rows is copied into each, and the backward sums the copies' gradients); :meth:`unpad` reads every
+        packed token from its own segment's row. Host arithmetic on the small boundary tensors; the index
+        tensors are built on ``path_index``'s device.
+
+        Args:
+            cu_seqlens: ``(n + 1,)`` int32/int64 the segments of the packed tokens.
+            path_index: ``(Tk,)`` int64 the packed token of every slot of every row, row after row.
+            cu_paths: ``(n + 1,)`` int32/int64 where each row starts in ``path_index``.
+            packed_shape: the leading shape of a packed tensor (``(1, T)`` for one row); tokens past the last
+                segment get no slot.
+
+        >>> layout = PackedLayout.from_paths(  # a root of 2 tokens, two children of 1: rows [0 1], [0 1 2], [0 1 3]
+        ...     torch.tensor([0, 2, 3, 4]), torch.tensor([0, 1, 0, 1, 2, 0, 1, 3]), torch.tensor([0, 2, 5, 8]), (1, 4)
+        ... )
+        >>> layout.pad(torch.tensor([[1.0, 2.0, 3.0, 4.0]])).tolist()
+        [[1.0, 2.0, 0.0], [1.0, 2.0, 3.0], [1.0, 2.0, 4.0]]
+        >>> layout.index.tolist(), layout.unpad(layout.pad(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))).tolist()
+        ([0, 1, 5, 8], [[1.0, 2.0, 3.0, 4.0]])
+        """
+        cu = [int(v) for v in cu_seqlens.tolist()]
+        paths = [int(v) for v in cu_paths.tolist()]
+        if len(cu) != len(paths) or paths[-1] != path_index.numel():
+            raise ValueError(
+                f"cu_paths {paths} does not describe one row per segment of cu_seqlens {cu} over the "
+                f"{path_index.numel()} path tokens: the paths and the segments do not come from the same row"
+            )
+        rows = len(cu) - 1
+        own = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        lengths = [b - a for a, b in zip(paths[:-1], paths[1:], strict=True)]
+        if any(o > n for o, n in zip(own, lengths, strict=True)):
+            raise ValueError(f"a path of cu_paths {paths} is shorter than its segment of cu_seqlens {cu}")
+        width = max(lengths, default=0)
+        total = _numel(packed_shape)
+        device = path_index.device
+        # every slot's packed token (total: an empty slot, which pad fills)
+        source = torch.full((rows * width,), total, dtype=torch.int64, device=device)
+        row = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths, dtype=torch.int64))
+        column = torch.arange(paths[-1]) - torch.tensor(paths[:-1], dtype=torch.int64)[row]
+        source[(row * width + column).to(device)] = path_index.long()
+        # every packed token's own slot: its segment's row, after the segment's ancestors
+        index = torch.full((total,), rows * width, dtype=torch.int64)
+        for s in range(rows):
+            begin = s * width + lengths[s] - own[s]
+            index[cu[s] : cu[s + 1]] = torch.arange(begin, begin + own[s])
+        return cls(index.to(device), tuple(packed_shape), rows, width, cu[-1] == total, source)
+
     def matches(self, tensor: object) -> bool:
         """Whether ``tensor`` is laid out as the packed tokens: ``(*packed_shape, ...)``."""
         n = len(self.packed_shape)
@@ -195,6 +260,10 @@ class PackedLayout:
             )
         rest = packed.shape[len(self.packed_shape) :]
         flat = packed.reshape(-1, *rest)
+        if self.source is not None:  # rows repeat tokens: a gather, whose backward sums every copy's gradient
+            spare = flat.new_zeros((1, *rest)) if fill == 0 else flat.new_full((1, *rest), fill)
+            grid = torch.cat([flat, spare]).index_select(0, self.source.to(flat.device))
+            return grid.reshape(self.rows, self.width, *rest)
         index = self.index.to(flat.device)
         slots = self.sentinel if self.complete else self.sentinel + 1  # one spare slot takes the sentinel's
         grid = flat.new_zeros((slots, *rest)) if fill == 0 else flat.new_full((slots, *rest), fill)
@@ -212,6 +281,11 @@ class PackedLayout:
         >>> layout.shifted().index.tolist()
         [0, 4, 2, 3]
         """
+        if self.source is not None:
+            raise ValueError(
+                "shifted() of a layout whose rows repeat packed tokens (from_paths): a token's prediction would "
+                "be read from several rows; shift the per-token results of the packed row instead"
+            )
         *lead, tokens = self.packed_shape
         index = self.index.reshape(*lead, tokens)[..., 1:].reshape(-1)
         column = index % self.width

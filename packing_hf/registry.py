@@ -37,6 +37,7 @@ __all__ = [
     "IMAGE_ROWS_UNVERIFIED",
     "IMAGE_ROWS_VERIFIED",
     "MIXERS_BY_LAYER_TYPE",
+    "PREFIX_TREE_MIXERS",
     "REGISTRY",
     "UNSEEN_BY_ATTENTION",
     "ArchitectureSupport",
@@ -472,4 +473,14 @@ UNSEEN_BY_ATTENTION = frozenset({"cpmant", "falcon_mamba", "mamba", "mamba2", "o
 MIXERS_BY_LAYER_TYPE = frozenset(
     "bailing_hybrid kimi_linear lara_mini lfm2 lfm2_moe lfm3 minimax olmo_hybrid qwen3_5_moe_text qwen3_5_text "
     "qwen3_next".split()
+)
+
+# "mixers" models whose prepared mixers run a prefix-tree row exactly: each segment on a row holding its
+# root-to-segment path (packing_hf.architectures.boundaries.tree_layout), so it starts from its parent's final
+# state. Each is proven by tests/integration/attention/test_prefix_tree.py (every sample alone, fp32 logits,
+# losses and gradients, with a negative control); the others stay refused
+# (packing_hf.attention.admission.prefix_tree_refusal).
+PREFIX_TREE_MIXERS = frozenset(
+    "bailing_hybrid bamba falcon_h1 granitemoehybrid inkling_text jamba kimi_linear lara_mini lfm2 lfm2_moe lfm3 "
+    "minimax nemotron_h olmo_hybrid qwen3_5_moe_text qwen3_5_text qwen3_next recurrent_gemma zamba zamba2".split()
 )

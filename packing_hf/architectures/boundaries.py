@@ -13,6 +13,10 @@ at 0 too (``[0, 0, 0, 1, 2]``), and only the model-level check, which sees the a
 apart. A layer that gets neither (a model that does not hand keyword arguments down: BLOOM, MPT) is served
 by the prepared call in flight instead (:mod:`packing_hf.architectures.preparation`).
 
+A prefix-tree row (``prefix_seq_idx`` next to ``cu_seq_lens_q``, :mod:`packing_hf.shared_prefix`) is read the
+same way: :func:`mixer_layout` gives a layer's token mixers one grid row per segment holding its
+root-to-segment path, from the call's own ``cu_seq_lens_q`` and ``prefix_seq_idx``.
+
 Activation checkpointing saves a layer's arguments and re-runs it with the same ones, so the re-run sees
 the same boundaries; a copy's layers read their own calls. Derived tensors (the starts, the right-padded
 layout) are cached per argument tensor object and version, so the layers of one forward, which all get
@@ -35,9 +39,11 @@ from typing import Any
 import torch
 
 from .._cache import IdentityCache
+from ..padding import PackedLayout
+from ..shared_prefix import PREFIX_KEY, shared_prefix_plan
 from ..varlen import cu_seqlens_to_starts
 
-__all__ = ["LAYOUT_KEY", "call_starts", "derived"]
+__all__ = ["LAYOUT_KEY", "call_starts", "derived", "mixer_layout", "tree_layout"]
 
 # the keyword argument a prepared decoder layer passes on to its mixers: the right-padded layout of the
 # packed row it runs on (see packing_hf.architectures.mixers); checkpointing saves it with the layer's call
@@ -83,3 +89,59 @@ def call_starts(names: Sequence[str], args: tuple, kwargs: dict) -> torch.Tensor
     if isinstance(seq_idx, torch.Tensor) and tuple(seq_idx.shape) == (rows, tokens):
         return derived(seq_idx, "starts", lambda: _starts_from_seq_idx(seq_idx))
     return None
+
+
+def tree_layout(
+    cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor, packed_shape: tuple[int, ...]
+) -> PackedLayout:
+    """The layout a token mixer runs a prefix-tree row on: segment ``s`` as row ``s`` of the grid, holding its
+    ancestors' tokens (root first) and then its own (:meth:`PackedLayout.from_paths`; one host read).
+
+    A mixer (SSM scan, gated DeltaNet, short convolution) that runs such a row from a zero state reaches the
+    segment's first token in the state its parent ends in, exactly as in the sample alone: nothing in the
+    mixer changes, the ancestors' tokens are only read again. Taking back from each row its own tokens'
+    outputs, and summing the gradients of the ancestors' copies (the gather's backward), gives every token's
+    output and gradient of the samples run alone. The attention gathers the same chains of keys
+    (:mod:`packing_hf.attention.prefix`).
+
+    Args:
+        cu_seqlens: ``(n + 1,)`` int32 the segments of the row.
+        prefix_seq_idx: ``(n,)`` int32 every segment's parent, ``-1`` for a root.
+        packed_shape: ``(1, T)``.
+
+    >>> layout = tree_layout(torch.tensor([0, 2, 3, 4]), torch.tensor([-1, 0, 0]), (1, 4))
+    >>> layout.pad(torch.tensor([[1, 2, 3, 4]])).tolist()  # the root, and each child after it
+    [[1, 2, 0], [1, 2, 3], [1, 2, 4]]
+    """
+    plan = shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
+    device = cu_seqlens.device
+    return PackedLayout.from_paths(
+        cu_seqlens.cpu(), plan.key_index.to(device), plan.cu_seqlens_k, packed_shape
+    )
+
+
+def mixer_layout(kwargs: dict, starts: torch.Tensor) -> PackedLayout:
+    """The right-padded layout the token mixers of a packed call run on, cached per forward: one grid row per
+    sample (``starts``, ``(B, T)`` bool), or, for a prefix-tree row (``prefix_seq_idx`` among ``kwargs``), one
+    row per segment holding its root-to-segment path (:func:`tree_layout`).
+
+    >>> starts = torch.tensor([[True, False, True, False]])
+    >>> mixer_layout({}, starts).rows, mixer_layout({}, starts).width
+    (2, 2)
+    >>> cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    >>> tree = mixer_layout({"cu_seq_lens_q": cu, "prefix_seq_idx": torch.tensor([-1, 0])}, starts)
+    >>> tree.rows, tree.width, tree.index.tolist()
+    (2, 4, [0, 1, 6, 7])
+    """
+    prefix = kwargs.get(PREFIX_KEY)
+    if prefix is None:
+        return derived(starts, "layout", lambda: PackedLayout.from_starts(starts))
+    cu = kwargs.get("cu_seq_lens_q")
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or starts.shape[0] != 1:
+        raise ValueError(
+            f"a prefix-tree row ({PREFIX_KEY}) reached a token mixer without its one-row cu_seq_lens_q (rows of "
+            f"shape {tuple(starts.shape)}): the mixers cannot tell which segment continues which. Pass the row as "
+            "PrefixTree.model_inputs() builds it: input_ids (1, T), cu_seq_lens_q and prefix_seq_idx"
+        )
+    shape = tuple(starts.shape)
+    return _DERIVED.derive((cu, prefix), lambda: tree_layout(cu, prefix, shape), data=("tree", shape))

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..padding import PackedLayout
+from ..shared_prefix import PREFIX_KEY
 from .boundaries import LAYOUT_KEY
 
 __all__ = [
@@ -101,9 +102,10 @@ def calls_in_flight() -> int:
 # arguments describing padding of the packed row: the padded batch has its own (trailing zeros, no mask)
 MASK_ARGUMENTS = frozenset({"attention_mask", "conv_mask", "causal_mask", "mask"})
 # arguments describing the packed row as one sequence: meaningless (and refused by transformers' torch
-# fallbacks, which raise on cu_seqlens / seq_idx) once the samples are rows of their own
+# fallbacks, which raise on cu_seqlens / seq_idx) once the samples are rows of their own; a prefix tree's
+# segments are rows holding their whole root-to-segment path by then (boundaries.tree_layout)
 PACKED_ONLY_ARGUMENTS = frozenset(
-    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens"}
+    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens", PREFIX_KEY}
 )
 
 

@@ -33,8 +33,9 @@ from ..attention.host import remember_host_values
 from ..multimodal import check_media, image_block_masks, mm_token_types, mrope_position_ids
 from ..padding import PackedLayout
 from ..registry import IMAGE_BLOCK_MASK, ArchitectureSupport, multimodal_refusal, wrapper_text_config
+from ..shared_prefix import PREFIX_KEY
 from ..varlen import PADDING_KEY
-from .boundaries import LAYOUT_KEY, call_starts, derived
+from .boundaries import LAYOUT_KEY, call_starts, derived, mixer_layout
 from .mixers import (
     PACKED_ONLY_ARGUMENTS,
     MixerRepacking,
@@ -136,7 +137,8 @@ def _media_present(kwargs: dict) -> bool:
 
 
 class _CallStack:
-    """The prepared model calls in flight on this thread: ``[(id(module), starts or None)]``.
+    """The prepared model calls in flight on this thread: ``[(id(module), starts or None, tree)]`` (``tree``:
+    the call is a prefix-tree row).
 
     Read only where a layer cannot see the boundaries in its own arguments (pure state-space stacks, whose
     blocks get hidden states alone; ALiBi models, whose blocks get no positions; several packed rows of a
@@ -149,7 +151,7 @@ class _CallStack:
         self._local = threading.local()
 
     @property
-    def entries(self) -> list[tuple[int, torch.Tensor | None]]:
+    def entries(self) -> list[tuple[int, torch.Tensor | None, bool]]:
         entries = getattr(self._local, "entries", None)
         if entries is None:
             entries = self._local.entries = []
@@ -158,6 +160,11 @@ class _CallStack:
     def top(self) -> torch.Tensor | None:
         entries = self.entries
         return entries[-1][1] if entries else None
+
+    def tree(self) -> bool:
+        """Whether the call in flight is a prefix-tree row."""
+        entries = self.entries
+        return bool(entries) and entries[-1][2]
 
     def __deepcopy__(self, memo: dict) -> _CallStack:
         return _CallStack()
@@ -395,7 +402,7 @@ class PackingPreparation:
                     checked["seq_idx"] = (torch.cumsum(starts.int(), dim=-1) - 1).to(torch.int32)
         if self.split_stack and starts is not None and any(module is d for d in self._stack_decoders):
             args, checked = self._pad_stack(module, args, checked, starts)
-        entries.append((id(module), starts))
+        entries.append((id(module), starts, checked.get(PREFIX_KEY) is not None))
         return args, checked
 
     def _post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -477,6 +484,12 @@ class PackingPreparation:
         mask = kwargs.get("attention_mask") if mask_in_kwargs else args[spec.mask_index]
         starts = call_starts(spec.names, args, kwargs)
         if starts is None:
+            if spec.mixers and self._calls.tree():
+                raise ValueError(
+                    f"{self.model_type}: a prefix-tree row ({PREFIX_KEY}) reached a decoder layer holding a token "
+                    f"mixer ({type(layer).__name__}) that is not handed the row's keyword arguments, so its mixers "
+                    "cannot run every segment after its ancestors. Pack these samples without shared prefixes"
+                )
             starts = self._calls.top()  # the forward in flight, for layers that get no boundaries
             if starts is not None and isinstance(mask, torch.Tensor):
                 setattr(mask, _MASK_TAG, starts)
@@ -502,7 +515,7 @@ class PackingPreparation:
             else:
                 args[spec.mask_index] = restricted
         if spec.mixers:
-            layout = derived(starts, "layout", lambda: PackedLayout.from_starts(starts))
+            layout = mixer_layout(kwargs, starts)
             checkpointed = bool(
                 getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
             )

@@ -25,7 +25,7 @@ import torch
 
 from .._cache import IdentityCache
 from ..errors import PackingRefused
-from ..registry import MIXERS_BY_LAYER_TYPE, REGISTRY, support, wrapper_text_config
+from ..registry import MIXERS_BY_LAYER_TYPE, PREFIX_TREE_MIXERS, REGISTRY, support, wrapper_text_config
 
 __all__ = [
     "PREPARED_ATTRIBUTE",
@@ -226,29 +226,40 @@ def needs_preparation(config: Any, *, varlen: bool = False, preparation: Any = N
 
 def prefix_tree_refusal(config: Any) -> str | None:
     """Why a prefix-tree row (``prefix_seq_idx``: segments continuing earlier segments) cannot be exact on the
-    model of ``config``; ``None`` when its every token mixer is attention.
+    model of ``config``; ``None`` when it can: its every token mixer is attention, or it is a hybrid whose
+    prepared mixers carry their state along the tree (``PREFIX_TREE_MIXERS`` in :mod:`packing_hf.registry`).
 
     A child segment must start from its parent's end. The attention does that by gathering the ancestors'
-    keys (:mod:`packing_hf.attention.prefix`); a hybrid's non-attention mixers (SSM scans, linear attention,
-    short convolutions) would need their parent's final state, and the per-sample split of
-    :func:`packing_hf.prepare_model_for_packing` starts every segment from a zero state instead, so a child
-    would lose its ancestors there. Carrying the state along the tree is not implemented: refused.
+    keys (:mod:`packing_hf.attention.prefix`). A hybrid's non-attention mixers (SSM scans, linear attention,
+    short convolutions) need their parent's final state: :func:`packing_hf.prepare_model_for_packing` runs
+    every segment on a row holding its root-to-segment path (``packing_hf.architectures.boundaries.
+    tree_layout``), which reaches the segment in exactly that state. The hybrids where this is proven (every
+    sample alone, fp32 logits, losses and gradients) are accepted; they still need the preparation, as on
+    flat rows (:func:`needs_preparation`). Refused: the other hybrids, pure state-space stacks, and configs
+    with non-attention layers of a model type with no registered mixers.
 
     >>> from transformers import AutoConfig
     >>> prefix_tree_refusal(AutoConfig.for_model("llama")) is None
     True
-    >>> prefix_tree_refusal(AutoConfig.for_model("bamba"))[:30]
-    'bamba: a prefix-tree row (pref'
+    >>> prefix_tree_refusal(AutoConfig.for_model("bamba")) is None  # its Mamba2 states follow the tree
+    True
+    >>> prefix_tree_refusal(AutoConfig.for_model("jamba"))[:30]
+    'jamba: a prefix-tree row (pref'
     """
     model_type, rules, entry = _rules_of(config)
-    why = entry.reason if entry.status == "mixers" and not mixer_free(rules) else unsupported_layers(rules)
+    mixers = entry.status == "mixers" and not mixer_free(rules)
+    if mixers and entry.model_type in PREFIX_TREE_MIXERS and not entry.split_stack:
+        return None
+    why = entry.reason if mixers else unsupported_layers(rules)
     if why is None:
         return None
     return (
         f"{model_type}: a prefix-tree row (prefix_seq_idx: segments that continue a shared prefix) cannot be exact "
         f"on this model: {why}, and a child segment would have to start from its parent's final state, which "
-        "packing_hf does not carry along the tree (its per-sample split starts every segment from a zero state). "
-        "Pack these samples without shared prefixes (flat rows stay exact), or use an attention-only model"
+        "packing_hf carries along the tree only for the hybrids where it is proven exact "
+        f"({', '.join(sorted(PREFIX_TREE_MIXERS))}; its per-sample split starts every segment of any other from a "
+        "zero state). Pack these samples without shared prefixes (flat rows stay exact), or use an attention-only "
+        "model"
     )
 
 

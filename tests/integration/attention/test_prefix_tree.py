@@ -7,7 +7,12 @@ and an unrelated sample, given in shuffled order; :func:`packing_hf.prefix_tree.
 them into one row. Models: Llama, Qwen3, Gemma 3 (sliding window shorter than the samples), gpt-oss
 (attention sinks, MoE), built with ``AutoConfig.for_model`` + ``from_config`` (``tiny_config``) under
 packing_hf's attention. The same comparison catches a sibling leak (a segment given its sibling as parent).
-A hybrid (Bamba: Mamba2 layers) is refused by name.
+
+Hybrids (Mamba/Mamba2, gated DeltaNet, KDA, lightning attention, short convolutions, RG-LRU), prepared by
+``prepare_model_for_packing``, run every segment's mixer on its root-to-segment path: every hybrid of
+``PREFIX_TREE_MIXERS`` equals every sample alone the same way, and the same comparison catches a mixer that
+starts a segment from a zero state (the per-sample split before trees) or without its parent. The others
+(pure state-space stacks here) are refused by name.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import packing_hf
-from packing_hf.architectures import tiny_config
+from packing_hf.architectures import boundaries, tiny_config
+from packing_hf.architectures import preparation as preparation_module
 from packing_hf.attention.guards import validate_packed_batch
 from packing_hf.attention.interface import varlen_attention_forward
 from packing_hf.errors import PackingRefused
 from packing_hf.prefix_tree import build_prefix_tree
+from packing_hf.registry import PREFIX_TREE_MIXERS
 from packing_hf.shared_prefix import prefix_chains, shared_prefix_position_ids
 from packing_hf.varlen import cu_seqlens_to_position_ids
 
@@ -72,9 +79,14 @@ def _sibling_as_parent(tree, inputs: dict) -> dict:
     return {**inputs, "prefix_seq_idx": wrong, "position_ids": positions}
 
 
-def _compare(model, samples, tamper=None) -> dict[str, float]:
-    """Largest relative error of the tree row's per-sample logits, losses and gradients against every sample
-    run alone (the loss: each sample's mean next-token cross-entropy, summed over samples)."""
+def _grads(params) -> torch.Tensor:
+    # a parameter no sample reaches (Inkling's relative-position projections on short rows) has no gradient
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+
+
+def _alone(model, samples) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Every sample run alone: its logits, its loss (mean next-token cross-entropy) and the gradients of the
+    losses summed over samples."""
     params = [p for p in model.parameters() if p.requires_grad]
     model.zero_grad()
     want_logits, want_losses = [], []
@@ -84,8 +96,19 @@ def _compare(model, samples, tamper=None) -> dict[str, float]:
         loss.backward()
         want_logits.append(logits.detach())
         want_losses.append(loss.detach())
-    want_grads = torch.cat([p.grad.flatten() for p in params])
+    return want_logits, want_losses, _grads(params)
 
+
+def _relative(got, want) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _compare(model, samples, tamper=None, alone=None) -> dict[str, float]:
+    """Largest relative error of the tree row's per-sample logits, losses and gradients against every sample
+    run alone (the loss: each sample's mean next-token cross-entropy, summed over samples). ``alone``: the
+    samples' results already computed (:func:`_alone`)."""
+    want_logits, want_losses, want_grads = alone or _alone(model, samples)
+    params = [p for p in model.parameters() if p.requires_grad]
     tree = build_prefix_tree(samples)
     assert tree.token_ratio > 1.5  # the row really shares: fewer tokens than the samples hold
     inputs = tree.model_inputs()
@@ -95,16 +118,12 @@ def _compare(model, samples, tamper=None) -> dict[str, float]:
     logits = model(**inputs, use_cache=False).logits
     losses = [-lp.mean() for lp in tree.token_logprobs(logits)]
     torch.stack(losses).sum().backward()
-    got_grads = torch.cat([p.grad.flatten() for p in params])
+    got_grads = _grads(params)
     got_logits = torch.cat(tree.sample_values(logits.detach()))
-
-    def relative(got, want):
-        return float((got - want).abs().max() / want.abs().max())
-
     return {
-        "logits": relative(got_logits, torch.cat(want_logits)),
-        "loss": relative(torch.stack(losses).detach(), torch.stack(want_losses)),
-        "grads": relative(got_grads, want_grads),
+        "logits": _relative(got_logits, torch.cat(want_logits)),
+        "loss": _relative(torch.stack(losses).detach(), torch.stack(want_losses)),
+        "grads": _relative(got_grads, want_grads),
     }
 
 
@@ -134,37 +153,82 @@ def test_a_sibling_leak_is_caught_by_the_same_comparison(model_type):
     assert errors["logits"] > 1e-3 and errors["grads"] > 1e-3, errors
 
 
+def _zero_start(kwargs, starts):
+    """Negative control: every segment's mixer row holds the segment alone (the per-sample split before trees:
+    each segment starts from a zero state)."""
+    return boundaries.mixer_layout({}, starts)
+
+
+def _parent_missing(kwargs, starts):
+    """Negative control: the deepest segment's mixer row skips its parent (it keeps the grandparent); the
+    attention still sees the whole tree."""
+    parents = kwargs["prefix_seq_idx"].tolist()
+    deepest = max(range(len(parents)), key=lambda i: len(prefix_chains(parents)[i]))
+    parents[deepest] = parents[parents[deepest]]
+    wrong = torch.tensor(parents, dtype=torch.int32)
+    return boundaries.tree_layout(kwargs["cu_seq_lens_q"], wrong, tuple(starts.shape))
+
+
+# what the control tampers with is the mixers' layout alone; LFM2's short convolution (3 tokens) moves its
+# losses least (4.5e-6 at a zero start), so the control reads the logits and gradients
+_CONTROLS = {"zero_start": _zero_start, "parent_missing": _parent_missing}
+
+
+@pytest.mark.parametrize("model_type", sorted(PREFIX_TREE_MIXERS))
+def test_a_hybrid_tree_row_equals_every_sample_alone(model_type, monkeypatch):
+    """Every lifted hybrid, prepared: its mixers run each segment after its ancestors (from its parent's final
+    state), so the tree row equals every sample alone; a mixer starting a segment from a zero state (the
+    per-sample split before trees) is caught by the same comparison. Bamba's control also drops one parent."""
+    model = _model(model_type)
+    samples = _conversations(model.config.vocab_size)
+    handle = packing_hf.prepare_model_for_packing(model)
+    try:
+        assert handle.mixers > 0 and not handle.split_stack
+        alone = _alone(model, samples)
+        errors = _compare(model, samples, alone=alone)
+        assert all(error < 1e-5 for error in errors.values()), errors
+        for name in ["zero_start", "parent_missing"] if model_type == "bamba" else ["zero_start"]:
+            monkeypatch.setattr(preparation_module, "mixer_layout", _CONTROLS[name])
+            errors = _compare(model, samples, alone=alone)
+            assert errors["logits"] > 1e-4 and errors["grads"] > 1e-4, (name, errors)
+    finally:
+        handle.revert()
+
+
 @pytest.mark.parametrize(
     "samples, depth",
     [([[1, 2, 3, 4], [1, 2, 3, 5]], 1), ([[1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [1, 2, 9]], 2)],
     ids=["one_level", "two_levels"],
 )
-def test_a_hybrid_model_is_refused_by_name(samples, depth):
-    """Bamba's Mamba2 layers would start every segment from a zero state (a one-level shared prefix as well):
-    refused by the batch guards, the prepared model's forward and the attention, naming the model and why."""
-    model = _model("bamba")
+def test_a_model_whose_mixers_do_not_follow_the_tree_is_refused_by_name(samples, depth):
+    """A pure state-space stack (Mamba2: every block a mixer) runs its whole stack per sample, not along the
+    tree: refused by the batch guards and the prepared model's forward, naming the model and why (a one-level
+    shared prefix as well). An attention layer called on its own (past the model's guards) refuses a config
+    with non-attention layers of a model type with no registered mixers (Llama given ``layer_types``)."""
     tree = build_prefix_tree(samples)
     inputs = tree.model_inputs()
     assert max(len(chain) for chain in prefix_chains(tree.prefix_seq_idx.tolist())) == depth
+    model = _model("mamba2")
     handle = packing_hf.prepare_model_for_packing(model)
     try:
         with pytest.raises(
-            PackingRefused, match="bamba: a prefix-tree row .* Mamba2 layers carry their scan state"
+            PackingRefused, match="mamba2: a prefix-tree row .* Mamba2 layers carry their scan state"
         ):
             validate_packed_batch(inputs, model=model)
-        with pytest.raises(PackingRefused, match="bamba: a prefix-tree row") as refused, torch.no_grad():
+        with pytest.raises(PackingRefused, match="mamba2: a prefix-tree row") as refused, torch.no_grad():
             model(**inputs, use_cache=False)
         assert refused.value.reason == "prefix_seq_idx"
-        # an attention layer called on its own (past the model's guards) refuses too
-        layer = next(m for m in model.modules() if type(m).__name__ == "BambaAttention")
-        q = torch.randn(1, layer.config.num_attention_heads, inputs["input_ids"].shape[1], layer.head_dim)
-        kv = torch.randn(1, layer.config.num_key_value_heads, q.shape[2], layer.head_dim)
-        with pytest.raises(PackingRefused, match="bamba: a prefix-tree row"):
-            varlen_attention_forward(
-                layer, q, kv, kv, None, **{k: v for k, v in inputs.items() if k != "input_ids"}
-            )
     finally:
         handle.revert()
+    llama = _model("llama")
+    llama.config.layer_types = ["conv", "full_attention"]
+    layer = next(m for m in llama.modules() if type(m).__name__ == "LlamaAttention")
+    q = torch.randn(1, layer.config.num_attention_heads, inputs["input_ids"].shape[1], layer.head_dim)
+    kv = torch.randn(1, layer.config.num_key_value_heads, q.shape[2], layer.head_dim)
+    with pytest.raises(PackingRefused, match=r"llama.* layer types \['conv'\] carry state"):
+        varlen_attention_forward(
+            layer, q, kv, kv, None, **{k: v for k, v in inputs.items() if k != "input_ids"}
+        )
 
 
 def test_the_guides_example_runs():
