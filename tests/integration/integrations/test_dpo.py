@@ -518,14 +518,36 @@ def test_a_router_loss_over_other_tokens_than_stocks_is_refused(collator):
     hooks.remove()
 
 
-def test_a_hybrid_keeps_its_prompts_unshared_unless_asked_and_is_refused_when_asked(tmp_path, tokenizer, pairs):
-    """A hybrid's Mamba2 mixer would start every branch of a shared-prompt row from a zero state instead of its
-    prompt's (branch logits 27-30 % off): ``shared_prompt`` left unset is off for it (the pairs are packed
-    without sharing and train), ``shared_prompt=True`` is refused naming the model and why. Negative control:
-    the same trainer on a Llama (attention only) turns sharing on by itself."""
+def test_a_hybrid_shares_its_prompts_exactly_and_a_model_that_cannot_is_refused(tmp_path, tokenizer, pairs):
+    """``shared_prompt`` left unset follows :func:`packing_hf.attention.admission.prefix_tree_refusal`: a prepared
+    hybrid (Bamba: its Mamba2 mixer runs every branch after its prompt, from the prompt's final state) shares its
+    prompts, and its chosen and rejected log-probs equal stock TRL's on the padded pairs. A model whose mixers do
+    not follow the tree (a pure Mamba2 stack) keeps its prompts unshared, and ``shared_prompt=True`` is refused
+    naming the model and why."""
     from transformers import AutoModelForCausalLM
 
     from packing_hf.architectures.tiny import tiny_config
+
+    def twins(seed: int = 0):
+        config = tiny_config("bamba", vocab_size=len(tokenizer))
+        torch.manual_seed(seed)
+        stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        packed = AutoModelForCausalLM.from_config(config, attn_implementation=packing_hf.register_attention())
+        packed.load_state_dict(stock.state_dict())
+        return stock, packed
+
+    stock, packed = _build(tmp_path, tokenizer, twins, lambda: pairs(4), loss_type=["sigmoid"])
+    assert packed.data_collator.shared_prompt is True
+    padded_batch, packed_batch = _batches(stock, packed, range(4))
+    assert packed_batch["prefix_seq_idx"].tolist() == [-1, 0, 0, -1, 3, 3, -1, 6, 6, -1, 9, 9]
+    # prepared as the trainer's packing session prepares it at its first step (the gradients of a tree row on
+    # a prepared Bamba are compared in tests/integration/attention/test_prefix_tree.py; the policy's forward is
+    # what this trainer adds)
+    with packing_hf.prepare_model_for_packing(packed.model):
+        got = packed.compute_ref_log_probs(packed.model, packed_batch)
+    want = stock.compute_ref_log_probs(stock.model, padded_batch)
+    for g, w, side in zip(got, want, ("chosen", "rejected"), strict=True):
+        _close(g, w, f"{side} logps")
 
     def trainer(model_type, **options):
         config = tiny_config(model_type, vocab_size=len(tokenizer))
@@ -538,10 +560,6 @@ def test_a_hybrid_keeps_its_prompts_unshared_unless_asked_and_is_refused_when_as
             processing_class=tokenizer,
         )
 
-    hybrid = trainer("bamba")
-    assert hybrid.data_collator.shared_prompt is False
-    hybrid.train()
-    assert math.isfinite(hybrid.state.log_history[-1]["train_loss"])
-    with pytest.raises(PackingRefused, match=r"shared_prompt=True: bamba: a prefix-tree row"):
-        trainer("bamba", shared_prompt=True)
-    assert trainer("llama").data_collator.shared_prompt is True
+    assert trainer("mamba2").data_collator.shared_prompt is False
+    with pytest.raises(PackingRefused, match=r"shared_prompt=True: .*mamba2"):
+        trainer("mamba2", shared_prompt=True)

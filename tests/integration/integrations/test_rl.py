@@ -447,17 +447,20 @@ class _LeakingRepacking(MixerRepacking):
 
 
 @pytest.mark.parametrize(
-    "reentrant, leak",
-    [(False, False), (True, False), (False, True)],
-    ids=["exact", "reentrant", "negative_control"],
+    "reentrant, leak, share_prompt",
+    [(False, False, True), (True, False, False), (False, True, False)],
+    ids=["shared_prompts", "reentrant", "negative_control"],
 )
 def test_hybrid_with_checkpointing_and_several_packs_per_backward_matches_stock(
-    tmp_path, hybrid_dir, tokenizer, prompts, reentrant, leak, monkeypatch, assert_close
+    tmp_path, hybrid_dir, tokenizer, prompts, reentrant, leak, share_prompt, monkeypatch, assert_close
 ):
     """Issue 29's reproduction: GRPO on a hybrid with activation checkpointing on (TRL's default), every
     generation batch split over 2 steps, and a token budget that makes each micro-batch several packed
-    forwards before its one backward. Every accumulated gradient and logged metric equals stock TRL's."""
+    forwards before its one backward. Every accumulated gradient and logged metric equals stock TRL's, also
+    with every prompt shared by its completions (a depth-1 prefix tree: the Mamba2 mixer runs each completion
+    after its prompt)."""
     config = dict(
+        share_prompt=share_prompt,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": reentrant},
         steps_per_generation=2,
@@ -477,15 +480,29 @@ def test_hybrid_with_checkpointing_and_several_packs_per_backward_matches_stock(
         return
     _train_both(stock, packed, assert_close)
     assert packed.packing_stats["forwards"] > packed.state.global_step  # several packs per backward
+    assert (packed.packing_stats["shared_prompts"] > 0) is share_prompt
 
 
-def test_share_prompt_on_a_hybrid_is_refused_when_the_trainer_is_built(tmp_path, hybrid_dir, tokenizer, prompts):
-    """A shared prompt is a depth-1 prefix tree: a hybrid's Mamba2 mixer would start every completion from a
-    zero state instead of its prompt's, so ``share_prompt=True`` is refused by name when the trainer is built
-    (before, at the first forward). Negative control: the same hybrid without ``share_prompt`` is built."""
+def test_share_prompt_on_a_model_whose_mixers_do_not_follow_the_tree_is_refused_when_built(
+    tmp_path, hybrid_dir, tokenizer, prompts
+):
+    """A shared prompt is a depth-1 prefix tree: ``share_prompt=True`` follows
+    :func:`packing_hf.attention.admission.prefix_tree_refusal` when the trainer is built (not at the first
+    forward). A pure Mamba2 stack (whose whole stack runs per sample, not along the tree) is refused by name;
+    a hybrid whose mixers follow the tree (Bamba) is built sharing its prompts."""
+    from packing_hf.architectures.tiny import tiny_config
     from packing_hf.errors import PackingRefused
 
-    with pytest.raises(PackingRefused, match=r"share_prompt=True: bamba: a prefix-tree row"):
-        _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2), share_prompt=True)
-    _, packed = _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2))
-    assert packed.args.share_prompt is False
+    path = tmp_path / "tiny_mamba2"  # TRL reads the model's config back from its path
+    AutoModelForCausalLM.from_config(tiny_config("mamba2", vocab_size=len(tokenizer))).save_pretrained(path)
+    mamba2 = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(PackingRefused, match=r"share_prompt=True: mamba2: a prefix-tree row"):
+        GRPOTrainer(
+            model=mamba2,
+            reward_funcs=reward_digits,
+            args=GRPOConfig(**_common(tmp_path, "packed", share_prompt=True)),
+            train_dataset=prompts(2),
+            processing_class=tokenizer,
+        )
+    _, packed = _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2), share_prompt=True)
+    assert packed.args.share_prompt is True
