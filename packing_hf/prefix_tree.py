@@ -24,8 +24,9 @@ Branch-point semantics (the choices, tested in ``tests/unit/test_prefix_tree.py`
   repeated in each of the groups that continue it (as if those samples shared nothing there). ``1``
   merges every common prefix.
 
-Models whose token mixers are not all attention (SSM, linear attention, short convolutions) are refused
-on a prefix-tree row by name (:func:`packing_hf.attention.admission.prefix_tree_refusal`).
+Hybrid models (SSM, linear attention, short convolutions), once prepared, run every segment's mixer after
+its ancestors' tokens; those where that is not proven exact are refused on a prefix-tree row by name
+(:func:`packing_hf.attention.admission.prefix_tree_refusal`).
 
 >>> tree = build_prefix_tree([[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 1]])
 >>> tree.input_ids.tolist(), tree.cu_seqlens.tolist(), tree.prefix_seq_idx.tolist()

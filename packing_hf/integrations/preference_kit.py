@@ -145,8 +145,8 @@ def _shared_prompt_obstacle(models: list[Any]) -> str | None:
 
 def shared_prompt_is_exact(models: list[Any]) -> bool:
     """Whether a shared-prompt row keeps every given model exact: packing_hf's varlen attention keeps it exact
-    (cached per architecture) and every token mixer is attention (a hybrid's SSM or convolution would start each
-    branch from a zero state instead of its prompt's)."""
+    (cached per architecture) and every token mixer is attention or follows the tree (``prefix_tree_refusal``:
+    other mixers would start each branch from a zero state instead of its prompt's)."""
     return _shared_prompt_obstacle(models) is None
 
 

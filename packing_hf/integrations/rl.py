@@ -139,8 +139,8 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
 
     def _packing_setup(self) -> None:
         if self.args.share_prompt:
-            # a shared prompt is a depth-1 prefix tree: a hybrid's SSM or convolution would start every
-            # completion from a zero state instead of its prompt's (refused here, before the first forward)
+            # a shared prompt is a depth-1 prefix tree: refused here, before the first forward, on a model whose
+            # mixers do not follow the tree (they would start every completion from a zero state)
             for model in (self.model, getattr(self, "ref_model", None)):
                 config = None if model is None else getattr(base_model(model), "config", None)
                 why = None if config is None else prefix_tree_refusal(config)

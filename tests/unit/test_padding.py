@@ -221,6 +221,40 @@ def test_an_empty_grid_unpads_to_fill():
     assert layout.unpad(torch.zeros(0, 3, 2), fill=5).tolist() == [[5, 5], [5, 5]]
 
 
+def test_a_grid_of_paths_pads_every_path_and_sums_the_copies_gradients():
+    """``from_paths`` (a prefix tree's root-to-segment rows, with a row past the tree): every row holds its path
+    (tokens repeated across rows), every token is read back from its own segment's row, and the backward of
+    ``pad`` sums a token's gradients over every row holding it."""
+    from packing_hf.architectures.boundaries import tree_layout
+    from packing_hf.shared_prefix import prefix_chains
+
+    cu, parents = (
+        [0, 2, 3, 5, 6, 8],
+        [-1, 0, 1, 0, -1],
+    )  # root(2) > child(1) > grandchild(2); sibling(1); alone(2)
+    layout = tree_layout(
+        torch.tensor(cu, dtype=torch.int32), torch.tensor(parents), (1, 9)
+    )  # 1 padding token
+    x = torch.arange(1.0, 10.0).reshape(1, 9, 1).requires_grad_()
+    grid = layout.pad(x)
+    for s, chain in enumerate(prefix_chains(parents)):
+        path = [t for n in (*chain, s) for t in range(cu[n], cu[n + 1])]
+        row = grid[s, :, 0].tolist()
+        assert row[: len(path)] == [float(t + 1) for t in path] and set(row[len(path) :]) <= {0.0}
+    back = layout.unpad(grid, fill=-1.0)
+    assert back[0, :8, 0].tolist() == x[0, :8, 0].tolist() and back[0, 8, 0] == -1.0
+    grid.sum().backward()
+    copies = [
+        1 + sum(s in chain for chain in prefix_chains(parents)) for s in range(5)
+    ]  # itself + descendants
+    want = [c for s, c in enumerate(copies) for _ in range(cu[s + 1] - cu[s])] + [0]
+    assert x.grad[0, :, 0].tolist() == [float(c) for c in want]  # a token's copies, and the padding none
+    with pytest.raises(ValueError, match="rows repeat packed tokens"):
+        layout.shifted()
+    with pytest.raises(ValueError, match="do not come from the same row"):
+        PackedLayout.from_paths(torch.tensor([0, 2]), torch.arange(3), torch.tensor([0, 2]), (1, 2))
+
+
 # -- each replaced copy: bit-identical on random layouts -------------------------------------------------
 
 

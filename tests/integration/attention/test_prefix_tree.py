@@ -17,7 +17,9 @@ starts a segment from a zero state (the per-sample split before trees) or withou
 
 from __future__ import annotations
 
+import copy
 import random
+import threading
 
 import pytest
 import torch
@@ -256,3 +258,235 @@ def test_a_prepared_model_accepts_a_tree_row_and_refuses_positions_that_ignore_i
             model(**{**inputs, "position_ids": restarting})
     finally:
         handle.revert()
+
+
+# --------------------------------------------------------------------------------------------------
+# Tree rows under the trainers' call patterns, on degenerate rows
+
+
+def _degenerate_rows(vocab: int) -> list[tuple[list[torch.Tensor], list[bool]]]:
+    """Two rows of samples, each with which samples carry targets (their loss is part of the step's).
+
+    Row 1: a tree whose root (2 tokens) and its child (1 token) are only branch points (no sample ends there),
+    1-token leaves, next to plain samples, one of them a single token (nothing to predict). Row 2: a tree whose
+    samples have no targets (forward only), next to a tree with a duplicate and a strict prefix. Every token
+    is distinct, so the trie is the one described."""
+    x = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:32].tolist()
+    row_1 = [
+        [x[0], x[1], x[2], x[3]],
+        [x[0], x[1], x[2], x[4], x[5]],
+        [x[0], x[1], x[6]],
+        [x[7], x[8], x[9]],
+        [x[10]],
+    ]
+    row_2 = [
+        [x[11], x[12], x[13]],
+        [x[11], x[12], x[14]],
+        [x[15], x[16], x[17]],
+        [x[15], x[16], x[17], x[18]],
+    ]
+    row_2 += [[x[15], x[19]], [x[15], x[19]]]
+    targets_1 = [True] * len(row_1)
+    targets_2 = [False, False, True, True, True, True]
+    return [
+        ([torch.tensor(s) for s in row_1], targets_1),
+        ([torch.tensor(s) for s in row_2], targets_2),
+    ]
+
+
+def _parent_dropped(tree, inputs: dict) -> dict:
+    """Negative control: the first child segment of two tokens or more loses its parent (a root, positions from
+    0): its samples' later tokens no longer see their prefix, in the attention and in the mixers."""
+    parents, cu = tree.prefix_seq_idx.tolist(), tree.cu_seqlens.tolist()
+    orphan = next(i for i, p in enumerate(parents) if p >= 0 and cu[i + 1] - cu[i] >= 2)
+    parents[orphan] = -1
+    wrong = torch.tensor(parents, dtype=torch.int32)
+    positions = shared_prefix_position_ids(tree.cu_seqlens, wrong)[None]
+    return {**inputs, "prefix_seq_idx": wrong, "position_ids": positions}
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of one sample (0 for a single token: nothing to predict)."""
+    return F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+
+
+def _alone_rows(model, rows) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Per row: every sample's logits run alone (concatenated), and the gradients of its targeted samples'
+    summed losses."""
+    logits_per_row, grads_per_row = [], []
+    for samples, targets in rows:
+        model.zero_grad(set_to_none=True)
+        pieces = []
+        for ids, target in zip(samples, targets, strict=True):
+            logits = model(input_ids=ids[None], use_cache=False).logits[0]
+            if target:
+                _nll(logits, ids).backward()
+            pieces.append(logits.detach())
+        logits_per_row.append(torch.cat(pieces))
+        grads_per_row.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    return logits_per_row, grads_per_row
+
+
+def _tree_forward(model, samples, targets, tamper=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree row's forward: every sample's logits (concatenated) and the targeted samples' summed loss."""
+    tree = build_prefix_tree(samples)
+    inputs = tree.model_inputs()
+    if tamper is not None:
+        inputs = tamper(tree, inputs)
+    logits = model(**inputs, use_cache=False).logits
+    logprobs = tree.token_logprobs(logits)
+    loss = sum(-lp.sum() for lp, target in zip(logprobs, targets, strict=True) if target)
+    return torch.cat(tree.sample_values(logits.detach())), loss
+
+
+def _grad_error(model, expected: dict[str, torch.Tensor]) -> float:
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    return max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)) for n, w in expected.items())
+
+
+def _logit_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _summed(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: sum(g[n] for g in grads) for n in grads[0]}
+
+
+@pytest.fixture(scope="module", params=["llama", "bamba"])
+def prepared(request):
+    """A prepared tiny model (packing_hf's attention), its degenerate rows and their samples run alone."""
+    torch.set_num_threads(1)
+    model = _model(request.param)
+    rows = _degenerate_rows(model.config.vocab_size)
+    with packing_hf.prepare_model_for_packing(model):
+        yield model, rows, *_alone_rows(model, rows)
+
+
+def _one_step(model, rows, tamper=None) -> list[torch.Tensor]:
+    """Both rows' forwards, then one backward of the summed losses; every row's per-sample logits."""
+    model.zero_grad(set_to_none=True)
+    outputs = [_tree_forward(model, s, t, tamper if i else None) for i, (s, t) in enumerate(rows)]
+    sum(loss for _, loss in outputs).backward()
+    return [logits for logits, _ in outputs]
+
+
+@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["plain", "non_reentrant", "reentrant"])
+def test_several_tree_rows_before_one_backward_under_checkpointing(prepared, checkpointing):
+    """Two different degenerate tree rows, then one backward of their summed losses, without activation
+    checkpointing and with it (``use_reentrant`` False and True: the layers re-run during backward read the
+    tree of their own call). Negative control, the same comparison: the second row with a segment reading its
+    sibling."""
+    model, rows, want_logits, want_grads = prepared
+    model.train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    try:
+        got = _one_step(model, rows)
+        errors = [_logit_error(g, w) for g, w in zip(got, want_logits, strict=True)]
+        errors.append(_grad_error(model, _summed(want_grads)))
+        assert max(errors) < 1e-5, errors
+        if checkpointing is not False:
+            return
+        _one_step(model, rows, tamper=_parent_dropped)
+        assert _grad_error(model, _summed(want_grads)) > 1e-3
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+def test_a_reference_copy_in_the_same_step(prepared):
+    """A deep copy of the prepared model (``trl.create_reference_model`` makes one) forwards every tree row
+    under ``no_grad`` between the policy's forwards of the same step: both equal every sample alone."""
+    model, rows, want_logits, want_grads = prepared
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for (samples, targets), want in zip(rows, want_logits, strict=True):
+        with torch.no_grad():
+            ref_logits, _ = _tree_forward(reference, samples, targets)
+        logits, loss = _tree_forward(model, samples, targets)
+        losses.append(loss)
+        assert max(_logit_error(ref_logits, want), _logit_error(logits, want)) < 1e-5
+    sum(losses).backward()
+    assert _grad_error(model, _summed(want_grads)) < 1e-5
+    assert all(p.grad is None for p in reference.parameters())
+
+
+def test_two_threads_forward_different_tree_rows_on_one_model(prepared):
+    """Two threads, started together at a barrier, each forwarding and back-propagating its own tree row on
+    the same prepared model, a few times: every logit equals its samples alone, and the gradients add up to
+    both rows' samples alone."""
+    model, rows, want_logits, want_grads = prepared
+    rounds = 3
+    barrier = threading.Barrier(len(rows))
+    results: list[list] = [[] for _ in rows]
+
+    def run(index: int) -> None:
+        samples, targets = rows[index]
+        try:
+            for _ in range(rounds):
+                barrier.wait()
+                logits, loss = _tree_forward(model, samples, targets)
+                loss.backward()
+                results[index].append(logits)
+        except BaseException as exc:  # to the main thread's assertion
+            barrier.abort()
+            results[index].append(exc)
+
+    model.zero_grad(set_to_none=True)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rows))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for got, want in zip(results, want_logits, strict=True):
+        assert len(got) == rounds and not any(isinstance(r, BaseException) for r in got), got
+        assert max(_logit_error(logits, want) for logits in got) < 1e-5
+    summed = {n: rounds * g for n, g in _summed(want_grads).items()}
+    assert _grad_error(model, summed) < 1e-5
+
+
+def test_two_models_sharing_one_config_object(prepared):
+    """A second model built from the same config object (``type(model)(model.config)``) with the same weights,
+    prepared on its own: one tree row on each in the same step, each model's gradients equal its row's samples
+    alone. A hybrid's twin left unprepared is refused on a tree row, whatever the prepared model accepted."""
+    model, rows, want_logits, want_grads = prepared
+    twin = type(model)(model.config).eval()
+    twin.load_state_dict(model.state_dict())
+    assert twin.config is model.config
+    if _needs_preparation(model):
+        with pytest.raises(PackingRefused, match="prepare_model_for_packing"), torch.no_grad():
+            _tree_forward(twin, *rows[1])
+    with packing_hf.prepare_model_for_packing(twin):
+        model.zero_grad(set_to_none=True)
+        logits_1, loss_1 = _tree_forward(model, *rows[0])
+        logits_2, loss_2 = _tree_forward(twin, *rows[1])
+        (loss_1 + loss_2).backward()
+    assert max(_logit_error(logits_1, want_logits[0]), _logit_error(logits_2, want_logits[1])) < 1e-5
+    assert max(_grad_error(model, want_grads[0]), _grad_error(twin, want_grads[1])) < 1e-5
+
+
+def _needs_preparation(model) -> bool:
+    return model.config.model_type in PREFIX_TREE_MIXERS
+
+
+def test_a_mixer_layer_that_does_not_see_the_tree_is_refused(monkeypatch):
+    """A decoder layer that finds no boundaries in its own arguments is served the boundaries of the prepared
+    call in flight, which tell samples apart but not which segment continues which: on a tree row its mixers
+    would start every segment from a zero state, so it is refused by name. Control: a flat row through the
+    same layers stays exact. (Stands for a model whose decoder does not hand its layers keyword arguments.)"""
+    model = _model("bamba")
+    monkeypatch.setattr(preparation_module, "call_starts", lambda names, args, kwargs: None)
+    tree = build_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]])
+    with packing_hf.prepare_model_for_packing(model), torch.no_grad():
+        with pytest.raises(ValueError, match=r"bamba: a prefix-tree row .* not handed the row's keyword"):
+            model(**tree.model_inputs(), use_cache=False)
+        flat = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 5]])
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+        logits = model(
+            input_ids=flat, position_ids=cu_seqlens_to_position_ids(cu)[None], use_cache=False
+        ).logits
+        alone = torch.cat([model(input_ids=flat[:, :4]).logits, model(input_ids=flat[:, 4:]).logits], dim=1)
+        assert _logit_error(logits, alone) < 1e-5
