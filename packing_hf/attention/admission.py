@@ -243,8 +243,8 @@ def prefix_tree_refusal(config: Any) -> str | None:
     True
     >>> prefix_tree_refusal(AutoConfig.for_model("bamba")) is None  # its Mamba2 states follow the tree
     True
-    >>> prefix_tree_refusal(AutoConfig.for_model("jamba"))[:30]
-    'jamba: a prefix-tree row (pref'
+    >>> prefix_tree_refusal(AutoConfig.for_model("mamba2"))[:31]  # a pure state-space stack: per sample only
+    'mamba2: a prefix-tree row (pref'
     """
     model_type, rules, entry = _rules_of(config)
     mixers = entry.status == "mixers" and not mixer_free(rules)
