@@ -198,9 +198,11 @@ class PackedPreferenceForward:
         label shift across shard edges done on the whole row, as in SFT); return the shard."""
         if kwargs.get(PREFIX_KEY) is not None or kwargs.get("output_router_logits"):
             raise ValueError(
-                "sequence parallelism cuts a packed preference row into plain shards: a shared-prompt row "
-                "(prefix_seq_idx) or a router load-balancing loss (output_router_logits) cannot be cut exactly; set "
-                "shared_prompt=False and router_aux_loss_coef=0, or train with sp_size=1"
+                "sequence parallelism cuts a packed preference row into shards: a router load-balancing loss "
+                "(output_router_logits) is not a sum over shards, and a shared-prompt row (prefix_seq_idx) is not "
+                "carried into the shards by this adapter (shard_packed_batch cuts a tree row exactly; the "
+                "preference path over it is not verified yet); set shared_prompt=False and router_aux_loss_coef=0, "
+                "or train with sp_size=1"
             )
         row = {key: kwargs.pop(key) for key in _ROW_KEYS if key in kwargs}
         shard = shard_packed_batch(row, group)
