@@ -128,7 +128,7 @@ def _path_model(pack) -> torch.Tensor:
     return torch.tensor([[float(hash((*context[p], y)) % 2**20) for p, y in slots]])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=8), min_size=1, max_size=8),
     st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=2),
