@@ -49,8 +49,8 @@ class RolloutPack:
     """One packed row of rollouts: the model inputs of one forward and the way back to ``(B, C)``.
 
     Attributes:
-        input_ids: ``(1, T)`` int64, the rollouts' real tokens back to back.
-        position_ids: ``(1, T)`` int64, restarting at 0 on every rollout.
+        input_ids: ``(1, T)`` int64, the rollouts' real tokens back to back (each shared token once in a tree).
+        position_ids: ``(1, T)`` int64, restarting at 0 on every rollout (continuing the parent in a tree).
         cu_seq_lens: ``(n + 1,)`` int32 segment offsets (pass as ``cu_seq_lens_q`` and ``cu_seq_lens_k``).
         max_length: the longest segment (``max_length_q`` / ``max_length_k``).
         labels: ``(1, T)`` int64, the token on real completion tokens, ``-100`` elsewhere.
@@ -59,12 +59,9 @@ class RolloutPack:
         rows: ``(n,)`` int64, the batch rows this pack holds (sorted).
         prefix_seq_idx: ``(n_segments,)`` int32 when rollouts share tokens (``-1`` for a root segment, the
             parent segment's index for a branch), else ``None``.
-
-    A prefix-tree pack (``share_prefixes``) has no ``labels`` / ``target`` (``None``) but:
-
-    Attributes:
-        predictors: ``(N,)`` int64, the row token whose hidden state predicts each slot (a branch point
-            appears once per distinct next token).
+        predictors: ``(N,)`` int64, a prefix-tree pack's (``share_prefixes``, whose ``labels`` and ``target``
+            are ``None``): the row token whose hidden state predicts each slot (a branch point appears once per
+            distinct next token); ``None`` otherwise, as the next two.
         shift_labels: ``(1, N)`` int64, the token each slot predicts (already shifted).
         reads: ``(2, K)`` int64, for every real completion token of the pack's rollouts: its slot, and its flat
             ``(B, C)`` index (several tokens may read one slot; every ``(B, C)`` index appears once).
