@@ -10,6 +10,13 @@ zeros wherever the padded forward's fused head writes zeros (every position that
 token). With ``max_tokens_per_batch``, rollouts are bin-packed into several rows of at most that many tokens
 (a rollout is never split).
 
+With ``share_prefixes``, the rollouts of a row are laid out as a prefix tree over prompt and completion
+(:func:`~packing_hf.prefix_tree.build_prefix_tree`): rollouts that share a prompt, earlier turns or tool
+calls store and compute those tokens once, at any depth. A tree row's predictions are *slots*: the hidden
+state of the row token that predicts a completion token (``predictors``) and that token
+(``shift_labels``); the first token of a branch is predicted at its parent's last token, one slot per
+distinct next token, and rollouts reading the same slot (identical prefixes, duplicates) read one value.
+
 >>> import torch
 >>> ids = torch.tensor([[0, 5, 6, 7, 0], [8, 9, 4, 3, 2]])  # P = 2 (left-padded), C = 3 (right-padded)
 >>> mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
@@ -31,6 +38,7 @@ import torch
 
 from ._binpack import pack_best_fit_decreasing, split_bins
 from .padding import PackedLayout
+from .prefix_tree import build_prefix_tree
 from .varlen import IGNORE_INDEX, check_int32_tokens
 
 __all__ = ["RolloutPack", "pack_rollouts", "rollout_spans", "unpack_rollouts"]
@@ -41,30 +49,47 @@ class RolloutPack:
     """One packed row of rollouts: the model inputs of one forward and the way back to ``(B, C)``.
 
     Attributes:
-        input_ids: ``(1, T)`` int64, the rollouts' real tokens back to back.
-        position_ids: ``(1, T)`` int64, restarting at 0 on every rollout.
+        input_ids: ``(1, T)`` int64, the rollouts' real tokens back to back (each shared token once in a tree).
+        position_ids: ``(1, T)`` int64, restarting at 0 on every rollout (continuing the parent in a tree).
         cu_seq_lens: ``(n + 1,)`` int32 segment offsets (pass as ``cu_seq_lens_q`` and ``cu_seq_lens_k``).
         max_length: the longest segment (``max_length_q`` / ``max_length_k``).
         labels: ``(1, T)`` int64, the token on real completion tokens, ``-100`` elsewhere.
         target: ``(T - 1,)`` int64: the flat ``(B, C)`` index the shifted packed position ``t`` (which predicts
             token ``t + 1``) lands on, ``B * C`` where it is not a target.
         rows: ``(n,)`` int64, the batch rows this pack holds (sorted).
-        prefix_seq_idx: ``(n_segments,)`` int32 when rollouts share their prompt (``-1`` for an ordinary or
-            prefix segment, the prefix's segment index for a branch), else ``None``.
+        prefix_seq_idx: ``(n_segments,)`` int32 when rollouts share tokens (``-1`` for a root segment, the
+            parent segment's index for a branch), else ``None``.
+        predictors: ``(N,)`` int64, a prefix-tree pack's (``share_prefixes``, whose ``labels`` and ``target``
+            are ``None``): the row token whose hidden state predicts each slot (a branch point appears once per
+            distinct next token); ``None`` otherwise, as the next two.
+        shift_labels: ``(1, N)`` int64, the token each slot predicts (already shifted).
+        reads: ``(2, K)`` int64, for every real completion token of the pack's rollouts: its slot, and its flat
+            ``(B, C)`` index (several tokens may read one slot; every ``(B, C)`` index appears once).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seq_lens: torch.Tensor
     max_length: int
-    labels: torch.Tensor
-    target: torch.Tensor
+    labels: torch.Tensor | None
+    target: torch.Tensor | None
     rows: torch.Tensor
     prefix_seq_idx: torch.Tensor | None = None
+    predictors: torch.Tensor | None = None
+    shift_labels: torch.Tensor | None = None
+    reads: torch.Tensor | None = None
+
+    @property
+    def num_predictions(self) -> int:
+        """How many per-token outputs the pack's forward yields (``T - 1`` shifted, or ``N`` slots)."""
+        return self.target.numel() if self.predictors is None else self.predictors.numel()
 
     def model_inputs(self) -> dict[str, object]:
-        """The keyword arguments of the packed forward (``labels`` included)."""
+        """The keyword arguments of the packed forward: ``labels``, or a tree pack's ``shift_labels``, which are
+        read from the backbone's hidden states gathered at :attr:`predictors` (the caller gathers them;
+        :class:`packing_hf.integrations.rl.PackedRolloutsMixin` does)."""
         shared = {} if self.prefix_seq_idx is None else {"prefix_seq_idx": self.prefix_seq_idx}
+        targets = {"labels": self.labels} if self.predictors is None else {"shift_labels": self.shift_labels}
         return {
             **shared,
             "input_ids": self.input_ids,
@@ -73,8 +98,15 @@ class RolloutPack:
             "cu_seq_lens_k": self.cu_seq_lens,
             "max_length_q": self.max_length,
             "max_length_k": self.max_length,
-            "labels": self.labels,
+            **targets,
         }
+
+    def _reads(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, flat (B, C) indices)`` of every completion token this pack's outputs hold."""
+        if self.reads is not None:
+            return self.reads[0], self.reads[1]
+        valid = self.target < batch * width
+        return torch.nonzero(valid).reshape(-1), self.target[valid]
 
 
 def rollout_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np.ndarray, np.ndarray]:
@@ -196,6 +228,8 @@ def pack_rollouts(
     max_tokens_per_batch: int | None = None,
     min_packs: int = 1,
     share_prompts: bool = False,
+    share_prefixes: bool = False,
+    min_shared_tokens: int = 1,
 ) -> list[RolloutPack]:
     """TRL's padded rollout batch as packed rows (see the module docstring).
 
@@ -213,6 +247,13 @@ def pack_rollouts(
         min_packs: make at least ``min(min_packs, B)`` rows (by splitting bins, then groups), so that
             data-parallel ranks run as many forwards each.
         share_prompts: compute every group's prompt once (see above).
+        share_prefixes: lay every row out as a prefix tree over the rollouts' prompts and completions
+            (see the module docstring): every token shared by several rollouts, at any depth, computed
+            once. The general case of ``share_prompts`` (which cannot be combined with it). Rollouts sharing a
+            root are kept in one row while their tree fits ``max_tokens_per_batch``; a larger tree is cut into
+            subtrees (halves of its rollouts) that fit, never a rollout.
+        min_shared_tokens: with ``share_prefixes``, the shortest run of tokens a node shared by several
+            rollouts may hold (see :func:`~packing_hf.prefix_tree.build_prefix_tree`).
 
     Returns:
         The :class:`RolloutPack` rows, every batch row in exactly one of them.
@@ -225,7 +266,19 @@ def pack_rollouts(
     >>> [pack] = pack_rollouts(ids, mask, logits_to_keep=2, share_prompts=True)
     >>> pack.input_ids.tolist(), pack.position_ids.tolist(), pack.prefix_seq_idx.tolist()
     ([[7, 8, 9, 1, 2, 9, 3]], [[0, 1, 2, 3, 4, 2, 3]], [-1, 0, 0])
+    >>> ids = torch.tensor([[7, 8, 1, 2, 3], [7, 8, 1, 4, 0], [7, 8, 5, 0, 0]])  # branching at two depths
+    >>> mask = (ids > 0).long()
+    >>> [tree] = pack_rollouts(ids, mask, logits_to_keep=3, share_prefixes=True)
+    >>> tree.input_ids.tolist(), tree.prefix_seq_idx.tolist()  # [7 8 | 1 | 2 3 | 4 | 5]
+    ([[7, 8, 1, 2, 3, 4, 5]], [-1, 0, 1, 1, 0])
+    >>> tree.predictors.tolist(), tree.shift_labels.tolist()  # token 8 predicts 1 and 5, token 1 predicts 2 and 4
+    ([1, 1, 2, 2, 3], [[1, 5, 2, 4, 3]])
     """
+    if share_prompts and share_prefixes:
+        raise ValueError(
+            "share_prompts and share_prefixes were both set: share_prefixes already shares every prompt (the "
+            "depth-1 case of its prefix tree); pass only share_prefixes=True"
+        )
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ in shape"
@@ -235,6 +288,13 @@ def pack_rollouts(
     keep = int(logits_to_keep)
     prompt_width = width - keep
     ids_cpu = input_ids.detach().cpu()
+    if share_prefixes:
+        sequences = [ids_cpu[b, starts[b] : ends[b]].numpy() for b in range(batch)]
+        groups = _tree_groups(sequences, max_tokens_per_batch, min_packs, min_shared_tokens)
+        return [
+            _tree_pack(sequences, members, starts, prompt_width, keep, min_shared_tokens, input_ids.device)
+            for members in groups
+        ]
     items = _rollout_items(ids_cpu.numpy(), starts, ends, prompt_width, share_prompts)
     real = attention_mask.detach().to("cpu", torch.bool).numpy()
     device = input_ids.device
@@ -281,13 +341,104 @@ def _prefix_of(bin_items: list) -> list[int]:
     return prefix_of
 
 
+def _tree_tokens(sequences: list[np.ndarray], members: list[int], min_shared_tokens: int) -> int:
+    """Tokens of the prefix tree over the rollouts ``members``."""
+    trie = build_prefix_tree([sequences[b] for b in members], min_shared_tokens=min_shared_tokens)
+    return trie.input_ids.numel()
+
+
+def _tree_groups(
+    sequences: list[np.ndarray], max_tokens_per_batch: int | None, min_packs: int, min_shared_tokens: int
+) -> list[list[int]]:
+    """The rollouts of every packed tree row: rollouts sharing a root stay together unless their tree is over
+    the budget or ranks need more rows (then the largest tree is cut into halves of its rollouts)."""
+    whole = build_prefix_tree(sequences, min_shared_tokens=min_shared_tokens)
+    first = whole.sample_index[whole.sample_cu[:-1]]  # row token of every rollout's first token
+    root = torch.searchsorted(whole.cu_seqlens.long(), first, right=True) - 1
+    trees: dict[int, list[int]] = {}
+    for b, r in enumerate(root.tolist()):
+        trees.setdefault(r, []).append(b)
+    items = [(members, _tree_tokens(sequences, members, min_shared_tokens)) for members in trees.values()]
+    budget = max_tokens_per_batch if max_tokens_per_batch is not None else sum(t for _, t in items)
+
+    def cut(i: int) -> None:
+        members = items[i][0]
+        halves = [members[: len(members) // 2], members[len(members) // 2 :]]
+        items[i : i + 1] = [(h, _tree_tokens(sequences, h, min_shared_tokens)) for h in halves]
+
+    i = 0
+    while i < len(items):  # a tree over the budget is cut until its subtrees fit (or are one rollout)
+        if items[i][1] > budget and len(items[i][0]) > 1:
+            cut(i)
+        else:
+            i += 1
+    for members, tokens in items:
+        if tokens > budget:
+            raise ValueError(
+                f"rollout {members[0]} holds {tokens} tokens > max_tokens_per_batch={max_tokens_per_batch}; a "
+                "rollout is never split: raise max_tokens_per_batch to at least that, or shorten "
+                "max_prompt_length / max_completion_length"
+            )
+    while len(items) < min_packs and any(len(m) > 1 for m, _ in items):  # ranks need more forwards
+        cut(max(range(len(items)), key=lambda j: (len(items[j][0]), items[j][1])))
+    weights = np.array([tokens for _, tokens in items], dtype=np.int64)
+    packing = pack_best_fit_decreasing(weights, budget)
+    if packing.num_bins < min(min_packs, len(items)):
+        packing = split_bins(packing, weights, min(min_packs, len(items)) - packing.num_bins)
+    return [sorted(b for i in bin_items for b in items[i][0]) for bin_items in packing.bins()]
+
+
+def _tree_pack(
+    sequences: list[np.ndarray],
+    members: list[int],
+    starts: np.ndarray,
+    prompt_width: int,
+    keep: int,
+    min_shared_tokens: int,
+    device: torch.device,
+) -> RolloutPack:
+    """One packed tree row of the rollouts ``members`` (batch rows, sorted) and its prediction slots."""
+    trie = build_prefix_tree([sequences[b] for b in members], min_shared_tokens=min_shared_tokens)
+    total = trie.input_ids.numel()
+    lengths = torch.diff(trie.sample_cu)
+    member = torch.repeat_interleave(torch.tensor(members, dtype=torch.int64), lengths)  # batch row per token
+    offset = torch.arange(trie.sample_index.numel()) - torch.repeat_interleave(trie.sample_cu[:-1], lengths)
+    column = torch.from_numpy(starts)[member] + offset  # (sum L,) padded column of every rollout token
+    # a completion token (never a rollout's first token: a rollout starts in its prompt) is predicted by the
+    # row token holding the rollout's previous token: at a branch, its parent's last token
+    is_target = column >= prompt_width
+    predictor = torch.roll(trie.sample_index, 1)[is_target]
+    predicted = trie.sample_index[is_target]
+    flat = member[is_target] * keep + (column[is_target] - prompt_width)
+    # one slot per (predicting row token, predicted row token): rollouts through the same tokens share it
+    keys, slot = torch.unique(predictor * total + predicted, return_inverse=True)
+    predictors, next_tokens = keys // total, keys % total
+    if not keys.numel():  # no completion token: one slot nobody reads keeps the head's output non-empty
+        predictors = next_tokens = torch.zeros(1, dtype=torch.int64)
+    shared = bool((trie.prefix_seq_idx >= 0).any())
+    return RolloutPack(
+        input_ids=trie.input_ids[None].to(device),
+        position_ids=trie.position_ids[None].to(device),
+        cu_seq_lens=trie.cu_seqlens.to(device),
+        max_length=int(torch.diff(trie.cu_seqlens).max()),
+        labels=None,
+        target=None,
+        rows=torch.tensor(members, dtype=torch.int64),
+        prefix_seq_idx=trie.prefix_seq_idx.to(device) if shared else None,
+        predictors=predictors.to(device),
+        shift_labels=trie.input_ids[next_tokens][None].to(device),
+        reads=torch.stack([slot, flat]).to(device),
+    )
+
+
 def unpack_rollouts(
     values: list[torch.Tensor], packs: list[RolloutPack], batch: int, width: int
 ) -> torch.Tensor:
     """Per-token outputs of the packed forwards scattered to TRL's ``(B, C)`` completion layout.
 
     Args:
-        values: one ``(1, T_i - 1)`` tensor per pack (the fused head's shifted ``log_probs``, ``entropy``, ...).
+        values: one ``(1, T_i - 1)`` tensor per pack (the fused head's shifted ``log_probs``, ``entropy``, ...),
+            ``(1, N_i)`` for a prefix-tree pack (its slots).
         packs: the packs they were computed on (same order).
         batch, width: ``B`` and ``C``.
 
@@ -297,12 +448,21 @@ def unpack_rollouts(
     if len(values) != len(packs):
         raise ValueError(f"got {len(values)} outputs for {len(packs)} packs")
     for value, pack in zip(values, packs, strict=True):
-        if value.shape != (1, pack.target.numel()):
+        if value.shape != (1, pack.num_predictions):
             raise ValueError(
-                f"a pack of {pack.input_ids.shape[1]} tokens needs outputs of shape (1, {pack.target.numel()}), "
+                f"a pack of {pack.input_ids.shape[1]} tokens needs outputs of shape (1, {pack.num_predictions}), "
                 f"got {tuple(value.shape)}"
             )
-    # the packs hold disjoint rows: one layout over all of them, one scatter
-    target = torch.cat([pack.target for pack in packs])
-    layout = PackedLayout(target, (target.numel(),), batch, width)
-    return layout.pad(torch.cat([value[0] for value in values]))
+    flat = torch.cat([value[0] for value in values])
+    if all(pack.reads is None for pack in packs):
+        # the packs hold disjoint rows, each output one target at most: one layout over all of them, one scatter
+        target = torch.cat([pack.target for pack in packs])
+        return PackedLayout(target, (target.numel(),), batch, width).pad(flat)
+    # tree slots may serve several rollouts: every (B, C) place gathers its slot (the backward sums them)
+    source = torch.full((batch * width,), flat.numel(), dtype=torch.int64, device=flat.device)
+    first = 0
+    for pack in packs:
+        slots, places = pack._reads(batch, width)
+        source[places.to(flat.device)] = slots.to(flat.device) + first
+        first += pack.num_predictions
+    return PackedLayout(source, (batch, width), 1, flat.numel()).unpad(flat[None])

@@ -13,6 +13,15 @@ rest of it: :mod:`packing_hf.shard_loss` gives each rank its targets' share of t
 over the group are the one-process gradients). :func:`gather_shard_tokens` sums per-token values of the
 group's shards back into the whole row (a loss every rank computes from the whole row: DPO's).
 
+A prefix-tree row (``prefix_seq_idx``, :mod:`packing_hf.prefix_tree`) is cut like any row, wherever the cuts
+fall (a parent on one rank, its children on another): ``prefix_seq_idx`` names segments of the whole row and
+rides in every shard; the attention, which holds the whole row for its heads, gathers every segment's
+ancestor keys from the whole row's ``cu_seq_lens`` exactly as one process does; the positions are the row's
+(continuing each parent's); and the row's labels are ``-100`` at every segment start (checked whole), so the
+whole-row label shift gives every token the target it has inside its own segment. What a row's shifted labels
+cannot hold, a branch point predicting the first token of each of several children, is no part of such a row
+(read it from the logits of the branch point, :meth:`packing_hf.prefix_tree.PrefixTree.token_logprobs`).
+
 What cannot be exact is refused by name (:func:`check_sequence_parallel_model`): token mixers (SSM,
 DeltaNet, convolutions) need whole samples; models whose attention is not packing_hf's would attend within
 the shard only.
@@ -35,6 +44,7 @@ from ..varlen import IGNORE_INDEX, PADDING_KEY, position_ids_to_cu_seqlens
 from .admission import needs_preparation, preparation_of
 from .guards import validate_packed_batch
 from .interface import ATTENTION_NAME
+from .prefix import PREFIX_KEY
 from .ulysses import SHARD_KEY, SequenceShard, shard_lengths
 
 __all__ = [
@@ -190,6 +200,9 @@ def _check_same_row(batch: dict, cu: torch.Tensor, group: Any) -> None:
     ids = batch["input_ids"].reshape(-1).long().cpu()
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64)
     summary = [ids.numel(), cu.numel(), int((ids * weights).sum()), int(cu.long().sum())]
+    parents = batch.get(PREFIX_KEY)
+    if isinstance(parents, torch.Tensor):  # a tree row: the same parents too
+        summary.append(int((parents.long().cpu() * torch.arange(1, parents.numel() + 1)).sum()))
     mine = torch.tensor(summary, device=_collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
@@ -207,7 +220,8 @@ def shard_packed_batch(batch: dict, group: Any = None, *, local_only: bool = Fal
     Args:
         batch: the whole row, as :class:`packing_hf.PaddingFreeCollator` builds it: ``input_ids`` ``(1, T)``,
             ``position_ids`` ``(1, T)`` restarting per sample, optionally ``cu_seq_lens_q/k``, ``max_length_q/k``,
-            ``labels`` ``(1, T)`` and ``loss_weights`` ``(1, T)``. Checked whole (``validate_packed_batch``).
+            ``labels`` ``(1, T)`` and ``loss_weights`` ``(1, T)``; a prefix-tree row's ``prefix_seq_idx``
+            ``(n,)`` (carried into every shard, see the module docstring). Checked whole (``validate_packed_batch``).
         group: the sequence-parallel process group (``None``: the default group), whose ranks all pass the same
             row (checked: one small all-gather).
         local_only: negative control: each shard attends within its own tokens only (not exact).
@@ -289,7 +303,7 @@ def _checked_row(batch: dict) -> dict:
             "packing_hf.PaddingFreeCollator (inputs_embeds and several rows are not supported)"
         )
     checked = validate_packed_batch(batch)
-    for key in ("shift_labels", "prefix_seq_idx", "seq_idx"):
+    for key in ("shift_labels", "seq_idx"):
         if checked.get(key) is not None:
             raise ValueError(
                 f"the batch already has {key!r}; sequence parallelism computes what it needs from the whole row "
@@ -328,6 +342,9 @@ def _lengthen_row(batch: dict, size: int) -> dict:
     for key, fill in (("labels", IGNORE_INDEX), (LOSS_WEIGHTS_KEY, 0)):
         if isinstance(batch.get(key), torch.Tensor):
             out[key] = torch.cat([batch[key], batch[key].new_full((1, extra), fill)], dim=1)
+    if isinstance(batch.get(PREFIX_KEY), torch.Tensor):  # the added samples are roots of their own
+        parents = batch[PREFIX_KEY]
+        out[PREFIX_KEY] = torch.cat([parents, parents.new_full((extra,), -1)])
     return out
 
 

@@ -12,7 +12,9 @@ calls that carry its packed keys (every other call passes untouched) and is remo
 - :class:`PackedRewardForward` (reward): packed pairs in, the score head's output read at each sequence's
   pooled token, as stock's ``(2B, num_labels)`` scores.
 
-:func:`head_inputs` (the chunked loss: the LM head's input kept, no logits projected, for one forward). The
+:func:`head_inputs` (the chunked loss: the LM head's input kept, no logits projected, for one forward) and
+:func:`hidden_states_at` (GRPO/RLOO prefix-tree rows: the backbone's hidden states gathered at the tokens that
+predict the completions, for one forward). The
 trainer's accelerate objects are adapted in :mod:`packing_hf.integrations.accelerator`.
 """
 
@@ -39,6 +41,7 @@ __all__ = [
     "PackedPreferenceForward",
     "PackedRewardForward",
     "head_inputs",
+    "hidden_states_at",
 ]
 
 #: the call keyword asking :class:`PackedPreferenceForward` to cut the packed row over a sequence-parallel group
@@ -61,6 +64,41 @@ def _around(model: torch.nn.Module, before: Any, after: Any) -> list[Any]:
 def _remove(handles: list[Any]) -> None:
     while handles:
         handles.pop().remove()
+
+
+@contextlib.contextmanager
+def hidden_states_at(model: torch.nn.Module, predictors: torch.Tensor | None):
+    """For one forward of a prefix-tree rollout pack: the backbone's ``last_hidden_state`` ``(1, T, H)``
+    gathered to ``(1, N, H)`` at ``predictors`` ``(N,)`` int64, so that TRL's fused LM head scores each of the
+    pack's ``shift_labels`` (a branch point's row once per child, see :mod:`packing_hf.rollouts`). The
+    gather's backward sums a branch point's gradient over its children. ``None``: nothing is changed.
+
+    A forward hook on the backbone, removed on exit: TRL's fused forward calls the backbone and the head in
+    one closure, and no argument reaches the hidden states between them. The hook holds this call's
+    ``predictors``, so two threads running one model on tree packs at once would see each other's.
+
+    >>> from transformers import AutoModelForCausalLM
+    >>> from packing_hf.architectures import tiny_config
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    >>> with hidden_states_at(model, torch.tensor([2, 2, 0])):
+    ...     hidden = model.model(input_ids=torch.tensor([[5, 6, 7]])).last_hidden_state
+    >>> tuple(hidden.shape), len(model.model._forward_hooks)
+    ((1, 3, 64), 0)
+    """
+    if predictors is None:
+        yield
+        return
+
+    def gather(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        output.last_hidden_state = output.last_hidden_state.index_select(1, predictors)
+        return output
+
+    # TRL's fused forward reads ``self.base_model`` of the causal LM under the PEFT / DDP wrappers
+    handle = base_model(model).base_model.register_forward_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class PackedPreferenceForward:
@@ -160,9 +198,11 @@ class PackedPreferenceForward:
         label shift across shard edges done on the whole row, as in SFT); return the shard."""
         if kwargs.get(PREFIX_KEY) is not None or kwargs.get("output_router_logits"):
             raise ValueError(
-                "sequence parallelism cuts a packed preference row into plain shards: a shared-prompt row "
-                "(prefix_seq_idx) or a router load-balancing loss (output_router_logits) cannot be cut exactly; set "
-                "shared_prompt=False and router_aux_loss_coef=0, or train with sp_size=1"
+                "sequence parallelism cuts a packed preference row into shards: a router load-balancing loss "
+                "(output_router_logits) is not a sum over shards, and a shared-prompt row (prefix_seq_idx) is not "
+                "carried into the shards by this adapter (shard_packed_batch cuts a tree row exactly; the "
+                "preference path over it is not verified yet); set shared_prompt=False and router_aux_loss_coef=0, "
+                "or train with sp_size=1"
             )
         row = {key: kwargs.pop(key) for key in _ROW_KEYS if key in kwargs}
         shard = shard_packed_batch(row, group)

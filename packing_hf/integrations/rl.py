@@ -22,6 +22,15 @@ metrics then run unchanged on the same numbers.
   generation batch before cutting it into micro-batches, so the training pass shares only what a
   micro-batch holds of a group (all of it with ``steps_per_generation=1``); the no-grad passes score the
   generation batch in order.
+- ``share_prefixes=True`` (the general case of ``share_prompt``, which it replaces): every packed row is a
+  prefix tree over the rollouts' prompts *and* completions (``min_shared_tokens``: the shortest shared
+  node), so completions that share their first turns or tool calls, identical completions and a
+  completion that is a strict prefix of another compute every shared token once, at any depth. The fused
+  LM head reads the backbone's hidden states gathered at the token that predicts each completion token
+  (a branch's first token at its parent's last token); per-token log-probs and entropies equal the
+  padded forward's. ``tree_token_ratio`` (tokens of the rollouts alone / tokens the tree rows computed)
+  is logged with TRL's metrics. Models whose token mixers cannot start a branch from its parent's state
+  are refused by name (:func:`~packing_hf.attention.admission.prefix_tree_refusal`).
 - Refused with a ``ValueError`` (they cannot be exact on a packed row, or are not verified): vision-language
   inputs, MoE router auxiliary losses (``output_router_logits`` with ``router_aux_loss_coef != 0``: a
   load-balancing loss over padded rows is not a sum over packed ones), ``use_liger_kernel``, prompt-learning
@@ -46,6 +55,7 @@ from ..attention import register_attention
 from ..attention.admission import prefix_tree_refusal
 from ..errors import PackingRefused
 from ..rollouts import pack_rollouts, unpack_rollouts
+from .adapters import hidden_states_at
 from .args import PREFLIGHT_MODES
 from .loss_policy import StockLoss
 from .preflight import base_model
@@ -80,6 +90,18 @@ class RolloutPackingArguments:
         "branches. Needs packing_hf's attention (the model is switched to it for the duration). Groups are "
         "never split across packed rows.",
     )
+    share_prefixes: bool = option(
+        False,
+        "Lay every packed row out as a prefix tree over the rollouts' prompts and completions: tokens "
+        "several rollouts share (a prompt, earlier turns, tool calls; identical or prefix completions) are "
+        "computed once, at any depth. The general case of share_prompt (set only one). Exact; needs "
+        "packing_hf's attention (the model is switched to it for the duration); logs tree_token_ratio.",
+    )
+    min_shared_tokens: int = option(
+        1,
+        "With share_prefixes: the shortest run of tokens a node shared by several rollouts may hold (a "
+        "shorter common run is stored once per rollout group continuing it). 1 shares every common prefix.",
+    )
     packing_preflight: Literal["switch", "error", "off"] = option(
         "switch",
         "Before the first packed forward of a model, check that packed samples cannot see each "
@@ -94,6 +116,18 @@ class RolloutPackingArguments:
             self.max_tokens_per_batch, "max_tokens_per_batch", 1, optional=True
         )
         self.share_prompt = check_bool(self.share_prompt, "share_prompt")
+        self.share_prefixes = check_bool(self.share_prefixes, "share_prefixes")
+        self.min_shared_tokens = check_int(self.min_shared_tokens, "min_shared_tokens", 1)
+        if self.share_prompt and self.share_prefixes:
+            raise ValueError(
+                "share_prompt=True and share_prefixes=True: share_prefixes already shares every prompt (the "
+                "depth-1 case of its prefix tree, honouring min_shared_tokens); set share_prompt=False"
+            )
+        if self.min_shared_tokens != 1 and not self.share_prefixes:
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens} is read only with share_prefixes=True; set "
+                "share_prefixes=True or leave min_shared_tokens at 1"
+            )
         if self.packing_preflight not in PREFLIGHT_MODES:
             raise ValueError(
                 f"packing_preflight={self.packing_preflight!r}: it must be one of {list(PREFLIGHT_MODES)}"
@@ -124,7 +158,8 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
     Put it first in the bases of a TRL online trainer whose log-prob method has TRL 1.x's signature. After a
     call, :attr:`packing_stats` holds running counts: ``forwards``, ``packed_tokens`` (tokens the packed
     forwards computed), ``padded_tokens`` (``B x (P + C)`` of the padded batches they replaced) and
-    ``shared_prompts`` (prompt segments computed once for several rollouts); ``rank_sync_forwards`` counts
+    ``shared_prompts`` (segments several rollouts continue), ``rollout_tokens`` (tokens of the rollouts
+    alone, over ``packed_tokens``: what sharing saved); ``rank_sync_forwards`` counts
     the forwards added (by splitting rows) so that every data-parallel rank runs as many.
 
     A trainer class declares ``config_class`` (its packing config, to which ``args`` is converted),
@@ -138,7 +173,8 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
     packing_loss = StockLoss.PER_EXAMPLE
 
     def _packing_setup(self) -> None:
-        if self.args.share_prompt:
+        option = "share_prefixes" if self.args.share_prefixes else "share_prompt"
+        if getattr(self.args, option):
             # a shared prompt is a depth-1 prefix tree: refused here, before the first forward, on a model whose
             # mixers do not follow the tree (they would start every completion from a zero state)
             for model in (self.model, getattr(self, "ref_model", None)):
@@ -146,8 +182,7 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
                 why = None if config is None else prefix_tree_refusal(config)
                 if why is not None:
                     raise PackingRefused(
-                        "share_prompt",
-                        f"share_prompt=True: {why}; set share_prompt=False (rollouts stay exact)",
+                        option, f"{option}=True: {why}; set {option}=False (rollouts stay exact)"
                     )
         self.packing_stats = {
             "forwards": 0,
@@ -155,13 +190,14 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
             "padded_tokens": 0,
             "shared_prompts": 0,
             "rank_sync_forwards": 0,
+            "rollout_tokens": 0,
         }
 
     # ---- models prepared for packed rows -----------------------------------------------------------
 
     def _packing_attention(self) -> str | None:
         # only packing_hf's attention reads prefix_seq_idx (the guards refuse the others)
-        return register_attention() if self.args.share_prompt else None
+        return register_attention() if self.args.share_prompt or self.args.share_prefixes else None
 
     def _prepare_for_packing(self, model: Any) -> None:
         """The pre-flight check on ``model`` before its first packed forward (once, until given back)."""
@@ -193,9 +229,13 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
         budget = self.args.max_tokens_per_batch
         starts = list(range(0, input_ids.size(0), batch_size))
         chunks = [slice(s, min(s + batch_size, input_ids.size(0))) for s in starts]
-        share = self.args.share_prompt
+        share = {
+            "share_prompts": self.args.share_prompt,
+            "share_prefixes": self.args.share_prefixes,
+            "min_shared_tokens": self.args.min_shared_tokens,
+        }
         plans = [
-            pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, 1, share) for c in chunks
+            pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, 1, **share) for c in chunks
         ]
         if self.parallel_plan.world_size > 1:
             # a forward through DDP may communicate (buffer broadcast): every rank runs as many
@@ -205,7 +245,7 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
             plans = [
                 plan
                 if len(plan) >= n
-                else pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, n, share)
+                else pack_rollouts(input_ids[c], attention_mask[c], logits_to_keep, budget, n, **share)
                 for plan, c, n in zip(plans, chunks, counts.tolist(), strict=True)
             ]
         return list(zip(chunks, plans, strict=True))
@@ -239,16 +279,17 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
         self._prepare_for_packing(model)
         rows, width = input_ids.shape
         logps, entropies = [], []
+        packed_tokens = 0
         for chunk, packs in self._plan_packs(input_ids, attention_mask, logits_to_keep, batch_size or rows):
             chunk_logps, chunk_entropies = [], []
             for pack in packs:
-                with self.accelerator.autocast():
+                with self.accelerator.autocast(), hidden_states_at(model, pack.predictors):
                     outputs = model(**pack.model_inputs(), fused_lm_head=True)
                 chunk_logps.append(outputs.log_probs)
                 if compute_entropy:
                     chunk_entropies.append(outputs.entropy)
                 self.packing_stats["forwards"] += 1
-                self.packing_stats["packed_tokens"] += pack.input_ids.numel()
+                packed_tokens += pack.input_ids.numel()
                 if pack.prefix_seq_idx is not None:
                     self.packing_stats["shared_prompts"] += len(set(pack.prefix_seq_idx.tolist()) - {-1})
             chunk_rows = chunk.stop - chunk.start
@@ -256,6 +297,12 @@ class PackedRolloutsMixin(PackedTrainerSkeleton):
             logps.append(unpack_rollouts(chunk_logps, packs, chunk_rows, logits_to_keep))
             if compute_entropy:
                 entropies.append(unpack_rollouts(chunk_entropies, packs, chunk_rows, logits_to_keep))
+        rollout_tokens = int(attention_mask.sum())
+        self.packing_stats["packed_tokens"] += packed_tokens
+        self.packing_stats["rollout_tokens"] += rollout_tokens
+        if self.args.share_prefixes:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["tree_token_ratio"].append(rollout_tokens / packed_tokens)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 

@@ -15,6 +15,10 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
   stream's padding batch is).
 - ``sp4_local_only``: the negative control, each shard attending within its own tokens: the same comparison
   must fail.
+- ``sp4_tree``: a prefix-tree row (``prefix_seq_idx``: conversations branching at three depths, a duplicate,
+  a strict prefix and an unrelated sample) at sp=4: shard cuts fall inside segments and children sit on other
+  ranks than their parents. ``sp4_tree_sibling_leak``, its negative control: the shards' ``prefix_seq_idx``
+  gives a branch its sibling as parent (the attention gathers the sibling's keys): the comparison must fail.
 - ``packing_hf.Trainer`` (``"token"``, then ``evaluate()``), ``packing_hf.SFTTrainer`` (``"sample"``),
   ``packing_hf.DPOTrainer`` (a live reference model then ``evaluate()``; precomputed reference log-probs) and
   ``packing_hf.Trainer`` on a stream (two steps, resumed from the checkpoint after the first) with
@@ -32,7 +36,7 @@ import sys
 
 VOCAB = 64
 TOKENIZER = os.path.join(os.environ.get("PACKING_HF_DATA", "/work/shared/data"), "smollm2_tokenizer")
-CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_short_row", "sp4_local_only")
+CASES = ("sp4_sample", "dp2_sp2_token", "sp4_sliding", "sp4_short_row", "sp4_local_only", "sp4_tree")
 
 
 def make_model(kind: str, vocab: int = VOCAB, seed: int = 0):
@@ -75,6 +79,42 @@ def make_row(lengths: list[int], seed: int, weighted: bool) -> dict:
     return PaddingFreeCollator()(samples)
 
 
+def make_tree_row(seed: int) -> dict:
+    """A prefix-tree packed row: multi-turn conversations sharing a system prompt and earlier turns (depth 3),
+    with a duplicate, a strict prefix and an unrelated sample; labels on every token but segment starts (the
+    targets a row's shifted labels can hold: each predicted inside its own segment)."""
+    import torch
+
+    from packing_hf.prefix_tree import build_prefix_tree
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+
+    system, user, answer_a, answer_b, user_2, answer_2a, answer_2b = (
+        tokens(n) for n in (6, 4, 5, 3, 4, 3, 5)
+    )
+    turn_2 = system + user + answer_a + user_2
+    samples = [turn_2 + answer_2a, system + user + answer_b, turn_2 + answer_2b, turn_2 + answer_2a]
+    samples += [system + user + answer_a, tokens(5)]
+    tree = build_prefix_tree(samples)
+    row = tree.model_inputs()
+    labels = row["input_ids"].clone()
+    labels[0, tree.cu_seqlens[:-1].long()] = -100
+    return {**row, "labels": labels}
+
+
+def sibling_leak(shard: dict) -> dict:
+    """Negative control: the last branch with an earlier sibling reads that sibling as its parent."""
+    import torch
+
+    parents = shard["prefix_seq_idx"].tolist()
+    leaking = max(i for i, p in enumerate(parents) if p >= 0 and parents[:i].count(p) > 0)
+    parents[leaking] = max(j for j in range(leaking) if parents[j] == parents[leaking])
+    return {**shard, "prefix_seq_idx": torch.tensor(parents, dtype=torch.int32)}
+
+
 def reference_step(model, rows: list[dict], normalization: str):
     """Loss and gradients of one process on the whole rows: the step's numerator over its denominator."""
     import torch
@@ -109,8 +149,9 @@ def reference_step(model, rows: list[dict], normalization: str):
     return torch.tensor(total, dtype=torch.float64), grads
 
 
-def parallel_step(model, rows: list[dict], normalization: str, group, local_only: bool = False):
-    """Loss and gradients with this rank's rows cut over its SP group, summed over every rank."""
+def parallel_step(model, rows: list[dict], normalization: str, group, local_only: bool = False, tamper=None):
+    """Loss and gradients with this rank's rows cut over its SP group, summed over every rank (``tamper``: a
+    negative control's change to every shard)."""
     import torch
     import torch.distributed as dist
 
@@ -120,6 +161,7 @@ def parallel_step(model, rows: list[dict], normalization: str, group, local_only
 
     model.zero_grad(set_to_none=True)
     shards = [shard_packed_batch(row, group, local_only=local_only) for row in rows]
+    shards = [tamper(shard) for shard in shards] if tamper is not None else shards
     counts = torch.zeros(2, dtype=torch.float64)
     for shard in shards:
         counts += torch.tensor(shard_loss_counts(shard), dtype=torch.float64)
@@ -162,6 +204,11 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     row = make_row([3], seed=5, weighted=False)  # 3 tokens over 4 ranks: lengthened with target-free tokens
     reference = reference_step(llama, [row], "token") if rank == 0 else None
     results["sp4_short_row"] = (reference, parallel_step(llama, [row], "token", everyone))
+    row = make_tree_row(seed=7)  # 35 tokens in 7 segments, depth 3: shards [0, 9) [9, 18) [18, 27) [27, 35)
+    reference = reference_step(llama, [row], "token") if rank == 0 else None
+    results["sp4_tree"] = (reference, parallel_step(llama, [row], "token", everyone))
+    leak = parallel_step(llama, [row], "token", everyone, tamper=sibling_leak)
+    results["sp4_tree_sibling_leak"] = (reference, leak)
 
     rows = [make_row(lengths, seed=10 + i, weighted=False) for i, lengths in enumerate(
         [[7, 9, 4], [3, 14], [11, 2, 6, 5], [19]]

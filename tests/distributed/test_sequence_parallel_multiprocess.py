@@ -2,8 +2,9 @@
 gradient of one optimizer step equal one process on the same whole rows (1e-5 relative) at sp=4 and at
 data parallel 2 x sequence parallel 2 (gradient accumulation, gradient checkpointing), with samples cut by
 shard edges, a sample longer than a shard, a shard holding only a tail, ``"sample"`` and ``"token"``
-normalisation with ``loss_weights``, a sliding window, and a row shorter than the group; the negative control
-(every shard attending within its own tokens) fails the same comparison. ``packing_hf.Trainer``, ``SFTTrainer``
+normalisation with ``loss_weights``, a sliding window, a row shorter than the group, and a prefix-tree row
+(``prefix_seq_idx``, depth 3, children on other ranks than their parents); the negative controls (every shard
+attending within its own tokens; a tree branch reading its sibling as its parent) fail the same comparison. ``packing_hf.Trainer``, ``SFTTrainer``
 and ``DPOTrainer`` (a live or a precomputed reference) with ``ParallelismConfig(sp_size=2)`` on 2 processes equal
 the same trainer on one (loss, gradients, ``evaluate()``'s ``eval_loss`` run on shards), on the rows one process
 trains on; a stream under SP resumes with the next batches; DPO whose per-token log-probs are not summed over the
@@ -48,6 +49,7 @@ def results(run_once, launch, free_port):
         "dp2_sp2_token",
         "sp4_sliding",
         "sp4_short_row",
+        "sp4_tree",
         "trainer_sp2",
         "sft_sp2",
         "dpo_sp2",
@@ -136,3 +138,11 @@ def test_negative_control_dpo_without_reduced_sums_is_caught(results, assert_clo
 
 def test_negative_control_shards_attending_alone_are_caught(results, assert_close):
     _caught(*results["sp4_local_only"], assert_close, "attention cut at the shard edges")
+
+
+def test_negative_control_a_tree_branch_reading_its_sibling_is_caught(results, assert_close):
+    """The tree row of ``sp4_tree`` with the shards' ``prefix_seq_idx`` giving a branch its sibling as parent
+    fails the comparison ``sp4_tree`` passes."""
+    _caught(
+        *results["sp4_tree_sibling_leak"], assert_close, "a sibling leak in a tree row cut over the ranks"
+    )

@@ -112,3 +112,57 @@ def test_malformed_masks_are_refused():
         rollout_spans(torch.tensor([[0, 0, 1, 1]]), 2)
     with pytest.raises(ValueError, match="logits_to_keep=5"):
         rollout_spans(torch.tensor([[1, 1, 1, 1]]), 5)
+
+
+def _path_model(pack) -> torch.Tensor:
+    """A "model" whose output for a prediction is a hash of the whole context it was computed from (the
+    tokens of the path to the predicting row token) and the token it predicts: ``(1, N)`` per slot."""
+    ids, cu = pack.input_ids[0].tolist(), pack.cu_seq_lens.tolist()
+    parents = [-1] * (len(cu) - 1) if pack.prefix_seq_idx is None else pack.prefix_seq_idx.tolist()
+    context: list[tuple] = [()] * len(ids)
+    for s, (start, end) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        path = context[cu[parents[s] + 1] - 1] if parents[s] >= 0 else ()
+        for t in range(start, end):
+            path = context[t] = (*path, ids[t])
+    slots = zip(pack.predictors.tolist(), pack.shift_labels[0].tolist(), strict=True)
+    return torch.tensor([[float(hash((*context[p], y)) % 2**20) for p, y in slots]])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=8), min_size=1, max_size=8),
+    st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=2),
+    st.sampled_from([None, 12, 20]),
+    st.integers(1, 4),
+    st.integers(1, 3),
+)
+def test_tree_predictions_read_their_whole_context(completions, prompts, budget, min_packs, min_shared):
+    """share_prefixes: every completion token (a tiny vocabulary, so rollouts branch at many depths, repeat
+    and end inside each other) reads the slot whose predicting row token has exactly its rollout's earlier
+    tokens as context; nothing else is read, no (B, C) place twice."""
+    rows_p = [prompts[b % len(prompts)] for b in range(len(completions))]
+    ids, mask, c_width = _padded(rows_p, completions)
+    try:
+        packs = pack_rollouts(
+            ids, mask, c_width, budget, min_packs, share_prefixes=True, min_shared_tokens=min_shared
+        )
+    except ValueError as exc:
+        assert budget is not None and "max_tokens_per_batch" in str(exc)
+        return
+    assert sorted(torch.cat([p.rows for p in packs]).tolist()) == list(range(len(rows_p)))
+    assert len(packs) >= min(min_packs, len(rows_p))
+    for p in packs:
+        assert budget is None or p.input_ids.shape[1] <= budget
+        if p.prefix_seq_idx is not None:
+            assert torch.equal(p.position_ids[0], shared_prefix_position_ids(p.cu_seq_lens, p.prefix_seq_idx))
+    got = unpack_rollouts([_path_model(p) for p in packs], packs, len(rows_p), c_width)
+    want = torch.zeros(len(rows_p), c_width)
+    p_width = ids.shape[1] - c_width
+    for b in range(len(rows_p)):
+        start = int(mask[b].argmax())
+        for c in range(c_width):
+            if mask[b, p_width + c]:
+                want[b, c] = float(hash(tuple(ids[b, start : p_width + c + 1].tolist())) % 2**20)
+    assert torch.equal(got, want)
+    # sharing: no more tokens than the rollouts alone, fewer once two rollouts share min_shared tokens
+    assert sum(p.input_ids.numel() for p in packs) <= int(mask.sum())

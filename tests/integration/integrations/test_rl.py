@@ -34,7 +34,13 @@ G = 2
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # metrics that are timings or counters of wall-clock work, not results
-PACKING_FIELDS = ("max_tokens_per_batch", "packing_preflight", "share_prompt")
+PACKING_FIELDS = (
+    "max_tokens_per_batch",
+    "packing_preflight",
+    "share_prompt",
+    "share_prefixes",
+    "min_shared_tokens",
+)
 _TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
 
 
@@ -249,6 +255,11 @@ def _check_micro_batch(stock, packed, config: dict, assert_close) -> None:
     if config.get("share_prompt"):  # each group's prompt stored once: fewer tokens than one copy per rollout
         rollouts = int((torch.cat([batch_p["prompt_mask"], batch_p["completion_mask"]], 1)).sum())
         assert packed.packing_stats["packed_tokens"] < 3 * rollouts  # 3 passes (ref, policy, policy)
+    if config.get("share_prefixes"):  # prompts and shared turns computed once (per subtree under a budget)
+        stats = packed.packing_stats
+        assert (
+            stats["rollout_tokens"] > (1 if "max_tokens_per_batch" in config else 2) * stats["packed_tokens"]
+        )
 
     _check_loss_and_metrics(stock, packed, batch_s, batch_p, assert_close)
 
@@ -261,10 +272,57 @@ def _check_loss_and_metrics(stock, packed, batch_s, batch_p, assert_close) -> No
     metrics = {key: values[-1] for key, values in stock._metrics["train"].items()}
     assert_close(loss_p, loss_s, "loss", rel=REL, terms=_terms("loss", metrics))
     _close(grads_p, grads_s, "gradients")
-    assert set(packed._metrics["train"]) == set(stock._metrics["train"])
+    extra = {"tree_token_ratio"} if packed.args.share_prefixes else set()  # tokens alone / computed in trees
+    assert set(packed._metrics["train"]) == set(stock._metrics["train"]) | extra
+    if extra:
+        assert min(packed._metrics["train"]["tree_token_ratio"]) > 1.0
     for key, values in stock._metrics["train"].items():
         terms = _terms(key, metrics)
         assert_close(packed._metrics["train"][key], values, f"metric {key}", rel=REL, terms=terms)
+
+
+def _branching_generations(trainer) -> None:
+    """Replace TRL's generation on ``trainer``: the 6 rollouts of a prompt share their first turns and branch at
+    three depths (one leaves right after the prompt), with a duplicate and a strict prefix of another."""
+    eos = trainer.processing_class.eos_token_id
+
+    def rollouts(prompt) -> list[list[int]]:
+        rng = random.Random(sum(prompt))
+        a, other, b1, b2, c1, c2 = ([rng.randrange(100, 5000) for _ in range(n)] for n in (4, 3, 3, 2, 3, 2))
+        full = a + b1 + c1 + [eos]
+        return [full, a + b1 + c2, a + b2 + [eos], list(full), a + b1, other + [eos]]
+
+    def generate(prompt_ids, *args, **kwargs):
+        completions = [rollouts(p)[i % 6] for i, p in enumerate(prompt_ids)]
+        return completions if isinstance(trainer, trl.RLOOTrainer) else (completions, None)
+
+    trainer._generate_single_turn = generate
+
+
+@pytest.mark.parametrize(
+    "algorithm, config",
+    [("grpo", {"loss_type": "dapo"}), ("grpo", {"loss_type": "grpo", "max_tokens_per_batch": 40})],
+    ids=["dapo", "grpo+budget"],
+)
+def test_share_prefixes_on_multi_level_rollouts_matches_stock(
+    tmp_path, model_dir, tokenizer, prompts, algorithm, config, assert_close
+):
+    """One real step on rollouts branching at three depths laid out as prefix trees (``share_prefixes=True``):
+    reference and policy log-probs, entropies, loss, parameter gradients and metrics equal stock TRL on the
+    padded batch, which ``share_prefixes=False`` equals (the tests above)."""
+    config = {**config, "share_prefixes": True, "num_generations": 6, "per_device_train_batch_size": 6}
+    stock, packed = _build(tmp_path, model_dir, tokenizer, lambda: prompts(2), algorithm=algorithm, **config)
+    for trainer in (stock, packed):
+        _branching_generations(trainer)
+    _check_micro_batch(stock, packed, config, assert_close)
+    assert packed.packing_stats["shared_prompts"] > 0
+
+
+def test_share_prompt_and_share_prefixes_are_refused_together(tmp_path):
+    with pytest.raises(ValueError, match="share_prefixes already shares every prompt"):
+        GRPOConfig(**_common(tmp_path, "both", share_prompt=True, share_prefixes=True))
+    with pytest.raises(ValueError, match="min_shared_tokens=4 is read only with share_prefixes=True"):
+        GRPOConfig(**_common(tmp_path, "min", min_shared_tokens=4))
 
 
 def _one_long_sequence(self):
@@ -496,13 +554,14 @@ def test_share_prompt_on_a_model_whose_mixers_do_not_follow_the_tree_is_refused_
     path = tmp_path / "tiny_mamba2"  # TRL reads the model's config back from its path
     AutoModelForCausalLM.from_config(tiny_config("mamba2", vocab_size=len(tokenizer))).save_pretrained(path)
     mamba2 = AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(PackingRefused, match=r"share_prompt=True: mamba2: a prefix-tree row"):
-        GRPOTrainer(
-            model=mamba2,
-            reward_funcs=reward_digits,
-            args=GRPOConfig(**_common(tmp_path, "packed", share_prompt=True)),
-            train_dataset=prompts(2),
-            processing_class=tokenizer,
-        )
+    for option in ("share_prompt", "share_prefixes"):
+        with pytest.raises(PackingRefused, match=rf"{option}=True: mamba2: a prefix-tree row"):
+            GRPOTrainer(
+                model=mamba2,
+                reward_funcs=reward_digits,
+                args=GRPOConfig(**_common(tmp_path, "packed", **{option: True})),
+                train_dataset=prompts(2),
+                processing_class=tokenizer,
+            )
     _, packed = _build(tmp_path, hybrid_dir, tokenizer, lambda: prompts(2), share_prompt=True)
     assert packed.args.share_prompt is True

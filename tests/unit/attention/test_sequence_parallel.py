@@ -186,3 +186,27 @@ def test_a_router_loss_is_refused_at_set_up_and_in_the_loss_route(coefficient):
         loss = PackingSequenceParallelMixin._sequence_parallel_loss(trainer, model, batch, None, 6, False)
     if not coefficient:
         assert torch.isfinite(loss)
+
+
+def test_a_prefix_tree_row_is_cut_with_its_parents(assert_close):
+    """A prefix-tree row's shard carries ``prefix_seq_idx`` (segments of the whole row, which the attention
+    holds) and the row's tree positions: on a one-rank group its logits are the row's. A row shorter than the
+    group gets root segments for the tokens added; a label at a child's first token is refused (the row's
+    shifted labels would train the previous row token to predict it)."""
+    from packing_hf.prefix_tree import build_prefix_tree
+
+    tree = build_prefix_tree([[5, 6, 7, 8, 9], [5, 6, 7, 3], [5, 6, 4, 4]])
+    labels = tree.input_ids[None].clone()
+    labels[0, tree.cu_seqlens[:-1].long()] = -100
+    row = {**tree.model_inputs(), "labels": labels}
+    shard = shard_packed_batch(row)
+    assert torch.equal(shard["prefix_seq_idx"], tree.prefix_seq_idx)
+    assert torch.equal(shard["position_ids"], tree.position_ids[None])
+    model = _llama()
+    want = model(**tree.model_inputs()).logits
+    assert_close(model(**shard).logits, want, "logits", rel=1e-6)
+    short = sequence_parallel._lengthen_row(sequence_parallel._checked_row(row), 10)
+    assert short["prefix_seq_idx"].tolist() == [*tree.prefix_seq_idx.tolist(), -1, -1]
+    labels[0, int(tree.cu_seqlens[2])] = 3
+    with pytest.raises(ValueError, match="at the first token of a packed sample"):
+        shard_packed_batch({**row, "labels": labels})
