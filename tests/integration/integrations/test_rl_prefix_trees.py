@@ -26,6 +26,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import packing_hf  # noqa: E402
 from packing_hf.architectures import tiny_config  # noqa: E402
+from packing_hf.attention.admission import needs_preparation  # noqa: E402
 from packing_hf.integrations.rl import PackedRolloutsMixin  # noqa: E402
 from packing_hf.rollouts import RolloutPack, pack_rollouts  # noqa: E402
 from packing_hf.shared_prefix import shared_prefix_position_ids  # noqa: E402
@@ -70,6 +71,8 @@ def _models(model_type: str):
         model = AutoModelForCausalLM.from_config(
             tiny_config(model_type), attn_implementation=attention, dtype=torch.float32
         ).train()
+        if attention != "sdpa" and needs_preparation(model.config):  # a hybrid's mixers follow the tree
+            packing_hf.prepare_model_for_packing(model)
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
         out.append(model)
     return out
@@ -133,8 +136,8 @@ def _compare(model_type: str, depth: int, max_tokens_per_batch: int | None = Non
 
 @pytest.mark.parametrize(
     "model_type, depth, budget",
-    [("llama", 2, None), ("llama", 4, None), ("gemma3_text", 3, None), ("llama", 3, 18)],
-    ids=["llama-depth2", "llama-depth4", "gemma3-sliding-depth3", "llama-depth3-budget"],
+    [("llama", 2, None), ("llama", 4, None), ("gemma3_text", 3, None), ("bamba", 3, None), ("llama", 3, 18)],
+    ids=["llama-depth2", "llama-depth4", "gemma3-sliding-depth3", "bamba-hybrid-depth3", "llama-depth3-budget"],
 )
 def test_tree_rollouts_equal_trl_unpacked(model_type, depth, budget):
     errors = _compare(model_type, depth, budget)
