@@ -16,9 +16,10 @@ How the groups are found (the same trie as ``build_prefix_tree``, for every samp
    sharing fewer with every other one is a group of its own). Its ``unique_tokens`` are the tokens of its tree,
    exactly what ``build_prefix_tree`` of its members holds.
 3. A tree over ``max_tokens_per_batch`` is cut into subtrees that fit, never dropped: a node's own samples
-   (those ending there) and its children's subtrees, consecutive ones gathered while they fit, each piece
-   repeating the node's prefix; a child subtree over the budget is cut the same way one level down. A single
-   sample over the budget is a group of its own, left to the sampler's ``overflow`` policy.
+   (those ending there) and its children's subtrees, consecutive ones gathered while they fit and the prefix
+   every piece repeats still weighs (over 1/8 of the piece); a child subtree over the budget is cut the same
+   way one level down. A single sample over the budget is a group of its own, left to the sampler's
+   ``overflow`` policy.
 
 What a group costs (``cost``): ``linear * unique_tokens + quadratic * attention`` of a
 :class:`~packing_hf.cost.CostModel`, where a node's queries read its ancestors' keys too: a node of ``l``
@@ -51,6 +52,9 @@ from .cost import CostModel
 __all__ = ["PrefixGroups", "check_prefix_groups", "find_prefix_groups"]
 
 _CHUNK = 1 << 21  # tokens compared at once when measuring neighbours' common prefixes
+# cutting a tree over the budget: a piece stops gathering parts once it holds _GATHER times the prefix it
+# repeats (the prefix then costs at most 1 / _GATHER of the piece's tokens)
+_GATHER = 8
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,11 @@ class _Trie:
         """Append to ``out`` pieces of the class ``[lo, hi)`` whose trees fit ``budget`` (every sample once).
 
         A piece gathers consecutive parts of the node (its own samples, children's subtrees) while the tree
-        fits. Two parts share only the node's prefix when their boundary's common prefix is the node's end;
+        fits and the node's prefix, which every piece repeats, is over ``1 / _GATHER`` of the piece: a long
+        prompt with short answers fills pieces to the budget, a short system prompt before long conversations
+        leaves a conversation a piece of its own, which the sampler mixes anew every epoch (and a batch of
+        pieces built as one tree holds their common prefix once). Two parts share only the node's prefix when
+        their boundary's common prefix is the node's end;
         with ``min_shared_tokens > 1`` a boundary can share more (fewer than ``min_shared_tokens`` tokens past
         the node), and a piece made only of such parts would be a different tree, so a piece grows past the
         first part only once it holds a boundary at the node's end."""
@@ -286,7 +294,8 @@ class _Trie:
                 continue
             if current is not None:
                 at_node = int(self.lcp[a]) == end
-                if (keeps or at_node) and self.tokens(current[0], b) <= budget:
+                gather = self.tokens(*current) < _GATHER * end  # its repeated prefix still weighs
+                if gather and (keeps or at_node) and self.tokens(current[0], b) <= budget:
                     current, keeps = (current[0], b), True
                     continue
                 out.append(current)

@@ -129,7 +129,7 @@ def test_inputs_cost_and_refusals():
         find_prefix_groups([[1]], max_tokens_per_batch=8, cost_model=(1, 2))
 
 
-BUDGET = 64
+BUDGET = 160
 
 
 @pytest.fixture(scope="module")
