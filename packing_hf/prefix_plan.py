@@ -223,9 +223,6 @@ class _Trie:
                 stack.extend((a, b) for a, b in children if b - a > 1)
         self._cum_lengths = np.concatenate([[0], np.cumsum(lengths)])
         self._cum_squares = np.concatenate([[0.0], np.cumsum(lengths.astype(np.float64) ** 2)])
-        self._set_shared_sums()
-
-    def _set_shared_sums(self) -> None:
         self._cum_shared = np.concatenate([[0], np.cumsum(self.shared)])
         self._cum_shared_squares = np.concatenate([[0.0], np.cumsum(self.shared.astype(np.float64) ** 2)])
 
@@ -269,39 +266,43 @@ class _Trie:
     def sample_tokens(self, lo: Any, hi: Any) -> Any:
         return self._cum_lengths[hi] - self._cum_lengths[lo]
 
-    def cut(self, lo: int, hi: int, budget: int, out: list[tuple[int, int]]) -> None:
-        """Append to ``out`` pieces of the class ``[lo, hi)`` whose trees fit ``budget`` (every sample once).
+    def cut(self, lo: int, hi: int, budget: int) -> list[tuple[int, int]]:
+        """Pieces of the class ``[lo, hi)`` whose trees fit ``budget``, every sample in one, in sorted order.
 
-        A piece gathers consecutive parts of the node (its own samples, children's subtrees) while the tree
+        A piece gathers consecutive parts of a node (its own samples, its children's subtrees) while the tree
         fits and the node's prefix, which every piece repeats, is over ``1 / _GATHER`` of the piece: a long
         prompt with short answers fills pieces to the budget, a short system prompt before long conversations
         leaves a conversation a piece of its own, which the sampler mixes anew every epoch (and a batch of
-        pieces built as one tree holds their common prefix once). Two parts share only the node's prefix when
-        their boundary's common prefix is the node's end;
-        with ``min_shared_tokens > 1`` a boundary can share more (fewer than ``min_shared_tokens`` tokens past
-        the node), and a piece made only of such parts would be a different tree, so a piece grows past the
-        first part only once it holds a boundary at the node's end."""
-        end, own_end, children = self.expand(lo, hi)
-        parts = ([(lo, own_end)] if own_end > lo else []) + children
-        current: tuple[int, int] | None = None
-        keeps = False  # the current piece holds a boundary at the node's end
-        for a, b in parts:
-            if self.tokens(a, b) > budget:  # a child subtree: cut it one level down
-                if current is not None:
-                    out.append(current)
-                current, keeps = None, False
-                self.cut(a, b, budget, out)
-                continue
-            if current is not None:
-                at_node = int(self.lcp[a]) == end
-                gather = self.tokens(*current) < _GATHER * end  # its repeated prefix still weighs
-                if gather and (keeps or at_node) and self.tokens(current[0], b) <= budget:
-                    current, keeps = (current[0], b), True
+        pieces built as one tree holds their common prefix once). A child's subtree over the budget is cut the
+        same way one level down. Two parts share only the node's prefix when their boundary's common prefix is
+        the node's end; with ``min_shared_tokens > 1`` a boundary can share more (fewer than
+        ``min_shared_tokens`` tokens past the node), and a piece made only of such parts would be another tree,
+        so a piece grows past its first part only once it holds a boundary at the node's end."""
+        pieces: list[tuple[int, int]] = []
+        nodes = [(lo, hi)]  # classes over the budget, still to cut (a stack: trees can be deep)
+        while nodes:
+            first, last = nodes.pop()
+            end, own_end, children = self.expand(first, last)
+            current: tuple[int, int] | None = None  # a piece is a run of consecutive parts
+            keeps = False  # the current piece holds a boundary at the node's end
+            for a, b in ([(first, own_end)] if own_end > first else []) + children:
+                if self.tokens(a, b) > budget:  # a child's subtree: cut one level down
+                    nodes.append((a, b))
+                    if current is not None:
+                        pieces.append(current)
+                    current, keeps = None, False
                     continue
-                out.append(current)
-            current, keeps = (a, b), False
-        if current is not None:
-            out.append(current)
+                if current is not None:
+                    gather = self.tokens(*current) < _GATHER * end  # its repeated prefix still weighs
+                    at_node = int(self.lcp[a]) == end
+                    if gather and (keeps or at_node) and self.tokens(current[0], b) <= budget:
+                        current, keeps = (current[0], b), True
+                        continue
+                    pieces.append(current)
+                current, keeps = (a, b), False
+            if current is not None:
+                pieces.append(current)
+        return sorted(pieces)
 
 
 def find_prefix_groups(
@@ -364,7 +365,7 @@ def find_prefix_groups(
             if trie.tokens(lo, hi) <= budget:
                 ranges.append((lo, hi))
             else:
-                trie.cut(lo, hi, budget, ranges)
+                ranges.extend(trie.cut(lo, hi, budget))
     bounds = np.asarray(ranges, np.int64).reshape(-1, 2)  # (groups of the trie, 2) consecutive [lo, hi)
     lo, hi = bounds[:, 0], bounds[:, 1]
     # every range's samples in ascending index order: sort by (range, index) at once
