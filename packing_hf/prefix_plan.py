@@ -137,15 +137,15 @@ def _token_arrays(token_ids: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
                 f"token_ids must be a sequence of token id sequences (lists, arrays, 1-D tensors) or a "
                 f"datasets.Dataset, got {type(token_ids).__name__}"
             )
-        arrays = []
-        for i, sample in enumerate(token_ids):
-            array = sample.cpu().numpy() if hasattr(sample, "cpu") else np.asarray(sample)
-            if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-                raise TypeError(
-                    f"token_ids[{i}] must be a 1-D sequence of token ids (ints), got shape {array.shape} of "
-                    f"{array.dtype}"
-                )
-            arrays.append(array)
+        arrays = [s.cpu().numpy() if hasattr(s, "cpu") else np.asarray(s) for s in token_ids]
+        # ints ("i", "u"), or an empty sample (caught below); one attribute read per sample
+        wrong = [i for i, a in enumerate(arrays) if a.ndim != 1 or (a.dtype.kind not in "iu" and a.size)]
+        if wrong:
+            array = arrays[wrong[0]]
+            raise TypeError(
+                f"token_ids[{wrong[0]}] must be a 1-D sequence of token ids (ints), got shape {array.shape} of "
+                f"{array.dtype}"
+            )
         lengths_array = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         samples_desc = "token_ids"
