@@ -37,6 +37,10 @@ the sum; build the row per group there.
 ([[0, 1, 3], [2]], [5, 2], [10, 2])
 >>> round(groups.token_ratio, 2)
 1.71
+>>> from packing_hf.sampler import MultipackBatchSampler
+>>> sampler = MultipackBatchSampler([3, 3, 2, 4], max_tokens_per_batch=16, prefix_groups=groups)
+>>> [sorted(batch) for batch in sampler], sampler.stats()["tokens"]  # one batch: 7 tokens computed, 12 alone
+([[0, 1, 2, 3]], 7)
 """
 
 from __future__ import annotations
@@ -397,7 +401,14 @@ def find_prefix_groups(
 def check_prefix_groups(groups: Any, lengths: np.ndarray, budget: int) -> None:
     """Raise unless ``groups`` holds every sample of ``lengths`` exactly once, with its samples' tokens, and
     every group of several samples fits ``budget`` (what :func:`~packing_hf.prefix_plan.find_prefix_groups`
-    of the same samples and budget gives)."""
+    of the same samples and budget gives).
+
+    >>> groups = find_prefix_groups([[1, 2], [1, 3]], max_tokens_per_batch=8)
+    >>> check_prefix_groups(groups, np.array([2, 3]), 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: prefix group 0: its samples hold 5 tokens by these lengths, but the groups say 4: ...
+    """
     if not isinstance(groups, PrefixGroups):
         raise TypeError(
             f"prefix_groups must be a packing_hf.prefix_plan.PrefixGroups, got {type(groups).__name__}; build it "
