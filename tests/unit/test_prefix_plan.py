@@ -239,7 +239,3 @@ def test_pieces_built_as_one_tree_with_min_shared_tokens_over_one_can_exceed_the
     assert [m.tolist() for m in groups.members] == [list(range(10)), [10], [11]]
     together = [samples[i] for i in range(11)]
     assert _tree_figures(together, 2)[0] > groups.unique_tokens[:2].sum()
-    assert (
-        _tree_figures(together, 1)[0]
-        <= find_prefix_groups(samples, max_tokens_per_batch=60).unique_tokens.sum()
-    )
