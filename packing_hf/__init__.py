@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     # prefix_tree.py: samples sharing token prefixes as one prefix-tree row, each prefix computed once
     "build_prefix_tree": "prefix_tree",
     "PrefixTree": "prefix_tree",
+    # tree_collator.py: a micro-batch as one prefix-tree row, its targets as (row, target, weight) pairs
+    "PrefixTreeCollator": "tree_collator",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -235,6 +237,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
     from .prefix_tree import PrefixTree, build_prefix_tree
+    from .tree_collator import PrefixTreeCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
     from .unpaired import PaddingFreeUnpairedCollator

@@ -22,6 +22,7 @@ from transformers.trainer_utils import seed_worker
 
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator
+from ..tree_collator import PrefixTreeCollator
 from .accelerator import pass_through_batch_shard
 from .args import PackingArguments
 from .callbacks import PackingStatsCollator
@@ -33,7 +34,8 @@ __all__ = ["PackingDataMixin", "column_lengths", "is_packing_collator", "is_stre
 def is_packing_collator(collator: Any) -> bool:
     """Whether ``collator`` flattens a batch into one packed row (so packed samples share attention calls).
 
-    True for :class:`~packing_hf.PaddingFreeCollator`, :class:`~packing_hf.MultimodalCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
+    True for :class:`~packing_hf.PaddingFreeCollator`, :class:`~packing_hf.MultimodalCollator`,
+    :class:`~packing_hf.PrefixTreeCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
     ``DataCollatorForLanguageModeling(padding_free=True)``, also when wrapped by stock's
     ``RemoveColumnsCollator`` or by :class:`~packing_hf.integrations.callbacks.PackingStatsCollator`.
 
@@ -44,7 +46,8 @@ def is_packing_collator(collator: Any) -> bool:
     while hasattr(collator, "data_collator") or isinstance(collator, PackingStatsCollator):
         collator = collator.collator if isinstance(collator, PackingStatsCollator) else collator.data_collator
     if isinstance(
-        collator, PaddingFreeCollator | MultimodalCollator | transformers.DataCollatorWithFlattening
+        collator,
+        PaddingFreeCollator | MultimodalCollator | PrefixTreeCollator | transformers.DataCollatorWithFlattening,
     ):
         return True
     # TRL's collator, recognised without importing TRL

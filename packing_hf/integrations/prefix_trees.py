@@ -1,0 +1,150 @@
+"""``share_prefixes=True`` on ``packing_hf.Trainer`` / ``SFTTrainer``: training micro-batches as prefix trees.
+
+Every training micro-batch becomes one prefix-tree row (:class:`~packing_hf.tree_collator.PrefixTreeCollator`):
+the samples' shared prefixes (a conversation's earlier turns, a system prompt) are stored and computed once, and
+the loss is the row's (row, target, weight) pairs' (``LossRoute.PREFIX_TREE`` of the trainer's
+:class:`~packing_hf.integrations.loss_policy.LossPolicy`), equal to the same samples run alone under every
+``loss_normalization`` and ``loss_weights``. What this module owns:
+
+- the collator: built from ``min_shared_tokens`` when none is given; a given one must be a ``PrefixTreeCollator``
+  with the same ``min_shared_tokens``;
+- the refusals, each by name: sequence parallelism (a tree row is not cut over processes), models whose token
+  mixers cannot start a child from its parent's state (:func:`~packing_hf.attention.admission.prefix_tree_refusal`),
+  streamed training data (packed online by length, as it arrives), TRL's own packed rows;
+- the models run packing_hf's attention while they train (the only attention reading ``prefix_seq_idx``), given
+  back after, as for DPO's shared prompts;
+- evaluation and prediction batches are flat packed rows (their ``eval_loss`` and logits per sample as before);
+- with ``max_tokens_per_batch``, the sampler's plan (:meth:`PrefixTreeMixin._build_multipack_sampler`).
+
+>>> PrefixTreeMixin.__name__
+'PrefixTreeMixin'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from ..attention import register_attention
+from ..attention.admission import prefix_tree_refusal
+from ..collator import PaddingFreeCollator
+from ..errors import PackingRefused
+from ..tree_collator import PrefixTreeCollator
+from .preflight import base_model
+from .stream_data import is_stream
+
+__all__ = ["PrefixTreeMixin", "flat_collator"]
+
+logger = logging.getLogger(__name__)
+
+
+def flat_collator(collator: PrefixTreeCollator) -> PaddingFreeCollator:
+    """The flat packed layout of ``collator``'s samples (its ``max_length``, ``overflow``, positions, dropped keys):
+    the evaluation batches of a ``share_prefixes`` run.
+
+    >>> flat_collator(PrefixTreeCollator(max_length=8, overflow="split")).overflow
+    'split'
+    """
+    return PaddingFreeCollator(
+        max_length=collator.max_length,
+        overflow=collator.overflow,
+        position_ids_start=collator.position_ids_start,
+        drop_keys=collator.drop_keys,
+    )
+
+
+class PrefixTreeMixin:
+    """``share_prefixes`` of the packing trainers (see the module docstring); part of
+    :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`. Configs without the field never share."""
+
+    def _shares_prefixes(self) -> bool:
+        return bool(getattr(self.args, "share_prefixes", False))
+
+    @staticmethod
+    def _prefix_tree_collator(args: Any, given: Any) -> Any:
+        """The training collator of a ``share_prefixes`` run (``args``: its training arguments): ``given`` when it
+        is a :class:`PrefixTreeCollator` with the config's ``min_shared_tokens``, a new one when ``None``; anything
+        else refused by name."""
+        wanted = args.min_shared_tokens
+        if given is None:
+            return PrefixTreeCollator(min_shared_tokens=wanted)
+        if not isinstance(given, PrefixTreeCollator):
+            raise ValueError(
+                f"share_prefixes=True builds prefix-tree rows, but data_collator={type(given).__name__} lays samples "
+                "out flat; leave data_collator unset or pass a packing_hf.PrefixTreeCollator"
+            )
+        if given.min_shared_tokens != wanted:
+            raise ValueError(
+                f"min_shared_tokens={wanted} in the config contradicts the data_collator's "
+                f"min_shared_tokens={given.min_shared_tokens}; set it in one place"
+            )
+        return given
+
+    def _check_share_prefixes(self) -> None:
+        """The refusals of ``share_prefixes=True`` on the built trainer (each by name, with the fix)."""
+        if not self._shares_prefixes():
+            if isinstance(self.data_collator, PrefixTreeCollator):
+                raise ValueError(
+                    "data_collator=PrefixTreeCollator builds prefix-tree rows, whose loss needs share_prefixes=True "
+                    "(the sampler and the loss follow it); set share_prefixes=True in the training arguments"
+                )
+            return
+        plan = self.parallel_plan
+        if plan.sequence_parallel or plan.shards_sequences:
+            sizes = {"sp_size": plan.sp_size} if plan.sequence_parallel else plan.shards_sequences
+            raise PackingRefused(
+                "share_prefixes",
+                f"share_prefixes=True with {', '.join(f'{k}={v}' for k, v in sizes.items())}: a prefix-tree row is "
+                "not cut over a sequence-parallel group (a child could land on another process than its ancestors); "
+                "unset share_prefixes or the sequence parallelism",
+            )
+        refusal = prefix_tree_refusal(getattr(base_model(self.model), "config", None))
+        if refusal is not None:
+            raise PackingRefused("prefix_seq_idx", f"share_prefixes=True: {refusal}")
+        if is_stream(self.train_dataset):
+            raise ValueError(
+                "share_prefixes=True with a streaming train_dataset: a stream is packed by sample length as it "
+                "arrives, so samples sharing prefixes rarely meet in a micro-batch; materialise the dataset "
+                "(datasets.Dataset) or unset share_prefixes"
+            )
+        if getattr(self, "_is_vision_dataset", False):
+            raise ValueError(
+                "share_prefixes=True with a vision-language dataset: image features are not shared along a prefix "
+                "tree; unset share_prefixes for vision data"
+            )
+        if getattr(self.args, "packing", False):
+            raise ValueError(
+                "share_prefixes=True with TRL's packing=True: TRL packs samples into rows of its own before the "
+                "collator sees them; set packing=False (the tree row is the packing)"
+            )
+
+    def _packing_attention(self) -> str | None:
+        """packing_hf's attention while training on prefix-tree rows (the only attention reading
+        ``prefix_seq_idx``), given back after; the stock choice otherwise."""
+        if self._shares_prefixes():
+            return register_attention()
+        return super()._packing_attention()
+
+    # ---- evaluation on flat rows -------------------------------------------------------------------
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        with self._flat_collator():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any):
+        with self._flat_collator():
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _flat_collator(self) -> Iterator[None]:
+        """Evaluation and prediction on flat packed rows: their loss and logits stay per sample, as
+        without ``share_prefixes`` (the data collator is swapped while the loader is built)."""
+        original = self.data_collator
+        if isinstance(original, PrefixTreeCollator):
+            self.data_collator = flat_collator(original)
+        try:
+            yield
+        finally:
+            self.data_collator = original
