@@ -237,8 +237,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
     from .prefix_tree import PrefixTree, build_prefix_tree
-    from .tree_collator import PrefixTreeCollator
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
+    from .tree_collator import PrefixTreeCollator
     from .unpaired import PaddingFreeUnpairedCollator
     from .verify import PackingReport, check_packing

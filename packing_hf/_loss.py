@@ -268,7 +268,13 @@ def step_denominator(totals: Sequence[float], normalization: str) -> float:
 
 #: the batch keys of a prefix-tree row's targets (:class:`packing_hf.tree_collator.PrefixTreeCollator`): per pair
 #: the predicting row, the target token, its summed weight and its ``"sample"`` coefficient; and the samples counted
-TREE_KEYS: tuple[str, ...] = ("tree_rows", "tree_targets", "tree_weights", "tree_sample_weights", "tree_samples")
+TREE_KEYS: tuple[str, ...] = (
+    "tree_rows",
+    "tree_targets",
+    "tree_weights",
+    "tree_sample_weights",
+    "tree_samples",
+)
 
 
 def is_tree_batch(batch: Any) -> bool:

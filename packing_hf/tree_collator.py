@@ -149,7 +149,9 @@ class PrefixTreeCollator:
         pairs = _target_pairs(tree, labels, None if weights is None else weights[0], cu)
         positions = tree.position_ids
         if self.position_ids_start:
-            positions = shared_prefix_position_ids(tree.cu_seqlens, tree.prefix_seq_idx, self.position_ids_start)
+            positions = shared_prefix_position_ids(
+                tree.cu_seqlens, tree.prefix_seq_idx, self.position_ids_start
+            )
         batch: dict[str, Any] = {
             "input_ids": tree.input_ids[None],
             "position_ids": positions[None],

@@ -47,7 +47,10 @@ def is_packing_collator(collator: Any) -> bool:
         collator = collator.collator if isinstance(collator, PackingStatsCollator) else collator.data_collator
     if isinstance(
         collator,
-        PaddingFreeCollator | MultimodalCollator | PrefixTreeCollator | transformers.DataCollatorWithFlattening,
+        PaddingFreeCollator
+        | MultimodalCollator
+        | PrefixTreeCollator
+        | transformers.DataCollatorWithFlattening,
     ):
         return True
     # TRL's collator, recognised without importing TRL

@@ -215,7 +215,9 @@ class LossPolicy:
         self.scaled_for_ga = stock_scaled_for_ga
         self._counting = False  # inside the Trainer's count of a training step's micro-batches
         self._prediction_loss_only = False  # inside an evaluation step that wants the loss alone
-        self._packed_evaluation = False  # inside a packed evaluation loop (batch means weighed by their counts)
+        self._packed_evaluation = (
+            False  # inside a packed evaluation loop (batch means weighed by their counts)
+        )
         self._chunked_refusals: set[str] = set()  # why the chunked head did not serve, each logged once
 
     @classmethod
@@ -275,7 +277,9 @@ class LossPolicy:
                 "(or router_aux_loss_coef=0)"
             )
         if self.plan.engine == "data_parallel":
-            conflicts.append(f"{self.plan.local_devices} GPUs in one process (DataParallel): launch one process per GPU")
+            conflicts.append(
+                f"{self.plan.local_devices} GPUs in one process (DataParallel): launch one process per GPU"
+            )
         for name, size in self.plan.shards_sample_tokens.items():
             conflicts.append(f"{name}={size}: data parallelism only")
         if conflicts:
@@ -383,7 +387,9 @@ class LossPolicy:
             totals = trainer.accelerator.reduce(totals, reduction="sum")
         self.step_route = LossRoute.PREFIX_TREE
         self.scaled_for_ga = True  # divided by the step's denominator: the Trainer must not divide it again
-        return torch.tensor(step_denominator(totals.tolist(), normalization), dtype=torch.float64, device=device)
+        return torch.tensor(
+            step_denominator(totals.tolist(), normalization), dtype=torch.float64, device=device
+        )
 
     def _stock_step(self, stock_count: Callable[[], Any]) -> Any:
         self.step_route = LossRoute.STOCK

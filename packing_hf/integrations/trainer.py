@@ -246,7 +246,9 @@ class PackingTrainerMixin(
             steps = self.state.global_step - self._packing_last_logged_step
             self._packing_last_logged_step = self.state.global_step
             # the run's prefix-tree tokens (samples each alone, rows computed), for its summary
-            self.tree_tokens_trained = [a + float(b) for a, b in zip(self.tree_tokens_trained, totals[-2:], strict=True)]
+            self.tree_tokens_trained = [
+                a + float(b) for a, b in zip(self.tree_tokens_trained, totals[-2:], strict=True)
+            ]
             logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals, tables=tables))
         logs.update(self._max_length_logs(logs))
         super().log(logs, *args, **kwargs)
