@@ -93,12 +93,11 @@ class PrefixTreeMixin:
             return
         plan = self.parallel_plan
         if plan.sequence_parallel or plan.shards_sequences:
-            sizes = {"sp_size": plan.sp_size} if plan.sequence_parallel else plan.shards_sequences
             raise PackingRefused(
                 "share_prefixes",
-                f"share_prefixes=True with {', '.join(f'{k}={v}' for k, v in sizes.items())}: a prefix-tree row is "
-                "not cut over a sequence-parallel group (a child could land on another process than its ancestors); "
-                "unset share_prefixes or the sequence parallelism",
+                f"share_prefixes=True with sequence parallelism ({plan.describe()}{plan.shards_sequences or ''}): a "
+                "prefix-tree row is not cut over a sequence-parallel group (a child could land on another process "
+                "than its ancestors); unset share_prefixes or the sequence parallelism",
             )
         refusal = prefix_tree_refusal(getattr(base_model(self.model), "config", None))
         if refusal is not None:

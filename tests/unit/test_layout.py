@@ -62,6 +62,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.multimodal",
             "packing_hf.rollouts",
             "packing_hf.prefix_tree",
+            # a micro-batch as one prefix-tree row, its targets as (row, target, weight) pairs
+            "packing_hf.tree_collator",
             "packing_hf.streaming",
         ),
     ),
