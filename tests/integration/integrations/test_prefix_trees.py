@@ -78,30 +78,25 @@ class Capture(TrainerCallback):
         }
 
 
-def _step(
-    tmp_path,
-    share: bool,
-    trainer_class=packing_hf.Trainer,
-    config_class=packing_hf.TrainingArguments,
-    samples=None,
-    model=None,
-    **settings,
-):
-    """One optimizer step (lr 0: the gradient is read before it): ``(grads, logged loss, log entry)``."""
+def _step(tmp_path, share: bool, samples=None, evaluate=False, **settings):
+    """One optimizer step (lr 0: the gradient is read before it): ``(grads, logged loss, log entry)``; with
+    ``evaluate`` the entry also holds the ``eval_loss`` of the training samples, evaluated after the step."""
     capture = Capture()
-    args = config_class(
+    args = packing_hf.TrainingArguments(
         str(tmp_path / ("tree" if share else "flat")), share_prefixes=share, max_steps=1, max_grad_norm=0.0,
         learning_rate=0.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
         seed=SEED, **settings,
     )  # fmt: skip
     extra = {} if share else {"data_collator": packing_hf.PaddingFreeCollator()}
-    trainer = trainer_class(
-        model=model if model is not None else make_model(), args=args,
+    trainer = packing_hf.Trainer(
+        model=make_model(), args=args,
         train_dataset=datasets.Dataset.from_list(samples if samples is not None else make_samples()),
         callbacks=[capture], **extra,
     )  # fmt: skip
     trainer.train()
     entry = next(e for e in trainer.state.log_history if "loss" in e)
+    if evaluate:
+        entry["eval_loss"] = trainer.evaluate(trainer.train_dataset)["eval_loss"]
     return capture.grads, entry["loss"], entry
 
 
@@ -111,7 +106,7 @@ def _relative(a: dict, b: dict) -> float:
 
 
 def _check_same(tree, flat, bound=1e-5) -> None:
-    (grads, loss, _), (ref_grads, ref_loss, _) = tree, flat
+    (grads, loss), (ref_grads, ref_loss) = tree[:2], flat[:2]
     assert set(grads) == set(ref_grads)
     assert abs(loss - ref_loss) <= bound * abs(ref_loss), (loss, ref_loss)
     assert _relative(grads, ref_grads) < bound
@@ -127,28 +122,26 @@ def _check_same(tree, flat, bound=1e-5) -> None:
 )
 def test_trainer_step_equals_the_samples_flat(tmp_path, normalization, weighted, settings):
     samples = make_samples(weighted)
-    run = {"samples": samples, "loss_normalization": normalization, **settings}
+    one_tree = "per_device_train_batch_size" in settings
+    run = {"samples": samples, "loss_normalization": normalization, "evaluate": one_tree, **settings}
     tree, flat = _step(tmp_path, True, **run), _step(tmp_path, False, **run)
     _check_same(tree, flat)
-    if "per_device_train_batch_size" in settings:  # the whole step is one tree: its ratio is the row's
+    if one_tree:  # the whole step is one tree: its ratio is the row's
         expected = build_prefix_tree([s["input_ids"] for s in samples]).token_ratio
         assert tree[2]["tree_token_ratio"] == pytest.approx(expected, abs=1e-4) and expected > 1.5
+        # evaluation runs on flat rows: the eval loss is the samples' token mean, as without trees
+        assert tree[2]["eval_loss"] == pytest.approx(flat[2]["eval_loss"], rel=1e-6)
     assert "tree_token_ratio" not in flat[2]
 
 
 def test_sft_trainer_step_equals_the_samples_flat(tmp_path, tokenizer):
-    run = {
-        "trainer_class": packing_hf.SFTTrainer, "config_class": packing_hf.SFTConfig, "max_tokens_per_batch": 128,
-        "bf16": False, "gradient_checkpointing": False, "assistant_only_loss": False,
-    }  # fmt: skip
-
     def step(share):
         model = make_model(vocab_size=len(tokenizer))
         capture = Capture()
         args = packing_hf.SFTConfig(
             str(tmp_path / str(share)), share_prefixes=share, max_steps=1, max_grad_norm=0.0, learning_rate=0.0,
             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=SEED,
-            max_tokens_per_batch=run["max_tokens_per_batch"], bf16=False, gradient_checkpointing=False,
+            max_tokens_per_batch=128, bf16=False, gradient_checkpointing=False,
         )  # fmt: skip
         trainer = packing_hf.SFTTrainer(
             model=model, args=args, train_dataset=datasets.Dataset.from_list(make_samples()),
