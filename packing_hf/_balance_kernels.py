@@ -23,11 +23,14 @@ def _closest(prices, lo, hi, want):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _balance_steps(items, offsets, steps, lengths, linear, quadratic, budget, tolerance, max_visits):
+def _balance_steps(items, offsets, steps, lengths, prices, budget, tolerance, max_visits):
     """Even out the cost of the bins that share a step by moving and trading items between them.
 
-    ``items`` / ``offsets``: the bins in CSR form (``items`` index ``lengths``); ``steps``: ``(S, R)`` bins.
-    An item of length ``L`` costs ``linear * L + quadratic * L**2`` (increasing in ``L``). In every step
+    ``items`` / ``offsets``: the bins in CSR form (``items`` index ``lengths`` and ``prices``); ``steps``:
+    ``(S, R)`` bins. An item of ``lengths[i]`` tokens costs ``prices[i]`` (float64): ``linear * L + quadratic *
+    L**2`` for a sample, increasing in ``L``, which the search for a trade below relies on to find the best
+    one; a prefix tree's price is not a function of its tokens, and there a trade found is still within the
+    budget and lowers the step's costliest bin, only perhaps not the best one. In every step
     whose costliest bin ``h`` is over ``1 + tolerance`` times the step's mean cost, ``h`` gives one of its
     items to another bin ``l`` of the step: whole (if it fits), for one cheaper item of ``l``, or for two
     (full bins trade one long sample for two short ones of nearly the same tokens, which costs less) --
@@ -57,8 +60,7 @@ def _balance_steps(items, offsets, steps, lengths, linear, quadratic, budget, to
             n_items += offsets[b + 1] - offsets[b]
             here = 0.0
             for k in range(offsets[b], offsets[b + 1]):
-                length = np.float64(lengths[items[k]])
-                here += linear * length + quadratic * length * length
+                here += prices[items[k]]
             top = max(top, here)
             total += here
         visits += n_items
@@ -76,7 +78,7 @@ def _balance_steps(items, offsets, steps, lengths, linear, quadratic, budget, to
             for k in range(offsets[b], offsets[b + 1]):
                 length = lengths[items[k]]
                 where[j], owner[j], size[j] = k, r, length
-                price[j] = linear * length + quadratic * np.float64(length) * length  # as above
+                price[j] = prices[items[k]]
                 cost[r] += price[j]
                 tokens[r] += length
                 j += 1

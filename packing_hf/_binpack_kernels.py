@@ -182,15 +182,15 @@ def _group_by_bin(bin_of, item_ids, item_lengths, n_bins):  # pragma: no cover -
 
 
 @njit(cache=True)
-def _bin_square_sums(items, offsets, lengths):  # pragma: no cover - compiled
-    """``(n_bins,)`` float64: every bin's sum of squared item lengths (the attention term of its cost)."""
+def _bin_square_sums(items, offsets, item_squares):  # pragma: no cover - compiled
+    """``(n_bins,)`` float64: every bin's sum of its items' attention terms (``item_squares``, float64: a
+    sample's squared length, a prefix tree's sum over nodes, see :mod:`packing_hf.prefix_plan`)."""
     n_bins = offsets.shape[0] - 1
     squares = np.zeros(n_bins, np.float64)
     for b in range(n_bins):
         total = 0.0
         for k in range(offsets[b], offsets[b + 1]):
-            length = np.float64(lengths[items[k]])
-            total += length * length
+            total += item_squares[items[k]]
         squares[b] = total
     return squares
 

@@ -1,10 +1,12 @@
-"""The plan of an epoch of :class:`packing_hf.MultipackBatchSampler`: bins, their count, steps.
+"""The plan of an epoch of :class:`packing_hf.MultipackBatchSampler`: items, bins, their count, steps.
 
 ``_EpochPlan`` is the part of the sampler that turns its packed items into an epoch's batches; the
 sampler class itself (:mod:`packing_hf.sampler`) holds the arguments, the ``Sampler`` protocol, resume
-and reporting. It reads the sampler's attributes (``_item_lengths``, ``_keys``, ``max_tokens_per_batch``,
-``num_replicas``, ``seed``, ``shuffle``, ``drop_last``, ``mixing``, ``balance``, ``cost_model``, ``epoch``) and caches the
-epoch-independent template and the current epoch's plan on it.
+and reporting. It builds the packed items from the sampler's ``lengths``, ``prefix_groups`` and
+``overflow`` (``_item_lengths``, ``_item_squares``: the attention term, ``_keys``, ``_members``: the samples
+of every prefix group), reads its ``max_tokens_per_batch``, ``num_replicas``, ``seed``, ``shuffle``,
+``drop_last``, ``mixing``, ``balance``, ``cost_model`` and ``epoch``, and caches the epoch-independent
+template and the current epoch's plan on it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,123 @@ class UnevenSplitError(ValueError):
 
 class _EpochPlan:
     """The epoch planning of :class:`packing_hf.MultipackBatchSampler` (a mixin: it has no state of its own)."""
+
+    # ------------------------------------------------------------------------------------------
+    # items: what gets packed (samples or prefix groups, truncated samples, pieces of split samples)
+
+    def _build_items(self) -> None:
+        """The packed items: the samples, or the prefix groups (priced by their trees' tokens), then what
+        ``overflow`` makes of those over the budget (samples; with groups, single-sample groups)."""
+        n = self.lengths.size
+        groups = self.prefix_groups
+        self._counts = {
+            "truncated_samples": 0,
+            "truncated_tokens": 0,
+            "split_samples": 0,
+            "split_pieces": 0,
+            "overflow_dropped_samples": 0,
+            "overflow_dropped_tokens": 0,
+        }
+        # pieces of split samples: (sample, start, stop) rows, yielded as index n + row
+        self.pieces = np.zeros((0, 3), np.int64)
+        if groups is None:
+            items = {
+                "lengths": self.lengths,
+                "squares": self.lengths.astype(np.float64) ** 2,
+                # what is yielded, and the sample of an item over the budget
+                "keys": np.arange(n, dtype=np.int64),
+            }
+            self._members: tuple[np.ndarray, np.ndarray] | None = None
+        else:
+            sizes = np.fromiter((m.size for m in groups.members), np.int64, groups.num_groups)
+            member_index = np.concatenate(groups.members).astype(np.int64)
+            member_offsets = np.concatenate([[0], np.cumsum(sizes)])
+            items = {
+                "lengths": groups.unique_tokens.astype(np.int64),
+                "squares": groups.attention.astype(np.float64),
+                "sample_tokens": groups.sample_tokens.astype(np.int64),
+                # the smallest sample orders a group (shuffle=False); one over the budget holds one sample
+                "keys": member_index[member_offsets[:-1]],
+                "sizes": sizes,
+            }
+            self._members = (member_offsets, member_index)
+        kept = self._apply_overflow(items)
+        if groups is not None:  # the kept items' members, in CSR form over the kept items
+            member_offsets, member_index = self._members
+            sizes = items["sizes"][kept]
+            first = member_offsets[kept] - (np.cumsum(sizes) - sizes)
+            at = np.repeat(first, sizes) + np.arange(int(sizes.sum()))
+            self._members = (np.concatenate([[0], np.cumsum(sizes)]), member_index[at])
+            self._item_sample_tokens = items["sample_tokens"][kept]  # (m,) tokens of the item's samples alone
+        # (m,) what is yielded for every packed item (groups: their smallest sample)
+        self._keys = items["keys"][kept]
+        self._item_lengths = np.ascontiguousarray(items["lengths"][kept], dtype=np.int64)  # (m,)
+        self._item_squares = np.ascontiguousarray(items["squares"][kept], dtype=np.float64)  # (m,) attention
+
+    def _apply_overflow(self, items: dict[str, np.ndarray]) -> np.ndarray:
+        """Apply ``overflow`` to the items over the budget (updating ``items`` and the counts): the items kept."""
+        budget, n = self.max_tokens_per_batch, self.lengths.size
+        lengths = items["lengths"]
+        kept = np.arange(lengths.size)
+        too_long = lengths > budget
+        n_long = int(too_long.sum())
+        if not n_long:
+            return kept
+        long_items = np.nonzero(too_long)[0]
+        first = int(items["keys"][long_items[0]])
+        if self.overflow == "error":
+            raise ValueError(
+                f"sample {first} has {int(self.lengths[first])} tokens > max_tokens_per_batch={budget} "
+                f"({n_long} sample(s) too long in all); raise max_tokens_per_batch, filter them out, or "
+                "pass overflow='truncate', 'split' or 'drop'"
+            )
+        long_tokens = int(lengths[too_long].sum())
+        if self.overflow == "truncate":
+            items["lengths"] = np.minimum(lengths, budget)
+            items["squares"] = np.where(too_long, float(budget) ** 2, items["squares"])
+            if "sample_tokens" in items:
+                items["sample_tokens"] = np.where(too_long, budget, items["sample_tokens"])
+            self._counts["truncated_samples"] = n_long
+            self._counts["truncated_tokens"] = long_tokens - n_long * budget
+        elif self.overflow == "drop":
+            kept = np.nonzero(~too_long)[0]
+            self._counts["overflow_dropped_samples"] = n_long
+            self._counts["overflow_dropped_tokens"] = long_tokens
+            if kept.size == 0:
+                raise ValueError(f"every sample is longer than max_tokens_per_batch={budget}: none is left")
+        else:  # split: the pieces are new items of one index each, after the others
+            long_ids = items["keys"][long_items]
+            n_pieces = -(-self.lengths[long_ids] // budget)  # (k,)
+            sample = np.repeat(long_ids, n_pieces)
+            first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+            start = (np.arange(sample.size) - first_piece) * budget
+            stop = np.minimum(start + budget, self.lengths[sample])
+            self.pieces = np.stack([sample, start, stop], axis=1)
+            piece_keys = n + np.arange(sample.size, dtype=np.int64)
+            kept = np.concatenate([np.nonzero(~too_long)[0], lengths.size + np.arange(sample.size)])
+            items["keys"] = np.concatenate([items["keys"], piece_keys])
+            items["lengths"] = np.concatenate([lengths, stop - start])
+            items["squares"] = np.concatenate([items["squares"], (stop - start).astype(np.float64) ** 2])
+            if self._members is not None:
+                items["sample_tokens"] = np.concatenate([items["sample_tokens"], stop - start])
+                items["sizes"] = np.concatenate([items["sizes"], np.ones(sample.size, np.int64)])
+                member_offsets, member_index = self._members
+                self._members = (
+                    np.concatenate([member_offsets, member_offsets[-1] + 1 + np.arange(sample.size)]),
+                    np.concatenate([member_index, piece_keys]),
+                )
+            self._counts["split_samples"] = n_long
+            self._counts["split_pieces"] = int(sample.size)
+        logger.warning(
+            "MultipackBatchSampler: %d sample(s) longer than max_tokens_per_batch=%d (first: sample %d, "
+            "%d tokens) handled with overflow=%r; see sampler.stats()",
+            n_long,
+            budget,
+            first,
+            int(self.lengths[first]),
+            self.overflow,
+        )
+        return kept
 
     # ------------------------------------------------------------------------------------------
     # the batch count (epoch-independent)
@@ -216,7 +335,7 @@ class _EpochPlan:
             items, offsets, bin_tokens = packing.items, packing.offsets, packing.bin_tokens
             if rng is not None:
                 rng = np.random.default_rng([self.seed, epoch, _DRAWS])  # apart from the draws' streams
-        squares = _bin_square_sums(items, offsets, lengths)  # (n_bins,) float64
+        squares = _bin_square_sums(items, offsets, self._item_squares)  # (n_bins,) float64
         if self.balance == "cost":
             cost = self.cost_model.bin_costs(bin_tokens, squares)  # (n_bins,) predicted compute cost
         else:
@@ -280,21 +399,26 @@ class _EpochPlan:
         if uneven.size == 0:  # most steps of a large dataset, once grouped by cost
             return items, offsets, bin_tokens, squares
         lengths = self._item_lengths
-        linear, quadratic = self._balance_weights()
         bin_of, moved = _balance_steps(
-            items, offsets, uneven, lengths, linear, quadratic, self.max_tokens_per_batch,
+            items, offsets, uneven, lengths, self._balance_prices(), self.max_tokens_per_batch,
             _BALANCE_TOLERANCE, _BALANCE_WORK * items.size + 10_000_000,
         )  # fmt: skip
         if not moved:
             return items, offsets, bin_tokens, squares
         items, offsets, bin_tokens = _group_by_bin(bin_of, items, lengths[items], offsets.size - 1)
-        return items, offsets, bin_tokens, _bin_square_sums(items, offsets, lengths)
+        return items, offsets, bin_tokens, _bin_square_sums(items, offsets, self._item_squares)
 
-    def _balance_weights(self) -> tuple[float, float]:
-        """``(linear, quadratic)``: what a sample of length ``L`` adds to its bin's balanced measure."""
+    def _balance_prices(self) -> np.ndarray:
+        """``(m,)`` float64: what every item adds to its bin's balanced measure (``linear * tokens + quadratic *
+        attention``; a sample's attention term is its squared length)."""
         if self.balance == "cost":
-            return float(self.cost_model.linear), float(self.cost_model.quadratic)
-        return (1.0, 0.0) if self.balance == "tokens" else (0.0, 1.0)
+            linear, quadratic = float(self.cost_model.linear), float(self.cost_model.quadratic)
+        else:
+            linear, quadratic = (1.0, 0.0) if self.balance == "tokens" else (0.0, 1.0)
+        if self._members is None:  # samples: the kernel's former arithmetic, so that plans stay bit for bit
+            length = self._item_lengths.astype(np.float64)
+            return linear * length + quadratic * length * length
+        return linear * self._item_lengths + quadratic * self._item_squares
 
     def _batches(self, plan: dict[str, Any], bins: np.ndarray) -> Iterator[list[int]]:
         """The batches of ``bins`` ``(k,)`` in that order, as lists of keys, made as they are asked for.
@@ -308,7 +432,17 @@ class _EpochPlan:
             starts, sizes = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
             ends = np.cumsum(sizes)  # (c,) where every batch ends in the chunk's items
             positions = np.repeat(starts - (ends - sizes), sizes) + np.arange(int(ends[-1]))
-            flat = keys[items[positions]].tolist()
+            if self._members is None:
+                flat = keys[items[positions]].tolist()
+            else:  # prefix groups: every item yields its samples
+                member_offsets, member_index = self._members
+                batch_items = items[positions]
+                counts = member_offsets[batch_items + 1] - member_offsets[batch_items]
+                within = np.cumsum(counts)
+                first_member = member_offsets[batch_items] - (within - counts)
+                at = np.repeat(first_member, counts) + np.arange(int(within[-1]))
+                flat = member_index[at].tolist()
+                ends = within[ends - 1]  # where every batch ends in the chunk's samples
             start = 0
             for end in ends.tolist():
                 yield flat[start:end]

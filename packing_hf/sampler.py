@@ -61,6 +61,7 @@ from ._epoch_plan import _EpochPlan, _mean_length_spread
 from ._limits import check_int, check_world
 from .cost import CostModel, rank_cost_spread
 from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
+from .prefix_plan import PrefixGroups, check_prefix_groups
 
 __all__ = ["MIXINGS", "OVERFLOW_POLICIES", "MultipackBatchSampler", "OverflowView", "lengths_from_dataset"]
 
@@ -85,6 +86,7 @@ _PLAN_KEYS = (
     "lengths_sha1",
     "balance",
     "cost_model",
+    "prefix_groups_sha1",
 )
 
 
@@ -204,10 +206,17 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             fewer, none on the shared real data) and a cheaper plan, but each batch holds samples of
             nearly the same length, which trained to a worse loss. See docs/multipack.md for the
             measured costs.
+        prefix_groups: a :class:`~packing_hf.prefix_plan.PrefixGroups` from
+            :func:`~packing_hf.prefix_plan.find_prefix_groups` of the same samples and budget: batches are
+            planned by computed tokens. Groups, not samples, are packed (by their trees' ``unique_tokens``,
+            steps balanced by ``balance`` over the trees' tokens, attention terms or cost), and every batch
+            yields the indices of its groups' samples, each group's together. Every sample must be in
+            exactly one group (checked against ``lengths``); a group over the budget is a single sample,
+            left to ``overflow``. ``len()``, resume and the ranks work as without.
 
     Attributes:
         max_tokens_per_batch, num_replicas, rank, epoch, seed, shuffle, drop_last, overflow, balance,
-        shard, mixing: as given (``epoch`` changes with :meth:`set_epoch`).
+        shard, mixing, prefix_groups: as given (``epoch`` changes with :meth:`set_epoch`).
         lengths: ``(n,)`` int64, the token count of every sample.
         batch_size: ``None`` (batches hold a varying number of samples; what ``DataLoader`` and
             accelerate expect from a batch sampler without a fixed size).
@@ -251,6 +260,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         shard: bool = True,
         mixing: Mixing = "random",
         cost_model: CostModel | None = None,
+        prefix_groups: PrefixGroups | None = None,
     ) -> None:
         super().__init__()
         self.max_tokens_per_batch = check_int(max_tokens_per_batch, "max_tokens_per_batch", 1)
@@ -293,6 +303,9 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         self.lengths = _binpack.as_lengths(lengths)
         if self.lengths.size == 0:
             raise ValueError("the dataset is empty (no lengths): there is nothing to sample")
+        if prefix_groups is not None:
+            check_prefix_groups(prefix_groups, self.lengths, self.max_tokens_per_batch)
+        self.prefix_groups = prefix_groups
         self._build_items()
 
         self._start = 0  # batches to skip at the next __iter__ (set by load_state_dict)
@@ -300,73 +313,6 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         self._consumed = 0  # batches yielded in the current epoch (what state_dict saves)
         self._template: dict[str, Any] | None = None
         self._plan_cache: tuple[int, dict[str, Any]] | None = None
-
-    # ------------------------------------------------------------------------------------------
-    # items: what gets packed (samples, truncated samples, or pieces of split samples)
-
-    def _build_items(self) -> None:
-        budget = self.max_tokens_per_batch
-        n = self.lengths.size
-        too_long = self.lengths > budget
-        n_long = int(too_long.sum())
-        self._counts = {
-            "truncated_samples": 0,
-            "truncated_tokens": 0,
-            "split_samples": 0,
-            "split_pieces": 0,
-            "overflow_dropped_samples": 0,
-            "overflow_dropped_tokens": 0,
-        }
-        # pieces of split samples: (sample, start, stop) rows, yielded as index n + row
-        self.pieces = np.zeros((0, 3), np.int64)
-        keys = np.arange(n, dtype=np.int64)
-        item_lengths = self.lengths
-        if n_long:
-            first = int(np.argmax(too_long))
-            if self.overflow == "error":
-                raise ValueError(
-                    f"sample {first} has {int(self.lengths[first])} tokens > max_tokens_per_batch={budget} "
-                    f"({n_long} sample(s) too long in all); raise max_tokens_per_batch, filter them out, or "
-                    "pass overflow='truncate', 'split' or 'drop'"
-                )
-            long_tokens = int(self.lengths[too_long].sum())
-            if self.overflow == "truncate":
-                item_lengths = np.minimum(self.lengths, budget)
-                self._counts["truncated_samples"] = n_long
-                self._counts["truncated_tokens"] = long_tokens - n_long * budget
-            elif self.overflow == "drop":
-                keys = np.nonzero(~too_long)[0]
-                item_lengths = self.lengths[keys]
-                self._counts["overflow_dropped_samples"] = n_long
-                self._counts["overflow_dropped_tokens"] = long_tokens
-                if keys.size == 0:
-                    raise ValueError(
-                        f"every sample is longer than max_tokens_per_batch={budget}: none is left"
-                    )
-            else:  # split
-                long_ids = np.nonzero(too_long)[0]
-                n_pieces = -(-self.lengths[long_ids] // budget)  # (k,)
-                sample = np.repeat(long_ids, n_pieces)
-                first_piece = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-                start = (np.arange(sample.size) - first_piece) * budget
-                stop = np.minimum(start + budget, self.lengths[sample])
-                self.pieces = np.stack([sample, start, stop], axis=1)
-                short = np.nonzero(~too_long)[0]
-                keys = np.concatenate([short, n + np.arange(sample.size, dtype=np.int64)])
-                item_lengths = np.concatenate([self.lengths[short], stop - start])
-                self._counts["split_samples"] = n_long
-                self._counts["split_pieces"] = int(sample.size)
-            logger.warning(
-                "MultipackBatchSampler: %d sample(s) longer than max_tokens_per_batch=%d (first: sample %d, "
-                "%d tokens) handled with overflow=%r; see sampler.stats()",
-                n_long,
-                budget,
-                first,
-                int(self.lengths[first]),
-                self.overflow,
-            )
-        self._keys = keys  # (m,) what is yielded for every packed item
-        self._item_lengths = np.ascontiguousarray(item_lengths, dtype=np.int64)  # (m,)
 
     # ------------------------------------------------------------------------------------------
     # Sampler protocol
@@ -466,7 +412,15 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             "cost_model": None
             if self.cost_model is None
             else [self.cost_model.linear, self.cost_model.quadratic],
+            # which samples are packed together as one tree
+            "prefix_groups_sha1": None if self._members is None else self._groups_sha1(),
         }
+
+    def _groups_sha1(self) -> str:
+        digest = hashlib.sha1()
+        for array in (*self._members, self._item_lengths):
+            digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+        return digest.hexdigest()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration yields exactly the batches of ``state["epoch"]`` not yet consumed.
@@ -593,6 +547,7 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             "dropped_tokens": int(plan["bin_tokens"][dropped].sum()),
             "step_token_spread": spread(tokens),
             "step_attention_spread": spread(squares),
+            **({} if self._members is None else self._tree_stats(plan, kept)),
             **(
                 {}
                 if self.cost_model is None
@@ -600,12 +555,29 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
             ),
         }
 
+    def _tree_stats(self, plan: dict[str, Any], kept: np.ndarray) -> dict[str, int | float]:
+        """``prefix_groups`` (groups packed: trees and pieces), ``sample_tokens`` (the tokens of the epoch's
+        samples run alone) and ``tree_token_ratio`` (those over the trees' tokens yielded: ``tokens``)."""
+        offsets, items = plan["offsets"], plan["items"]
+        sizes = offsets[kept + 1] - offsets[kept]
+        positions = np.repeat(offsets[kept] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
+        kept_items = items[positions]
+        sample_tokens = int(self._item_sample_tokens[kept_items].sum())
+        tree_tokens = int(self._item_lengths[kept_items].sum())
+        return {
+            "prefix_groups": int(self._item_lengths.size),
+            "sample_tokens": sample_tokens,
+            "tree_token_ratio": sample_tokens / max(tree_tokens, 1),
+        }
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_samples={self.lengths.size}, max_tokens_per_batch={self.max_tokens_per_batch}, "
             f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, seed={self.seed}, "
             f"shuffle={self.shuffle}, drop_last={self.drop_last}, overflow={self.overflow!r}, "
-            f"balance={self.balance!r}, shard={self.shard}, mixing={self.mixing!r}, cost_model={self.cost_model!r})"
+            f"balance={self.balance!r}, shard={self.shard}, mixing={self.mixing!r}, cost_model={self.cost_model!r}"
+            + ("" if self._members is None else f", prefix_groups={self._item_lengths.size}")
+            + ")"
         )
 
 

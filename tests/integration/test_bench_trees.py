@@ -1,0 +1,44 @@
+"""benchmarks/bench_trees.py --quick: flat and prefix-tree packing train on every sample once, the tree rows compute
+fewer tokens, and the two losses agreed on the same samples before any step (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other and _common as scripts
+import bench_trees  # noqa: E402
+
+
+def test_bench_trees_quick(tmp_path, data_dir):
+    out = tmp_path / "trees.json"
+    argv = ["bench_trees.py", "--quick", "--no-cpu-memory", "--output", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        with mock.patch.object(sys, "argv", argv):
+            bench_trees.main()
+    finally:
+        torch.set_num_threads(threads)  # main() runs on one thread
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["dataset"] for row in rows} == {"gsm8k", "synthetic"}
+    for row in rows:
+        # the flat rows hold every sample once; the tree rows every sample's tokens once per tree
+        assert row["flat_tokens_computed"] == row["sample_tokens"]
+        assert row["tree_tokens_computed"] < row["flat_tokens_computed"]
+        assert row["token_ratio"] == pytest.approx(row["flat_tokens_computed"] / row["tree_tokens_computed"])
+        # no batch of trees can share more than the whole data set as one tree
+        assert row["token_ratio"] <= row["whole_tree_ratio"] + 1e-9
+        check = row["loss_check"]
+        assert check["samples"] >= 2 and check["tree"] == pytest.approx(
+            check["flat"], rel=bench_trees.LOSS_TOLERANCE
+        )
+        assert row["flat_steps"] >= 1 and row["tree_steps"] >= 1
+    synthetic = next(row for row in rows if row["dataset"] == "synthetic")
+    assert synthetic["data"]["depths"] == [2, 3]  # rollouts branching at 2 and 3 depths
