@@ -140,7 +140,12 @@ class PackingDataMixin(PackingStreamMixin):
             lengths[i] = len(sample["input_ids"])
         return lengths
 
-    def _build_multipack_sampler(self, lengths: np.ndarray):
+    def _multipack_prefix_groups(self, dataset: Any, lengths: np.ndarray) -> Any:
+        """The samples' prefix groups the sampler packs (``share_prefixes``: groups sharing prefixes), or ``None``:
+        samples are packed one by one."""
+        return None
+
+    def _build_multipack_sampler(self, lengths: np.ndarray, prefix_groups: Any = None):
         from ..sampler import MultipackBatchSampler
 
         num_replicas, rank = self._data_parallel_world()
@@ -156,6 +161,7 @@ class PackingDataMixin(PackingStreamMixin):
             overflow=args.packing_overflow,
             mixing=args.multipack_mixing,
             cost_model=self._multipack_cost_model(),
+            prefix_groups=prefix_groups,
         )
 
     def _multipack_cost_model(self):
@@ -208,7 +214,7 @@ class PackingDataMixin(PackingStreamMixin):
                 "or unset max_tokens_per_batch"
             )
         lengths = self._multipack_lengths_of(dataset)  # before unused columns (e.g. "length") are removed
-        sampler = self._build_multipack_sampler(lengths)
+        sampler = self._build_multipack_sampler(lengths, self._multipack_prefix_groups(dataset, lengths))
         dataloader = self._multipack_dataloader(dataset, sampler, "training", self.data_collator)
         self._multipack_sampler = sampler
         self._restore_sampler_epoch(sampler)

@@ -14,7 +14,10 @@ the loss is the row's (row, target, weight) pairs' (``LossRoute.PREFIX_TREE`` of
 - the models run packing_hf's attention while they train (the only attention reading ``prefix_seq_idx``), given
   back after, as for DPO's shared prompts;
 - evaluation and prediction batches are flat packed rows (their ``eval_loss`` and logits per sample as before);
-- with ``max_tokens_per_batch``, the sampler's plan (:meth:`PrefixTreeMixin._build_multipack_sampler`).
+- with ``max_tokens_per_batch``, the sampler's plan: samples sharing prefixes are grouped
+  (:func:`~packing_hf.prefix_plan.find_prefix_groups`, with the run's budget and ``min_shared_tokens``) and the
+  sampler packs the groups by the tokens their trees compute, so that they meet in one micro-batch
+  (:meth:`PrefixTreeMixin._multipack_prefix_groups`).
 
 >>> PrefixTreeMixin.__name__
 'PrefixTreeMixin'
@@ -32,6 +35,7 @@ from ..attention.admission import prefix_tree_refusal
 from ..collator import PaddingFreeCollator
 from ..errors import PackingRefused
 from ..tree_collator import PrefixTreeCollator
+from .dataloaders import _is_hf_dataset
 from .preflight import base_model
 from .stream_data import is_stream
 
@@ -118,6 +122,22 @@ class PrefixTreeMixin:
                 "share_prefixes=True with TRL's packing=True: TRL packs samples into rows of its own before the "
                 "collator sees them; set packing=False (the tree row is the packing)"
             )
+
+    def _multipack_prefix_groups(self, dataset: Any, lengths: Any) -> Any:
+        """``share_prefixes``: the training samples grouped by shared prefixes, each group priced by its tree's
+        tokens (:func:`~packing_hf.prefix_plan.find_prefix_groups`), for ``MultipackBatchSampler(prefix_groups=)``:
+        the samples of a group land in one micro-batch, whose row computes their shared prefix once."""
+        if not self._shares_prefixes():
+            return super()._multipack_prefix_groups(dataset, lengths)
+        from ..prefix_plan import find_prefix_groups
+
+        if not _is_hf_dataset(dataset):
+            dataset = [dataset[i]["input_ids"] for i in range(len(dataset))]
+        return find_prefix_groups(
+            dataset,
+            max_tokens_per_batch=self.args.max_tokens_per_batch,
+            min_shared_tokens=self.args.min_shared_tokens,
+        )
 
     def _packing_attention(self) -> str | None:
         """packing_hf's attention while training on prefix-tree rows (the only attention reading

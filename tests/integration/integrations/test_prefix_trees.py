@@ -97,7 +97,7 @@ def _step(tmp_path, share: bool, samples=None, evaluate=False, **settings):
     entry = next(e for e in trainer.state.log_history if "loss" in e)
     if evaluate:
         entry["eval_loss"] = trainer.evaluate(trainer.train_dataset)["eval_loss"]
-    return capture.grads, entry["loss"], entry
+    return capture.grads, entry["loss"], entry, trainer._multipack_sampler
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -131,6 +131,15 @@ def test_trainer_step_equals_the_samples_flat(tmp_path, normalization, weighted,
         assert tree[2]["tree_token_ratio"] == pytest.approx(expected, abs=1e-4) and expected > 1.5
         # evaluation runs on flat rows: the eval loss is the samples' token mean, as without trees
         assert tree[2]["eval_loss"] == pytest.approx(flat[2]["eval_loss"], rel=1e-6)
+    else:  # multipack: the sampler packed the prefix groups; the step's ratio is that of its trees
+        sampler = tree[3]
+        assert sampler.prefix_groups is not None and flat[3].prefix_groups is None
+        sampler.set_epoch(0)
+        batches = list(sampler)
+        assert len(batches) <= settings["gradient_accumulation_steps"]  # one step: the whole epoch
+        rows = sum(build_prefix_tree([samples[i]["input_ids"] for i in b]).input_ids.numel() for b in batches)
+        expected = sum(len(s["input_ids"]) for s in samples) / rows
+        assert tree[2]["tree_token_ratio"] == pytest.approx(expected, abs=1e-4) and expected > 1.5
     assert "tree_token_ratio" not in flat[2]
 
 
@@ -141,7 +150,7 @@ def test_sft_trainer_step_equals_the_samples_flat(tmp_path, tokenizer):
         args = packing_hf.SFTConfig(
             str(tmp_path / str(share)), share_prefixes=share, max_steps=1, max_grad_norm=0.0, learning_rate=0.0,
             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=SEED,
-            max_tokens_per_batch=128, bf16=False, gradient_checkpointing=False,
+            max_tokens_per_batch=128, gradient_accumulation_steps=4, bf16=False, gradient_checkpointing=False,
         )  # fmt: skip
         trainer = packing_hf.SFTTrainer(
             model=model, args=args, train_dataset=datasets.Dataset.from_list(make_samples()),
