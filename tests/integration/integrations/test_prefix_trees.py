@@ -144,13 +144,15 @@ def test_trainer_step_equals_the_samples_flat(tmp_path, normalization, weighted,
 
 
 def test_sft_trainer_step_equals_the_samples_flat(tmp_path, tokenizer):
+    """The tree run with TRL's default activation checkpointing (layers re-run in backward on the tree row), the
+    flat reference without; the sampler plans the tree run by prefix groups, the step covers the epoch."""
     def step(share):
         model = make_model(vocab_size=len(tokenizer))
         capture = Capture()
         args = packing_hf.SFTConfig(
             str(tmp_path / str(share)), share_prefixes=share, max_steps=1, max_grad_norm=0.0, learning_rate=0.0,
             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=SEED,
-            max_tokens_per_batch=128, gradient_accumulation_steps=4, bf16=False, gradient_checkpointing=False,
+            max_tokens_per_batch=128, gradient_accumulation_steps=4, bf16=False, gradient_checkpointing=share,
         )  # fmt: skip
         trainer = packing_hf.SFTTrainer(
             model=model, args=args, train_dataset=datasets.Dataset.from_list(make_samples()),
