@@ -146,6 +146,7 @@ def test_trainer_step_equals_the_samples_flat(tmp_path, normalization, weighted,
 def test_sft_trainer_step_equals_the_samples_flat(tmp_path, tokenizer):
     """The tree run with TRL's default activation checkpointing (layers re-run in backward on the tree row), the
     flat reference without; the sampler plans the tree run by prefix groups, the step covers the epoch."""
+
     def step(share):
         model = make_model(vocab_size=len(tokenizer))
         capture = Capture()
@@ -255,3 +256,23 @@ def test_hybrid_model_refused_by_name(tmp_path):
     with pytest.raises(packing_hf.errors.PackingRefused, match="share_prefixes=True: bamba") as refused:
         _trainer(tmp_path, model=bamba, share_prefixes=True)
     assert refused.value.reason == "prefix_seq_idx"
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_row_without_targets_trains_nothing(tmp_path, chunked):
+    """Every label masked (a sample's first token is never a target): no pair, the loss 0, every gradient zero
+    (not NaN), on both heads."""
+    samples = [
+        {"input_ids": [1, 2, 3], "assistant_masks": [1, 0, 0]},
+        {"input_ids": [1, 2, 4], "assistant_masks": [0, 0, 0]},
+        {"input_ids": [7], "assistant_masks": [1]},
+    ]
+    batch = packing_hf.PrefixTreeCollator()(samples)
+    assert batch["tree_rows"].numel() == 0 and int(batch["tree_samples"]) == 0
+    model = make_model()
+    args = packing_hf.TrainingArguments(
+        str(tmp_path), share_prefixes=True, chunked_loss=chunked, report_to="none", use_cpu=True
+    )
+    trainer = packing_hf.Trainer(model=model, args=args, train_dataset=samples)
+    loss, grads = _loss_and_grads(trainer, model, batch)
+    assert loss == 0.0 and all(not g.any() for g in grads.values())
