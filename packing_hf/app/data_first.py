@@ -57,9 +57,7 @@ def read_job_data(data: DataArguments, trainer: str, say) -> tuple[RecordSet | N
         records = read_records(data.dataset, limit=data.num_samples, **data.read_options())
         say(records.describe())
     eval_records = None
-    if (
-        data.eval_dataset is not None and trainer_entry(trainer).measures
-    ):  # the config refuses it for the others
+    if data.eval_dataset is not None and trainer_entry(trainer).measures:  # the config refuses it for the others
         say(f"reading and checking the held-out eval records of {data.eval_dataset}")
         eval_records = read_records(data.eval_dataset, limit=data.eval_num_samples, **data.read_options())
         eval_records.limit_key = "eval_num_samples"

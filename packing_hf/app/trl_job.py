@@ -192,9 +192,7 @@ class TrlJob:
         )
         summary = self.summary = _summary(cfg, trainer, self.records, self.reference)
         cut = describe_max_length_cut(trainer, getattr(training, "max_length", None))
-        if (
-            cut is not None
-        ):  # what TRL's max_length cut or left out (counted in the trainer: max_length_stats)
+        if cut is not None:  # what TRL's max_length cut or left out (counted in the trainer: max_length_stats)
             summary["max_length_cut"] = cut
             say(f"data: {cut}")
         say(

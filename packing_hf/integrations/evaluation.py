@@ -81,9 +81,7 @@ class PackingEvalMixin:
     """Packed evaluation; part of :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`."""
 
     args: PackingArguments
-    loss_policy: (
-        Any  # the trainer's LossPolicy (integrations/loss_policy.py): no num_items_in_batch in a packed loop
-    )
+    loss_policy: Any  # the trainer's LossPolicy (integrations/loss_policy.py): no num_items_in_batch in a packed loop
 
     # ---- evaluation ------------------------------------------------------------------------------
 

@@ -39,9 +39,7 @@ def launch_arguments(command: Sequence[str]) -> list[str] | None:
         name = os.path.basename(word)
         if name == "accelerate-launch" or word == "accelerate.commands.launch":
             return list(command[i + 1 :])
-        if name in ("accelerate", "accelerate.commands.accelerate_cli") and command[i + 1 : i + 2] == [
-            "launch"
-        ]:
+        if name in ("accelerate", "accelerate.commands.accelerate_cli") and command[i + 1 : i + 2] == ["launch"]:
             return list(command[i + 2 :])
     return None
 

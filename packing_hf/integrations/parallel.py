@@ -331,9 +331,7 @@ def _engine(trainer: Any, world: int) -> tuple[str, int | None]:
     return ("ddp" if accelerator.num_processes > 1 else "none"), None
 
 
-def _check_sequence_parallel_engine(
-    sp_size: int, world: int, engine: str, level: int | None, config: Any
-) -> None:
+def _check_sequence_parallel_engine(sp_size: int, world: int, engine: str, level: int | None, config: Any) -> None:
     """Refuse, by name, an engine packing_hf's ``sp_size`` does not run inside, and data-parallel sizes of the
     ``ParallelismConfig`` (``dp_shard_size``, ``dp_replicate_size``) that the engine, when not FSDP2 (whose layout
     :func:`fsdp_layout` hands accelerate), would not honour: DDP and DeepSpeed replicate over the
@@ -401,9 +399,7 @@ class ParallelPlan:
         ``__init__``.
         """
         accelerator = trainer.accelerator
-        world, rank = process_world(
-            accelerator.num_processes, getattr(trainer, "is_deepspeed_enabled", False)
-        )
+        world, rank = process_world(accelerator.num_processes, getattr(trainer, "is_deepspeed_enabled", False))
         engine, level = _engine(trainer, world)
         accelerate_sizes = _sizes(getattr(accelerator, "parallelism_config", None), _TOKEN_SPLITS)
         # DataParallel: one process drives every GPU it sees (transformers' args.n_gpu), which its world omits
@@ -419,9 +415,7 @@ class ParallelPlan:
         _check_sequence_parallel_engine(sp_size, world, engine, level, configured_parallelism(trainer.args))
         from ..attention.sequence_parallel import sequence_parallel_mesh
 
-        mesh = sequence_parallel_mesh(
-            sp_size, accelerator.device.type
-        )  # the one builder of the (dp, sp) layout
+        mesh = sequence_parallel_mesh(sp_size, accelerator.device.type)  # the one builder of the (dp, sp) layout
         return cls(
             engine,
             level,
@@ -503,9 +497,7 @@ class ParallelPlan:
         "FSDP1 flattens the head's weight into its FlatParameter (untested); use FSDP2 (fsdp_config={'version': 2})"
         """
         if self.engine == "data_parallel":
-            return (
-                "torch.nn.DataParallel calls replicas of the model in threads, whose head's weight is a copy"
-            )
+            return "torch.nn.DataParallel calls replicas of the model in threads, whose head's weight is a copy"
         if self.engine == "fsdp" and self.engine_level == 1:
             return (
                 "FSDP1 flattens the head's weight into its FlatParameter (untested); use FSDP2 "
@@ -519,9 +511,7 @@ class ParallelPlan:
         >>> ParallelPlan("deepspeed", 3, 4, 0, 2).describe()
         'deepspeed ZeRO-3, 4 processes (dp 2 x sp 2)'
         """
-        level = {"deepspeed": f" ZeRO-{self.engine_level}", "fsdp": f"{self.engine_level}"}.get(
-            self.engine, ""
-        )
+        level = {"deepspeed": f" ZeRO-{self.engine_level}", "fsdp": f"{self.engine_level}"}.get(self.engine, "")
         layout = f" (dp {self.data_parallel[0]} x sp {self.sp_size})" if self.sequence_parallel else ""
         layout += f" ({self.local_devices} GPUs each)" if self.local_devices > 1 else ""
         return f"{self.engine}{level}, {self.world_size} process{'es' if self.world_size > 1 else ''}{layout}"

@@ -55,9 +55,7 @@ def _finding(config: Any, implementation: str, report: Any) -> str:
             f"the pre-flight check could not run a tiny {config.model_type} / {implementation} on a packed row "
             f"({report.error}), so whether packed samples stay apart was not measured"
         )
-    return (
-        f"packed samples would see each other with {config.model_type} / {implementation}: {report.summary()}"
-    )
+    return f"packed samples would see each other with {config.model_type} / {implementation}: {report.summary()}"
 
 
 def preflight_packing(model: Any, mode: str = "switch", role: str = "model"):
