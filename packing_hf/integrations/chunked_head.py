@@ -287,14 +287,7 @@ def causal_lm_loss(
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
         loss, stats = _summed_cross_entropy(
-            hidden[:, :-1],
-            weight,
-            bias,
-            resolved.logit_head,
-            labels[:, 1:],
-            coefficients,
-            chunk_size,
-            metrics,
+            hidden[:, :-1], weight, bias, resolved.logit_head, labels[:, 1:], coefficients, chunk_size, metrics
         )
         return loss, stats.entropy, stats.hits, stats.count  # tensors: what the engines' hooks see through
 

@@ -215,9 +215,7 @@ class LossPolicy:
         self.scaled_for_ga = stock_scaled_for_ga
         self._counting = False  # inside the Trainer's count of a training step's micro-batches
         self._prediction_loss_only = False  # inside an evaluation step that wants the loss alone
-        self._packed_evaluation = (
-            False  # inside a packed evaluation loop (batch means weighed by their counts)
-        )
+        self._packed_evaluation = False  # inside a packed evaluation loop (batch means weighed by their counts)
         self._chunked_refusals: set[str] = set()  # why the chunked head did not serve, each logged once
 
     @classmethod
@@ -277,9 +275,7 @@ class LossPolicy:
                 "(or router_aux_loss_coef=0)"
             )
         if self.plan.engine == "data_parallel":
-            conflicts.append(
-                f"{self.plan.local_devices} GPUs in one process (DataParallel): launch one process per GPU"
-            )
+            conflicts.append(f"{self.plan.local_devices} GPUs in one process (DataParallel): launch one process per GPU")
         for name, size in self.plan.shards_sample_tokens.items():
             conflicts.append(f"{name}={size}: data parallelism only")
         if conflicts:

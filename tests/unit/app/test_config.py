@@ -467,8 +467,6 @@ def test_the_same_settings_where_the_run_honours_them_parse():
         ValueError, match="^the command line: eval_steps: 5.0 is not used"
     ):  # typed as a float
         load_train_config({}, ["eval_steps=5"])
-
-
 class _ZeroConfig:
     """What whole_zero3_save reads of transformers' parsed DeepSpeed config (``TrainingArguments.hf_deepspeed_config``;
     the real one registers itself globally, turning ZeRO-3 on for every model this test process builds)."""
@@ -491,25 +489,17 @@ def _with_deepspeed(zero: dict, save_model: bool = True):
 
 def test_zero3_saves_the_model_whole_or_is_refused_by_name():
     cfg = _with_deepspeed({"stage": 3})
-    assert (
-        cfg.training.hf_deepspeed_config.config["zero_optimization"][
-            "stage3_gather_16bit_weights_on_model_save"
-        ]
-        is True
-    )
+    assert cfg.training.hf_deepspeed_config.config["zero_optimization"][
+        "stage3_gather_16bit_weights_on_model_save"
+    ] is True
     assert any("stage3_gather_16bit_weights_on_model_save: true" in note for note in cfg.notes)
     for name in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
-        with pytest.raises(
-            ValueError, match=f"run.yaml: deepspeed: {name}: false saves DeepSpeed's partitioned"
-        ):
+        with pytest.raises(ValueError, match=f"run.yaml: deepspeed: {name}: false saves DeepSpeed's partitioned"):
             _with_deepspeed({"stage": 3, name: False})
     kept = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
     assert _with_deepspeed(dict(kept)).training.hf_deepspeed_config.config["zero_optimization"] == kept
     # not ZeRO-3, or no model saved: nothing to gather, nothing changed
-    for zero, save_model in (
-        ({"stage": 2}, True),
-        ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}, False),
-    ):
+    for zero, save_model in (({"stage": 2}, True), ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}, False)):
         cfg = _with_deepspeed(dict(zero), save_model)
         assert cfg.training.hf_deepspeed_config.config["zero_optimization"] == zero and not cfg.notes
 
