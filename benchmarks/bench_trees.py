@@ -39,6 +39,7 @@ step (as bench_trainers: CUDA ``max_memory_allocated``; CPU the growth of the pr
 the step; median and max over the steps after the first). The load average at start and end goes into the JSON.
 
     python benchmarks/bench_trees.py                      # tiny and width-256 Llama, every data set (~4 min)
+    python benchmarks/bench_trees.py --conversations 48   # the figures of docs/benchmarks.md (~8 min)
     python benchmarks/bench_trees.py --quick              # a smoke run (seconds)
     python benchmarks/bench_trees.py --device cuda --presets smollm2-135m --dtype bfloat16 --conversations 400
 """
@@ -90,7 +91,7 @@ def parse_args():
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--budget", type=int, default=4096, help="tokens per step (max_tokens_per_batch)")
     parser.add_argument(
-        "--conversations", type=int, default=48,
+        "--conversations", type=int, default=24,
         help="conversations (rollout trees for synthetic: a quarter of this) per data set",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
