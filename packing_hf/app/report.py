@@ -83,6 +83,7 @@ def prefix_tree_summary(trainer: Any) -> dict[str, Any] | None:
         "tree_tokens": int(rows),
         "tree_token_ratio": samples / rows if rows else None,
         "min_shared_tokens": trainer.args.min_shared_tokens,
+        "counted": bool(getattr(trainer.args, "packing_metrics", True)),
     }
 
 
@@ -206,7 +207,8 @@ def _describe_trees(trees: dict[str, Any]) -> str:
     """
     ratio = trees.get("tree_token_ratio")
     if ratio is None:
-        return f"share_prefixes, min_shared_tokens={trees['min_shared_tokens']}: no training step was logged"
+        why = "no training step was logged" if trees.get("counted", True) else "not counted (packing_metrics: false)"
+        return f"share_prefixes, min_shared_tokens={trees['min_shared_tokens']}: {why}"
     return (
         f"tree_token_ratio {ratio:.2f}x: {trees['tree_tokens']:,} tokens computed for {trees['sample_tokens']:,} "
         f"sample tokens (share_prefixes, min_shared_tokens={trees['min_shared_tokens']})"

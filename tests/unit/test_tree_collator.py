@@ -124,3 +124,20 @@ def test_malformed_input_is_named():
         PrefixTreeCollator()([SAMPLES[0], {"input_ids": [1, 2, 3], "completion_mask": [1, 1]}])
     with pytest.raises(ValueError, match="pixel_values"):
         PrefixTreeCollator()([{"input_ids": [1, 2], "pixel_values": [0.0]}])
+
+
+def test_max_length_overflow_and_positions_are_honoured():
+    """``overflow="split"``: every piece is a sample of the tree, as it is a segment of the flat layout (its first
+    token no target); ``position_ids_start`` shifts every root's positions."""
+    long = {"input_ids": [1, 2, 3, 4, 5, 6, 7], "completion_mask": [1] * 7}
+    samples = [long, {"input_ids": [1, 2, 3, 9], "completion_mask": [1] * 4}]
+    collator = PrefixTreeCollator(max_length=4, overflow="split", position_ids_start=2)
+    batch = collator(samples)
+    flat = PaddingFreeCollator(max_length=4, overflow="split")(samples)
+    assert tree_loss_counts(batch) == loss_counts(flat["labels"], cu_seq_lens=flat["cu_seq_lens_q"])
+    # pieces [1 2 3 4] [5 6 7] and the sample [1 2 3 9]: [1 2 3] shared, [5 6 7] a root of its own
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 9, 5, 6, 7]]
+    assert batch["position_ids"].tolist() == [[2, 3, 4, 5, 5, 2, 3, 4]]
+    assert collator.stats["split_samples"] == 1
+    with pytest.raises(ValueError, match="max_length=4"):
+        PrefixTreeCollator(max_length=4)(samples)  # overflow="error" (default) names the sample

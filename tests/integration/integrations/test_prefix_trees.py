@@ -276,3 +276,24 @@ def test_a_row_without_targets_trains_nothing(tmp_path, chunked):
     trainer = packing_hf.Trainer(model=model, args=args, train_dataset=samples)
     loss, grads = _loss_and_grads(trainer, model, batch)
     assert loss == 0.0 and all(not g.any() for g in grads.values())
+
+
+def test_sequence_parallelism_refused_by_name():
+    """A plan cutting rows over an SP group (``sp_size=2``; the check reads the run's ParallelPlan): refused with
+    the reason ``share_prefixes`` before any row is cut."""
+    from types import SimpleNamespace
+
+    from packing_hf.integrations.parallel import ParallelPlan
+    from packing_hf.integrations.prefix_trees import PrefixTreeMixin
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(share_prefixes=True),
+        parallel_plan=ParallelPlan("ddp", None, 2, 0, sp_size=2),
+        data_collator=packing_hf.PrefixTreeCollator(),
+    )
+    trainer._shares_prefixes = lambda: True
+    with pytest.raises(
+        packing_hf.errors.PackingRefused, match="share_prefixes=True with sequence parallelism"
+    ) as refused:
+        PrefixTreeMixin._check_share_prefixes(trainer)
+    assert refused.value.reason == "share_prefixes"

@@ -104,8 +104,10 @@ def test_share_prefixes_prints_the_tree_token_ratio():
 
     args = SimpleNamespace(share_prefixes=True, min_shared_tokens=1)
     trees = prefix_tree_summary(SimpleNamespace(args=args, tree_tokens_trained=[5000.0, 2000.0]))
-    assert trees == {"sample_tokens": 5000, "tree_tokens": 2000, "tree_token_ratio": 2.5, "min_shared_tokens": 1}
+    assert trees["tree_token_ratio"] == 2.5 and trees["tree_tokens"] == 2000 and trees["sample_tokens"] == 5000
     printed = _printed({**_summary(1.0, 1.0), "prefix_trees": trees})
     assert "prefix trees tree_token_ratio 2.50x: 2,000 tokens computed for 5,000 sample tokens" in printed
     assert prefix_tree_summary(SimpleNamespace(args=SimpleNamespace(share_prefixes=False))) is None
     assert "prefix trees" not in _printed(_summary(1.0, 1.0))
+    off = {**trees, "tree_token_ratio": None, "counted": False}
+    assert "not counted (packing_metrics: false)" in _printed({**_summary(1.0, 1.0), "prefix_trees": off})
