@@ -74,6 +74,11 @@ def test_one_pair_per_distinct_prediction_weighted_by_the_samples_training_it():
     flat = PaddingFreeCollator()(SAMPLES)
     assert tree_loss_counts(batch) == loss_counts(flat["labels"], cu_seq_lens=flat["cu_seq_lens_q"])
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 0, 1, 2]]
+    # the head projects a row once per distinct target there: at most the row's tokens plus its branch edges, and
+    # fewer than the samples' targets (the duplicate's three, and token 3 after the shared [1 2], are projected once)
+    segments = batch["prefix_seq_idx"].numel()
+    assert len(pairs) <= batch["input_ids"].numel() + segments
+    assert len(pairs) == int((flat["labels"] != -100).sum()) - 4
 
 
 def test_loss_weights_and_the_sample_coefficients():
