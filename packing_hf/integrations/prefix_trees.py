@@ -117,6 +117,17 @@ class PrefixTreeMixin:
                 "share_prefixes=True with a vision-language dataset: image features are not shared along a prefix "
                 "tree; unset share_prefixes for vision data"
             )
+        if getattr(self.args, "logit_metrics", "labelled") != "labelled":
+            raise ValueError(
+                f"share_prefixes=True with logit_metrics={self.args.logit_metrics!r}: TRL's fused LM head scores a "
+                "flat row; a tree row's loss comes from its target pairs (TRL's entropy / token accuracy are not "
+                "logged there). Set logit_metrics='labelled' or unset share_prefixes"
+            )
+        if getattr(self.args, "pad_to_multiple_of", None) is not None:
+            raise ValueError(
+                f"share_prefixes=True with pad_to_multiple_of={self.args.pad_to_multiple_of}: a prefix-tree row is "
+                "not padded (its length is what its tree computes); unset pad_to_multiple_of"
+            )
         if getattr(self.args, "packing", False):
             raise ValueError(
                 "share_prefixes=True with TRL's packing=True: TRL packs samples into rows of its own before the "

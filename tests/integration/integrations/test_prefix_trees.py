@@ -250,6 +250,21 @@ def test_refusals_by_name(tmp_path):
         packing_hf.TrainingArguments(str(tmp_path), min_shared_tokens=3, report_to="none", use_cpu=True)
 
 
+def test_sft_settings_a_tree_cannot_honour_are_refused(tmp_path, tokenizer):
+    data = datasets.Dataset.from_list(make_samples()[:2])
+    for setting, match in (
+        ({"logit_metrics": "trl"}, "logit_metrics='trl'"),
+        ({"pad_to_multiple_of": 8}, "a prefix-tree row is not padded"),
+    ):
+        args = packing_hf.SFTConfig(
+            str(tmp_path), share_prefixes=True, report_to="none", use_cpu=True, bf16=False, **setting
+        )
+        with pytest.raises(ValueError, match=match):
+            packing_hf.SFTTrainer(
+                model=make_model(), args=args, train_dataset=data, processing_class=tokenizer
+            )
+
+
 def test_hybrid_model_refused_by_name(tmp_path):
     torch.manual_seed(SEED)
     bamba = AutoModelForCausalLM.from_config(tiny_config("bamba"))
