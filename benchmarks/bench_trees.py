@@ -91,7 +91,7 @@ def parse_args():
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--budget", type=int, default=4096, help="tokens per step (max_tokens_per_batch)")
     parser.add_argument(
-        "--conversations", type=int, default=24,
+        "--conversations", type=int, default=20,
         help="conversations (rollout trees for synthetic: a quarter of this) per data set",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)

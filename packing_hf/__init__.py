@@ -45,6 +45,9 @@ _LAZY: dict[str, str] = {
     "PrefixTree": "prefix_tree",
     # tree_collator.py: a micro-batch as one prefix-tree row, its targets as (row, target, weight) pairs
     "PrefixTreeCollator": "tree_collator",
+    # prefix_plan.py: samples grouped by shared prefixes, for the sampler to plan by computed tokens
+    "find_prefix_groups": "prefix_plan",
+    "PrefixGroups": "prefix_plan",
     # streaming/: iterable datasets packed on the fly
     "PackedStream": "streaming",
     "read_stream": "streaming",
@@ -236,6 +239,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     )
     from .multimodal import MultimodalCollator
     from .preference import PaddingFreePreferenceCollator, PaddingFreeRewardCollator
+    from .prefix_plan import PrefixGroups, find_prefix_groups
     from .prefix_tree import PrefixTree, build_prefix_tree
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader

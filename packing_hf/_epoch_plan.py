@@ -98,7 +98,7 @@ class _EpochPlan:
                 "squares": groups.attention.astype(np.float64),
                 "sample_tokens": groups.sample_tokens.astype(np.int64),
                 # the smallest sample orders a group (shuffle=False); one over the budget holds one sample
-                "keys": member_index[member_offsets[:-1]],
+                "keys": np.minimum.reduceat(member_index, member_offsets[:-1]),
                 "sizes": sizes,
             }
             self._members = (member_offsets, member_index)

@@ -37,6 +37,10 @@ the sum; build the row per group there.
 ([[0, 1, 3], [2]], [5, 2], [10, 2])
 >>> round(groups.token_ratio, 2)
 1.71
+>>> from packing_hf.sampler import MultipackBatchSampler
+>>> sampler = MultipackBatchSampler([3, 3, 2, 4], max_tokens_per_batch=16, prefix_groups=groups)
+>>> [sorted(batch) for batch in sampler], sampler.stats()["tokens"]  # one batch: 7 tokens computed, 12 alone
+([[0, 1, 2, 3]], 7)
 """
 
 from __future__ import annotations
@@ -137,15 +141,15 @@ def _token_arrays(token_ids: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
                 f"token_ids must be a sequence of token id sequences (lists, arrays, 1-D tensors) or a "
                 f"datasets.Dataset, got {type(token_ids).__name__}"
             )
-        arrays = []
-        for i, sample in enumerate(token_ids):
-            array = sample.cpu().numpy() if hasattr(sample, "cpu") else np.asarray(sample)
-            if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-                raise TypeError(
-                    f"token_ids[{i}] must be a 1-D sequence of token ids (ints), got shape {array.shape} of "
-                    f"{array.dtype}"
-                )
-            arrays.append(array)
+        arrays = [s.cpu().numpy() if hasattr(s, "cpu") else np.asarray(s) for s in token_ids]
+        # ints ("i", "u"), or an empty sample (caught below); one attribute read per sample
+        wrong = [i for i, a in enumerate(arrays) if a.ndim != 1 or (a.dtype.kind not in "iu" and a.size)]
+        if wrong:
+            array = arrays[wrong[0]]
+            raise TypeError(
+                f"token_ids[{wrong[0]}] must be a 1-D sequence of token ids (ints), got shape {array.shape} of "
+                f"{array.dtype}"
+            )
         lengths_array = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         samples_desc = "token_ids"
@@ -397,7 +401,14 @@ def find_prefix_groups(
 def check_prefix_groups(groups: Any, lengths: np.ndarray, budget: int) -> None:
     """Raise unless ``groups`` holds every sample of ``lengths`` exactly once, with its samples' tokens, and
     every group of several samples fits ``budget`` (what :func:`~packing_hf.prefix_plan.find_prefix_groups`
-    of the same samples and budget gives)."""
+    of the same samples and budget gives).
+
+    >>> groups = find_prefix_groups([[1, 2], [1, 3]], max_tokens_per_batch=8)
+    >>> check_prefix_groups(groups, np.array([2, 3]), 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: prefix group 0: its samples hold 5 tokens by these lengths, but the groups say 4: ...
+    """
     if not isinstance(groups, PrefixGroups):
         raise TypeError(
             f"prefix_groups must be a packing_hf.prefix_plan.PrefixGroups, got {type(groups).__name__}; build it "

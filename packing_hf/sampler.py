@@ -504,7 +504,9 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
         ``step_attention_spread`` (mean over steps of ``(max - min) / max`` across ranks: 0 is perfectly
         balanced); with a ``cost_model``, ``rank_cost_max_over_mean``: ``sum over steps of the slowest
         rank's predicted cost / sum of the mean`` (1.0: no rank ever waits; see
-        :func:`~packing_hf.cost.rank_cost_spread`).
+        :func:`~packing_hf.cost.rank_cost_spread`). With ``prefix_groups``: ``prefix_groups`` (the groups
+        packed), ``sample_tokens`` (the epoch's samples run alone; ``tokens`` counts the trees') and
+        ``tree_token_ratio`` (the two's ratio).
         """
         plan = self._plan(epoch)
         template = self._get_template()

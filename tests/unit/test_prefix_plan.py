@@ -226,3 +226,16 @@ def test_sampler_applies_overflow_to_a_group_over_the_budget():
         [0, 1, 4],
         [3],
     ]  # pieces 3 and 4 (8 + 4 tokens), the tree of 4
+
+
+def test_pieces_built_as_one_tree_with_min_shared_tokens_over_one_can_exceed_their_sum():
+    """The documented limit (docs/prefix_trees.md): with ``min_shared_tokens=2`` the ten samples sharing 4
+    tokens and the one sharing 3 with them are cut apart; built together, the shorter common run (3) moves the
+    node boundary and the ten repeat a token each, so the row holds more than the two pieces' sum. With
+    ``min_shared_tokens=1`` a batch's tree never holds more (the sampler test checks every batch)."""
+    branch = [[9, 9, 1, 5, 10 + i, 50, 51] for i in range(10)]
+    samples = [*branch, [9, 9, 1, 6, *range(100, 130)], [9, 9, 2, *range(200, 230)]]
+    groups = find_prefix_groups(samples, max_tokens_per_batch=60, min_shared_tokens=2)
+    assert [m.tolist() for m in groups.members] == [list(range(10)), [10], [11]]
+    together = [samples[i] for i in range(11)]
+    assert _tree_figures(together, 2)[0] > groups.unique_tokens[:2].sum()
