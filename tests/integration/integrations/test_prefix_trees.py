@@ -118,6 +118,7 @@ def _check_same(tree, flat, bound=1e-5) -> None:
         ("token", False, {"per_device_train_batch_size": 16}),  # one micro-batch: one tree per step
         # multipack micro-batches, accumulated: the step's denominator spans trees
         ("sample", True, {"max_tokens_per_batch": 64, "gradient_accumulation_steps": 3}),
+        ("sample_sum", False, {"max_tokens_per_batch": 64, "gradient_accumulation_steps": 3}),
     ],
 )
 def test_trainer_step_equals_the_samples_flat(tmp_path, normalization, weighted, settings):
