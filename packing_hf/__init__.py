@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     # prefix_tree.py: samples sharing token prefixes as one prefix-tree row, each prefix computed once
     "build_prefix_tree": "prefix_tree",
     "PrefixTree": "prefix_tree",
+    # tree_collator.py: a micro-batch as one prefix-tree row, its targets as (row, target, weight) pairs
+    "PrefixTreeCollator": "tree_collator",
     # prefix_plan.py: samples grouped by shared prefixes, for the sampler to plan by computed tokens
     "find_prefix_groups": "prefix_plan",
     "PrefixGroups": "prefix_plan",
@@ -241,5 +243,6 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the real names
     from .prefix_tree import PrefixTree, build_prefix_tree
     from .sampler import MultipackBatchSampler, lengths_from_dataset
     from .streaming import PackedStream, read_stream, streaming_dataset_reader
+    from .tree_collator import PrefixTreeCollator
     from .unpaired import PaddingFreeUnpairedCollator
     from .verify import PackingReport, check_packing

@@ -38,13 +38,17 @@ from .varlen import cu_seqlens_to_starts
 __all__ = [
     "LOSS_NORMALIZATIONS",
     "LOSS_WEIGHTS_KEY",
+    "TREE_KEYS",
     "check_loss_normalization",
     "check_loss_weights",
+    "is_tree_batch",
     "loss_counts",
     "loss_numerator",
     "step_denominator",
     "target_coefficients",
     "target_segments",
+    "tree_coefficients",
+    "tree_loss_counts",
 ]
 
 #: what ``loss_normalization=`` accepts (see the module docstring)
@@ -258,3 +262,51 @@ def step_denominator(totals: Sequence[float], normalization: str) -> float:
     normalization = check_loss_normalization(normalization, "normalization")
     value = float(totals[0] if normalization == "token" else totals[1])
     return value if value > 0 and math.isfinite(value) else 1.0
+
+
+# ---- prefix-tree rows: targets as (row, target token, weight) pairs --------------------------------------------
+
+#: the batch keys of a prefix-tree row's targets (:class:`packing_hf.tree_collator.PrefixTreeCollator`): per pair
+#: the predicting row, the target token, its summed weight and its ``"sample"`` coefficient; and the samples counted
+TREE_KEYS: tuple[str, ...] = (
+    "tree_rows",
+    "tree_targets",
+    "tree_weights",
+    "tree_sample_weights",
+    "tree_samples",
+)
+
+
+def is_tree_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a prefix-tree row carrying its targets as pairs (:data:`TREE_KEYS`).
+
+    >>> is_tree_batch({"tree_rows": None}), is_tree_batch({"labels": None})
+    (True, False)
+    """
+    return hasattr(batch, "keys") and TREE_KEYS[0] in batch
+
+
+def tree_loss_counts(batch: Any) -> tuple[float, int]:
+    """What one prefix-tree micro-batch adds to the step's denominators: ``(sum of target weights, samples)``,
+    the same numbers :func:`loss_counts` gives for the same samples packed flat (every sample's targets counted,
+    a shared target once per sample training it).
+
+    >>> loss_counts(torch.tensor([[-100, 4, 4], [-100, 4, 5]]))
+    (4.0, 2)
+    >>> tree_loss_counts({"tree_weights": torch.tensor([2.0, 1.0, 1.0]), "tree_samples": torch.tensor(2)})
+    (4.0, 2)
+    """
+    weights = batch[TREE_KEYS[2]]
+    return float(weights.double().sum()), int(batch[TREE_KEYS[4]])
+
+
+def tree_coefficients(batch: Any, normalization: str) -> torch.Tensor:
+    """``(P,)`` float32: the factor of every pair's cross-entropy in the micro-batch's numerator (the pairs' version
+    of :func:`target_coefficients`): its summed weight, or for ``"sample"`` its summed ``w / W_s``.
+
+    >>> batch = {"tree_weights": torch.tensor([2.0, 1.0]), "tree_sample_weights": torch.tensor([1.0, 0.5])}
+    >>> tree_coefficients(batch, "sample").tolist(), tree_coefficients(batch, "sample_sum").tolist()
+    ([1.0, 0.5], [2.0, 1.0])
+    """
+    check_loss_normalization(normalization, "normalization")
+    return batch[TREE_KEYS[3] if normalization == "sample" else TREE_KEYS[2]].float()

@@ -22,6 +22,7 @@ __all__ = [
     "check_model_type",
     "check_reward_funcs",
     "check_sequence_parallel",
+    "check_share_prefixes",
     "refuse_parallel_keys",
     "refuse_unread_keys",
     "trl_packs",
@@ -394,6 +395,50 @@ def check_sequence_parallel(cfg: Any, origin) -> None:
         )
 
 
+def check_share_prefixes(cfg: Any, origin) -> None:
+    """``share_prefixes: true`` (``trainer: trainer`` / ``sft``, whose training arguments have the key): packed rows
+    to merge, read with packing_hf's attention (chosen for the model when the config names none, with a note); a
+    padded, streamed, sequence-parallel or TRL-packed run, or another attention, refused by name."""
+    training = cfg.training
+    if not getattr(training, "share_prefixes", False):
+        return
+    where = origin("share_prefixes")
+    if cfg.batching == "padded":
+        raise ValueError(
+            f"{where}: share_prefixes: true merges the samples of a packed row into a prefix tree, but batching is "
+            "'padded'; set max_tokens_per_batch (multipack) or batching: padding_free"
+        )
+    if cfg.data.streaming:
+        raise ValueError(
+            f"{where}: share_prefixes: true with streaming: true: a stream is packed by sample length as it "
+            "arrives, so samples sharing prefixes rarely meet in a micro-batch; remove streaming or share_prefixes"
+        )
+    if (getattr(training, "sp_size", None) or 1) > 1:
+        raise ValueError(
+            f"{where}: share_prefixes: true with sp_size: {training.sp_size}: a prefix-tree row is not cut over a "
+            "sequence-parallel group; remove sp_size or share_prefixes"
+        )
+    if getattr(training, "packing", False):
+        raise ValueError(
+            f"{where}: share_prefixes: true with packing: true: TRL packs samples into rows of its own before "
+            "the collator sees them; remove packing (the tree row is the packing)"
+        )
+    wanted = check_attn_implementation("packing_hf")
+    given = cfg.model.attn_implementation
+    if given is None:
+        cfg.model.attn_implementation = "packing_hf"
+        cfg.notes.append(
+            "attn_implementation: packing_hf (share_prefixes: true reads prefix_seq_idx, which only packing_hf's "
+            "attention reads)"
+        )
+    elif check_attn_implementation(given) != wanted:
+        raise ValueError(
+            f"{origin('attn_implementation')}: attn_implementation: {given} with share_prefixes: true would let a "
+            "prefix tree's segments miss their ancestors (only packing_hf's attention reads prefix_seq_idx): set "
+            "attn_implementation: packing_hf (or leave it out)"
+        )
+
+
 def _check_streaming(cfg: Any) -> None:
     """Refuse what ``streaming: true`` cannot do: whatever needs the whole dataset up front (its length for
     the number of steps, a plan of all its lengths), or a setting the stream would ignore."""
@@ -462,7 +507,9 @@ def _resolve_batching(cfg: Any) -> str:
             batching = "multipack"
         elif job.trainer == "sft":
             # TRL decides: its padding_free / packing (bfd rows) flatten batches, otherwise it pads
-            batching = "padding_free" if trl_packs(training) else "padded"
+            # (share_prefixes: packing_hf's tree collator, which flattens every batch)
+            flat = trl_packs(training) or getattr(training, "share_prefixes", False)
+            batching = "padding_free" if flat else "padded"
         else:
             batching = "padding_free"
     if batching == "multipack" and budget is None:
@@ -486,7 +533,8 @@ def _resolve_batching(cfg: Any) -> str:
             f"max_tokens_per_batch={budget} is smaller than max_length={cfg.data.max_length}: a sample of "
             "max_length tokens could never be placed; raise max_tokens_per_batch or lower max_length"
         )
-    if job.trainer == "sft" and batching == "padding_free" and not trl_packs(training):
+    shares = getattr(training, "share_prefixes", False)  # packing_hf's tree collator flattens the batches
+    if job.trainer == "sft" and batching == "padding_free" and not (trl_packs(training) or shares):
         raise ValueError(
             "trainer: sft with batching: padding_free needs TRL's padding_free: true (or packing: true)"
         )

@@ -47,6 +47,7 @@ from .checks import (
     check_model_type,
     check_reward_funcs,
     check_sequence_parallel,
+    check_share_prefixes,
     refuse_parallel_keys,
     refuse_unread_keys,
     trl_packs,
@@ -545,6 +546,7 @@ def load_train_config(
     refuse_unread_keys(result, set(values) | from_cli, origin)
     result.batching = _resolve_batching(result)
     check_sequence_parallel(result, origin)
+    check_share_prefixes(result, origin)
     try:
         if model_args.model_type is not None:
             check_model_type(model_args.model_type)

@@ -11,7 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_max_length_cut", "load_average", "machine_note", "plot_losses", "print_summary"]
+__all__ = [
+    "describe_max_length_cut",
+    "load_average",
+    "machine_note",
+    "plot_losses",
+    "prefix_tree_summary",
+    "print_summary",
+]
 
 
 def _plural(count: int, word: str, plural: str | None = None) -> str:
@@ -63,6 +70,21 @@ def describe_max_length_cut(trainer: Any, max_length: int | None) -> str | None:
     if cut.get("dropped_samples"):
         parts.append(f"left out {_plural(cut['dropped_samples'], 'sample')}")
     return f"TRL's max_length={max_length} " + " and ".join(parts) if parts else None
+
+
+def prefix_tree_summary(trainer: Any) -> dict[str, Any] | None:
+    """``share_prefixes``: the trained samples' tokens (each alone), the tree rows' tokens, their ratio (over the
+    logged steps, every rank); None without it."""
+    if not getattr(trainer.args, "share_prefixes", False):
+        return None
+    samples, rows = getattr(trainer, "tree_tokens_trained", (0.0, 0.0))
+    return {
+        "sample_tokens": int(samples),
+        "tree_tokens": int(rows),
+        "tree_token_ratio": samples / rows if rows else None,
+        "min_shared_tokens": trainer.args.min_shared_tokens,
+        "counted": bool(getattr(trainer.args, "packing_metrics", True)),
+    }
 
 
 def _spread(base: dict[str, Any]) -> str:
@@ -163,6 +185,9 @@ def _run_lines(summary: dict[str, Any]) -> list[str]:
     losses = summary.get("losses") or []
     batching = summary["batching"] + (f", max_tokens_per_batch={budget}" if budget else "")
     lines.append(f"training     {batching}: {_steps(summary)}" + _losses(summary, losses))
+    trees = summary.get("prefix_trees")
+    if trees:
+        lines.append(f"prefix trees {_describe_trees(trees)}")
     flops = summary.get("flops")
     if flops:
         lines.append(f"compute      {_describe_flops(flops)}")
@@ -172,6 +197,22 @@ def _run_lines(summary: dict[str, Any]) -> list[str]:
             f"reward       {rewards[0]:.4f} (first step) -> {rewards[-1]:.4f} (last step), mean per logged step"
         )
     return lines
+
+
+def _describe_trees(trees: dict[str, Any]) -> str:
+    """The ``share_prefixes`` line: tokens computed for the samples' tokens, and their ratio.
+
+    >>> _describe_trees({"sample_tokens": 5000, "tree_tokens": 2000, "tree_token_ratio": 2.5, "min_shared_tokens": 1})
+    'tree_token_ratio 2.50x: 2,000 tokens computed for 5,000 sample tokens (share_prefixes, min_shared_tokens=1)'
+    """
+    ratio = trees.get("tree_token_ratio")
+    if ratio is None:
+        why = "no training step was logged" if trees.get("counted", True) else "not counted (packing_metrics: false)"
+        return f"share_prefixes, min_shared_tokens={trees['min_shared_tokens']}: {why}"
+    return (
+        f"tree_token_ratio {ratio:.2f}x: {trees['tree_tokens']:,} tokens computed for {trees['sample_tokens']:,} "
+        f"sample tokens (share_prefixes, min_shared_tokens={trees['min_shared_tokens']})"
+    )
 
 
 def _steps(summary: dict[str, Any]) -> str:

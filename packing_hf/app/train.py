@@ -70,6 +70,7 @@ from .report import (
     describe_max_length_cut,
     load_average,
     plot_losses,
+    prefix_tree_summary,
     print_summary,
 )
 from .sharded import save_whole, whole_before_training, whole_numel
@@ -153,10 +154,11 @@ def _build_trainer(
             data_collator=PaddingFreeCollator.for_tokenizer(tokenizer),
             peft_config=peft_config,
         )
+    shares = getattr(training, "share_prefixes", False)  # the trainer builds its PrefixTreeCollator
     if not entry.app_tokenizes:  # trainer: sft, TRL renders and tokenizes
         collator = (
             PaddingFreeCollator.for_tokenizer(tokenizer)
-            if trl_packs(training) or cfg.batching == "multipack"
+            if (trl_packs(training) or cfg.batching == "multipack") and not shares
             else None
         )
         return entry.trainer_class()(
@@ -177,7 +179,7 @@ def _build_trainer(
         args=training,
         train_dataset=prepared.dataset.remove_columns("where"),
         processing_class=tokenizer,
-        data_collator=collator,
+        data_collator=None if shares else collator,
         peft_config=peft_config,
     )
 
@@ -464,6 +466,7 @@ class TrainJob:
             losses=losses,
             logged_packing_efficiency=mean_logged(trainer.state.log_history, "packing_efficiency"),
             flops=summarize_logged_flops(trainer.state.log_history),
+            prefix_trees=prefix_tree_summary(trainer),
             attn_implementation=getattr(trainer.model.config, "_attn_implementation", None),
         )
         _free_optimizer(trainer)

@@ -25,7 +25,14 @@ from ..overflow import check_overflow
 from ..sampler import MIXINGS
 from .parallel import apply_sp_size, check_deepspeed_world
 
-__all__ = ["PREFLIGHT_MODES", "PackingArguments", "TrainingArguments", "as_config", "budget_max_length"]
+__all__ = [
+    "PREFLIGHT_MODES",
+    "PackingArguments",
+    "PrefixTreeArguments",
+    "TrainingArguments",
+    "as_config",
+    "budget_max_length",
+]
 
 PREFLIGHT_MODES = ("switch", "error", "off")
 
@@ -232,8 +239,52 @@ def _join_deepspeed_comm() -> None:
 
 
 @dataclass
-class TrainingArguments(PackingArguments, transformers.TrainingArguments):
-    """``transformers.TrainingArguments`` plus the packing fields of :class:`PackingArguments`.
+class PrefixTreeArguments:
+    """``share_prefixes``: the prefix-tree fields of the trainers whose loss is a causal-LM loss over the samples
+    (``packing_hf.TrainingArguments``, ``packing_hf.SFTConfig``), mixed in before :class:`PackingArguments`.
+
+    >>> args = TrainingArguments(output_dir="out", share_prefixes=True, report_to="none")
+    >>> args.share_prefixes, args.min_shared_tokens
+    (True, 1)
+    >>> TrainingArguments(output_dir="out", min_shared_tokens=4, report_to="none")
+    Traceback (most recent call last):
+    ...
+    ValueError: min_shared_tokens=4 sets how long a prefix shared by samples must be, which only share_prefixes=True uses; set share_prefixes=True or remove min_shared_tokens
+    """
+
+    share_prefixes: bool = option(
+        False,
+        "Merge the samples of every micro-batch that begin with the same tokens (a conversation cut into one "
+        "sample per assistant turn, a shared system prompt) into a prefix tree, one packed row that stores and "
+        "computes every shared prefix once, with each sample's loss and gradients as if run alone "
+        "(packing_hf.PrefixTreeCollator, packing_hf's attention). With max_tokens_per_batch the sampler puts "
+        "samples sharing prefixes in the same micro-batch. tree_token_ratio (tokens before / after sharing) is "
+        "logged. See docs/prefix_trees.md.",
+    )
+    min_shared_tokens: int | None = option(
+        None,
+        "With share_prefixes: the shortest prefix several samples share as one node (>= 1; a shorter common run "
+        "is repeated in each sample). Default 1: every common prefix is shared.",
+    )
+
+    def __post_init__(self) -> None:
+        self.share_prefixes = check_bool(self.share_prefixes, "share_prefixes")
+        if self.min_shared_tokens is not None and not self.share_prefixes:
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens} sets how long a prefix shared by samples must be, which "
+                "only share_prefixes=True uses; set share_prefixes=True or remove min_shared_tokens"
+            )
+        if self.share_prefixes:
+            self.min_shared_tokens = check_int(
+                1 if self.min_shared_tokens is None else self.min_shared_tokens, "min_shared_tokens", 1
+            )
+        super().__post_init__()  # type: ignore[misc]  # PackingArguments, then the TrainingArguments base
+
+
+@dataclass
+class TrainingArguments(PrefixTreeArguments, PackingArguments, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus the packing fields of :class:`PackingArguments` and
+    :class:`PrefixTreeArguments`.
 
     >>> TrainingArguments(output_dir="out", report_to="none").max_tokens_per_batch is None
     True

@@ -15,7 +15,9 @@ Metrics (summed over data-parallel ranks, averaged over the optimizer steps sinc
 - ``real_tokens_per_step``: real (non-padding) tokens per optimizer step;
 - ``padding_avoided_per_step``: tokens a right-padded batch of the same samples would have added
   (``samples x longest - emitted``) per optimizer step;
-- ``padded_batch_efficiency``: real tokens / (samples x longest), what padding the same batches would give.
+- ``padded_batch_efficiency``: real tokens / (samples x longest), what padding the same batches would give;
+- ``tree_token_ratio`` (prefix-tree rows, ``share_prefixes=True``): the samples' tokens, each alone, over the tokens
+  the rows computed (2.0: every shared prefix halved the work). Real tokens are the rows' tokens there.
 
 Per micro-batch and rank (gathered from every rank at logging time; 1.0 on one process):
 
@@ -49,8 +51,18 @@ import torch
 from transformers import TrainerCallback
 
 from ..flops import StepFlops, batch_sample_lengths, device_peak_tflops, flops_counter, step_time_percentiles
+from ..shared_prefix import PREFIX_KEY
+from ..tree_collator import tree_attended_squares
 
-__all__ = ["COST_KEY", "SQUARES_KEY", "STATS_KEY", "PackingMetrics", "PackingStatsCollator", "StepClock"]
+__all__ = [
+    "COST_KEY",
+    "SQUARES_KEY",
+    "STATS_KEY",
+    "TREE_TOKENS_KEY",
+    "PackingMetrics",
+    "PackingStatsCollator",
+    "StepClock",
+]
 
 # Batch key carrying the counts from the collator to training_step, where it is popped.
 STATS_KEY = "packing_hf_stats"
@@ -59,6 +71,8 @@ COST_KEY = "predicted_cost"  # optional entry of the counts: the batch's cost un
 # entry of the counts: sum of the squared lengths of the batch's samples (attention FLOPs); collators that
 # cannot tell the samples apart leave it out, and no FLOPs are reported for the steps they make
 SQUARES_KEY = "squared_lengths"
+# entry of the counts of a prefix-tree row: its samples' tokens, each alone (real_tokens: the row's, computed once)
+TREE_TOKENS_KEY = "tree_sample_tokens"
 
 
 def _segment_lengths(feature: Mapping[str, Any]) -> list[int]:
@@ -126,12 +140,19 @@ class PackingStatsCollator:
             "samples": int(samples),
             "padded_tokens": int(samples * max(lengths, default=0)),
         }
-        try:  # the samples as the model attends over them (truncated, split)
-            attended = batch_sample_lengths(batch, padding=padding)
-        except ValueError:  # padding the layout does not set apart: no FLOPs for this batch, not wrong ones
-            attended = None
-        if attended is not None:
-            batch[STATS_KEY][SQUARES_KEY] = int(sum(n * n for n in attended))
+        if PREFIX_KEY in batch and before is not None and "sample_tokens" in after:
+            # a prefix-tree row: each segment attends over its ancestors too
+            batch[STATS_KEY][TREE_TOKENS_KEY] = int(after["sample_tokens"] - before["sample_tokens"])
+            batch[STATS_KEY][SQUARES_KEY] = tree_attended_squares(batch["cu_seq_lens_q"], batch[PREFIX_KEY])
+        else:
+            try:  # the samples as the model attends over them (truncated, split)
+                attended = batch_sample_lengths(batch, padding=padding)
+            except (
+                ValueError
+            ):  # padding the layout does not set apart: no FLOPs for this batch, not wrong ones
+                attended = None
+            if attended is not None:
+                batch[STATS_KEY][SQUARES_KEY] = int(sum(n * n for n in attended))
         if self.cost_model is not None:
             batch[STATS_KEY][COST_KEY] = self.cost_model.batch_cost(lengths)
         return batch
@@ -188,6 +209,7 @@ class PackingMetrics:
         self.micro_batches = 0
         self.squares = 0  # sum of the squared sample lengths of the counted micro-batches
         self.counted = 0  # micro-batches whose counts held SQUARES_KEY
+        self.tree_tokens = [0, 0]  # prefix-tree rows: their samples' tokens (each alone), the rows' tokens
         self.per_batch: list[list[float]] = []  # [predicted cost (nan: none), forward seconds (nan: none)]
         self.steps: list[tuple[Any, Any]] = []  # (start, end) marks of the optimizer steps since the last log
 
@@ -247,6 +269,9 @@ class PackingMetrics:
         if SQUARES_KEY in counts:
             self.squares += int(counts[SQUARES_KEY])
             self.counted += 1
+        if TREE_TOKENS_KEY in counts:
+            self.tree_tokens[0] += int(counts[TREE_TOKENS_KEY])
+            self.tree_tokens[1] += int(counts["real_tokens"])
         self.per_batch.append([float(counts.get(COST_KEY, math.nan)), math.nan])
 
     def record_time(self, seconds: float) -> None:
@@ -278,9 +303,10 @@ class PackingMetrics:
         return out
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``(7,)`` float64: the totals, the micro-batch count, the squared sample lengths and the micro-batches
-        counting them, for an all-reduce across ranks."""
+        """``(9,)`` float64: the totals, the micro-batch count, the squared sample lengths and the micro-batches
+        counting them, the prefix-tree rows' sample and row tokens, for an all-reduce across ranks."""
         values = [self.totals[key] for key in _FIELDS] + [self.micro_batches, self.squares, self.counted]
+        values += self.tree_tokens
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     def compute(
@@ -299,7 +325,9 @@ class PackingMetrics:
             rounded to 4 decimals, as they are meant for logs; the FLOPs, TFLOP/s and MFU unrounded).
         """
         vector = self.as_tensor() if totals is None else totals.detach().double().cpu()
-        real, emitted, samples, padded, micro_batches, squares, counted = (float(v) for v in vector.tolist())
+        real, emitted, samples, padded, micro_batches, squares, counted, tree_samples, tree_rows = (
+            float(v) for v in vector.tolist()
+        )
         rank_metrics = self.rank_metrics(self.rank_table()[None] if tables is None else tables)
         seconds = [self._clock.seconds(start, end) for start, end in self.steps]
         self.reset()
@@ -314,6 +342,8 @@ class PackingMetrics:
             **rank_metrics,
             **step_time_percentiles(seconds),
         }
+        if tree_rows:
+            metrics["tree_token_ratio"] = round(tree_samples / tree_rows, 4)
         if self.flops is None or counted != micro_batches:
             # some micro-batch could not tell its samples apart: no FLOPs rather than wrong ones
             return metrics

@@ -44,7 +44,14 @@ from .adapters import head_inputs
 from .parallel import ParallelPlan
 from .preflight import base_model
 
-__all__ = ["ChunkedHead", "causal_lm_loss", "model_token_logprobs", "resolve_head", "shard_lm_loss"]
+__all__ = [
+    "ChunkedHead",
+    "causal_lm_loss",
+    "model_token_logprobs",
+    "pairs_lm_loss",
+    "resolve_head",
+    "shard_lm_loss",
+]
 
 _HEAD_CALL = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)$")
 # what a causal LM's forward may do to the logits between its head and its loss, and what it means
@@ -286,6 +293,43 @@ def causal_lm_loss(
 
     loss, entropy, hits, count = _with_head_weight(resolved, hidden, compute)
     return loss, LogitStats(entropy, hits, count), outputs
+
+
+def pairs_lm_loss(
+    model: Any,
+    inputs: dict[str, Any],
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    coefficients: torch.Tensor,
+    resolved: ChunkedHead | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """``(sum_p c_p * CE_p, outputs)``: the cross-entropy of the target pairs of a one-row batch (a prefix-tree
+    row: :class:`packing_hf.tree_collator.PrefixTreeCollator`), chunked: only the pairs' rows are projected, a row
+    predicting several targets (a branch point) once per pair.
+
+    Args:
+        model, inputs, resolved, chunk_size: as in :func:`causal_lm_loss` (``inputs`` of one row, ``[1, T]``).
+        rows: ``(P,)`` int64, the row token whose logits predict each pair's target.
+        targets: ``(P,)`` int64 token ids.
+        coefficients: ``(P,)`` float, each pair's factor in the sum.
+    """
+    resolved, hidden, outputs = _hidden_states(model, inputs, resolved)
+
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        picked = hidden[0].index_select(0, rows.to(hidden.device))  # (P, H): backward sums a row's pairs
+        loss, _ = linear_cross_entropy(
+            picked,
+            weight,
+            targets.to(hidden.device),
+            bias,
+            weights=coefficients.to(hidden.device),
+            head=resolved.logit_head,
+            chunk_size=chunk_size,
+        )
+        return loss
+
+    return _with_head_weight(resolved, hidden, compute), outputs
 
 
 def shard_lm_loss(

@@ -22,6 +22,7 @@ from transformers.trainer_utils import seed_worker
 
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator
+from ..tree_collator import PrefixTreeCollator
 from .accelerator import pass_through_batch_shard
 from .args import PackingArguments
 from .callbacks import PackingStatsCollator
@@ -33,7 +34,8 @@ __all__ = ["PackingDataMixin", "column_lengths", "is_packing_collator", "is_stre
 def is_packing_collator(collator: Any) -> bool:
     """Whether ``collator`` flattens a batch into one packed row (so packed samples share attention calls).
 
-    True for :class:`~packing_hf.PaddingFreeCollator`, :class:`~packing_hf.MultimodalCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
+    True for :class:`~packing_hf.PaddingFreeCollator`, :class:`~packing_hf.MultimodalCollator`,
+    :class:`~packing_hf.PrefixTreeCollator`, ``transformers.DataCollatorWithFlattening`` and TRL's
     ``DataCollatorForLanguageModeling(padding_free=True)``, also when wrapped by stock's
     ``RemoveColumnsCollator`` or by :class:`~packing_hf.integrations.callbacks.PackingStatsCollator`.
 
@@ -44,7 +46,11 @@ def is_packing_collator(collator: Any) -> bool:
     while hasattr(collator, "data_collator") or isinstance(collator, PackingStatsCollator):
         collator = collator.collator if isinstance(collator, PackingStatsCollator) else collator.data_collator
     if isinstance(
-        collator, PaddingFreeCollator | MultimodalCollator | transformers.DataCollatorWithFlattening
+        collator,
+        PaddingFreeCollator
+        | MultimodalCollator
+        | PrefixTreeCollator
+        | transformers.DataCollatorWithFlattening,
     ):
         return True
     # TRL's collator, recognised without importing TRL
@@ -134,7 +140,12 @@ class PackingDataMixin(PackingStreamMixin):
             lengths[i] = len(sample["input_ids"])
         return lengths
 
-    def _build_multipack_sampler(self, lengths: np.ndarray):
+    def _multipack_prefix_groups(self, dataset: Any, lengths: np.ndarray) -> Any:
+        """The samples' prefix groups the sampler packs (``share_prefixes``: groups sharing prefixes), or ``None``:
+        samples are packed one by one."""
+        return None
+
+    def _build_multipack_sampler(self, lengths: np.ndarray, prefix_groups: Any = None):
         from ..sampler import MultipackBatchSampler
 
         num_replicas, rank = self._data_parallel_world()
@@ -150,6 +161,7 @@ class PackingDataMixin(PackingStreamMixin):
             overflow=args.packing_overflow,
             mixing=args.multipack_mixing,
             cost_model=self._multipack_cost_model(),
+            prefix_groups=prefix_groups,
         )
 
     def _multipack_cost_model(self):
@@ -202,7 +214,7 @@ class PackingDataMixin(PackingStreamMixin):
                 "or unset max_tokens_per_batch"
             )
         lengths = self._multipack_lengths_of(dataset)  # before unused columns (e.g. "length") are removed
-        sampler = self._build_multipack_sampler(lengths)
+        sampler = self._build_multipack_sampler(lengths, self._multipack_prefix_groups(dataset, lengths))
         dataloader = self._multipack_dataloader(dataset, sampler, "training", self.data_collator)
         self._multipack_sampler = sampler
         self._restore_sampler_epoch(sampler)

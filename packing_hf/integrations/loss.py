@@ -33,9 +33,17 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from .._loss import LOSS_WEIGHTS_KEY, loss_numerator, target_coefficients
+from .._loss import (
+    LOSS_WEIGHTS_KEY,
+    TREE_KEYS,
+    loss_numerator,
+    step_denominator,
+    target_coefficients,
+    tree_coefficients,
+    tree_loss_counts,
+)
 from .args import PackingArguments
-from .chunked_head import causal_lm_loss
+from .chunked_head import causal_lm_loss, pairs_lm_loss
 from .loss_policy import LossPolicy, LossRoute, causal_labels, stock_scaled_for_ga
 from .parallel import ParallelPlan, training_mode
 
@@ -128,6 +136,8 @@ class PackingLossMixin:
                 result = self._sft_plain_loss(model, inputs, num_items_in_batch, head)
             elif route is LossRoute.PACKED:
                 result = self._packed_loss(model, inputs, weights, return_outputs, num_items_in_batch, head)
+            elif route is LossRoute.PREFIX_TREE:
+                result = self._tree_loss(model, inputs, return_outputs, num_items_in_batch, head)
             else:  # LossRoute.SEQUENCE_PARALLEL
                 result = self._sequence_parallel_loss(
                     model, inputs, weights, num_items_in_batch, return_outputs, head
@@ -211,4 +221,32 @@ class PackingLossMixin:
             cu_seq_lens=inputs.get("cu_seq_lens_q"),
         )
         loss = numerator * scale
+        return (loss, outputs) if return_outputs else loss
+
+    def _tree_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any, head: Any
+    ) -> Any:
+        """A prefix-tree row's loss (:class:`~packing_hf.tree_collator.PrefixTreeCollator`): the numerator of its
+        (row, target, weight) pairs, each pair's cross-entropy computed once, over the step's denominator, times
+        the processes (``num_items_in_batch``: training); alone (an evaluation call) over its own denominator."""
+        normalization = self.args.loss_normalization
+        pairs = {key: inputs[key] for key in TREE_KEYS}
+        model_inputs = {k: v for k, v in inputs.items() if k not in TREE_KEYS}
+        model_inputs["use_cache"] = False
+        coefficients = tree_coefficients(pairs, normalization)
+        rows, targets = pairs[TREE_KEYS[0]], pairs[TREE_KEYS[1]]
+        if num_items_in_batch is None:
+            scale = 1.0 / step_denominator(tree_loss_counts(pairs), normalization)
+        else:
+            scale = self.parallel_plan.world_size / float(num_items_in_batch)
+        if head is not None:
+            total, outputs = pairs_lm_loss(model, model_inputs, rows, targets, coefficients, head)
+        else:
+            outputs = model(**model_inputs)  # no labels: the model computes no loss of its own
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # (1, T, V)
+            picked = logits[0].index_select(0, rows.to(logits.device)).float()  # (P, V)
+            per_pair = F.cross_entropy(picked, targets.to(logits.device), reduction="none")
+            coefficients = coefficients.to(per_pair.device)
+            total = torch.where(coefficients != 0, per_pair * coefficients, torch.zeros_like(per_pair)).sum()
+        loss = total * scale
         return (loss, outputs) if return_outputs else loss

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._loss import LOSS_WEIGHTS_KEY, loss_counts, step_denominator
+from .._loss import LOSS_WEIGHTS_KEY, is_tree_batch, loss_counts, step_denominator, tree_loss_counts
 from ..registry import router_loss_coefficient
 from .chunked_head import resolve_head
 from .parallel import ParallelPlan, training_mode
@@ -85,6 +85,9 @@ class LossRoute(enum.Enum):
     PACKED = "packed"
     #: this process's shard of a row cut over the sequence-parallel group, its share of the row's loss
     SEQUENCE_PARALLEL = "sequence_parallel"
+    #: a prefix-tree row (``share_prefixes=True``): its (row, target, weight) pairs' numerator over the step's
+    #: denominator, the loss of the same samples run alone (``loss_normalization``, ``loss_weights``)
+    PREFIX_TREE = "prefix_tree"
 
 
 def causal_labels(batch: dict[str, Any]) -> torch.Tensor | None:
@@ -237,6 +240,9 @@ class LossPolicy:
         """Refuse what the loss contract cannot honour, each with its fix (the end of the trainer's set-up)."""
         if trainer.args.loss_normalization != "token":
             self.check_own_loss(trainer, f"loss_normalization={trainer.args.loss_normalization!r}")
+        if getattr(trainer.args, "share_prefixes", False):
+            # a tree row's targets are pairs: packing_hf computes their loss, whatever the normalisation
+            self.check_own_loss(trainer, "share_prefixes=True")
         if self.cuts_rows:
             from ..attention.sequence_parallel import check_sequence_parallel_router_loss
 
@@ -319,6 +325,8 @@ class LossPolicy:
         Collective on several processes (every rank counts the same step)."""
         normalization = trainer.args.loss_normalization
         single = self.plan.world_size == 1
+        if any(is_tree_batch(batch) for batch in batch_samples):
+            return self._tree_step(trainer, batch_samples, device, normalization)
         if normalization == "token" and single and not any(LOSS_WEIGHTS_KEY in b for b in batch_samples):
             # the default on one process: stock's count, nothing else to agree on
             return self._stock_step(stock_count)
@@ -359,6 +367,26 @@ class LossPolicy:
             step_denominator(totals[1:].tolist(), normalization), dtype=torch.float64, device=device
         )
 
+    def _tree_step(self, trainer: Any, batch_samples: list, device: Any, normalization: str) -> Any:
+        """:meth:`begin_step` of prefix-tree rows: the step's summed pair weights and samples, all-reduced (the
+        same totals as the samples packed flat), on the :attr:`LossRoute.PREFIX_TREE` route."""
+        local = torch.zeros(2, dtype=torch.float64)
+        for i, batch in enumerate(batch_samples):
+            if not is_tree_batch(batch):
+                raise ValueError(
+                    f"micro-batch {i} of this step is not a prefix-tree row (keys {sorted(batch)}) while others are; "
+                    "with share_prefixes=True every training batch comes from packing_hf.PrefixTreeCollator"
+                )
+            local += torch.tensor(tree_loss_counts(batch), dtype=torch.float64)
+        totals = local.to(device)
+        if self.plan.world_size > 1:
+            totals = trainer.accelerator.reduce(totals, reduction="sum")
+        self.step_route = LossRoute.PREFIX_TREE
+        self.scaled_for_ga = True  # divided by the step's denominator: the Trainer must not divide it again
+        return torch.tensor(
+            step_denominator(totals.tolist(), normalization), dtype=torch.float64, device=device
+        )
+
     def _stock_step(self, stock_count: Callable[[], Any]) -> Any:
         self.step_route = LossRoute.STOCK
         self.scaled_for_ga = self.stock_scaled_for_ga
@@ -390,6 +418,9 @@ class LossPolicy:
         ``loss_weights`` column."""
         loss_only = not return_outputs or self._prediction_loss_only
         training = training_mode(model)
+        if is_tree_batch(inputs):
+            # a tree row has no labels: only its pairs give its loss, in training and evaluation alike
+            return LossRoute.PREFIX_TREE, self.chunked_head(trainer, model) if loss_only else None
         # sequence parallelism: training, and evaluation of the loss alone (logits for compute_metrics: whole rows)
         if self.cuts_rows and (training or self._prediction_loss_only):
             return LossRoute.SEQUENCE_PARALLEL, self.chunked_head(trainer, model) if loss_only else None

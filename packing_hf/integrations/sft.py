@@ -45,7 +45,7 @@ import trl
 from .._limits import option
 from ..collator import PaddingFreeCollator
 from ..multimodal import MultimodalCollator, VisionSFTCollator
-from .args import PackingArguments, budget_max_length
+from .args import PackingArguments, PrefixTreeArguments, budget_max_length
 from .loss_policy import StockLoss
 from .stream_data import is_hf_iterable, is_stream
 from .trainer import PackingTrainerMixin
@@ -54,9 +54,9 @@ __all__ = ["SFTConfig", "SFTTrainer"]
 
 
 @dataclass
-class SFTConfig(PackingArguments, trl.SFTConfig):
-    """``trl.SFTConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`
-    and ``logit_metrics``.
+class SFTConfig(PrefixTreeArguments, PackingArguments, trl.SFTConfig):
+    """``trl.SFTConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`,
+    ``share_prefixes`` (:class:`~packing_hf.integrations.args.PrefixTreeArguments`) and ``logit_metrics``.
 
     >>> SFTConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
@@ -183,7 +183,7 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         args = call["args"]
         padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         # TRL raises on any collator in padding-free mode; it gets None and the collator comes after.
-        self._collator_after = padding_free or args.max_tokens_per_batch is not None
+        self._collator_after = padding_free or args.max_tokens_per_batch is not None or args.share_prefixes
         if self._collator_after:
             self._user_collator, call["data_collator"] = call.get("data_collator"), None
 
@@ -191,7 +191,10 @@ class SFTTrainer(PackingTrainerMixin, trl.SFTTrainer):
         if not self._collator_after:
             return
         data_collator = self._user_collator
-        if data_collator is None and getattr(self, "_is_vision_dataset", False):
+        if call["args"].share_prefixes and not getattr(self, "_is_vision_dataset", False):
+            # vision data is refused with share_prefixes when the trainer is set up (_check_share_prefixes)
+            data_collator = self._prefix_tree_collator(call["args"], data_collator)
+        elif data_collator is None and getattr(self, "_is_vision_dataset", False):
             # TRL's own vision-language collation (chat template, images, labels), sample by sample, packed
             data_collator = VisionSFTCollator(self.data_collator)
         elif data_collator is None:

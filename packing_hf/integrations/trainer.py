@@ -63,6 +63,7 @@ from .dataloaders import PackingDataMixin, is_packing_collator
 from .evaluation import PackingEvalMixin
 from .loss import PackingLossMixin
 from .peft_models import apply_peft
+from .prefix_trees import PrefixTreeMixin
 from .refusals import PackingRefused
 from .resume import SAMPLER_STATE_NAME, STREAM_STATE_NAME, PackingResumeMixin
 from .sequence_parallel import PackingSequenceParallelMixin
@@ -83,6 +84,7 @@ logger = logging.getLogger(__name__)
 
 
 class PackingTrainerMixin(
+    PrefixTreeMixin,  # before the skeleton and the eval mixin: the attention and evaluation collator it overrides
     PackingSequenceParallelMixin,
     PackingLossMixin,  # before the skeleton: past it, compute_loss is the stock trainer's (loss_policy.py)
     PackedTrainerSkeleton,
@@ -124,7 +126,10 @@ class PackingTrainerMixin(
             # step times and model FLOPs in the logs; the MFU over every device of the run
             self.add_callback(StepClock(self._packing_metrics, self.parallel_plan.devices))
         self._packing_last_logged_step = 0
+        #: share_prefixes: the trained samples' tokens (each alone) and the tree rows' tokens, over the run's logs
+        self.tree_tokens_trained = [0.0, 0.0]
         self.loss_policy.check_setup(self)
+        self._check_share_prefixes()
         # ranks' packed batches hold different numbers of samples
         gather_uneven_rows(self.accelerator, self.parallel_plan)
         if args.max_tokens_per_batch is None:
@@ -240,6 +245,10 @@ class PackingTrainerMixin(
                 tables = self.accelerator.gather(tables)  # (num_ranks, micro_batches, 2)
             steps = self.state.global_step - self._packing_last_logged_step
             self._packing_last_logged_step = self.state.global_step
+            # the run's prefix-tree tokens (samples each alone, rows computed), for its summary
+            self.tree_tokens_trained = [
+                a + float(b) for a, b in zip(self.tree_tokens_trained, totals[-2:], strict=True)
+            ]
             logs.update(self._packing_metrics.compute(num_steps=steps, totals=totals, tables=tables))
         logs.update(self._max_length_logs(logs))
         super().log(logs, *args, **kwargs)
@@ -317,7 +326,9 @@ class Trainer(PackingTrainerMixin, transformers.Trainer):
         return TrainingArguments(output_dir="tmp_trainer") if args is None else args
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
-        if (
+        if getattr(call["args"], "share_prefixes", False):
+            call["data_collator"] = self._prefix_tree_collator(call["args"], call.get("data_collator"))
+        elif (
             call.get("data_collator") is None
             and getattr(call["args"], "max_tokens_per_batch", None) is not None
         ):

@@ -39,6 +39,23 @@ def make_samples(weighted: bool) -> list[dict]:
     return samples
 
 
+def make_tree_samples() -> list[dict]:
+    """:func:`make_samples` (weighted) with every other sample behind the first three tokens of sample 0, and two of
+    them also behind sample 2 whole (per-turn-like: a sample continuing another): prefixes for ``share_prefixes``."""
+    samples = make_samples(True)
+    shared, turn = samples[0]["input_ids"][:3], samples[2]
+    for i, sample in enumerate(samples):
+        head = {"input_ids": [], "labels": [], "loss_weights": []}
+        if i % 2 == 0 and i > 0:
+            head = {"input_ids": shared, "labels": [-100] * 3, "loss_weights": [1.0] * 3}
+        if i in (7, 9):
+            head = {"input_ids": turn["input_ids"], "labels": [-100] * len(turn["input_ids"]),
+                    "loss_weights": turn["loss_weights"]}  # fmt: skip
+        for key in head:
+            sample[key] = list(head[key]) + list(sample[key])
+    return samples
+
+
 def make_untrained_samples() -> list[dict]:
     """6 samples without a target (prompt-only, one token, only the first label): a step of them must train
     nothing (every gradient zero) and log the loss 0."""
@@ -134,7 +151,11 @@ def one_step(
         model=make_model(),
         args=args,
         train_dataset=samples,
-        data_collator=packing_hf.PaddingFreeCollator() if packed else padded_collator,
+        data_collator=None
+        if kwargs.get("share_prefixes")
+        else packing_hf.PaddingFreeCollator()
+        if packed
+        else padded_collator,
         callbacks=[capture],
     )
     trainer.train()
@@ -188,6 +209,12 @@ def main(out_dir: str) -> None:
                     gradient_accumulation_steps=passes, max_tokens_per_batch=budget,
                 )  # fmt: skip
                 results[key + "-stream"] = {"loss": loss, "grads": {n: g.tolist() for n, g in grads.items()}}
+    # prefix trees: the step's denominator all-reduced from the pairs of every rank's trees
+    grads, loss = one_step(
+        os.path.join(out_dir, "tree"), make_tree_samples(), "sample", gradient_accumulation_steps=16,
+        max_tokens_per_batch=2 * budget, share_prefixes=True,
+    )  # fmt: skip
+    results["sample-tree"] = {"loss": loss, "grads": {n: g.tolist() for n, g in grads.items()}}
     # the default loss (token, no weights: stock's count, gathered over the ranks) of a step without targets
     grads, loss = one_step(
         os.path.join(out_dir, "untrained"), make_untrained_samples(), "token", batch_size=3

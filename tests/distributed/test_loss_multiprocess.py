@@ -52,6 +52,14 @@ def test_loss_is_the_same_on_2_and_3_processes(nproc, tmp_path, launch, torchrun
                     assert got["loss"] == pytest.approx(ref_loss, rel=worker.RELATIVE_TOLERANCE), name
                     checked += 1
         assert checked == 7
+        # prefix trees (share_prefixes): the same contract, against the padded samples on one process
+        tree_grads, tree_loss = worker.one_step(
+            str(tmp_path / "ref-tree"), worker.make_tree_samples(), "sample", chunked_loss=False
+        )
+        got = record["results"]["sample-tree"]
+        grads = {n: torch.tensor(v, dtype=torch.float64) for n, v in got["grads"].items()}
+        assert worker.relative_difference(grads, tree_grads) < worker.RELATIVE_TOLERANCE
+        assert got["loss"] == pytest.approx(tree_loss, rel=worker.RELATIVE_TOLERANCE)
         # a step without targets on any rank: zero gradients (not NaN: 0 * the inf of 0/0), the loss 0
         untrained = record["results"]["untrained"]
         assert untrained["grads"] and untrained["loss"] == 0.0

@@ -62,6 +62,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "packing_hf.multimodal",
             "packing_hf.rollouts",
             "packing_hf.prefix_tree",
+            # a micro-batch as one prefix-tree row, its targets as (row, target, weight) pairs
+            "packing_hf.tree_collator",
             # planning by computed tokens: samples grouped by shared prefixes (read by the sampler)
             "packing_hf.prefix_plan",
             "packing_hf.streaming",

@@ -502,3 +502,31 @@ def test_zero3_saves_the_model_whole_or_is_refused_by_name():
     for zero, save_model in (({"stage": 2}, True), ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}, False)):
         cfg = _with_deepspeed(dict(zero), save_model)
         assert cfg.training.hf_deepspeed_config.config["zero_optimization"] == zero and not cfg.notes
+
+
+def test_share_prefixes_is_checked_at_parse_time():
+    cfg = load_train_config({"share_prefixes": True, "max_tokens_per_batch": 2048})
+    assert cfg.training.share_prefixes and cfg.training.min_shared_tokens == 1
+    assert cfg.model.attn_implementation == "packing_hf" and any("share_prefixes" in n for n in cfg.notes)
+    sft = load_train_config({"trainer": "sft", "share_prefixes": True, "min_shared_tokens": 4})
+    assert (
+        sft.batching == "padding_free" and sft.training.min_shared_tokens == 4
+    )  # the tree collator flattens
+    refused = [
+        ({"share_prefixes": True, "batching": "padded"}, "batching is 'padded'"),
+        (
+            {"share_prefixes": True, "max_tokens_per_batch": 2048, "streaming": True, "max_steps": 2},
+            "streaming",
+        ),
+        (
+            {"share_prefixes": True, "attn_implementation": "sdpa"},
+            "attn_implementation: sdpa with share_prefixes",
+        ),
+        ({"trainer": "sft", "share_prefixes": True, "packing": True}, "packing: true"),
+        ({"min_shared_tokens": 2}, "min_shared_tokens=2 sets how long .* share_prefixes=True"),
+        ({"share_prefixes": True, "min_shared_tokens": 0}, "min_shared_tokens"),
+        ({"trainer": "dpo", "share_prefixes": True}, "unknown config key 'share_prefixes'"),
+    ]
+    for values, match in refused:
+        with pytest.raises(ValueError, match=match):
+            load_train_config(values)

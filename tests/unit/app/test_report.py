@@ -95,3 +95,19 @@ def test_the_summary_and_the_plot_show_the_model_flops(tmp_path):
     assert "compute" not in _printed(_summary(0.5, 0.5))  # no FLOPs figures: no line
     path = plot_losses(logs, tmp_path / "curve.png")
     assert path is None or (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_share_prefixes_prints_the_tree_token_ratio():
+    from types import SimpleNamespace
+
+    from packing_hf.app.report import prefix_tree_summary
+
+    args = SimpleNamespace(share_prefixes=True, min_shared_tokens=1)
+    trees = prefix_tree_summary(SimpleNamespace(args=args, tree_tokens_trained=[5000.0, 2000.0]))
+    assert trees["tree_token_ratio"] == 2.5 and trees["tree_tokens"] == 2000 and trees["sample_tokens"] == 5000
+    printed = _printed({**_summary(1.0, 1.0), "prefix_trees": trees})
+    assert "prefix trees tree_token_ratio 2.50x: 2,000 tokens computed for 5,000 sample tokens" in printed
+    assert prefix_tree_summary(SimpleNamespace(args=SimpleNamespace(share_prefixes=False))) is None
+    assert "prefix trees" not in _printed(_summary(1.0, 1.0))
+    off = {**trees, "tree_token_ratio": None, "counted": False}
+    assert "not counted (packing_metrics: false)" in _printed({**_summary(1.0, 1.0), "prefix_trees": off})
