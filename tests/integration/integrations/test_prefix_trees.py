@@ -64,10 +64,10 @@ def make_samples(weighted: bool = False) -> list[dict]:
     return samples  # fmt: skip
 
 
-def make_model(**config):
+def make_model(model_type: str = "llama", **config):
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(
-        tiny_config("llama", **config), attn_implementation=packing_hf.register_attention()
+        tiny_config(model_type, **config), attn_implementation=packing_hf.register_attention()
     ).float()
 
 
@@ -78,7 +78,7 @@ class Capture(TrainerCallback):
         }
 
 
-def _step(tmp_path, share: bool, samples=None, evaluate=False, **settings):
+def _step(tmp_path, share: bool, samples=None, evaluate=False, model_type="llama", **settings):
     """One optimizer step (lr 0: the gradient is read before it): ``(grads, logged loss, log entry)``; with
     ``evaluate`` the entry also holds the ``eval_loss`` of the training samples, evaluated after the step."""
     capture = Capture()
@@ -89,7 +89,7 @@ def _step(tmp_path, share: bool, samples=None, evaluate=False, **settings):
     )  # fmt: skip
     extra = {} if share else {"data_collator": packing_hf.PaddingFreeCollator()}
     trainer = packing_hf.Trainer(
-        model=make_model(), args=args,
+        model=make_model(model_type), args=args,
         train_dataset=datasets.Dataset.from_list(samples if samples is not None else make_samples()),
         callbacks=[capture], **extra,
     )  # fmt: skip
@@ -266,11 +266,16 @@ def test_sft_settings_a_tree_cannot_honour_are_refused(tmp_path, tokenizer):
             )
 
 
-def test_hybrid_model_refused_by_name(tmp_path):
+def test_a_hybrid_tree_step_equals_the_samples_flat_and_a_pure_ssm_is_refused(tmp_path):
+    """A hybrid whose mixers follow the tree (Bamba: each segment's Mamba2 starts from its parent's final state,
+    docs/prefix_trees.md "Hybrid models on trees") trains on trees exactly; a pure Mamba2 stack is refused by
+    name."""
+    run = {"model_type": "bamba", "per_device_train_batch_size": 16}
+    _check_same(_step(tmp_path, True, **run), _step(tmp_path, False, **run))
     torch.manual_seed(SEED)
-    bamba = AutoModelForCausalLM.from_config(tiny_config("bamba"))
-    with pytest.raises(packing_hf.errors.PackingRefused, match="share_prefixes=True: bamba") as refused:
-        _trainer(tmp_path, model=bamba, share_prefixes=True)
+    mamba2 = AutoModelForCausalLM.from_config(tiny_config("mamba2"))
+    with pytest.raises(packing_hf.errors.PackingRefused, match="share_prefixes=True: mamba2") as refused:
+        _trainer(tmp_path, model=mamba2, share_prefixes=True)
     assert refused.value.reason == "prefix_seq_idx"
 
 
