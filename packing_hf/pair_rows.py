@@ -53,6 +53,10 @@ class PaddingFreePairCollator(PaddingFreePreferenceCollator):
 
     input_columns: ClassVar[tuple[str, ...]] = _SEQUENCE_KEYS
     no_row_padding: ClassVar[str | None] = "packed ORPO / CPO rows take no padding segment"
+    no_prefix_tree: ClassVar[str | None] = (
+        "ORPO / CPO score their packed rows with a shifted forward of their own (concatenated_forward), which "
+        "reads no prefix tree"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,6 +138,9 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
     include_reference: bool = True
 
     input_columns: ClassVar[tuple[str, ...]] = ("prompt_ids", "chosen_ids", "rejected_ids", "reference_ids")
+    no_prefix_tree: ClassVar[str | None] = (
+        "TPO scores its packed rows with a shifted forward of its own, which reads no prefix tree"
+    )
     no_row_padding: ClassVar[str | None] = "packed TPO rows take no padding"
 
     def __post_init__(self) -> None:

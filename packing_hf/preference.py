@@ -36,13 +36,16 @@ import torch
 
 from .collator import PaddingFreeCollator
 from .padding import PackedLayout
+from .prefix_tree import build_prefix_tree
 from .shared_prefix import PREFIX_KEY
 from .varlen import IGNORE_INDEX, INT32_MAX
 
 __all__ = [
     "PACKED_KEYS",
+    "TREE_INDEX_KEY",
     "PaddingFreePreferenceCollator",
     "PaddingFreeRewardCollator",
+    "TreeTargets",
     "pack_padded_labels",
     "preference_pair_lengths",
     "unpack_shifted",
@@ -55,7 +58,9 @@ _TRUNCATION_MODES = ("keep_start", "keep_end")
 _PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 # Batch keys that exist only in the packed layout; a model hook turns them into the model's inputs.
-PACKED_KEYS = ("packed_input_ids", "packed_index")
+PACKED_KEYS = ("packed_input_ids", "packed_index", "tree_index")
+# share_prefixes batches: (S, L) int64, the row holding every token of the padded layout (the row's length: none)
+TREE_INDEX_KEY = "tree_index"
 
 
 def _new_stats() -> dict[str, int]:
@@ -70,6 +75,7 @@ def _new_stats() -> dict[str, int]:
         "truncated_samples": 0,
         "truncated_tokens": 0,
         "shared_prompt_tokens": 0,  # prompt tokens not repeated: the rejected branch reuses the chosen one's
+        "sequence_tokens": 0,  # tokens of the sequences run alone (after truncation): tree_token_ratio's numerator
         "split_samples": 0,  # never used (a split pair cannot be scored); kept for PaddingFreeCollator's keys
         "split_chunks": 0,
     }
@@ -233,6 +239,18 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             segment (``prefix_seq_idx`` ``(n,)`` int32 in the batch, positions continuing the prompt's; see
             :mod:`packing_hf.shared_prefix`). Needs packing_hf's attention. Pairs whose two sequences kept
             different prompt tokens (``keep_end`` truncation) or a one-token prompt are packed unshared.
+        share_prefixes: lay the whole batch out as ONE prefix tree
+            (:func:`~packing_hf.prefix_tree.build_prefix_tree` over the ``2B`` sequences as kept after
+            ``max_length``): every run of tokens that sequences begin with (a system prompt, a conversation's
+            earlier turns, a pair's prompt) is held and computed once, across pairs too. The general case of
+            ``shared_prompt`` (which it replaces: both ``True`` is refused). Instead of ``packed_index`` the
+            batch holds ``tree_index`` ``(S, L)`` int64: the row token of every token of the padded layout
+            (``T``, the row's length, on padding); the prediction of a sequence's token ``j`` is read at the
+            row of its token ``j - 1`` (a branch point's row serves every child), see
+            :class:`~packing_hf.integrations.adapters.PackedPreferenceForward`. Needs packing_hf's attention.
+        min_shared_tokens: with ``share_prefixes``, the shortest run of tokens that several sequences share as
+            one node (``>= 1``; shorter common runs are repeated), as in
+            :func:`~packing_hf.prefix_tree.build_prefix_tree`. Refused without ``share_prefixes``.
         pad_to_multiple_of, length_buckets, segment_buckets, pad_token_id, position_ids_start, return_seq_idx,
             return_flash_attn_kwargs, return_position_ids, return_tensors: as in
             :class:`~packing_hf.PaddingFreeCollator` (``pad_token_id`` also fills the padded layout's
@@ -245,12 +263,20 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         stats: running counters: ``batches``, ``pairs``, ``samples`` (sequences), ``tokens``,
             ``padding_tokens``, ``padded_layout_tokens`` (``S x L``, what a right-padded batch would
             compute), ``truncated_samples``, ``truncated_tokens``, ``shared_prompt_tokens`` (prompt tokens
-            held once instead of twice).
+            held once instead of twice), ``sequence_tokens`` (tokens of the sequences run alone; over
+            ``tokens`` it is the tree token ratio of ``share_prefixes``).
 
     >>> shared = PaddingFreePreferenceCollator(shared_prompt=True)
     >>> batch = shared([{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]}])
     >>> batch["packed_input_ids"].tolist(), batch["position_ids"].tolist(), batch["prefix_seq_idx"].tolist()
     ([[1, 2, 3, 4, 3, 5, 6]], [[0, 1, 2, 3, 2, 3, 4]], [-1, 0, 0])
+    >>> tree = PaddingFreePreferenceCollator(share_prefixes=True)  # turn 2 continues turn 1's chosen answer
+    >>> batch = tree([{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
+    ...               {"prompt_ids": [1, 2, 3, 5], "chosen_ids": [6], "rejected_ids": [7]}])
+    >>> batch["packed_input_ids"].tolist(), batch["prefix_seq_idx"].tolist()
+    ([[1, 2, 3, 5, 6, 7, 4]], [-1, 0, 1, 2, 2, 0])
+    >>> batch["tree_index"].tolist()  # rows: chosen 1, chosen 2, rejected 1, rejected 2; 7 = padding
+    [[0, 1, 2, 7, 7], [0, 1, 2, 3, 4], [0, 1, 6, 7, 7], [0, 1, 2, 3, 5]]
     >>> collator = PaddingFreePreferenceCollator(max_length=3, overflow="truncate")
     >>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5],
     ...                    "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}])
@@ -262,11 +288,15 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
 
     truncation_mode: TruncationMode = "keep_start"
     shared_prompt: bool = False
+    share_prefixes: bool = False
+    min_shared_tokens: int = 1
     stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
 
     input_columns: ClassVar[tuple[str, ...]] = (*_PAIR_KEYS, *_REF_KEYS)
     # why a subclass's rows take no padding (pad_to_multiple_of, length_buckets, segment_buckets), or None
     no_row_padding: ClassVar[str | None] = None
+    # why a subclass's batches cannot be one prefix tree (share_prefixes), or None
+    no_prefix_tree: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -291,6 +321,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
                 "overflow='split' cannot be used for preference pairs: a sequence cut into pieces has no single "
                 "log-probability to compare; use overflow='truncate' (TRL's max_length behaviour) or 'error'"
             )
+        self._check_share_prefixes()
         if self.shared_prompt and self.return_seq_idx:
             raise ValueError(
                 "shared_prompt=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "
@@ -304,6 +335,44 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         if self.truncation_mode not in _TRUNCATION_MODES:
             raise ValueError(
                 f"truncation_mode must be one of {_TRUNCATION_MODES}, got {self.truncation_mode!r}"
+            )
+
+    def _check_share_prefixes(self) -> None:
+        """``share_prefixes`` / ``min_shared_tokens``: honoured together, or refused by name."""
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be True or False, got {self.share_prefixes!r}")
+        if self.share_prefixes and self.no_prefix_tree is not None:
+            raise ValueError(f"share_prefixes=True: {self.no_prefix_tree}; leave share_prefixes=False")
+        if not self.share_prefixes:
+            if self.min_shared_tokens != 1:
+                raise ValueError(
+                    f"min_shared_tokens={self.min_shared_tokens!r} only applies to the prefix tree of "
+                    "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
+                )
+            return
+        if self.shared_prompt:
+            raise ValueError(
+                "shared_prompt=True and share_prefixes=True: the prefix tree of share_prefixes already holds every "
+                "pair's prompt once (and every longer prefix that sequences share, across pairs); set "
+                "shared_prompt=False"
+            )
+        if (
+            isinstance(self.min_shared_tokens, bool)
+            or not isinstance(self.min_shared_tokens, int)
+            or self.min_shared_tokens < 1
+        ):
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens!r}: give an int >= 1 (1 merges every common prefix)"
+            )
+        if self.return_seq_idx:
+            raise ValueError(
+                "share_prefixes=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "
+                "layers) know no prefix tree; set share_prefixes=False for these models"
+            )
+        if not (self.return_flash_attn_kwargs and self.return_position_ids):
+            raise ValueError(
+                "share_prefixes=True needs return_flash_attn_kwargs=True and return_position_ids=True: the "
+                "attention reads the tree from cu_seq_lens_q, prefix_seq_idx and position_ids"
             )
 
     def reset_stats(self) -> None:
@@ -322,6 +391,9 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         ids, is_completion, seq_len = self._apply_max_length(ids, is_completion, seq_len, n_pairs)
         n_seq, width = seq_len.size, int(seq_len.max())
         seq_start = np.cumsum(seq_len) - seq_len  # (S,) where every sequence starts in `ids`
+        self.stats["sequence_tokens"] += int(seq_len.sum())
+        if self.share_prefixes:
+            return self._tree_batch(features, ids, is_completion, seq_len, seq_start, return_tensors)
         shared = self._shared_lengths(is_completion, seq_start, truncated, n_pairs)  # (B,)
         seg_len, seg_seq, seg_offset, prefix_idx = _row_segments(seq_len, shared, self.shared_prompt)
         n_tokens = int(seg_len.sum())
@@ -364,6 +436,67 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         if self.shared_prompt:  # padding and empty segments are no branch: -1
             extra = seg_lengths.size - prefix_idx.size
             batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
+        for key in _REF_KEYS:
+            if any(key in f for f in features):
+                batch[key] = _reference_logps(features, key)
+        return self._as_returned(batch, seg_lengths, return_tensors)
+
+    def _tree_batch(
+        self,
+        features: list[Mapping[str, Any]],
+        ids: np.ndarray,
+        is_completion: np.ndarray,
+        seq_len: np.ndarray,
+        seq_start: np.ndarray,
+        return_tensors: str,
+    ) -> dict[str, Any]:
+        """The batch of ``share_prefixes``: the ``S`` sequences (as kept) merged into one prefix tree.
+
+        The tree is built over the kept sequences themselves, so truncation (either mode) cannot make a shared
+        node wrong: a node is shared only by sequences holding the same tokens at the same positions.
+        """
+        n_seq, width = seq_len.size, int(seq_len.max())
+        tree = build_prefix_tree(np.split(ids, seq_start[1:]), min_shared_tokens=self.min_shared_tokens)
+        seg_len = np.diff(tree.cu_seqlens.numpy()).astype(np.int64)
+        n_tokens = int(seg_len.sum())
+        n_pad = self._row_padding(n_tokens)
+        seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
+        cu = _row_offsets(seg_lengths, n_seq, width)
+        seg_lengths, cu, n_empty = self._with_empty_segments(seg_lengths, cu)
+        padded_ids, attention, completion = _padded_layout(
+            ids, is_completion, seq_len, seq_start, width, self.pad_token_id
+        )
+        # every token of the padded layout -> its row token; padding -> the row's length (past the end)
+        total = n_tokens + n_pad
+        tree_index = np.full(n_seq * width, total, dtype=np.int64)
+        column = np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len)
+        tree_index[np.repeat(np.arange(n_seq, dtype=np.int64), seq_len) * width + column] = tree.sample_index.numpy()
+
+        self.stats["batches"] += 1
+        self.stats["pairs"] += n_seq // 2
+        self.stats["samples"] += n_seq
+        self.stats["tokens"] += n_tokens
+        self.stats["padding_tokens"] += n_pad
+        self.stats["empty_segments"] += n_empty
+        self.stats["padded_layout_tokens"] += n_seq * width
+
+        row_ids = tree.input_ids.numpy()
+        positions = tree.position_ids.numpy()
+        prefix_idx = tree.prefix_seq_idx.numpy().astype(np.int64)
+        if n_pad:  # the padding segment restarts at position 0 and is no branch
+            row_ids = np.concatenate([row_ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
+            positions = np.concatenate([positions, np.arange(n_pad, dtype=np.int64)])
+        batch: dict[str, Any] = {
+            "packed_input_ids": row_ids[None],
+            TREE_INDEX_KEY: tree_index.reshape(n_seq, width),
+            "input_ids": padded_ids,
+            "attention_mask": attention,
+            "completion_mask": completion,
+            "position_ids": (positions + self.position_ids_start)[None],
+        }
+        self._segment_keys(batch, cu, seg_lengths)
+        extra = seg_lengths.size - prefix_idx.size  # padding and empty segments: -1
+        batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
                 batch[key] = _reference_logps(features, key)
@@ -638,6 +771,80 @@ def unpack_shifted(
     return layout.shifted().pad(values)
 
 
+@dataclass(frozen=True)
+class TreeTargets:
+    """How the predictions of a prefix-tree preference row (``share_prefixes``) map to TRL's padded layout.
+
+    In a tree row a token's prediction is not always read at the row before it: the first token of a node is
+    predicted at its parent's last token (the branch point), whose one row serves every child. So the row's
+    per-token head is run *per target row* (TRL's fused head with ``shift_labels``): the hidden state at
+    ``predictor[t]`` scores the token at row ``t``. Each row token is a target at most once, however many
+    sequences pass through it; :meth:`unpack` copies its value to every padded position that reads it.
+
+    Attributes:
+        predictor: ``(T,)`` int64, the row whose hidden state predicts row ``t`` (``t`` itself where row ``t`` is
+            no target).
+        row_labels: ``(1, T)`` int64, the label every row is scored against as a target (``-100``: none).
+        gather: ``(S * (L - 1),)`` int64, for every position of the shifted padded layout ``(S, L - 1)`` the
+            target row it reads, or ``T`` (a zero) where the padded labels hold ``-100``.
+        shape: ``(S, L - 1)``.
+
+    >>> index = torch.tensor([[0, 1, 2, 4], [0, 1, 3, 4]])  # two sequences sharing rows 0-1 of a 4-token row
+    >>> labels = torch.tensor([[-100, -100, 7, -100], [-100, -100, 8, -100]])
+    >>> targets = TreeTargets.from_index(index, labels, 4)
+    >>> targets.predictor.tolist(), targets.row_labels.tolist()  # rows 2 and 3 are both predicted at row 1
+    ([0, 0, 1, 1], [[-100, -100, 7, 8]])
+    >>> targets.unpack(torch.tensor([[0.0, 0.0, -1.0, -2.0]])).tolist()
+    [[0.0, -1.0, 0.0], [0.0, -2.0, 0.0]]
+    """
+
+    predictor: torch.Tensor
+    row_labels: torch.Tensor
+    gather: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_index(cls, tree_index: torch.Tensor, labels: torch.Tensor, row_length: int) -> TreeTargets:
+        """Build them from the collator's ``tree_index`` and TRL's padded ``labels``.
+
+        Args:
+            tree_index: ``(S, L)`` int64 from :class:`PaddingFreePreferenceCollator` (``share_prefixes``).
+            labels: ``(S, L)`` int64, ``-100`` where no prediction is scored (prompt, padding).
+            row_length: ``T``, the packed row's tokens (padding included).
+        """
+        if tree_index.shape != labels.shape or tree_index.dim() != 2:
+            raise ValueError(
+                f"tree_index of shape {tuple(tree_index.shape)} does not match the padded labels "
+                f"{tuple(labels.shape)}; pass the batch of PaddingFreePreferenceCollator(share_prefixes=True) whole"
+            )
+        index = tree_index.to(torch.int64).cpu()
+        labels = labels.cpu()
+        rows, width = index.shape
+        real = index < row_length  # (S, L)
+        predicted = real[:, 1:] & real[:, :-1]  # token j has a token j - 1 in the same sequence
+        predictor = torch.arange(row_length, dtype=torch.int64)
+        predictor[index[:, 1:][predicted]] = index[:, :-1][predicted]
+        scored = predicted & (labels[:, 1:] != IGNORE_INDEX)  # (S, L - 1)
+        row_labels = torch.full((row_length,), IGNORE_INDEX, dtype=torch.int64)
+        row_labels[index[:, 1:][scored]] = labels[:, 1:][scored].to(torch.int64)
+        gather = torch.where(scored, index[:, 1:], row_length).reshape(-1)
+        return cls(predictor, row_labels[None], gather, (rows, width - 1))
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-target-row values ``(1, T, ...)`` in the shifted padded layout ``(S, L - 1, ...)``: every padded
+        position gets its target row's value, zero where its label is ``-100`` (as TRL's fused head writes).
+        Differentiable (a shared row's gradient is the sum over the positions reading it)."""
+        row_length = self.predictor.numel()
+        if values.dim() < 2 or tuple(values.shape[:2]) != (1, row_length):
+            raise ValueError(
+                f"expected per-token values of shape (1, {row_length}, ...) for a tree row of {row_length} tokens, "
+                f"got {tuple(values.shape)}"
+            )
+        flat = torch.cat([values[0], values.new_zeros((1, *values.shape[2:]))])  # (T + 1, ...): row T is a zero
+        picked = flat.index_select(0, self.gather.to(values.device))
+        return picked.reshape(*self.shape, *values.shape[2:])
+
+
 @dataclass
 class PaddingFreeRewardCollator(PaddingFreePreferenceCollator):
     """Collate reward-model pairs (``chosen_ids``, ``rejected_ids``, optional ``margin``) into one packed row.
@@ -654,6 +861,10 @@ class PaddingFreeRewardCollator(PaddingFreePreferenceCollator):
     """
 
     input_columns: ClassVar[tuple[str, ...]] = ("chosen_ids", "rejected_ids", "margin")
+    no_prefix_tree: ClassVar[str | None] = (
+        "reward pairs are scored at each sequence's last token by the score head (PackedRewardForward), which "
+        "reads a plain packed row"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

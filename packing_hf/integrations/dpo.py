@@ -60,7 +60,7 @@ import trl
 from .._limits import option
 from ..attention import register_attention
 from ..errors import PackingRefused
-from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
+from ..preference import TREE_INDEX_KEY, PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments, budget_max_length
 from .loss_policy import StockLoss
 from .parallel import requested_sp_size
@@ -112,6 +112,34 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
         "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
         "attention is exact for the models; True: always (refused where it cannot be exact); False: off.",
     )
+    share_prefixes: bool = option(
+        False,
+        "Lay every micro-batch out as one prefix tree: whatever token prefix sequences share (a system prompt, "
+        "earlier turns of a conversation, a pair's prompt) is computed once, across pairs, by the policy and the "
+        "reference model; log-probs and the loss stay TRL's. The general case of shared_prompt (leave that unset). "
+        "Needs packing_hf's varlen attention; refused where it cannot be exact (sequence parallelism, hybrids).",
+    )
+    min_shared_tokens: int = option(
+        1,
+        "With share_prefixes: the shortest run of tokens several sequences share as one tree node (shorter "
+        "common runs are repeated). Refused without share_prefixes.",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be true or false, got {self.share_prefixes!r}")
+        if self.share_prefixes and self.shared_prompt is not None:
+            raise ValueError(
+                f"shared_prompt={self.shared_prompt} with share_prefixes=True: the prefix tree holds every pair's "
+                "prompt once already (and every longer prefix sequences share, across pairs); leave shared_prompt "
+                "unset"
+            )
+        if not self.share_prefixes and self.min_shared_tokens != 1:
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
+                "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
+            )
 
 
 class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
@@ -167,9 +195,21 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
                 f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
             )
+        if not self._own_collator and args.share_prefixes and not data_collator.share_prefixes:
+            raise ValueError(
+                "share_prefixes=True in the config, but the data_collator builds no prefix tree; set "
+                "share_prefixes=True on the collator (PaddingFreePreferenceCollator) or leave the data_collator unset"
+            )
         # the collator is built before the plan exists (the stock __init__ makes the accelerator, then precomputes
         # reference log-probs with it): the size the plan will hold, from parallel.py
         sequence_parallel = requested_sp_size(args) > 1
+        tree_asked = args.share_prefixes if self._own_collator else data_collator.share_prefixes
+        if sequence_parallel and tree_asked:
+            raise PackingRefused(
+                "share_prefixes",
+                "share_prefixes=True with sp_size > 1: sequence parallelism cuts the packed row into plain shards, "
+                "and a prefix tree (nodes attending to their ancestors) is not cut exactly; set share_prefixes=False",
+            )
         shared_asked = args.shared_prompt if self._own_collator else data_collator.shared_prompt
         if sequence_parallel and shared_asked:
             raise PackingRefused(
@@ -179,7 +219,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 "shared_prompt=False (or leave it unset: it is then off under sequence parallelism)",
             )
         if self._own_collator:
-            shared = args.shared_prompt
+            shared = False if args.share_prefixes else args.shared_prompt
             if shared is None and sequence_parallel:
                 shared = False
             if shared is None and not isinstance(model, str):
@@ -191,6 +231,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 pad_token_id=pad_token_id(call["processing_class"]),
                 shared_prompt=bool(shared),
+                share_prefixes=args.share_prefixes,
+                min_shared_tokens=args.min_shared_tokens,
             )
 
     @contextlib.contextmanager
@@ -207,6 +249,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         if (
             self._own_collator
             and call["args"].shared_prompt is None
+            and not call["args"].share_prefixes
             and isinstance(call["model"], str)
             and not sequence_parallel
         ):
@@ -214,6 +257,20 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
             self.data_collator.shared_prompt = shared_prompt_is_exact([self.model, self.ref_model])
         if self.data_collator.shared_prompt:
             refuse_shared_prompt_where_inexact([self.model, self.ref_model])
+        if self.data_collator.share_prefixes:
+            refuse_shared_prompt_where_inexact([self.model, self.ref_model], "share_prefixes")
+
+    @contextlib.contextmanager
+    def _loss_call(self, model: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with super()._loss_call(model, inputs) as inputs:
+            if TREE_INDEX_KEY in inputs:
+                # tokens of the 2B sequences run alone over the tree row's (its padding excluded): TRL logs
+                # the mean of every micro-batch's ratio, next to its own metrics
+                mode = "train" if self.model.training else "eval"
+                index = inputs[TREE_INDEX_KEY]  # (S, L): every row token is some sequence's
+                row = int(index[index < inputs["packed_input_ids"].shape[-1]].max()) + 1
+                self._metrics[mode]["tree_token_ratio"].append(int(inputs["attention_mask"].sum()) / row)
+            yield inputs
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         # runs inside TRL's __init__ (and evaluate): check and prepare the model that computes them
@@ -226,7 +283,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         """packing_hf's attention while the collator shares prompts (the only attention reading
         ``prefix_seq_idx``) or rows are cut over a sequence-parallel group (its all-to-alls live there); the
         models' own otherwise."""
-        shared = getattr(self.data_collator, "shared_prompt", False)
+        collator = self.data_collator
+        shared = getattr(collator, "shared_prompt", False) or getattr(collator, "share_prefixes", False)
         return register_attention() if shared or self.parallel_plan.sequence_parallel else None
 
     # ---- multipack over pairs --------------------------------------------------------------------
@@ -246,7 +304,9 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         return preference_pair_lengths(
             *parts,
             max_length=max_length,
-            shared_prompt=collator.shared_prompt,
+            # a pair's own tree holds its prompt once: an upper bound of what it adds to a tree row (prefixes
+            # shared with other pairs of the micro-batch only make the row shorter than the budget)
+            shared_prompt=collator.shared_prompt or collator.share_prefixes,
             truncation_mode=collator.truncation_mode,
         )
 

@@ -150,13 +150,13 @@ def shared_prompt_is_exact(models: list[Any]) -> bool:
     return _shared_prompt_obstacle(models) is None
 
 
-def refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
-    """Refuse ``shared_prompt=True`` where a shared-prompt row would not keep every model exact."""
+def refuse_shared_prompt_where_inexact(models: list[Any], option: str = "shared_prompt") -> None:
+    """Refuse ``option=True`` (``shared_prompt``, or the prefix tree of ``share_prefixes``) where a row of
+    prefixes and branches would not keep every model exact."""
     why = _shared_prompt_obstacle(models)
     if why is not None:
         raise PackingRefused(
-            "shared_prompt",
-            f"shared_prompt=True: {why}; set shared_prompt=False (packed pairs without sharing stay exact)",
+            option, f"{option}=True: {why}; set {option}=False (packed pairs without sharing stay exact)"
         )
 
 
