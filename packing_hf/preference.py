@@ -470,7 +470,8 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         total = n_tokens + n_pad
         tree_index = np.full(n_seq * width, total, dtype=np.int64)
         column = np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len)
-        tree_index[np.repeat(np.arange(n_seq, dtype=np.int64), seq_len) * width + column] = tree.sample_index.numpy()
+        flat = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len) * width + column
+        tree_index[flat] = tree.sample_index.numpy()
 
         self.stats["batches"] += 1
         self.stats["pairs"] += n_seq // 2
@@ -840,7 +841,8 @@ class TreeTargets:
                 f"expected per-token values of shape (1, {row_length}, ...) for a tree row of {row_length} tokens, "
                 f"got {tuple(values.shape)}"
             )
-        flat = torch.cat([values[0], values.new_zeros((1, *values.shape[2:]))])  # (T + 1, ...): row T is a zero
+        # (T + 1, ...): the row past the end is the zero of positions without a target
+        flat = torch.cat([values[0], values.new_zeros((1, *values.shape[2:]))])
         picked = flat.index_select(0, self.gather.to(values.device))
         return picked.reshape(*self.shape, *values.shape[2:])
 
