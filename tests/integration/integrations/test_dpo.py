@@ -428,6 +428,14 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
             {},
             "shared_prompt=True with sp_size > 1",
         ),
+        (
+            {"max_tokens_per_batch": 512, "share_prefixes": True, "parallelism_config": ParallelismConfig(sp_size=2)},
+            {},
+            "share_prefixes=True with sp_size > 1",
+        ),
+        ({"share_prefixes": True, "shared_prompt": True}, {}, "leave shared_prompt unset"),
+        ({"min_shared_tokens": 4}, {}, "only applies to the prefix tree of share_prefixes=True"),
+        ({"share_prefixes": True}, {"data_collator": "shared"}, "the data_collator builds no prefix tree"),
     ],
     ids=[
         "prompt_only",
@@ -438,6 +446,10 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         "shared_prompt_contradiction",
         "vision",
         "shared_prompt_sequence_parallel",
+        "share_prefixes_sequence_parallel",
+        "share_prefixes_and_shared_prompt",
+        "min_shared_tokens_without_tree",
+        "share_prefixes_collator_contradiction",
     ],
 )
 def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):
@@ -630,4 +642,6 @@ def test_a_hybrid_keeps_its_prompts_unshared_unless_asked_and_is_refused_when_as
     assert math.isfinite(hybrid.state.log_history[-1]["train_loss"])
     with pytest.raises(PackingRefused, match=r"shared_prompt=True: bamba: a prefix-tree row"):
         trainer("bamba", shared_prompt=True)
+    with pytest.raises(PackingRefused, match=r"share_prefixes=True: bamba: a prefix-tree row"):
+        trainer("bamba", share_prefixes=True)
     assert trainer("llama").data_collator.shared_prompt is True
