@@ -53,10 +53,6 @@ class PaddingFreePairCollator(PaddingFreePreferenceCollator):
 
     input_columns: ClassVar[tuple[str, ...]] = _SEQUENCE_KEYS
     no_row_padding: ClassVar[str | None] = "packed ORPO / CPO rows take no padding segment"
-    no_prefix_tree: ClassVar[str | None] = (
-        "ORPO / CPO score their packed rows with a shifted forward of their own (concatenated_forward), which "
-        "reads no prefix tree"
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

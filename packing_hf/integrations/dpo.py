@@ -26,6 +26,14 @@ prompt[-1] + chosen | prompt[-1] + rejected]``, the two answers attending to the
 packing_hf's attention (:mod:`packing_hf.attention.prefix`), so the prompt is stored and computed once;
 per-token results land in the same padded layout, so everything above holds unchanged.
 
+Prefix trees (``share_prefixes=True``, opt-in): the ``2B`` sequences of a micro-batch become one prefix tree
+(:func:`~packing_hf.prefix_tree.build_prefix_tree`), so prefixes shared across pairs (a system prompt, the
+earlier turns of a conversation cut into pairs at every turn) are computed once. A node's first token is
+predicted at its parent's last row (the branch point): the adapter hands TRL's fused head, per row, the hidden
+state that predicts it (``shift_labels``) and copies every row's per-token outputs to each padded position that
+reads it (:class:`~packing_hf.preference.TreeTargets`), so TRL's loss code runs unchanged on the same per-token
+values. ``tree_token_ratio`` (tokens of the sequences run alone over the tree row's) joins TRL's metrics.
+
 ``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
 always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets,
 prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context
@@ -68,6 +76,7 @@ from .preference_kit import (
     MaxLengthCountsMixin,
     PackedForwardsMixin,
     PreferenceStatsCollator,
+    PrefixTreeArguments,
     check_preference_call,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
@@ -82,7 +91,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DPOConfig(PackingArguments, trl.DPOConfig):
+class DPOConfig(PrefixTreeArguments, PackingArguments, trl.DPOConfig):
     """``trl.DPOConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`.
 
     ``max_length`` / ``truncation_mode`` keep TRL's meaning (per sequence, applied by the collator and
@@ -95,6 +104,12 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     (checked once per architecture); the models then run that attention during training, evaluation and
     reference precomputation and are given back as they were. ``padding_free=True`` is accepted and means
     what packing_hf always does here: packed rows, exact.
+
+    ``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`) is the
+    general case: every micro-batch becomes one prefix tree, so a system prompt or the earlier turns of a
+    conversation (pairs cut from it at every turn) are computed once for the policy and the reference model.
+    ``shared_prompt`` is then left unset (setting it too is refused). Refused with sequence parallelism and on
+    models whose token mixers cannot follow a tree (hybrids), by name.
 
     >>> DPOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
@@ -112,33 +127,14 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
         "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
         "attention is exact for the models; True: always (refused where it cannot be exact); False: off.",
     )
-    share_prefixes: bool = option(
-        False,
-        "Lay every micro-batch out as one prefix tree: whatever token prefix sequences share (a system prompt, "
-        "earlier turns of a conversation, a pair's prompt) is computed once, across pairs, by the policy and the "
-        "reference model; log-probs and the loss stay TRL's. The general case of shared_prompt (leave that unset). "
-        "Needs packing_hf's varlen attention; refused where it cannot be exact (sequence parallelism, hybrids).",
-    )
-    min_shared_tokens: int = option(
-        1,
-        "With share_prefixes: the shortest run of tokens several sequences share as one tree node (shorter "
-        "common runs are repeated). Refused without share_prefixes.",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.share_prefixes, bool):
-            raise TypeError(f"share_prefixes must be true or false, got {self.share_prefixes!r}")
         if self.share_prefixes and self.shared_prompt is not None:
             raise ValueError(
                 f"shared_prompt={self.shared_prompt} with share_prefixes=True: the prefix tree holds every pair's "
                 "prompt once already (and every longer prefix sequences share, across pairs); leave shared_prompt "
                 "unset"
-            )
-        if not self.share_prefixes and self.min_shared_tokens != 1:
-            raise ValueError(
-                f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
-                "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
             )
 
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._limits import option
 from ..architectures import check_architecture
 from ..attention import register_attention
 from ..attention.admission import prefix_tree_refusal
@@ -37,6 +39,7 @@ from .refusals import PackingRefused, first_row
 
 __all__ = [
     "MaxLengthCountsMixin",
+    "PrefixTreeArguments",
     "PackedForwardsMixin",
     "PreferenceStatsCollator",
     "check_preference_call",
@@ -72,6 +75,36 @@ class PreferenceStatsCollator(PackingStatsCollator):
             "padded_tokens": after["padded_layout_tokens"] - before["padded_layout_tokens"],
         }
         return batch
+
+
+@dataclass
+class PrefixTreeArguments:
+    """The prefix-tree options of the pair trainers (DPO, ORPO, CPO), mixed into their configs before
+    :class:`~packing_hf.integrations.args.PackingArguments`: ``share_prefixes`` and ``min_shared_tokens``
+    (:class:`~packing_hf.preference.PaddingFreePreferenceCollator`'s meaning)."""
+
+    share_prefixes: bool = option(
+        False,
+        "Lay every micro-batch out as one prefix tree: whatever token prefix sequences share (a system prompt, "
+        "earlier turns of a conversation, a pair's prompt) is computed once, across pairs; every log-prob and the "
+        "loss stay TRL's. Needs packing_hf's varlen attention (switched on during packed work); refused where it "
+        "cannot be exact (hybrid models, sequence parallelism).",
+    )
+    min_shared_tokens: int = option(
+        1,
+        "With share_prefixes: the shortest run of tokens several sequences share as one tree node (shorter "
+        "common runs are repeated). Refused without share_prefixes.",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be true or false, got {self.share_prefixes!r}")
+        if not self.share_prefixes and self.min_shared_tokens != 1:
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
+                "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
+            )
 
 
 class MaxLengthCountsMixin:

@@ -197,37 +197,7 @@ def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins
         assert torch.allclose(got, want, rtol=REL, atol=1e-4), f"metric {key}: {got} vs {want}"
 
 
-SYSTEM = "System: You are a patient maths tutor. Answer in one short sentence.\n"
-# (question, chosen answer, rejected answer) per turn; every conversation continues with its chosen answers
-CONVERSATIONS = [
-    [
-        ("What is 2 + 3?", " It is 5.", " It is 6."),
-        ("And that times 4?", " That gives 20.", " That makes 24."),
-        ("Half of it?", " Half of 20 is 10.", " Half is 12."),
-    ],
-    [
-        ("Name a prime number.", " 7 is a prime.", " 9 is a prime."),
-        ("The next prime after it?", " The next one is 11.", " Then comes 13."),
-        ("Their sum?", " 7 + 11 = 18.", " The sum is 20."),
-    ],
-]
-
-
-def multi_turn_pairs() -> datasets.Dataset:
-    """Every conversation cut into a pair at each assistant turn (the prompt: the system prompt and every earlier
-    turn, answered with its chosen answer), plus one pair sharing nothing with them."""
-    rows = []
-    for turns in CONVERSATIONS:
-        history = SYSTEM
-        for question, chosen, rejected in turns:
-            prompt = f"{history}User: {question}\nAssistant:"
-            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-            history = f"{prompt}{chosen}\n"
-    rows.append({"prompt": "Translate 'chat' from French:", "chosen": " cat", "rejected": " hat"})
-    return datasets.Dataset.from_list(rows)
-
-
-def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, twins, monkeypatch):
+def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, twins, multi_turn_pairs, monkeypatch):
     """``share_prefixes``: the 7 pairs of one micro-batch are one prefix tree (the system prompt and the earlier
     turns held once), and the policy's and the reference model's per-sequence log-probs, the loss (several loss
     types reading per-token values) and the gradients equal stock TRL's unpacked run. Negative control: the
