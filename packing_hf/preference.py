@@ -370,6 +370,12 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             raise ValueError(
                 f"min_shared_tokens={self.min_shared_tokens!r}: give an int >= 1 (1 merges every common prefix)"
             )
+        if self.segment_buckets:
+            raise ValueError(
+                f"share_prefixes=True with segment_buckets={self.segment_buckets}: the prefix-tree attention takes no "
+                "empty segment (every node holds tokens); leave segment_buckets unset (length_buckets and "
+                "pad_to_multiple_of are accepted)"
+            )
         if self.return_seq_idx:
             raise ValueError(
                 "share_prefixes=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "

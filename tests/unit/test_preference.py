@@ -369,8 +369,19 @@ def test_tree_targets_score_each_row_once_and_copy_it_to_every_sequence():
             "know no prefix tree",
         ),
         (lambda: PaddingFreeRewardCollator(share_prefixes=True), "share_prefixes=True: reward pairs"),
+        (
+            lambda: PaddingFreePreferenceCollator(share_prefixes=True, segment_buckets=(8,)),
+            "takes no empty segment",
+        ),
     ],
-    ids=["with_shared_prompt", "min_shared_tokens_alone", "min_shared_tokens_0", "seq_idx", "reward"],
+    ids=[
+        "with_shared_prompt",
+        "min_shared_tokens_alone",
+        "min_shared_tokens_0",
+        "seq_idx",
+        "reward",
+        "segments",
+    ],
 )
 def test_share_prefixes_refusals(make, match):
     with pytest.raises(ValueError, match=match):
