@@ -24,6 +24,13 @@ an NLL term. These subclasses keep TRL's tokenization, loss and metrics, and rep
   positions stock reads (ORPO: every token but each sequence's last; CPO: every token); they equal stock's on a
   batch without padding.
 
+``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`, opt-in): the
+``2B`` sequences of a micro-batch become one prefix tree (``PaddingFreePairCollator(share_prefixes=True)``), so a
+system prompt, the earlier turns of a conversation cut into pairs and each pair's prompt are computed once;
+each token's log-prob is read at the row of the token before it in its sequence (a node's first token at its
+parent's last row, the branch point), through the logits or the chunked LM head, and everything above holds.
+Refused on models whose token mixers cannot follow a tree (hybrids), by name.
+
 ``max_tokens_per_batch`` packs pairs with multipack, a pair weighing ``len(chosen_input_ids) +
 len(rejected_input_ids)``. ``padding_free`` (``None`` or ``True``) is what these trainers always do.
 
