@@ -81,6 +81,7 @@ from .preference_kit import (
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
+    tree_token_ratio,
 )
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -263,9 +264,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 # tokens of the 2B sequences run alone over the tree row's (its padding excluded): TRL logs
                 # the mean of every micro-batch's ratio, next to its own metrics
                 mode = "train" if self.model.training else "eval"
-                index = inputs[TREE_INDEX_KEY]  # (S, L): every row token is some sequence's
-                row = int(index[index < inputs["packed_input_ids"].shape[-1]].max()) + 1
-                self._metrics[mode]["tree_token_ratio"].append(int(inputs["attention_mask"].sum()) / row)
+                self._metrics[mode]["tree_token_ratio"].append(tree_token_ratio(inputs))
             yield inputs
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:

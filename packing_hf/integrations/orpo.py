@@ -84,6 +84,7 @@ from .preference_kit import (
     check_preference_call,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
+    tree_token_ratio,
 )
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -232,6 +233,13 @@ class PackedPairsMixin:
         if emptied:
             said += f", {emptied} of them left with no answer token (the prompt alone fills max_length)"
         self._record_max_length_cut(name, stats, said)
+
+    def get_batch_loss_metrics(self, model: Any, batch: dict[str, Any], train_eval: str = "train") -> tuple:
+        loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)  # type: ignore[misc]
+        if TREE_INDEX_KEY in batch:
+            prefix = "eval_" if train_eval == "eval" else ""
+            metrics[f"{prefix}tree_token_ratio"] = tree_token_ratio(batch)
+        return loss, metrics
 
     def _shares_prefixes(self) -> bool:
         return bool(getattr(self.data_collator, "share_prefixes", False))

@@ -32,6 +32,7 @@ from .._limits import option
 from ..architectures import check_architecture
 from ..attention import register_attention
 from ..attention.admission import prefix_tree_refusal
+from ..preference_layout import TREE_INDEX_KEY
 from .adapters import SEQUENCE_PARALLEL_KEY, PackedPreferenceForward
 from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model
@@ -48,6 +49,7 @@ __all__ = [
     "pad_token_id",
     "refuse_shared_prompt_where_inexact",
     "shared_prompt_is_exact",
+    "tree_token_ratio",
 ]
 
 
@@ -105,6 +107,20 @@ class PrefixTreeArguments:
                 f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
                 "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
             )
+
+
+def tree_token_ratio(batch: Mapping[str, Any]) -> float:
+    """Tokens of a prefix-tree batch's sequences run alone over the tokens of its row (padding excluded): how many
+    times fewer tokens the tree computes (``share_prefixes``; the metric ``tree_token_ratio``).
+
+    >>> from packing_hf.preference import PaddingFreePreferenceCollator
+    >>> tree_token_ratio(PaddingFreePreferenceCollator(share_prefixes=True, pad_to_multiple_of=8)(
+    ...     [{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]}]))
+    1.5
+    """
+    index = batch[TREE_INDEX_KEY]  # (S, L): every row token is some sequence's, padding points past the row
+    row = int(index[index < batch["packed_input_ids"].shape[-1]].max()) + 1
+    return int(batch["attention_mask"].sum()) / row
 
 
 class MaxLengthCountsMixin:

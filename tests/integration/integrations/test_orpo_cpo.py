@@ -213,10 +213,14 @@ def test_share_prefixes_on_multi_turn_pairs_matches_stock(
     logps_p = packed.concatenated_forward(packed.model, packed_batch)
     for i, what in ((0, "chosen log-probs"), (1, "rejected log-probs"), (4, "nll")):
         _close(logps_p[i], logps_s[i], what)
-    loss_p, grads_p, _ = _loss_grads_metrics(packed, packed_batch)
+    loss_p, grads_p, metrics_p = _loss_grads_metrics(packed, packed_batch)
     loss_s, grads_s, _ = _loss_grads_metrics(stock, padded_batch)
     _close(loss_p, loss_s, "loss")
     _close(grads_p, grads_s, "gradients")
+    # tokens of the 14 sequences run alone over the tree row's
+    row = packed_batch["packed_input_ids"].numel()
+    alone = sum(padded_batch[f"{side}_attention_mask"].sum().item() for side in ("chosen", "rejected"))
+    assert metrics_p["tree_token_ratio"] == alone / row > 1
 
     exact = TreeTargets.from_index.__func__
 
