@@ -207,6 +207,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 "share_prefixes=True with sp_size > 1: sequence parallelism cuts the packed row into plain shards, "
                 "and a prefix tree (nodes attending to their ancestors) is not cut exactly; set share_prefixes=False",
             )
+        if tree_asked and not isinstance(model, str):  # before TRL's __init__ precomputes reference log-probs
+            refuse_shared_prompt_where_inexact([model, call["ref_model"]], "share_prefixes")
         shared_asked = args.shared_prompt if self._own_collator else data_collator.shared_prompt
         if sequence_parallel and shared_asked:
             raise PackingRefused(

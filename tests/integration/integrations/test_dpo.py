@@ -99,7 +99,7 @@ def _build(tmp_path, tokenizer, twins, data, ref: bool = True, packed_only: dict
     packed_options = {
         k: v
         for k, v in (packed_only or {}).items()
-        if k in ("shared_prompt", "share_prefixes", "min_shared_tokens")
+        if k in ("shared_prompt", "share_prefixes", "min_shared_tokens", "precompute_ref_log_probs")
     }
     policy_stock, policy_packed = twins()
     ref_stock, ref_packed = twins(seed=1) if ref else (None, None)  # a reference unlike the policy
@@ -199,19 +199,21 @@ def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins
 
 def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, twins, multi_turn_pairs, monkeypatch):
     """``share_prefixes``: the 7 pairs of one micro-batch are one prefix tree (the system prompt and the earlier
-    turns held once), and the policy's and the reference model's per-sequence log-probs, the loss (several loss
-    types reading per-token values) and the gradients equal stock TRL's unpacked run. Negative control: the
+    turns held once), and the policy's and the reference model's per-sequence log-probs (live, and precomputed
+    on tree batches), the loss (several loss types reading per-token values) and the gradients equal stock
+    TRL's unpacked run. Negative control: the
     branch points read from the row before each node (a sibling's last token, as a plain packed shift would) are
     caught by the same comparison."""
     # summed (sigmoid) and length-normalised (ipo) log-probs, LD-DPO's split sums (ld_alpha), WPO's weights (they
     # read log_sum_sq_probs per token); the sft NLL term below (TRL cannot weigh it: it expands a scalar)
     config = {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5, "use_weighting": True}
     config["per_device_train_batch_size"] = 7
-    stock, packed = _build(
-        tmp_path, tokenizer, twins, multi_turn_pairs, **config, packed_only={"share_prefixes": True}
-    )
+    # the packed trainer precomputes its reference log-probs (on tree batches); stock runs its reference live
+    packed_only = {"share_prefixes": True, "precompute_ref_log_probs": True}
+    stock, packed = _build(tmp_path, tokenizer, twins, multi_turn_pairs, **config, packed_only=packed_only)
     assert packed.data_collator.share_prefixes and not packed.data_collator.shared_prompt
     padded_batch, packed_batch = _batches(stock, packed, range(7))
+    packed_batch = packed._prepare_inputs(packed.data_collator([packed.train_dataset[i] for i in range(7)]))
     row = packed_batch["packed_input_ids"].numel()
     one_level = PaddingFreePreferenceCollator(shared_prompt=True)([packed.train_dataset[i] for i in range(7)])
     assert row < one_level["packed_input_ids"].numel()  # earlier turns and the system prompt are shared too
@@ -221,6 +223,8 @@ def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, t
 
     want = logps(stock, padded_batch)
     _close(logps(packed, packed_batch), want, "chosen / rejected log-probs of the policy and the reference model")
+    precomputed = torch.cat([packed_batch["ref_chosen_logps"], packed_batch["ref_rejected_logps"]])
+    _close(precomputed, want[14:], "precomputed reference log-probs")
     loss_p, grads_p = _loss_and_grads(packed, packed_batch)
     loss_s, grads_s = _loss_and_grads(stock, padded_batch)
     _close(loss_p, loss_s, "loss")
