@@ -31,7 +31,7 @@ Prefix trees (``share_prefixes=True``, opt-in): the ``2B`` sequences of a micro-
 earlier turns of a conversation cut into pairs at every turn) are computed once. A node's first token is
 predicted at its parent's last row (the branch point): the adapter hands TRL's fused head, per row, the hidden
 state that predicts it (``shift_labels``) and copies every row's per-token outputs to each padded position that
-reads it (:class:`~packing_hf.preference.TreeTargets`), so TRL's loss code runs unchanged on the same per-token
+reads it (:class:`~packing_hf.preference_layout.TreeTargets`), so TRL's loss code runs unchanged on the same per-token
 values. ``tree_token_ratio`` (tokens of the sequences run alone over the tree row's) joins TRL's metrics.
 
 ``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
@@ -78,6 +78,7 @@ from .preference_kit import (
     PreferenceStatsCollator,
     PrefixTreeArguments,
     check_preference_call,
+    check_tree_collator,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
@@ -192,11 +193,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
                 f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
             )
-        if not self._own_collator and args.share_prefixes and not data_collator.share_prefixes:
-            raise ValueError(
-                "share_prefixes=True in the config, but the data_collator builds no prefix tree; set "
-                "share_prefixes=True on the collator (PaddingFreePreferenceCollator) or leave the data_collator unset"
-            )
+        if not self._own_collator:
+            check_tree_collator(args, data_collator)
         # the collator is built before the plan exists (the stock __init__ makes the accelerator, then precomputes
         # reference log-probs with it): the size the plan will hold, from parallel.py
         sequence_parallel = requested_sp_size(args) > 1

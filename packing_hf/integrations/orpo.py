@@ -82,6 +82,7 @@ from .preference_kit import (
     PreferenceStatsCollator,
     PrefixTreeArguments,
     check_preference_call,
+    check_tree_collator,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     tree_token_ratio,
@@ -168,11 +169,8 @@ class PackedPairsMixin:
                 share_prefixes=args.share_prefixes,
                 min_shared_tokens=args.min_shared_tokens,
             )
-        elif args.share_prefixes and not getattr(collator, "share_prefixes", False):
-            raise ValueError(
-                "share_prefixes=True in the config, but the data_collator builds no prefix tree; set "
-                "share_prefixes=True on the collator (PaddingFreePairCollator) or leave the data_collator unset"
-            )
+        else:
+            check_tree_collator(args, collator)
         call[
             "args"
         ].remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns

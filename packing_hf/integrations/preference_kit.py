@@ -45,6 +45,7 @@ __all__ = [
     "PreferenceStatsCollator",
     "check_preference_call",
     "check_preference_dataset",
+    "check_tree_collator",
     "check_vocabulary",
     "pad_token_id",
     "refuse_shared_prompt_where_inexact",
@@ -107,6 +108,22 @@ class PrefixTreeArguments:
                 f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
                 "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
             )
+
+
+def check_tree_collator(args: PrefixTreeArguments, collator: Any) -> None:
+    """A given ``data_collator`` whose prefix tree contradicts the config's ``share_prefixes`` /
+    ``min_shared_tokens`` (the collator decides; the config may leave them at their defaults)."""
+    name = type(collator).__name__
+    if args.share_prefixes and not getattr(collator, "share_prefixes", False):
+        raise ValueError(
+            f"share_prefixes=True in the config, but the data_collator ({name}) builds no prefix tree; set "
+            "share_prefixes=True on the collator or leave the data_collator unset"
+        )
+    if args.min_shared_tokens != 1 and args.min_shared_tokens != getattr(collator, "min_shared_tokens", None):
+        raise ValueError(
+            f"min_shared_tokens={args.min_shared_tokens} in the config contradicts the data_collator's "
+            f"({name}: {getattr(collator, 'min_shared_tokens', None)}); set it in one place (on the collator)"
+        )
 
 
 def tree_token_ratio(batch: Mapping[str, Any]) -> float:

@@ -410,7 +410,8 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         ),
         ({"share_prefixes": True, "shared_prompt": True}, {}, "leave shared_prompt unset"),
         ({"min_shared_tokens": 4}, {}, "only applies to the prefix tree of share_prefixes=True"),
-        ({"share_prefixes": True}, {"data_collator": "shared"}, "the data_collator builds no prefix tree"),
+        ({"share_prefixes": True}, {"data_collator": "shared"}, r"data_collator \(\w+\) builds no prefix tree"),
+        ({"share_prefixes": True, "min_shared_tokens": 4}, {"data_collator": "tree"}, "contradicts the data_collator's"),
     ],
     ids=[
         "prompt_only",
@@ -425,6 +426,7 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         "share_prefixes_and_shared_prompt",
         "min_shared_tokens_without_tree",
         "share_prefixes_collator_contradiction",
+        "min_shared_tokens_collator_contradiction",
     ],
 )
 def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):
@@ -439,6 +441,8 @@ def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, 
         tokenizer.add_tokens(["<an_added_token>"])
     if extra.get("data_collator") == "shared":
         extra["data_collator"] = PaddingFreePreferenceCollator(shared_prompt=True)
+    if extra.get("data_collator") == "tree":
+        extra["data_collator"] = PaddingFreePreferenceCollator(share_prefixes=True)
     if extra.get("data_collator") == "trl":
         extra["data_collator"] = trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=0)
     with pytest.raises(ValueError, match=match):
