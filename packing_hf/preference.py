@@ -473,8 +473,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         n_tokens = int(seg_len.sum())
         n_pad = self._row_padding(n_tokens)
         seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
-        cu = row_offsets(seg_lengths, n_seq, width)
-        seg_lengths, cu, n_empty = self._with_empty_segments(seg_lengths, cu)
+        cu = row_offsets(seg_lengths, n_seq, width)  # no empty segments: segment_buckets is refused
         padded_ids, attention, completion = padded_layout(
             ids, is_completion, seq_len, seq_start, width, self.pad_token_id
         )
@@ -490,7 +489,6 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         self.stats["samples"] += n_seq
         self.stats["tokens"] += n_tokens
         self.stats["padding_tokens"] += n_pad
-        self.stats["empty_segments"] += n_empty
         self.stats["padded_layout_tokens"] += n_seq * width
 
         row_ids = tree.input_ids.numpy()
@@ -508,7 +506,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             "position_ids": (positions + self.position_ids_start)[None],
         }
         self._segment_keys(batch, cu, seg_lengths)
-        extra = seg_lengths.size - prefix_idx.size  # padding and empty segments: -1
+        extra = seg_lengths.size - prefix_idx.size  # the padding segment: -1
         batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
