@@ -134,6 +134,9 @@ class PaddingFreeTripleCollator(PaddingFreePreferenceCollator):
     include_reference: bool = True
 
     input_columns: ClassVar[tuple[str, ...]] = ("prompt_ids", "chosen_ids", "rejected_ids", "reference_ids")
+    no_prefix_tree: ClassVar[str | None] = (
+        "TPO scores its packed rows with a shifted forward of its own, which reads no prefix tree"
+    )
     no_row_padding: ClassVar[str | None] = "packed TPO rows take no padding"
 
     def __post_init__(self) -> None:

@@ -35,14 +35,25 @@ import numpy as np
 import torch
 
 from .collator import PaddingFreeCollator
-from .padding import PackedLayout
+from .preference_layout import (
+    TREE_INDEX_KEY,
+    TreeTargets,
+    pack_padded_labels,
+    padded_layout,
+    row_offsets,
+    row_segments,
+    token_sources,
+    unpack_shifted,
+)
+from .prefix_tree import build_prefix_tree
 from .shared_prefix import PREFIX_KEY
-from .varlen import IGNORE_INDEX, INT32_MAX
 
 __all__ = [
     "PACKED_KEYS",
+    "TREE_INDEX_KEY",
     "PaddingFreePreferenceCollator",
     "PaddingFreeRewardCollator",
+    "TreeTargets",
     "pack_padded_labels",
     "preference_pair_lengths",
     "unpack_shifted",
@@ -55,7 +66,7 @@ _TRUNCATION_MODES = ("keep_start", "keep_end")
 _PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 # Batch keys that exist only in the packed layout; a model hook turns them into the model's inputs.
-PACKED_KEYS = ("packed_input_ids", "packed_index")
+PACKED_KEYS = ("packed_input_ids", "packed_index", "tree_index")
 
 
 def _new_stats() -> dict[str, int]:
@@ -70,6 +81,7 @@ def _new_stats() -> dict[str, int]:
         "truncated_samples": 0,
         "truncated_tokens": 0,
         "shared_prompt_tokens": 0,  # prompt tokens not repeated: the rejected branch reuses the chosen one's
+        "sequence_tokens": 0,  # tokens of the sequences run alone (after truncation): tree_token_ratio's numerator
         "split_samples": 0,  # never used (a split pair cannot be scored); kept for PaddingFreeCollator's keys
         "split_chunks": 0,
     }
@@ -233,6 +245,18 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
             segment (``prefix_seq_idx`` ``(n,)`` int32 in the batch, positions continuing the prompt's; see
             :mod:`packing_hf.shared_prefix`). Needs packing_hf's attention. Pairs whose two sequences kept
             different prompt tokens (``keep_end`` truncation) or a one-token prompt are packed unshared.
+        share_prefixes: lay the whole batch out as ONE prefix tree
+            (:func:`~packing_hf.prefix_tree.build_prefix_tree` over the ``2B`` sequences as kept after
+            ``max_length``): every run of tokens that sequences begin with (a system prompt, a conversation's
+            earlier turns, a pair's prompt) is held and computed once, across pairs too. The general case of
+            ``shared_prompt`` (which it replaces: both ``True`` is refused). Instead of ``packed_index`` the
+            batch holds ``tree_index`` ``(S, L)`` int64: the row token of every token of the padded layout
+            (``T``, the row's length, on padding); the prediction of a sequence's token ``j`` is read at the
+            row of its token ``j - 1`` (a branch point's row serves every child), see
+            :class:`~packing_hf.integrations.adapters.PackedPreferenceForward`. Needs packing_hf's attention.
+        min_shared_tokens: with ``share_prefixes``, the shortest run of tokens that several sequences share as
+            one node (``>= 1``; shorter common runs are repeated), as in
+            :func:`~packing_hf.prefix_tree.build_prefix_tree`. Refused without ``share_prefixes``.
         pad_to_multiple_of, length_buckets, segment_buckets, pad_token_id, position_ids_start, return_seq_idx,
             return_flash_attn_kwargs, return_position_ids, return_tensors: as in
             :class:`~packing_hf.PaddingFreeCollator` (``pad_token_id`` also fills the padded layout's
@@ -245,12 +269,20 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         stats: running counters: ``batches``, ``pairs``, ``samples`` (sequences), ``tokens``,
             ``padding_tokens``, ``padded_layout_tokens`` (``S x L``, what a right-padded batch would
             compute), ``truncated_samples``, ``truncated_tokens``, ``shared_prompt_tokens`` (prompt tokens
-            held once instead of twice).
+            held once instead of twice), ``sequence_tokens`` (tokens of the sequences run alone; over
+            ``tokens`` it is the tree token ratio of ``share_prefixes``).
 
     >>> shared = PaddingFreePreferenceCollator(shared_prompt=True)
     >>> batch = shared([{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]}])
     >>> batch["packed_input_ids"].tolist(), batch["position_ids"].tolist(), batch["prefix_seq_idx"].tolist()
     ([[1, 2, 3, 4, 3, 5, 6]], [[0, 1, 2, 3, 2, 3, 4]], [-1, 0, 0])
+    >>> tree = PaddingFreePreferenceCollator(share_prefixes=True)  # turn 2 continues turn 1's chosen answer
+    >>> batch = tree([{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
+    ...               {"prompt_ids": [1, 2, 3, 5], "chosen_ids": [6], "rejected_ids": [7]}])
+    >>> batch["packed_input_ids"].tolist(), batch["prefix_seq_idx"].tolist()
+    ([[1, 2, 3, 5, 6, 7, 4]], [-1, 0, 1, 2, 2, 0])
+    >>> batch["tree_index"].tolist()  # rows: chosen 1, chosen 2, rejected 1, rejected 2; 7 = padding
+    [[0, 1, 2, 7, 7], [0, 1, 2, 3, 4], [0, 1, 6, 7, 7], [0, 1, 2, 3, 5]]
     >>> collator = PaddingFreePreferenceCollator(max_length=3, overflow="truncate")
     >>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5],
     ...                    "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}])
@@ -262,11 +294,15 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
 
     truncation_mode: TruncationMode = "keep_start"
     shared_prompt: bool = False
+    share_prefixes: bool = False
+    min_shared_tokens: int = 1
     stats: dict[str, int] = field(default_factory=_new_stats, init=False, compare=False)
 
     input_columns: ClassVar[tuple[str, ...]] = (*_PAIR_KEYS, *_REF_KEYS)
     # why a subclass's rows take no padding (pad_to_multiple_of, length_buckets, segment_buckets), or None
     no_row_padding: ClassVar[str | None] = None
+    # why a subclass's batches cannot be one prefix tree (share_prefixes), or None
+    no_prefix_tree: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -291,6 +327,7 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
                 "overflow='split' cannot be used for preference pairs: a sequence cut into pieces has no single "
                 "log-probability to compare; use overflow='truncate' (TRL's max_length behaviour) or 'error'"
             )
+        self._check_share_prefixes()
         if self.shared_prompt and self.return_seq_idx:
             raise ValueError(
                 "shared_prompt=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "
@@ -304,6 +341,50 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         if self.truncation_mode not in _TRUNCATION_MODES:
             raise ValueError(
                 f"truncation_mode must be one of {_TRUNCATION_MODES}, got {self.truncation_mode!r}"
+            )
+
+    def _check_share_prefixes(self) -> None:
+        """``share_prefixes`` / ``min_shared_tokens``: honoured together, or refused by name."""
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be True or False, got {self.share_prefixes!r}")
+        if self.share_prefixes and self.no_prefix_tree is not None:
+            raise ValueError(f"share_prefixes=True: {self.no_prefix_tree}; leave share_prefixes=False")
+        if not self.share_prefixes:
+            if self.min_shared_tokens != 1 or isinstance(self.min_shared_tokens, bool):
+                raise ValueError(
+                    f"min_shared_tokens={self.min_shared_tokens!r} only applies to the prefix tree of "
+                    "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
+                )
+            return
+        if self.shared_prompt:
+            raise ValueError(
+                "shared_prompt=True and share_prefixes=True: the prefix tree of share_prefixes already holds every "
+                "pair's prompt once (and every longer prefix that sequences share, across pairs); set "
+                "shared_prompt=False"
+            )
+        if (
+            isinstance(self.min_shared_tokens, bool)
+            or not isinstance(self.min_shared_tokens, int)
+            or self.min_shared_tokens < 1
+        ):
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens!r}: give an int >= 1 (1 merges every common prefix)"
+            )
+        if self.segment_buckets:
+            raise ValueError(
+                f"share_prefixes=True with segment_buckets={self.segment_buckets}: the prefix-tree attention takes no "
+                "empty segment (every node holds tokens); leave segment_buckets unset (length_buckets and "
+                "pad_to_multiple_of are accepted)"
+            )
+        if self.return_seq_idx:
+            raise ValueError(
+                "share_prefixes=True cannot be combined with return_seq_idx=True: seq_idx kernels (Mamba-style "
+                "layers) know no prefix tree; set share_prefixes=False for these models"
+            )
+        if not (self.return_flash_attn_kwargs and self.return_position_ids):
+            raise ValueError(
+                "share_prefixes=True needs return_flash_attn_kwargs=True and return_position_ids=True: the "
+                "attention reads the tree from cu_seq_lens_q, prefix_seq_idx and position_ids"
             )
 
     def reset_stats(self) -> None:
@@ -322,18 +403,21 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         ids, is_completion, seq_len = self._apply_max_length(ids, is_completion, seq_len, n_pairs)
         n_seq, width = seq_len.size, int(seq_len.max())
         seq_start = np.cumsum(seq_len) - seq_len  # (S,) where every sequence starts in `ids`
+        self.stats["sequence_tokens"] += int(seq_len.sum())
+        if self.share_prefixes:
+            return self._tree_batch(features, ids, is_completion, seq_len, seq_start, return_tensors)
         shared = self._shared_lengths(is_completion, seq_start, truncated, n_pairs)  # (B,)
-        seg_len, seg_seq, seg_offset, prefix_idx = _row_segments(seq_len, shared, self.shared_prompt)
+        seg_len, seg_seq, seg_offset, prefix_idx = row_segments(seq_len, shared, self.shared_prompt)
         n_tokens = int(seg_len.sum())
 
         n_pad = self._row_padding(n_tokens)
         seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
-        cu = _row_offsets(seg_lengths, n_seq, width)  # (segments + 1,)
-        in_segment, seq, offsets, packed_index = _token_sources(
+        cu = row_offsets(seg_lengths, n_seq, width)  # (segments + 1,)
+        in_segment, seq, offsets, packed_index = token_sources(
             cu, seg_lengths, seg_len, seg_seq, seg_offset, n_tokens, n_seq, width
         )
         seg_lengths, cu, n_empty = self._with_empty_segments(seg_lengths, cu)
-        padded_ids, attention, completion = _padded_layout(
+        padded_ids, attention, completion = padded_layout(
             ids, is_completion, seq_len, seq_start, width, self.pad_token_id
         )
 
@@ -364,6 +448,66 @@ class PaddingFreePreferenceCollator(PaddingFreeCollator):
         if self.shared_prompt:  # padding and empty segments are no branch: -1
             extra = seg_lengths.size - prefix_idx.size
             batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
+        for key in _REF_KEYS:
+            if any(key in f for f in features):
+                batch[key] = _reference_logps(features, key)
+        return self._as_returned(batch, seg_lengths, return_tensors)
+
+    def _tree_batch(
+        self,
+        features: list[Mapping[str, Any]],
+        ids: np.ndarray,
+        is_completion: np.ndarray,
+        seq_len: np.ndarray,
+        seq_start: np.ndarray,
+        return_tensors: str,
+    ) -> dict[str, Any]:
+        """The batch of ``share_prefixes``: the ``S`` sequences (as kept) merged into one prefix tree.
+
+        The tree is built over the kept sequences themselves, so truncation (either mode) cannot make a shared
+        node wrong: a node is shared only by sequences holding the same tokens at the same positions.
+        """
+        n_seq, width = seq_len.size, int(seq_len.max())
+        tree = build_prefix_tree(np.split(ids, seq_start[1:]), min_shared_tokens=self.min_shared_tokens)
+        seg_len = np.diff(tree.cu_seqlens.numpy()).astype(np.int64)
+        n_tokens = int(seg_len.sum())
+        n_pad = self._row_padding(n_tokens)
+        seg_lengths = np.append(seg_len, n_pad) if n_pad else seg_len
+        cu = row_offsets(seg_lengths, n_seq, width)  # no empty segments: segment_buckets is refused
+        padded_ids, attention, completion = padded_layout(
+            ids, is_completion, seq_len, seq_start, width, self.pad_token_id
+        )
+        # every token of the padded layout -> its row token; padding -> the row's length (past the end)
+        total = n_tokens + n_pad
+        tree_index = np.full(n_seq * width, total, dtype=np.int64)
+        column = np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len)
+        flat = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len) * width + column
+        tree_index[flat] = tree.sample_index.numpy()
+
+        self.stats["batches"] += 1
+        self.stats["pairs"] += n_seq // 2
+        self.stats["samples"] += n_seq
+        self.stats["tokens"] += n_tokens
+        self.stats["padding_tokens"] += n_pad
+        self.stats["padded_layout_tokens"] += n_seq * width
+
+        row_ids = tree.input_ids.numpy()
+        positions = tree.position_ids.numpy()
+        prefix_idx = tree.prefix_seq_idx.numpy().astype(np.int64)
+        if n_pad:  # the padding segment restarts at position 0 and is no branch
+            row_ids = np.concatenate([row_ids, np.full(n_pad, self.pad_token_id, dtype=np.int64)])
+            positions = np.concatenate([positions, np.arange(n_pad, dtype=np.int64)])
+        batch: dict[str, Any] = {
+            "packed_input_ids": row_ids[None],
+            TREE_INDEX_KEY: tree_index.reshape(n_seq, width),
+            "input_ids": padded_ids,
+            "attention_mask": attention,
+            "completion_mask": completion,
+            "position_ids": (positions + self.position_ids_start)[None],
+        }
+        self._segment_keys(batch, cu, seg_lengths)
+        extra = seg_lengths.size - prefix_idx.size  # the padding segment: -1
+        batch[PREFIX_KEY] = np.append(prefix_idx, np.full(extra, -1)).astype(np.int32)
         for key in _REF_KEYS:
             if any(key in f for f in features):
                 batch[key] = _reference_logps(features, key)
@@ -493,151 +637,6 @@ def _sequence_lengths(
     return prompt_len, completion_len, seq_len
 
 
-def _row_segments(
-    seq_len: np.ndarray, shared: np.ndarray, shared_prompt: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The packed row's segments as :func:`_pair_segments` returns them, with or without shared prompts."""
-    if shared_prompt:
-        return _pair_segments(seq_len, shared)
-    n_seq = seq_len.size  # the sequences in TRL's row order, each its own segment
-    return seq_len, np.arange(n_seq, dtype=np.int64), np.zeros(n_seq, dtype=np.int64), np.full(n_seq, -1)
-
-
-def _row_offsets(seg_lengths: np.ndarray, n_seq: int, width: int) -> np.ndarray:
-    """``(segments + 1,)`` int64 offsets of the packed row; they and the ``(n_seq, width)`` layout must fit int32."""
-    cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)
-    np.cumsum(seg_lengths, out=cu[1:])
-    if cu[-1] > INT32_MAX or n_seq * width > INT32_MAX:
-        raise ValueError(
-            f"the batch holds {int(cu[-1])} tokens ({n_seq} x {width} padded), more than int32 offsets can "
-            f"address ({INT32_MAX}); use fewer pairs per batch"
-        )
-    return cu
-
-
-def _token_sources(
-    cu: np.ndarray,
-    seg_lengths: np.ndarray,
-    seg_len: np.ndarray,
-    seg_seq: np.ndarray,
-    seg_offset: np.ndarray,
-    n_tokens: int,
-    n_seq: int,
-    width: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Where every token of the row of ``seg_lengths`` comes from (its first ``len(seg_len)`` segments hold the
-    ``n_tokens`` real tokens, a last one may be padding); ``(n_seq, width)`` is the padded layout ``(S, L)``.
-
-    Returns ``in_segment`` ``(T,)``, every token's offset in its segment; ``seq`` and ``offsets``
-    ``(n_tokens,)``, the sequence of every real token and its offset there (its position); ``packed_index``
-    ``(T,)``, see the module docstring.
-    """
-    starts = cu[:-1]
-    in_segment = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(starts, seg_lengths)  # (T,)
-    seq = np.repeat(seg_seq, seg_len)  # (n_tokens,)
-    offsets = in_segment[:n_tokens] + np.repeat(seg_offset, seg_len)  # (n_tokens,)
-    # packed token -> flat index into the (S, L) padded layout; starts and padding -> S * L (never targets)
-    sentinel = n_seq * width
-    packed_index = np.full(int(cu[-1]), sentinel, dtype=np.int64)
-    packed_index[:n_tokens] = seq * width + offsets
-    packed_index[starts] = sentinel
-    return in_segment, seq, offsets, packed_index
-
-
-def _padded_layout(
-    ids: np.ndarray,
-    is_completion: np.ndarray,
-    seq_len: np.ndarray,
-    seq_start: np.ndarray,
-    width: int,
-    pad_token_id: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """TRL's right-padded layout of the sequences, every one whole (shared prompt or not): ``input_ids``,
-    ``attention_mask`` and ``completion_mask``, ``(S, width)`` int64."""
-    n_seq = seq_len.size
-    row = np.repeat(np.arange(n_seq, dtype=np.int64), seq_len)
-    real_flat = row * width + (np.arange(ids.size, dtype=np.int64) - np.repeat(seq_start, seq_len))
-    padded_ids = np.full(n_seq * width, pad_token_id, dtype=np.int64)
-    attention = np.zeros(n_seq * width, dtype=np.int64)
-    completion = np.zeros(n_seq * width, dtype=np.int64)
-    padded_ids[real_flat] = ids
-    attention[real_flat] = 1
-    completion[real_flat] = is_completion
-    return padded_ids.reshape(n_seq, width), attention.reshape(n_seq, width), completion.reshape(n_seq, width)
-
-
-def _pair_segments(
-    seq_len: np.ndarray, shared: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The row's segments, pair by pair: ``[prefix, chosen branch, rejected branch]`` for a shared pair,
-    ``[chosen, rejected]`` otherwise.
-
-    Returns ``(n,)`` arrays: segment lengths, the sequence every segment's tokens come from (``i`` chosen,
-    ``B + i`` rejected), the offset in that sequence where it starts, and ``prefix_seq_idx`` (``-1``, or
-    the prefix segment of a branch).
-    """
-    n_pairs = shared.size
-    chosen, rejected = seq_len[:n_pairs], seq_len[n_pairs:]
-    pair = np.arange(n_pairs, dtype=np.int64)
-    lengths = np.stack([shared, chosen - shared, rejected - shared], axis=1).reshape(-1)  # (3B,)
-    source = np.stack([pair, pair, pair + n_pairs], axis=1).reshape(-1)
-    offset = np.stack([np.zeros_like(shared), shared, shared], axis=1).reshape(-1)
-    keep = lengths > 0  # unshared pairs have no prefix segment
-    index = np.cumsum(keep) - 1  # new index of every kept segment
-    prefix = np.where(shared > 0, index[0::3], -1)  # (B,) prefix segment of every pair
-    prefix_idx = np.stack([np.full(n_pairs, -1), prefix, prefix], axis=1).reshape(-1)
-    return lengths[keep], source[keep], offset[keep], prefix_idx[keep]
-
-
-def pack_padded_labels(labels: torch.Tensor, packed_index: torch.Tensor) -> torch.Tensor:
-    """Labels of the padded layout ``(S, L)`` moved to the packed row ``(1, T)``.
-
-    Tokens whose ``packed_index`` is the sentinel ``S * L`` (segment starts, padding) get ``-100``: after
-    the causal shift a segment's first token would be predicted from the previous segment's last one.
-
-    Args:
-        labels: ``(S, L)`` int64, ``-100`` on untrained tokens.
-        packed_index: ``(T,)`` int64 from :class:`PaddingFreePreferenceCollator`.
-
-    Returns:
-        ``(1, T)`` int64.
-
-    >>> pack_padded_labels(torch.tensor([[-100, 7, -100], [-100, 8, 9]]), torch.tensor([6, 1, 6, 4, 5])).tolist()
-    [[-100, 7, -100, 8, 9]]
-    """
-    layout = PackedLayout.from_index(packed_index, *labels.shape, packed_shape=(1, packed_index.numel()))
-    return layout.unpad(labels, fill=IGNORE_INDEX)
-
-
-def unpack_shifted(
-    values: torch.Tensor, packed_index: torch.Tensor, num_rows: int, width: int
-) -> torch.Tensor:
-    """Per-token results of a shifted packed forward ``(1, T - 1, ...)`` in the padded layout ``(S, L - 1, ...)``.
-
-    ``values[0, t]`` belongs to the prediction of packed token ``t + 1``; it lands where a right-padded
-    forward puts the prediction of the same token (row ``s``, column ``j - 1`` for token ``j`` of sequence
-    ``s``). Every other entry is zero, as TRL's fused LM head returns on ``-100`` labels. Differentiable.
-
-    Args:
-        values: ``(1, T - 1, ...)`` any dtype.
-        packed_index: ``(T,)`` int64 from :class:`PaddingFreePreferenceCollator`.
-        num_rows, width: ``S`` and ``L`` of the padded layout.
-
-    Returns:
-        ``(S, L - 1, ...)``, same dtype and device as ``values``.
-
-    >>> unpack_shifted(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([6, 1, 6, 4, 5]), 2, 3).tolist()
-    [[1.0, 0.0], [3.0, 4.0]]
-    """
-    if values.dim() < 2 or values.shape[0] != 1 or values.shape[1] != packed_index.numel() - 1:
-        raise ValueError(
-            f"expected per-token values of shape (1, {packed_index.numel() - 1}, ...) for a packed row of "
-            f"{packed_index.numel()} tokens, got {tuple(values.shape)}"
-        )
-    layout = PackedLayout.from_index(packed_index, num_rows, width, packed_shape=(1, packed_index.numel()))
-    return layout.shifted().pad(values)
-
-
 @dataclass
 class PaddingFreeRewardCollator(PaddingFreePreferenceCollator):
     """Collate reward-model pairs (``chosen_ids``, ``rejected_ids``, optional ``margin``) into one packed row.
@@ -654,6 +653,10 @@ class PaddingFreeRewardCollator(PaddingFreePreferenceCollator):
     """
 
     input_columns: ClassVar[tuple[str, ...]] = ("chosen_ids", "rejected_ids", "margin")
+    no_prefix_tree: ClassVar[str | None] = (
+        "reward pairs are scored at each sequence's last token by the score head (PackedRewardForward), which "
+        "reads a plain packed row"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -87,6 +87,9 @@ class PaddingFreeUnpairedCollator(PaddingFreePreferenceCollator):
         "unpaired (KTO) batches are split into a row of completions and a row of KL completions, and padding "
         "would end only one of them"
     )
+    no_prefix_tree: ClassVar[str | None] = (
+        "the completions and the KL completions run in separate forwards of plain packed rows (KTO)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

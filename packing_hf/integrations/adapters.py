@@ -32,7 +32,7 @@ from ..attention.sequence_parallel import (
     gather_shard_tokens,
     shard_packed_batch,
 )
-from ..preference import pack_padded_labels, unpack_shifted
+from ..preference import TREE_INDEX_KEY, TreeTargets, pack_padded_labels, unpack_shifted
 from ..shared_prefix import PREFIX_KEY
 from .preflight import base_model
 
@@ -134,14 +134,21 @@ class PackedPreferenceForward:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._layout: tuple[torch.Tensor, int, int, Any] | None = None
+        self._tree: TreeTargets | None = None
+        self._reorder: list[Any] = []  # the one-call hook on the backbone of a prefix-tree call
         self._handles = _around(model, self._before, self._after)
 
     def remove(self) -> None:
         """Remove both hooks (the model is as before)."""
+        _remove(self._reorder)
         _remove(self._handles)
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        self._layout = None  # a forward that raised must not leave its layout to the next call
+        # a forward that raised must not leave its layout (or its backbone hook) to the next call
+        self._layout, self._tree = None, None
+        _remove(self._reorder)
+        if TREE_INDEX_KEY in kwargs:
+            return self._before_tree(module, args, kwargs)
         if "packed_index" not in kwargs:
             return None
         kwargs = dict(kwargs)
@@ -149,48 +156,72 @@ class PackedPreferenceForward:
         group = kwargs.pop(SEQUENCE_PARALLEL_KEY, None)
         index = kwargs.pop("packed_index")
         packed_ids = kwargs.pop("packed_input_ids", None)
-        if args or packed_ids is None:
-            raise ValueError(
-                "a packed preference batch must be passed as keyword arguments with 'packed_input_ids' "
-                f"(got {len(args)} positional argument(s), keys {sorted(kwargs)})"
-            )
-        if not kwargs.get("fused_lm_head"):
-            raise ValueError(
-                "a packed preference batch was passed to the model without fused_lm_head=True: only TRL's fused "
-                "LM head (per-token log-probs) can be mapped back to the padded layout; logits of padding "
-                "positions do not exist in a packed row. Call it the way trl.DPOTrainer does, or collate with "
-                "trl's DataCollatorForPreference for padded logits"
-            )
-        if kwargs.get("shift_labels") is not None or kwargs.get("inputs_embeds") is not None:
-            raise ValueError(
-                "shift_labels / inputs_embeds cannot be combined with a packed preference batch (context "
-                "parallelism and embedding inputs are not supported); use trl.DPOTrainer for them"
-            )
-        labels = kwargs.get("labels")
-        padded_ids = kwargs.pop("input_ids", None)
-        if not isinstance(labels, torch.Tensor) or not isinstance(padded_ids, torch.Tensor):
-            raise ValueError(
-                "a packed preference batch needs the padded 'input_ids' and 'labels' of shape (2B, L) next to "
-                "'packed_input_ids' (TRL's DPOTrainer derives labels from input_ids and completion_mask)"
-            )
-        mask = kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+        _check_packed_call(args, kwargs, packed_ids)
+        labels, padded_ids, mask = _padded_inputs(kwargs)
         _refuse_router_loss_over_other_tokens(kwargs, packed_ids, mask)
         if kwargs.get(PREFIX_KEY) is not None:
-            implementation = getattr(
-                getattr(base_model(module), "config", None), "_attn_implementation", None
-            )
-            if implementation != ATTENTION_NAME:
-                raise ValueError(
-                    f"a shared-prompt preference batch (prefix_seq_idx) reached a model running attn_implementation="
-                    f"{implementation!r}, which ignores the layout (chosen and rejected would see each other). Run "
-                    "it inside trainer.train()/evaluate() (which switch the attention), load the model with "
-                    "attn_implementation=packing_hf.register_attention(), or set shared_prompt=False"
-                )
+            _check_prefix_attention(module, "shared-prompt", "shared_prompt")
         kwargs["input_ids"] = packed_ids
         kwargs["labels"] = pack_padded_labels(labels, index)
         shard = self._shard(module, kwargs, group) if sequence_parallel else None
         self._layout = (index, padded_ids.shape[0], padded_ids.shape[1], shard)
         return args, kwargs
+
+    def _before_tree(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A prefix-tree call (``share_prefixes``): the row runs whole; a one-call hook on the backbone puts each
+        target row's predictor in its place, and TRL's fused head scores them against pre-shifted labels."""
+        kwargs = dict(kwargs)
+        if SEQUENCE_PARALLEL_KEY in kwargs:
+            raise ValueError(
+                "sequence parallelism cuts a packed preference row into plain shards: a prefix-tree row "
+                "(share_prefixes) cannot be cut exactly; set share_prefixes=False or train with sp_size=1"
+            )
+        index = kwargs.pop(TREE_INDEX_KEY)
+        packed_ids = kwargs.pop("packed_input_ids", None)
+        _check_packed_call(args, kwargs, packed_ids)
+        labels, _, mask = _padded_inputs(kwargs)
+        _refuse_router_loss_over_other_tokens(kwargs, packed_ids, mask)
+        if kwargs.get(PREFIX_KEY) is None:
+            raise ValueError(
+                "a prefix-tree preference batch (tree_index) without prefix_seq_idx: every node would attend only "
+                "to itself; pass the batch of PaddingFreePreferenceCollator(share_prefixes=True) whole"
+            )
+        _check_prefix_attention(module, "prefix-tree", "share_prefixes")
+        model = base_model(module)
+        backbone = getattr(model, "base_model", None)
+        if not isinstance(backbone, torch.nn.Module) or backbone is model:
+            raise ValueError(
+                f"{type(model).__name__} has no separate backbone (base_model) whose hidden states TRL's fused LM "
+                "head reads: a prefix-tree row's branch points cannot be scored; set share_prefixes=False"
+            )
+        targets = TreeTargets.from_index(index, labels, packed_ids.shape[-1])
+        kwargs["input_ids"] = packed_ids
+        kwargs.pop("labels")
+        kwargs["shift_labels"] = targets.row_labels.to(labels.device)
+        predictor = targets.predictor
+
+        def reorder(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+            # (1, T, H) -> (1, T, H): row t holds the hidden state that predicts row t's token
+            hidden = output.last_hidden_state
+            output.last_hidden_state = hidden.index_select(1, predictor.to(hidden.device))
+            return output
+
+        self._reorder.append(backbone.register_forward_hook(reorder))
+        self._tree = targets
+        return args, kwargs
+
+    def _after_tree(self, targets: TreeTargets, output: Any) -> Any:
+        _remove(self._reorder)
+        row = (1, targets.predictor.numel())
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == row:
+                output[key] = targets.unpack(value)
+        log_probs = output.get("log_probs")
+        if isinstance(output.get("loss"), torch.Tensor) and isinstance(log_probs, torch.Tensor):
+            # the fused head's mean over the padded layout's targets (a shared token counts once per sequence)
+            scored = int((targets.gather < targets.predictor.numel()).sum())
+            output["loss"] = -log_probs.sum() / max(scored, 1)
+        return output
 
     @staticmethod
     def _shard(module: torch.nn.Module, kwargs: dict, group: Any) -> Any:
@@ -212,6 +243,9 @@ class PackedPreferenceForward:
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         layout, self._layout = self._layout, None
+        tree, self._tree = self._tree, None
+        if tree is not None:
+            return self._after_tree(tree, output)
         if layout is None:
             return None
         index, rows, width, shard = layout
@@ -222,6 +256,52 @@ class PackedPreferenceForward:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == shifted:
                 output[key] = unpack_shifted(value, index, rows, width)
         return output
+
+
+def _check_packed_call(args: tuple, kwargs: dict, packed_ids: Any) -> None:
+    """A packed preference call: keyword arguments with the packed row, through TRL's fused LM head."""
+    if args or packed_ids is None:
+        raise ValueError(
+            "a packed preference batch must be passed as keyword arguments with 'packed_input_ids' "
+            f"(got {len(args)} positional argument(s), keys {sorted(kwargs)})"
+        )
+    if not kwargs.get("fused_lm_head"):
+        raise ValueError(
+            "a packed preference batch was passed to the model without fused_lm_head=True: only TRL's fused "
+            "LM head (per-token log-probs) can be mapped back to the padded layout; logits of padding "
+            "positions do not exist in a packed row. Call it the way trl.DPOTrainer does, or collate with "
+            "trl's DataCollatorForPreference for padded logits"
+        )
+    if kwargs.get("shift_labels") is not None or kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "shift_labels / inputs_embeds cannot be combined with a packed preference batch (context "
+            "parallelism and embedding inputs are not supported); use trl.DPOTrainer for them"
+        )
+
+
+def _padded_inputs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Pop the padded ``input_ids`` and ``attention_mask`` of a packed call; return them with its ``labels``."""
+    labels = kwargs.get("labels")
+    padded_ids = kwargs.pop("input_ids", None)
+    if not isinstance(labels, torch.Tensor) or not isinstance(padded_ids, torch.Tensor):
+        raise ValueError(
+            "a packed preference batch needs the padded 'input_ids' and 'labels' of shape (2B, L) next to "
+            "'packed_input_ids' (TRL's DPOTrainer derives labels from input_ids and completion_mask)"
+        )
+    mask = kwargs.pop("attention_mask", None)  # it describes the padded layout; a packed row needs none
+    return labels, padded_ids, mask
+
+
+def _check_prefix_attention(module: torch.nn.Module, layout: str, option: str) -> None:
+    """A row with ``prefix_seq_idx`` reaching a model whose attention ignores it (the branches would see each other)."""
+    implementation = getattr(getattr(base_model(module), "config", None), "_attn_implementation", None)
+    if implementation != ATTENTION_NAME:
+        raise ValueError(
+            f"a {layout} preference batch (prefix_seq_idx) reached a model running attn_implementation="
+            f"{implementation!r}, which ignores the layout (chosen and rejected would see each other). Run "
+            "it inside trainer.train()/evaluate() (which switch the attention), load the model with "
+            f"attn_implementation=packing_hf.register_attention(), or set {option}=False"
+        )
 
 
 def _refuse_router_loss_over_other_tokens(kwargs: dict, packed_ids: torch.Tensor, mask: Any) -> None:

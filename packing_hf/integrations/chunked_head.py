@@ -405,6 +405,7 @@ def model_token_logprobs(
     mean_logits: bool = False,
     chunk_size: int | None = None,
     top1: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> tuple[TokenLogProbs, Any]:
     """Per-token log-probs of ``targets`` under the model, chunked, for the preference and RL trainers (what
     ``selective_log_softmax(model(**inputs).logits, targets)`` gives): ``(TokenLogProbs, outputs)``.
@@ -415,11 +416,17 @@ def model_token_logprobs(
             ``targets[:, t]``), -100 = not scored (log-prob 0).
         entropy, mean_logits, top1: also the ``(B, T)`` entropies / mean logits of every position / whether each
             target is its position's argmax.
+        rows: ``(T',)`` int64, the position of the model's output that each of ``T'`` targets is scored at
+            (``targets`` is then ``(B, T')``); a prefix tree's branch point serves the first token of each of its
+            children. ``None``: position ``t`` scores ``targets[:, t]``.
 
     Returns:
-        :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` fp32 tensors, and the model's outputs.
+        :class:`~packing_hf.loss_head.TokenLogProbs` of ``(B, T)`` (``(B, T')``) fp32 tensors, and the model's
+        outputs.
     """
     resolved, hidden, outputs = _hidden_states(model, inputs, resolved)
+    if rows is not None:
+        hidden = hidden.index_select(1, rows.to(hidden.device))  # (B, T', H)
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenLogProbs:
         return token_logprobs(

@@ -26,6 +26,14 @@ prompt[-1] + chosen | prompt[-1] + rejected]``, the two answers attending to the
 packing_hf's attention (:mod:`packing_hf.attention.prefix`), so the prompt is stored and computed once;
 per-token results land in the same padded layout, so everything above holds unchanged.
 
+Prefix trees (``share_prefixes=True``, opt-in): the ``2B`` sequences of a micro-batch become one prefix tree
+(:func:`~packing_hf.prefix_tree.build_prefix_tree`), so prefixes shared across pairs (a system prompt, the
+earlier turns of a conversation cut into pairs at every turn) are computed once. A node's first token is
+predicted at its parent's last row (the branch point): the adapter hands TRL's fused head, per row, the hidden
+state that predicts it (``shift_labels``) and copies every row's per-token outputs to each padded position that
+reads it (:class:`~packing_hf.preference_layout.TreeTargets`), so TRL's loss code runs unchanged on the same per-token
+values. ``tree_token_ratio`` (tokens of the sequences run alone over the tree row's) joins TRL's metrics.
+
 ``padding_free=True`` (TRL's own switch, which TRL 1.x disables with a warning) is accepted: this trainer
 always packs. Refused with a ``ValueError`` (they cannot be exact on a packed row): vision datasets,
 prompt-learning PEFT (virtual tokens), ``compute_metrics`` (it needs padded logits), a padded ``data_collator``, the deprecated ``pad_token`` option, context
@@ -60,7 +68,7 @@ import trl
 from .._limits import option
 from ..attention import register_attention
 from ..errors import PackingRefused
-from ..preference import PaddingFreePreferenceCollator, preference_pair_lengths
+from ..preference import TREE_INDEX_KEY, PaddingFreePreferenceCollator, preference_pair_lengths
 from .args import PackingArguments, budget_max_length
 from .loss_policy import StockLoss
 from .parallel import requested_sp_size
@@ -68,10 +76,13 @@ from .preference_kit import (
     MaxLengthCountsMixin,
     PackedForwardsMixin,
     PreferenceStatsCollator,
+    PrefixTreeArguments,
     check_preference_call,
+    check_tree_collator,
     pad_token_id,
     refuse_shared_prompt_where_inexact,
     shared_prompt_is_exact,
+    tree_token_ratio,
 )
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
@@ -82,7 +93,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DPOConfig(PackingArguments, trl.DPOConfig):
+class DPOConfig(PrefixTreeArguments, PackingArguments, trl.DPOConfig):
     """``trl.DPOConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`.
 
     ``max_length`` / ``truncation_mode`` keep TRL's meaning (per sequence, applied by the collator and
@@ -95,6 +106,12 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
     (checked once per architecture); the models then run that attention during training, evaluation and
     reference precomputation and are given back as they were. ``padding_free=True`` is accepted and means
     what packing_hf always does here: packed rows, exact.
+
+    ``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`) is the
+    general case: every micro-batch becomes one prefix tree, so a system prompt or the earlier turns of a
+    conversation (pairs cut from it at every turn) are computed once for the policy and the reference model.
+    ``shared_prompt`` is then left unset (setting it too is refused). Refused with sequence parallelism and on
+    models whose token mixers cannot follow a tree (hybrids), by name.
 
     >>> DPOConfig(output_dir="out", report_to="none", use_cpu=True).packing_preflight
     'switch'
@@ -112,6 +129,15 @@ class DPOConfig(PackingArguments, trl.DPOConfig):
         "packing_hf's varlen attention, switched on during packed work). None (default): on when that "
         "attention is exact for the models; True: always (refused where it cannot be exact); False: off.",
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.share_prefixes and self.shared_prompt is not None:
+            raise ValueError(
+                f"shared_prompt={self.shared_prompt} with share_prefixes=True: the prefix tree holds every pair's "
+                "prompt once already (and every longer prefix sequences share, across pairs); leave shared_prompt "
+                "unset"
+            )
 
 
 class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin, trl.DPOTrainer):
@@ -167,9 +193,20 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 f"shared_prompt={args.shared_prompt} in the config contradicts the data_collator's "
                 f"shared_prompt={data_collator.shared_prompt}; set it in one place (leave the config's at None)"
             )
+        if not self._own_collator:
+            check_tree_collator(args, data_collator)
         # the collator is built before the plan exists (the stock __init__ makes the accelerator, then precomputes
         # reference log-probs with it): the size the plan will hold, from parallel.py
         sequence_parallel = requested_sp_size(args) > 1
+        tree_asked = args.share_prefixes if self._own_collator else data_collator.share_prefixes
+        if sequence_parallel and tree_asked:
+            raise PackingRefused(
+                "share_prefixes",
+                "share_prefixes=True with sp_size > 1: sequence parallelism cuts the packed row into plain shards, "
+                "and a prefix tree (nodes attending to their ancestors) is not cut exactly; set share_prefixes=False",
+            )
+        if tree_asked and not isinstance(model, str):  # before TRL's __init__ precomputes reference log-probs
+            refuse_shared_prompt_where_inexact([model, call["ref_model"]], "share_prefixes")
         shared_asked = args.shared_prompt if self._own_collator else data_collator.shared_prompt
         if sequence_parallel and shared_asked:
             raise PackingRefused(
@@ -179,7 +216,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 "shared_prompt=False (or leave it unset: it is then off under sequence parallelism)",
             )
         if self._own_collator:
-            shared = args.shared_prompt
+            shared = False if args.share_prefixes else args.shared_prompt
             if shared is None and sequence_parallel:
                 shared = False
             if shared is None and not isinstance(model, str):
@@ -191,6 +228,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 pad_token_id=pad_token_id(call["processing_class"]),
                 shared_prompt=bool(shared),
+                share_prefixes=args.share_prefixes,
+                min_shared_tokens=args.min_shared_tokens,
             )
 
     @contextlib.contextmanager
@@ -207,6 +246,7 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         if (
             self._own_collator
             and call["args"].shared_prompt is None
+            and not call["args"].share_prefixes
             and isinstance(call["model"], str)
             and not sequence_parallel
         ):
@@ -214,6 +254,18 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
             self.data_collator.shared_prompt = shared_prompt_is_exact([self.model, self.ref_model])
         if self.data_collator.shared_prompt:
             refuse_shared_prompt_where_inexact([self.model, self.ref_model])
+        if self.data_collator.share_prefixes:
+            refuse_shared_prompt_where_inexact([self.model, self.ref_model], "share_prefixes")
+
+    @contextlib.contextmanager
+    def _loss_call(self, model: Any, inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with super()._loss_call(model, inputs) as inputs:
+            if TREE_INDEX_KEY in inputs:
+                # tokens of the 2B sequences run alone over the tree row's (its padding excluded): TRL logs
+                # the mean of every micro-batch's ratio, next to its own metrics
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode]["tree_token_ratio"].append(tree_token_ratio(inputs))
+            yield inputs
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         # runs inside TRL's __init__ (and evaluate): check and prepare the model that computes them
@@ -226,7 +278,8 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         """packing_hf's attention while the collator shares prompts (the only attention reading
         ``prefix_seq_idx``) or rows are cut over a sequence-parallel group (its all-to-alls live there); the
         models' own otherwise."""
-        shared = getattr(self.data_collator, "shared_prompt", False)
+        collator = self.data_collator
+        shared = getattr(collator, "shared_prompt", False) or getattr(collator, "share_prefixes", False)
         return register_attention() if shared or self.parallel_plan.sequence_parallel else None
 
     # ---- multipack over pairs --------------------------------------------------------------------
@@ -246,7 +299,9 @@ class DPOTrainer(MaxLengthCountsMixin, PackedForwardsMixin, PackingTrainerMixin,
         return preference_pair_lengths(
             *parts,
             max_length=max_length,
-            shared_prompt=collator.shared_prompt,
+            # a pair's own tree holds its prompt once: an upper bound of what it adds to a tree row (prefixes
+            # shared with other pairs of the micro-batch only make the row shorter than the budget)
+            shared_prompt=collator.shared_prompt or collator.share_prefixes,
             truncation_mode=collator.truncation_mode,
         )
 

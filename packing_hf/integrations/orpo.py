@@ -24,6 +24,13 @@ an NLL term. These subclasses keep TRL's tokenization, loss and metrics, and rep
   positions stock reads (ORPO: every token but each sequence's last; CPO: every token); they equal stock's on a
   batch without padding.
 
+``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`, opt-in): the
+``2B`` sequences of a micro-batch become one prefix tree (``PaddingFreePairCollator(share_prefixes=True)``), so a
+system prompt, the earlier turns of a conversation cut into pairs and each pair's prompt are computed once;
+each token's log-prob is read at the row of the token before it in its sequence (a node's first token at its
+parent's last row, the branch point), through the logits or the chunked LM head, and everything above holds.
+Refused on models whose token mixers cannot follow a tree (hybrids), by name.
+
 ``max_tokens_per_batch`` packs pairs with multipack, a pair weighing ``len(chosen_input_ids) +
 len(rejected_input_ids)``. ``padding_free`` (``None`` or ``True``) is what these trainers always do.
 
@@ -63,13 +70,23 @@ from trl.experimental.orpo import ORPOTrainer as _StockORPOTrainer
 from trl.trainer.utils import selective_log_softmax
 
 from .._limits import option
+from ..attention import register_attention
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
-from ..preference import preference_pair_lengths, unpack_shifted
+from ..preference import TREE_INDEX_KEY, TreeTargets, preference_pair_lengths, unpack_shifted
+from ..shared_prefix import PREFIX_KEY
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
 from .loss_policy import StockLoss
-from .preference_kit import PreferenceStatsCollator, check_preference_call, pad_token_id
+from .preference_kit import (
+    PreferenceStatsCollator,
+    PrefixTreeArguments,
+    check_preference_call,
+    check_tree_collator,
+    pad_token_id,
+    refuse_shared_prompt_where_inexact,
+    tree_token_ratio,
+)
 from .refusals import WHOLE_ROW_REFUSALS, Wording
 from .trainer import PackingTrainerMixin
 
@@ -87,7 +104,7 @@ _UNBOUNDED = sys.maxsize  # TRL's max_length while the budget bounds a pair: no 
 
 
 @dataclass
-class ORPOConfig(PackingArguments, _StockORPOConfig):
+class ORPOConfig(PrefixTreeArguments, PackingArguments, _StockORPOConfig):
     """``trl.experimental.orpo.ORPOConfig`` plus the packing fields of
     :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
     every pair.
@@ -102,7 +119,7 @@ class ORPOConfig(PackingArguments, _StockORPOConfig):
 
 
 @dataclass
-class CPOConfig(PackingArguments, _StockCPOConfig):
+class CPOConfig(PrefixTreeArguments, PackingArguments, _StockCPOConfig):
     """``trl.experimental.cpo.CPOConfig`` plus the packing fields of
     :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
     every pair.
@@ -145,10 +162,15 @@ class PackedPairsMixin:
 
     def _before_stock_init(self, call: dict[str, Any]) -> None:
         check_preference_call(call)
-        if call["data_collator"] is None:
+        args, collator = call["args"], call["data_collator"]
+        if collator is None:
             call["data_collator"] = PaddingFreePairCollator(
-                pad_token_id=pad_token_id(call["processing_class"])
+                pad_token_id=pad_token_id(call["processing_class"]),
+                share_prefixes=args.share_prefixes,
+                min_shared_tokens=args.min_shared_tokens,
             )
+        else:
+            check_tree_collator(args, collator)
         call[
             "args"
         ].remove_unused_columns = False  # as stock sets it for its own collator: it reads TRL's columns
@@ -170,6 +192,8 @@ class PackedPairsMixin:
 
         # stock's prediction_step warns on any collator but its own: this one is exact
         self.use_dpo_data_collator = True
+        if self._shares_prefixes():
+            refuse_shared_prompt_where_inexact([self.model], "share_prefixes")
         for name, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
             if isinstance(dataset, datasets.Dataset):  # TRL tokenized it already: what it cut is counted
                 self._count_max_length_cut(name, dataset)
@@ -208,6 +232,21 @@ class PackedPairsMixin:
             said += f", {emptied} of them left with no answer token (the prompt alone fills max_length)"
         self._record_max_length_cut(name, stats, said)
 
+    def get_batch_loss_metrics(self, model: Any, batch: dict[str, Any], train_eval: str = "train") -> tuple:
+        loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)  # type: ignore[misc]
+        if TREE_INDEX_KEY in batch:
+            prefix = "eval_" if train_eval == "eval" else ""
+            metrics[f"{prefix}tree_token_ratio"] = tree_token_ratio(batch)
+        return loss, metrics
+
+    def _shares_prefixes(self) -> bool:
+        return bool(getattr(self.data_collator, "share_prefixes", False))
+
+    def _packing_attention(self) -> str | None:
+        """packing_hf's attention while the collator builds prefix trees (the only attention reading
+        ``prefix_seq_idx``); the model's own otherwise."""
+        return register_attention() if self._shares_prefixes() else None
+
     def _average_log_prob(self) -> bool:
         raise NotImplementedError
 
@@ -219,6 +258,8 @@ class PackedPairsMixin:
         """Stock's ``concatenated_forward`` on a packed row: ``(chosen_logps (B,), rejected_logps (B,),
         chosen_logits (N_c, V), rejected_logits (N_r, V), nll_loss ())``; the logits are those of the real
         positions the ``logits/*`` metrics average (see the module docstring)."""
+        if TREE_INDEX_KEY in batch:
+            return self._tree_forward(model, batch)
         if "packed_index" not in batch:
             raise ValueError(
                 f"{type(self).__name__} got a batch without 'packed_index' (keys {sorted(batch)}): batches must "
@@ -253,16 +294,7 @@ class PackedPairsMixin:
                 logits[:, :-1], packed_ids[:, 1:].to(logits.device)
             )  # (1, T - 1)
         per_token = unpack_shifted(token_logps, index, rows, width)  # (S, L - 1), stock's positions
-        loss_mask = labels[:, 1:].to(per_token.device) != IGNORE_INDEX
-        logps = (per_token * loss_mask).sum(-1)  # the same reduction as stock's get_batch_logps
-        if self._average_log_prob():
-            logps = logps / loss_mask.sum(-1)
-        nll_mask = self._nll_mask(batch, n_pairs)
-        if nll_mask is None:
-            nll_loss = torch.tensor(0.0).to(self.accelerator.device)
-        else:
-            nll_mask = nll_mask.to(per_token.device)
-            nll_loss = -(per_token[:n_pairs] * nll_mask).sum() / nll_mask.sum()
+        logps, nll_loss = self._reduce(per_token, batch)
 
         cu = batch["cu_seq_lens_q"].tolist()
         positions = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
@@ -270,6 +302,75 @@ class PackedPairsMixin:
             positions[torch.tensor(cu[1:], device=logits.device) - 1] = False
         chosen_logits = logits[0, : cu[n_pairs]][positions[: cu[n_pairs]]]
         rejected_logits = logits[0, cu[n_pairs] : cu[rows]][positions[cu[n_pairs] : cu[rows]]]
+        return logps[:n_pairs], logps[n_pairs:], chosen_logits, rejected_logits, nll_loss
+
+    def _reduce(self, per_token: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stock's reductions of the per-token log-probs ``(S, L - 1)``: the per-sequence log-probs ``(S,)``
+        (summed or averaged over each answer's labels, as ``get_batch_logps``) and the NLL term ``()``."""
+        labels = batch[LABELS_KEY]
+        n_pairs = labels.shape[0] // 2
+        loss_mask = labels[:, 1:].to(per_token.device) != IGNORE_INDEX
+        logps = (per_token * loss_mask).sum(-1)  # the same reduction as stock's get_batch_logps
+        if self._average_log_prob():
+            logps = logps / loss_mask.sum(-1)
+        nll_mask = self._nll_mask(batch, n_pairs)
+        if nll_mask is None:
+            return logps, torch.tensor(0.0).to(self.accelerator.device)
+        nll_mask = nll_mask.to(per_token.device)
+        return logps, -(per_token[:n_pairs] * nll_mask).sum() / nll_mask.sum()
+
+    def _tree_forward(self, model: Any, batch: dict[str, Any]) -> tuple:
+        """``concatenated_forward`` on a prefix-tree row (``share_prefixes``): each token's log-prob is read at
+        the row of the token before it in its sequence (a node's first token at its parent's last row, the
+        branch point), then copied to every padded position that reads it (:class:`TreeTargets`)."""
+        packed_ids = batch["packed_input_ids"]  # (1, T)
+        padded_ids, attention = batch["input_ids"], batch["attention_mask"]  # (S, L)
+        n_pairs = padded_ids.shape[0] // 2
+        keys = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", PREFIX_KEY)
+        inputs = {k: batch[k] for k in keys}
+        # every real token after a sequence's first is a target here: ORPO's NLL reads the prompt's too
+        every = padded_ids.masked_fill(attention == 0, IGNORE_INDEX)
+        targets = TreeTargets.from_index(batch[TREE_INDEX_KEY], every, packed_ids.shape[-1])
+        predictor, row_labels = targets.predictor, targets.row_labels[0]  # (T,)
+        scored = row_labels != IGNORE_INDEX
+        resolved = self.loss_policy.chunked_head(self, model)
+        if resolved is not None:
+            # the chunked LM head at the predicting rows; the rows predicting nothing (each sequence's last
+            # token) are added, unscored, for the mean logits of the logits/* metrics
+            read = torch.zeros_like(scored)
+            read[torch.where(scored, predictor, torch.arange(scored.numel()))] = True
+            rows = torch.cat([predictor, torch.nonzero(~read)[:, 0]])  # (T + leaves,)
+            scores = torch.cat([row_labels, torch.full((rows.numel() - scored.numel(),), IGNORE_INDEX)])
+            (token_logps, _, means, _), _ = model_token_logprobs(
+                model,
+                {"input_ids": packed_ids, "use_cache": False, **inputs},
+                scores[None].to(packed_ids.device),
+                resolved,
+                mean_logits=True,
+                rows=rows,
+            )  # (1, T + leaves) each
+            token_logps = token_logps[:, : scored.numel()]
+            # every row's mean logit (a row read by several targets holds the same value in each)
+            means = means.new_zeros(scored.numel()).index_put_((rows.to(means.device),), means[0])
+            logits = means[None, :, None]  # (1, T, 1): a position's mean logit averages like its V logits
+        else:
+            logits = model(input_ids=packed_ids, use_cache=False, **inputs).logits  # (1, T, V)
+            device = logits.device
+            predictor, row_labels, on = predictor.to(device), row_labels.to(device), scored.to(device)
+            # (T,): the normaliser once per row, however many children read it
+            normaliser = torch.logsumexp(logits[0].float(), dim=-1)
+            picked = logits[0, predictor, row_labels.clamp(min=0)].float() - normaliser[predictor]  # (T,)
+            token_logps = torch.where(on, picked, 0.0).to(logits.dtype)[None]  # (1, T)
+        device = logits.device
+        logps, nll_loss = self._reduce(targets.unpack(token_logps), batch)
+
+        # the logits/* metrics: every real position of each side (ORPO: but each sequence's last), as stock reads
+        keep = attention.bool()
+        if self._logits_drop_last:
+            keep = keep & torch.cat([attention[:, 1:].bool(), torch.zeros_like(keep[:, :1])], dim=1)
+        at = batch[TREE_INDEX_KEY].to(device)  # (S, L): the row of every position
+        chosen_logits = logits[0, at[:n_pairs][keep[:n_pairs].to(device)]]
+        rejected_logits = logits[0, at[n_pairs:][keep[n_pairs:].to(device)]]
         return logps[:n_pairs], logps[n_pairs:], chosen_logits, rejected_logits, nll_loss
 
     def _multipack_lengths_of(self, dataset: Any) -> np.ndarray:

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._limits import option
 from ..architectures import check_architecture
 from ..attention import register_attention
 from ..attention.admission import prefix_tree_refusal
+from ..preference_layout import TREE_INDEX_KEY
 from .adapters import SEQUENCE_PARALLEL_KEY, PackedPreferenceForward
 from .callbacks import STATS_KEY, PackingStatsCollator
 from .preflight import base_model
@@ -37,14 +40,17 @@ from .refusals import PackingRefused, first_row
 
 __all__ = [
     "MaxLengthCountsMixin",
+    "PrefixTreeArguments",
     "PackedForwardsMixin",
     "PreferenceStatsCollator",
     "check_preference_call",
     "check_preference_dataset",
+    "check_tree_collator",
     "check_vocabulary",
     "pad_token_id",
     "refuse_shared_prompt_where_inexact",
     "shared_prompt_is_exact",
+    "tree_token_ratio",
 ]
 
 
@@ -72,6 +78,66 @@ class PreferenceStatsCollator(PackingStatsCollator):
             "padded_tokens": after["padded_layout_tokens"] - before["padded_layout_tokens"],
         }
         return batch
+
+
+@dataclass
+class PrefixTreeArguments:
+    """The prefix-tree options of the pair trainers (DPO, ORPO, CPO), mixed into their configs before
+    :class:`~packing_hf.integrations.args.PackingArguments`: ``share_prefixes`` and ``min_shared_tokens``
+    (:class:`~packing_hf.preference.PaddingFreePreferenceCollator`'s meaning)."""
+
+    share_prefixes: bool = option(
+        False,
+        "Lay every micro-batch out as one prefix tree: whatever token prefix sequences share (a system prompt, "
+        "earlier turns of a conversation, a pair's prompt) is computed once, across pairs; every log-prob and the "
+        "loss stay TRL's. Needs packing_hf's varlen attention (switched on during packed work); refused where it "
+        "cannot be exact (hybrid models, sequence parallelism).",
+    )
+    min_shared_tokens: int = option(
+        1,
+        "With share_prefixes: the shortest run of tokens several sequences share as one tree node (shorter "
+        "common runs are repeated). Refused without share_prefixes.",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be true or false, got {self.share_prefixes!r}")
+        if not self.share_prefixes and self.min_shared_tokens != 1:
+            raise ValueError(
+                f"min_shared_tokens={self.min_shared_tokens} only applies to the prefix tree of "
+                "share_prefixes=True; set share_prefixes=True or leave min_shared_tokens unset"
+            )
+
+
+def check_tree_collator(args: PrefixTreeArguments, collator: Any) -> None:
+    """A given ``data_collator`` whose prefix tree contradicts the config's ``share_prefixes`` /
+    ``min_shared_tokens`` (the collator decides; the config may leave them at their defaults)."""
+    name = type(collator).__name__
+    if args.share_prefixes and not getattr(collator, "share_prefixes", False):
+        raise ValueError(
+            f"share_prefixes=True in the config, but the data_collator ({name}) builds no prefix tree; set "
+            "share_prefixes=True on the collator or leave the data_collator unset"
+        )
+    if args.min_shared_tokens != 1 and args.min_shared_tokens != getattr(collator, "min_shared_tokens", None):
+        raise ValueError(
+            f"min_shared_tokens={args.min_shared_tokens} in the config contradicts the data_collator's "
+            f"({name}: {getattr(collator, 'min_shared_tokens', None)}); set it in one place (on the collator)"
+        )
+
+
+def tree_token_ratio(batch: Mapping[str, Any]) -> float:
+    """Tokens of a prefix-tree batch's sequences run alone over the tokens of its row (padding excluded): how many
+    times fewer tokens the tree computes (``share_prefixes``; the metric ``tree_token_ratio``).
+
+    >>> from packing_hf.preference import PaddingFreePreferenceCollator
+    >>> tree_token_ratio(PaddingFreePreferenceCollator(share_prefixes=True, pad_to_multiple_of=8)(
+    ...     [{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]}]))
+    1.5
+    """
+    index = batch[TREE_INDEX_KEY]  # (S, L): every row token is some sequence's, padding points past the row
+    row = int(index[index < batch["packed_input_ids"].shape[-1]].max()) + 1
+    return int(batch["attention_mask"].sum()) / row
 
 
 class MaxLengthCountsMixin:
@@ -150,13 +216,13 @@ def shared_prompt_is_exact(models: list[Any]) -> bool:
     return _shared_prompt_obstacle(models) is None
 
 
-def refuse_shared_prompt_where_inexact(models: list[Any]) -> None:
-    """Refuse ``shared_prompt=True`` where a shared-prompt row would not keep every model exact."""
+def refuse_shared_prompt_where_inexact(models: list[Any], option: str = "shared_prompt") -> None:
+    """Refuse ``option=True`` (``shared_prompt``, or the prefix tree of ``share_prefixes``) where a row of
+    prefixes and branches would not keep every model exact."""
     why = _shared_prompt_obstacle(models)
     if why is not None:
         raise PackingRefused(
-            "shared_prompt",
-            f"shared_prompt=True: {why}; set shared_prompt=False (packed pairs without sharing stay exact)",
+            option, f"{option}=True: {why}; set {option}=False (packed pairs without sharing stay exact)"
         )
 
 

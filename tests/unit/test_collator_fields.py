@@ -80,16 +80,19 @@ PAIR_FIELDS = {
     "drop_keys": REFUSED,
     "truncation_mode": ("keep_end", {"max_length": 3, **TRUNCATE}),
     "shared_prompt": (True, {}),
+    "share_prefixes": (True, {}),
+    "min_shared_tokens": (2, {"share_prefixes": True}),
 }
+NO_TREE = {"share_prefixes": REFUSED, "min_shared_tokens": REFUSED}
 NO_PADDING = {"pad_to_multiple_of": REFUSED, "length_buckets": REFUSED, "segment_buckets": REFUSED}
 # collator -> (probe features, {field: (value, settings) or REFUSED})
 FIELDS = {
     PaddingFreeCollator: (SAMPLES, BASE),
     PaddingFreePreferenceCollator: (PAIRS, PAIR_FIELDS),
-    PaddingFreeRewardCollator: (REWARD, {**PAIR_FIELDS, "shared_prompt": REFUSED}),
+    PaddingFreeRewardCollator: (REWARD, {**PAIR_FIELDS, **NO_TREE, "shared_prompt": REFUSED}),
     PaddingFreeUnpairedCollator: (
         KTO,
-        {**PAIR_FIELDS, **NO_PADDING, "shared_prompt": REFUSED, "truncation_mode": REFUSED},
+        {**PAIR_FIELDS, **NO_PADDING, **NO_TREE, "shared_prompt": REFUSED, "truncation_mode": REFUSED},
     ),
     PaddingFreePairCollator: (ORPO, {**PAIR_FIELDS, **NO_PADDING, "shared_prompt": REFUSED}),
     PaddingFreeTripleCollator: (
@@ -97,6 +100,7 @@ FIELDS = {
         {
             **PAIR_FIELDS,
             **NO_PADDING,
+            **NO_TREE,
             "shared_prompt": REFUSED,
             "return_flash_attn_kwargs": REFUSED,  # the boundaries keep the sequences apart
             "return_position_ids": REFUSED,
@@ -134,9 +138,12 @@ def test_a_field_changes_the_batch_or_is_refused_by_name(cls, name):
     features, table = FIELDS[cls]
     if table[name] is REFUSED:
         default = next(f for f in dataclasses.fields(cls) if f.name == name).default
-        value = {"label_pad_id": -1, "truncation_mode": "keep_end", "shared_prompt": True}.get(
-            name, BASE.get(name, (True,))[0]
-        )
+        value = {
+            "label_pad_id": -1,
+            "truncation_mode": "keep_end",
+            "shared_prompt": True,
+            "min_shared_tokens": 2,
+        }.get(name, BASE.get(name, (True,))[0])
         assert value != default
         with pytest.raises(ValueError, match=name):
             cls(**{name: value})

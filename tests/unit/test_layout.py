@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             # model FLOPs of a step (per-sample attention), MFU peaks: counted with the cost model's coefficients
             "packing_hf.flops",
             "packing_hf.preference",
+            "packing_hf.preference_layout",
             "packing_hf.pair_rows",
             "packing_hf.unpaired",
             "packing_hf.multimodal",

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from packing_hf.preference import (
     PaddingFreePreferenceCollator,
+    PaddingFreeRewardCollator,
+    TreeTargets,
     pack_padded_labels,
     preference_pair_lengths,
     unpack_shifted,
@@ -276,3 +278,122 @@ def test_non_finite_reference_logps_and_margins_are_refused(bad):
     reward = {"chosen_ids": [1, 2], "rejected_ids": [3], "margin": 0.5}
     with pytest.raises(ValueError, match="sample 0: 'margin' is .*, not a finite number"):
         PaddingFreeRewardCollator()([{**reward, "margin": bad}])
+
+
+def _multi_turn_pairs(rng: np.random.Generator) -> list[dict]:
+    """Pairs cut from 3 conversations at every turn (sharing a system prompt and their earlier turns), plus one
+    unrelated pair; turns of random tokens."""
+    system = rng.integers(1, 50, 5).tolist()
+    pairs = []
+    for _ in range(3):
+        history = list(system)
+        for _ in range(3):
+            prompt = history + rng.integers(1, 50, rng.integers(1, 4)).tolist()
+            chosen, rejected = (rng.integers(1, 50, rng.integers(1, 4)).tolist() for _ in range(2))
+            pairs.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
+            history = prompt + chosen
+    pairs.append({"prompt_ids": [60, 61], "chosen_ids": [62], "rejected_ids": [63, 64]})
+    return pairs
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("max_length", [None, 11])
+def test_share_prefixes_row_is_one_tree_holding_every_sequence(truncation_mode, max_length):
+    from packing_hf.shared_prefix import shared_prefix_position_ids
+
+    pairs = _multi_turn_pairs(np.random.default_rng(0))
+    options = dict(max_length=max_length, overflow="truncate", truncation_mode=truncation_mode)
+    plain = PaddingFreePreferenceCollator(**options)(pairs)
+    collator = PaddingFreePreferenceCollator(share_prefixes=True, pad_to_multiple_of=8, **options)
+    tree = collator(pairs)
+    for key in ("input_ids", "attention_mask", "completion_mask"):  # TRL's padded layout is unchanged
+        assert torch.equal(tree[key], plain[key])
+    assert "packed_index" not in tree
+    ids, positions = tree["packed_input_ids"][0], tree["position_ids"][0]
+    total = ids.numel()
+    assert total % 8 == 0 and tree["cu_seq_lens_q"][-1] == total
+    cu, parents = tree["cu_seq_lens_q"], tree["prefix_seq_idx"]
+    assert positions.tolist() == shared_prefix_position_ids(cu, parents).tolist()
+    index, mask = tree["tree_index"], tree["attention_mask"].bool()
+    # every sequence is its tokens at its rows, at positions 0, 1, ..., padding points past the row
+    assert torch.equal(ids[index[mask]], tree["input_ids"][mask]) and (index[~mask] == total).all()
+    assert torch.equal(positions[index[mask]], mask.long().cumsum(1)[mask] - 1)
+    # and each token's previous one is in the same node or the last token of an ancestor node
+    node = torch.bucketize(torch.arange(total), cu.long(), right=True) - 1
+    prev, cur = index[:, :-1][mask[:, 1:]], index[:, 1:][mask[:, 1:]]
+    inside = node[prev] == node[cur]
+    assert torch.equal(prev[inside] + 1, cur[inside])
+    branch_point = cu.long()[parents.long()[node[cur[~inside]]] + 1] - 1  # the parent node's last token
+    assert torch.equal(prev[~inside], branch_point)
+    real = collator.stats["tokens"]
+    assert real == int(index[mask].max()) + 1 < int(mask.sum()) == collator.stats["sequence_tokens"]
+    one_level = PaddingFreePreferenceCollator(shared_prompt=True, **options)(pairs)
+    if max_length is None:  # the system prompt and earlier turns are shared across pairs, not only prompts
+        assert real < one_level["packed_input_ids"].numel()
+
+
+def test_tree_targets_score_each_row_once_and_copy_it_to_every_sequence():
+    pairs = _multi_turn_pairs(np.random.default_rng(1))
+    batch = PaddingFreePreferenceCollator(share_prefixes=True, pad_to_multiple_of=8)(pairs)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    total = batch["packed_input_ids"].numel()
+    targets = TreeTargets.from_index(batch["tree_index"], labels, total)
+    ids = batch["packed_input_ids"][0]
+    scored = targets.row_labels[0] != -100
+    assert torch.equal(targets.row_labels[0][scored], ids[scored])
+    # a value per row (here: its id) lands where the padded layout's shifted labels are
+    values = torch.where(scored, ids, 0).double()[None]
+    got = targets.unpack(values)
+    assert torch.equal(got, torch.where(labels[:, 1:] == -100, 0, labels[:, 1:]).double())
+    # rows holding a chosen answer that a later turn's prompt continues are scored (for the answer's sequence
+    # only: the later sequences read zeros there, as their labels are -100)
+    prompt_rows = batch["tree_index"][(batch["completion_mask"] == 0) & batch["attention_mask"].bool()]
+    assert scored[prompt_rows].any()
+    with pytest.raises(ValueError, match="does not match the padded labels"):
+        TreeTargets.from_index(batch["tree_index"][:, 1:], labels, total)
+    with pytest.raises(ValueError, match=rf"expected per-token values of shape \(1, {total}, ...\)"):
+        targets.unpack(values[:, 1:])
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda: PaddingFreePreferenceCollator(share_prefixes=True, shared_prompt=True),
+            "set shared_prompt=False",
+        ),
+        (lambda: PaddingFreePreferenceCollator(min_shared_tokens=3), "only applies to the prefix tree"),
+        (lambda: PaddingFreePreferenceCollator(share_prefixes=True, min_shared_tokens=0), "give an int >= 1"),
+        (
+            lambda: PaddingFreePreferenceCollator(share_prefixes=True, return_seq_idx=True),
+            "know no prefix tree",
+        ),
+        (lambda: PaddingFreeRewardCollator(share_prefixes=True), "share_prefixes=True: reward pairs"),
+        (
+            lambda: PaddingFreePreferenceCollator(share_prefixes=True, segment_buckets=(8,)),
+            "takes no empty segment",
+        ),
+    ],
+    ids=[
+        "with_shared_prompt",
+        "min_shared_tokens_alone",
+        "min_shared_tokens_0",
+        "seq_idx",
+        "reward",
+        "segments",
+    ],
+)
+def test_share_prefixes_refusals(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_min_shared_tokens_repeats_short_common_runs():
+    pairs = [
+        {"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5], "rejected_ids": [6]},
+        {"prompt_ids": [1, 2, 7, 8], "chosen_ids": [9], "rejected_ids": [10]},
+    ]
+    merged = PaddingFreePreferenceCollator(share_prefixes=True)(pairs)["packed_input_ids"].numel()
+    apart = PaddingFreePreferenceCollator(share_prefixes=True, min_shared_tokens=3)(pairs)
+    # [1, 2] is shared by the pairs only with min_shared_tokens <= 2; each pair's own prompt stays shared
+    assert apart["packed_input_ids"].numel() == merged + 2 == 2 * 6

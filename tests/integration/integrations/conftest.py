@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -24,3 +25,43 @@ class RecordingCollator(packing_hf.PaddingFreeCollator):
 def feature_recording_collator() -> type[RecordingCollator]:
     """The class of a ``PaddingFreeCollator`` that keeps the features of every batch it collates."""
     return RecordingCollator
+
+
+SYSTEM = "System: You are a patient maths tutor. Answer in one short sentence.\n"
+# (question, chosen answer, rejected answer) per turn; every conversation continues with its chosen answers
+CONVERSATIONS = [
+    [
+        ("What is 2 + 3?", " It is 5.", " It is 6."),
+        ("And that times 4?", " That gives 20.", " That makes 24."),
+        ("Half of it?", " Half of 20 is 10.", " Half is 12."),
+    ],
+    [
+        ("Name a prime number.", " 7 is a prime.", " 9 is a prime."),
+        ("The next prime after it?", " The next one is 11.", " Then comes 13."),
+        ("Their sum?", " 7 + 11 = 18.", " The sum is 20."),
+    ],
+]
+
+
+def _multi_turn_pairs() -> Any:
+    """Every conversation cut into a pair at each assistant turn (the prompt: the system prompt and every earlier
+    turn, answered with its chosen answer), plus one pair sharing nothing with them."""
+    rows = []
+    for turns in CONVERSATIONS:
+        history = SYSTEM
+        for question, chosen, rejected in turns:
+            prompt = f"{history}User: {question}\nAssistant:"
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+            history = f"{prompt}{chosen}\n"
+    rows.append({"prompt": "Translate 'chat' from French:", "chosen": " cat", "rejected": " hat"})
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture
+def multi_turn_pairs():
+    """``multi_turn_pairs()``: a fresh Dataset of 7 preference pairs (prompt, chosen, rejected text): two
+    conversations of three turns sharing a system prompt, cut into a pair at every assistant turn, plus one
+    unrelated pair (the data of the ``share_prefixes`` tests)."""
+    return _multi_turn_pairs

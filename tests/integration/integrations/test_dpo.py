@@ -26,7 +26,11 @@ import packing_hf  # noqa: E402
 from packing_hf.integrations.adapters import PackedPreferenceForward  # noqa: E402
 from packing_hf.integrations.dpo import DPOConfig, DPOTrainer  # noqa: E402
 from packing_hf.integrations.refusals import PackingRefused  # noqa: E402
-from packing_hf.preference import PaddingFreePreferenceCollator, preference_pair_lengths  # noqa: E402
+from packing_hf.preference import (  # noqa: E402
+    PaddingFreePreferenceCollator,
+    TreeTargets,
+    preference_pair_lengths,
+)
 
 REL = 1e-5
 
@@ -92,7 +96,11 @@ def _common(tmp_path, name: str, **overrides) -> dict:
 def _build(tmp_path, tokenizer, twins, data, ref: bool = True, packed_only: dict | None = None, **config):
     """(stock trainer, packed trainer) on copies of the same data and weights; ``packed_only`` holds packing_hf
     options (``shared_prompt``) given to the packed trainer alone."""
-    packed_options = {k: v for k, v in (packed_only or {}).items() if k == "shared_prompt"}
+    packed_options = {
+        k: v
+        for k, v in (packed_only or {}).items()
+        if k in ("shared_prompt", "share_prefixes", "min_shared_tokens", "precompute_ref_log_probs")
+    }
     policy_stock, policy_packed = twins()
     ref_stock, ref_packed = twins(seed=1) if ref else (None, None)  # a reference unlike the policy
     stock = trl.DPOTrainer(
@@ -187,6 +195,59 @@ def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins
     for key, values in stock._metrics["train"].items():
         got, want = torch.tensor(packed._metrics["train"][key]), torch.tensor(values)
         assert torch.allclose(got, want, rtol=REL, atol=1e-4), f"metric {key}: {got} vs {want}"
+
+
+def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, twins, multi_turn_pairs, monkeypatch):
+    """``share_prefixes``: the 7 pairs of one micro-batch are one prefix tree (the system prompt and the earlier
+    turns held once), and the policy's and the reference model's per-sequence log-probs (live, and precomputed
+    on tree batches), the loss (several loss types reading per-token values) and the gradients equal stock
+    TRL's unpacked run. Negative control: the
+    branch points read from the row before each node (a sibling's last token, as a plain packed shift would) are
+    caught by the same comparison."""
+    # summed (sigmoid), length-normalised (ipo) and per-token (sft: the NLL term) log-probs, LD-DPO's split sums
+    # (ld_alpha); TRL's metrics read the other per-token outputs (entropy, mean logits, top-1), mapped alike
+    config = {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [1.0, 0.5, 0.5], "ld_alpha": 0.5}
+    config["per_device_train_batch_size"] = 7
+    # the packed trainer precomputes its reference log-probs (on tree batches); stock runs its reference live
+    packed_only = {"share_prefixes": True, "precompute_ref_log_probs": True}
+    stock, packed = _build(tmp_path, tokenizer, twins, multi_turn_pairs, **config, packed_only=packed_only)
+    assert packed.data_collator.share_prefixes and not packed.data_collator.shared_prompt
+    padded_batch, packed_batch = _batches(stock, packed, range(7))
+    packed_batch = packed._prepare_inputs(packed.data_collator([packed.train_dataset[i] for i in range(7)]))
+    row = packed_batch["packed_input_ids"].numel()
+    one_level = PaddingFreePreferenceCollator(shared_prompt=True)([packed.train_dataset[i] for i in range(7)])
+    assert row < one_level["packed_input_ids"].numel()  # earlier turns and the system prompt are shared too
+
+    def logps(trainer, batch):  # (28,): chosen and rejected log-probs of the policy, then the reference model's
+        return torch.cat([torch.cat(trainer.compute_ref_log_probs(m, batch)) for m in (trainer.model, trainer.ref_model)])
+
+    want = logps(stock, padded_batch)
+    _close(logps(packed, packed_batch), want, "chosen / rejected log-probs of the policy and the reference model")
+    precomputed = torch.cat([packed_batch["ref_chosen_logps"], packed_batch["ref_rejected_logps"]])
+    _close(precomputed, want[14:], "precomputed reference log-probs")
+    loss_p, grads_p = _loss_and_grads(packed, packed_batch)
+    loss_s, grads_s = _loss_and_grads(stock, padded_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    for key, values in stock._metrics["train"].items():
+        g, w = torch.tensor(packed._metrics["train"][key]), torch.tensor(values)
+        assert torch.allclose(g, w, rtol=REL, atol=1e-4), f"metric {key}: {g} vs {w}"
+    # tokens of the 14 sequences run alone over the tree row's
+    ratio = packed._metrics["train"]["tree_token_ratio"]
+    assert ratio == [padded_batch["attention_mask"].sum().item() / row] and ratio[0] > 1
+
+    # negative control: every token predicted at the row before it, so a node's first token is read at its
+    # previous sibling's (or cousin's) last token instead of its branch point
+    exact = TreeTargets.from_index.__func__
+
+    def plain_shift(cls, tree_index, labels, row_length):
+        targets = exact(cls, tree_index, labels, row_length)
+        shifted = (torch.arange(row_length) - 1).clamp(min=0)
+        return TreeTargets(shifted, targets.row_labels, targets.gather, targets.shape)
+
+    monkeypatch.setattr(TreeTargets, "from_index", classmethod(plain_shift))
+    with pytest.raises(AssertionError):
+        _close(logps(packed, packed_batch), want, "log-probs with branch points read from the wrong row")
 
 
 def test_precomputed_reference_logps_match_stock(tmp_path, tokenizer, twins, pairs):
@@ -342,6 +403,15 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
             {},
             "shared_prompt=True with sp_size > 1",
         ),
+        (
+            {"max_tokens_per_batch": 512, "share_prefixes": True, "parallelism_config": ParallelismConfig(sp_size=2)},
+            {},
+            "share_prefixes=True with sp_size > 1",
+        ),
+        ({"share_prefixes": True, "shared_prompt": True}, {}, "leave shared_prompt unset"),
+        ({"min_shared_tokens": 4}, {}, "only applies to the prefix tree of share_prefixes=True"),
+        ({"share_prefixes": True}, {"data_collator": "shared"}, r"data_collator \(\w+\) builds no prefix tree"),
+        ({"share_prefixes": True, "min_shared_tokens": 4}, {"data_collator": "tree"}, "contradicts the data_collator's"),
     ],
     ids=[
         "prompt_only",
@@ -352,6 +422,11 @@ def test_pair_over_the_budget_is_refused(tmp_path, tokenizer, twins, pairs):
         "shared_prompt_contradiction",
         "vision",
         "shared_prompt_sequence_parallel",
+        "share_prefixes_sequence_parallel",
+        "share_prefixes_and_shared_prompt",
+        "min_shared_tokens_without_tree",
+        "share_prefixes_collator_contradiction",
+        "min_shared_tokens_collator_contradiction",
     ],
 )
 def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, extra, match):
@@ -366,6 +441,8 @@ def test_inexact_options_are_refused(tmp_path, tokenizer, twins, pairs, config, 
         tokenizer.add_tokens(["<an_added_token>"])
     if extra.get("data_collator") == "shared":
         extra["data_collator"] = PaddingFreePreferenceCollator(shared_prompt=True)
+    if extra.get("data_collator") == "tree":
+        extra["data_collator"] = PaddingFreePreferenceCollator(share_prefixes=True)
     if extra.get("data_collator") == "trl":
         extra["data_collator"] = trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=0)
     with pytest.raises(ValueError, match=match):
@@ -563,3 +640,5 @@ def test_a_hybrid_shares_its_prompts_exactly_and_a_model_that_cannot_is_refused(
     assert trainer("mamba2").data_collator.shared_prompt is False
     with pytest.raises(PackingRefused, match=r"shared_prompt=True: .*mamba2"):
         trainer("mamba2", shared_prompt=True)
+    with pytest.raises(PackingRefused, match=r"share_prefixes=True: .*mamba2"):
+        trainer("mamba2", share_prefixes=True)

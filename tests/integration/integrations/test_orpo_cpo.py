@@ -104,7 +104,7 @@ def _common(tmp_path, name: str, **overrides) -> dict:
     return {**defaults, **overrides}
 
 
-def _build(tmp_path, tokenizer, twins, data, kind: str, **config):
+def _build(tmp_path, tokenizer, twins, data, kind: str, packed_only: dict | None = None, **config):
     stock_trainer, stock_config, packed_trainer, packed_config = TRAINERS[kind]
     stock_model, packed_model = twins()
     stock = stock_trainer(
@@ -115,7 +115,7 @@ def _build(tmp_path, tokenizer, twins, data, kind: str, **config):
     )
     packed = packed_trainer(
         model=packed_model,
-        args=packed_config(**_common(tmp_path, "packed", **config), padding_free=True),
+        args=packed_config(**_common(tmp_path, "packed", **config), padding_free=True, **(packed_only or {})),
         train_dataset=data(),
         processing_class=tokenizer,
     )
@@ -187,6 +187,55 @@ def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, pair
     _close(leaked[0][:1], logps_s[0][:1].detach(), "the first sequence, which has nothing before it")
     with pytest.raises(AssertionError):
         _close(leaked[1], logps_s[1].detach(), "rejected log-probs of a leaking row")
+
+
+# ORPO through the chunked LM head (the default), CPO through the model's logits
+@pytest.mark.parametrize(
+    "kind, config, chunked", [("orpo", {"beta": 0.2}, True), ("cpo", {"loss_type": "sigmoid"}, False)]
+)
+def test_share_prefixes_on_multi_turn_pairs_matches_stock(
+    tmp_path, tokenizer, twins, multi_turn_pairs, kind, config, chunked, monkeypatch
+):
+    """``share_prefixes``: the multi-turn pairs of test_dpo (two conversations cut at every turn, a shared system
+    prompt, one unrelated pair) as one prefix tree; the per-sequence log-probs (ORPO: means, CPO: sums), the NLL
+    term (ORPO: over every chosen token, prompt included), the loss and the gradients equal stock TRL's padded
+    run. Negative control: the branch points read from the row before each node are caught."""
+    from packing_hf.preference import TreeTargets
+
+    stock, packed = _build(
+        tmp_path, tokenizer, twins, multi_turn_pairs, kind, per_device_train_batch_size=7,
+        packed_only={"share_prefixes": True, "chunked_loss": chunked}, **config,
+    )  # fmt: skip
+    assert (packed.loss_policy.chunked_head(packed, packed.model) is not None) is chunked
+    padded_batch, packed_batch = _batches(stock, packed, 7)
+    assert packed_batch["prefix_seq_idx"].max() > 1  # a tree deeper than one shared prompt
+    logps_s = stock.concatenated_forward(stock.model, padded_batch)
+    logps_p = packed.concatenated_forward(packed.model, packed_batch)
+    for i, what in ((0, "chosen log-probs"), (1, "rejected log-probs"), (4, "nll")):
+        _close(logps_p[i], logps_s[i], what)
+    loss_p, grads_p, metrics_p = _loss_grads_metrics(packed, packed_batch)
+    loss_s, grads_s, _ = _loss_grads_metrics(stock, padded_batch)
+    _close(loss_p, loss_s, "loss")
+    _close(grads_p, grads_s, "gradients")
+    # tokens of the 14 sequences run alone over the tree row's
+    row = packed_batch["packed_input_ids"].numel()
+    alone = sum(padded_batch[f"{side}_attention_mask"].sum().item() for side in ("chosen", "rejected"))
+    assert metrics_p["tree_token_ratio"] == alone / row > 1
+
+    exact = TreeTargets.from_index.__func__
+
+    def plain_shift(cls, tree_index, labels, row_length):
+        targets = exact(cls, tree_index, labels, row_length)
+        shifted = (torch.arange(row_length) - 1).clamp(min=0)
+        return TreeTargets(shifted, targets.row_labels, targets.gather, targets.shape)
+
+    monkeypatch.setattr(TreeTargets, "from_index", classmethod(plain_shift))
+    with torch.no_grad():
+        wrong = packed.concatenated_forward(packed.model, packed_batch)
+    # (a node's first child follows it in the row, so the control's rows differ for the later siblings only:
+    # the rejected answers, and the turns after them)
+    with pytest.raises(AssertionError):
+        _close(wrong[1], logps_s[1].detach(), "rejected log-probs with branch points read from the wrong row")
 
 
 def test_a_hook_on_the_lm_head_is_honoured(tmp_path, tokenizer, twins, pairs, monkeypatch):
