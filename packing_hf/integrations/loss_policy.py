@@ -240,8 +240,9 @@ class LossPolicy:
         """Refuse what the loss contract cannot honour, each with its fix (the end of the trainer's set-up)."""
         if trainer.args.loss_normalization != "token":
             self.check_own_loss(trainer, f"loss_normalization={trainer.args.loss_normalization!r}")
-        if getattr(trainer.args, "share_prefixes", False):
-            # a tree row's targets are pairs: packing_hf computes their loss, whatever the normalisation
+        if getattr(trainer.args, "share_prefixes", False) and self.declared is not StockLoss.PER_EXAMPLE:
+            # a tree row's targets are pairs: packing_hf computes their loss, whatever the normalisation (the
+            # pair and RL trainers lay their own trees out under their stock per-example loss)
             self.check_own_loss(trainer, "share_prefixes=True")
         if self.cuts_rows:
             from ..attention.sequence_parallel import check_sequence_parallel_router_loss

@@ -36,6 +36,7 @@ from ..collator import PaddingFreeCollator
 from ..errors import PackingRefused
 from ..tree_collator import PrefixTreeCollator
 from .dataloaders import _is_hf_dataset
+from .loss_policy import StockLoss
 from .preflight import base_model
 from .stream_data import is_stream
 
@@ -63,8 +64,11 @@ class PrefixTreeMixin:
     """``share_prefixes`` of the packing trainers (see the module docstring); part of
     :class:`~packing_hf.integrations.trainer.PackingTrainerMixin`. Configs without the field never share."""
 
-    def _shares_prefixes(self) -> bool:
-        return bool(getattr(self.args, "share_prefixes", False))
+    def _trains_prefix_trees(self) -> bool:
+        """Whether this trainer lays its training rows out as prefix trees and computes their loss itself
+        (``share_prefixes`` of a causal-LM trainer). The pair and RL trainers take ``share_prefixes`` too, but
+        lay their own trees out under their stock loss (``preference.py``, ``rollouts.py``)."""
+        return bool(getattr(self.args, "share_prefixes", False)) and self.packing_loss is not StockLoss.PER_EXAMPLE
 
     @staticmethod
     def _prefix_tree_collator(args: Any, given: Any) -> Any:
@@ -88,7 +92,7 @@ class PrefixTreeMixin:
 
     def _check_share_prefixes(self) -> None:
         """The refusals of ``share_prefixes=True`` on the built trainer (each by name, with the fix)."""
-        if not self._shares_prefixes():
+        if not self._trains_prefix_trees():
             if isinstance(self.data_collator, PrefixTreeCollator):
                 raise ValueError(
                     "data_collator=PrefixTreeCollator builds prefix-tree rows, whose loss needs share_prefixes=True "
@@ -138,7 +142,7 @@ class PrefixTreeMixin:
         """``share_prefixes``: the training samples grouped by shared prefixes, each group priced by its tree's
         tokens (:func:`~packing_hf.prefix_plan.find_prefix_groups`), for ``MultipackBatchSampler(prefix_groups=)``:
         the samples of a group land in one micro-batch, whose row computes their shared prefix once."""
-        if not self._shares_prefixes():
+        if not self._trains_prefix_trees():
             return super()._multipack_prefix_groups(dataset, lengths)
         from ..prefix_plan import find_prefix_groups
 
@@ -153,7 +157,7 @@ class PrefixTreeMixin:
     def _packing_attention(self) -> str | None:
         """packing_hf's attention while training on prefix-tree rows (the only attention reading
         ``prefix_seq_idx``), given back after; the stock choice otherwise."""
-        if self._shares_prefixes():
+        if self._trains_prefix_trees():
             return register_attention()
         return super()._packing_attention()
 

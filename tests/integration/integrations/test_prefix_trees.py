@@ -312,7 +312,7 @@ def test_sequence_parallelism_refused_by_name():
         parallel_plan=ParallelPlan("ddp", None, 2, 0, sp_size=2),
         data_collator=packing_hf.PrefixTreeCollator(),
     )
-    trainer._shares_prefixes = lambda: True
+    trainer._trains_prefix_trees = lambda: True
     with pytest.raises(
         packing_hf.errors.PackingRefused, match="share_prefixes=True with sequence parallelism"
     ) as refused:
