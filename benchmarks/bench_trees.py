@@ -386,7 +386,8 @@ def measure(name: str, samples: list[Sample], vocab: int, preset: str, args, dty
     run_interleaved(contenders)
     rows = {}
     for c in contenders:
-        peaks = spread_stats(c.step_peaks[1:] or c.step_peaks) if c.step_peaks else None
+        peaks = spread_stats(c.step_peaks[1:] or c.step_peaks) if c.step_peaks else {}
+        mib = {k: v if k == "cv" else v / 2**20 for k, v in peaks.items()}  # cv has no unit
         rows[c.name] = {
             "steps": len(c.batches),
             "samples_per_step": spread_stats([len(batch) for batch in indices[c.name]]),
@@ -394,7 +395,7 @@ def measure(name: str, samples: list[Sample], vocab: int, preset: str, args, dty
             "epoch_s": c.seconds,
             "epoch_cpu_s": c.cpu_seconds,
             "samples_per_s": len(samples) / c.seconds,
-            "step_peak_mem_mib": {k: v / 2**20 for k, v in peaks.items()} if peaks else None,
+            "step_peak_mem_mib": mib or None,
         }
     flat_row, tree_row = rows["flat"], rows["tree"]
     whole = build_prefix_tree([ids for ids, _ in samples]).token_ratio
