@@ -198,12 +198,14 @@ class _PickedLogProbs(torch.autograd.Function):
         per_row = torch.zeros_like(normaliser).index_add_(0, rows, grad)  # (T,) every row's summed g
         order = torch.argsort(rows)  # the pairs by row, so that each chunk reads its own
         rows, targets, grad = rows[order], targets[order], grad[order]
+        starts = torch.arange(0, logits.shape[0] + ctx.chunk, ctx.chunk, device=rows.device)
+        bounds = torch.searchsorted(rows, starts).tolist()  # the pairs of every chunk (one read back)
         out = torch.empty_like(logits)  # (T, V)
-        for start in range(0, logits.shape[0], ctx.chunk):
+        for i, start in enumerate(range(0, logits.shape[0], ctx.chunk)):
             stop = min(start + ctx.chunk, logits.shape[0])
             block = (logits[start:stop].float() - normaliser[start:stop, None]).exp_()  # (chunk, V) softmax
             block.mul_(-per_row[start:stop, None])
-            a, b = torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device)).tolist()
+            a, b = bounds[i], bounds[i + 1]
             block.index_put_((rows[a:b] - start, targets[a:b]), grad[a:b], accumulate=True)
             out[start:stop] = block
         return out, None, None, None
