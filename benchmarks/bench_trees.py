@@ -19,24 +19,32 @@ The vocabulary is the ids the data uses, renumbered (``compact_vocabulary``, as 
 synthetic ids are drawn from it.
 
 Contenders (each its own copy of one randomly initialised model, the same weights, its own AdamW; one epoch
-over the same samples at ``--budget`` tokens per step, one torch thread on CPU):
+over the same samples at ``--budget`` tokens per step, one torch thread on CPU), each computing the loss
+``packing_hf.SFTTrainer`` / ``Trainer`` computes with ``share_prefixes=False`` / ``True`` and their defaults
+(``loss_normalization="token"``, ``chunked_loss=True``), with the same functions, outside the trainer so that
+the steps can be interleaved and each step's memory read:
 
 - ``flat``: ``MultipackBatchSampler(lengths, budget)`` + ``PaddingFreeCollator`` (labels: -100 off the trained
-  tokens), the model's own loss (the token mean over the step's trained tokens);
+  tokens), the trainers' packed route (``LossRoute.PACKED``): ``causal_lm_loss`` (the LM head in chunks of
+  tokens) over ``target_coefficients``, divided by the step's trained tokens (``loss_counts``);
 - ``tree``: ``find_prefix_groups(samples, max_tokens_per_batch=budget)`` + ``MultipackBatchSampler(lengths,
-  budget, prefix_groups=groups)``, every batch one ``build_prefix_tree`` row, the loss from
-  ``PrefixTree.token_logprobs`` over the same trained tokens with the same normalisation.
+  budget, prefix_groups=groups)`` (the sampler of ``share_prefixes=True``) + ``PrefixTreeCollator`` (one
+  prefix-tree row per batch, the targets as (row, target, weight) pairs), the trainers' ``LossRoute.PREFIX_TREE``:
+  ``pairs_lm_loss`` (every pair's cross-entropy once, the head on the pairs' rows in chunks) over
+  ``tree_coefficients``, divided by the step's trained tokens (``tree_loss_counts``: the same number).
 
-Before any step the two losses are computed on the samples of one tree batch with the same weights and must
-agree (fp32; the run stops otherwise). Steps are interleaved (the contender furthest behind in its epoch goes
-next) after one untimed warm-up step each; every epoch's batches are built before the clock starts.
+Before any step three losses are computed on the samples of one tree batch with the same weights and must
+agree (fp32; the run stops otherwise): the two contenders' and the tree row's full logits read back through
+``PrefixTree.token_logprobs``. Steps are interleaved (the contender furthest behind in its epoch goes next)
+after one untimed warm-up step each; every epoch's batches are built before the clock starts.
 
 Reported per data set and model: tokens computed per epoch (the rows' tokens: the samples' own for ``flat``, the
 trees' for ``tree``) and their ratio (deterministic: the samples, the plan and the trees do not depend on the
 machine), the trees' ratio the planner predicted and the ratio of the whole data set as one tree (the most any
-budget could share); steps; time per epoch (wall and CPU), samples per second and the ratio; the peak memory per
-step (as bench_trainers: CUDA ``max_memory_allocated``; CPU the growth of the process's peak resident memory in
-the step; median and max over the steps after the first). The load average at start and end goes into the JSON.
+budget could share); steps and samples per step (a tree row holds more samples than a flat one at the same
+budget); time per epoch (wall and CPU), samples per second and the ratio; the peak memory per step (as
+bench_trainers: CUDA ``max_memory_allocated``; CPU the growth of the process's peak resident memory in the step;
+median and max over the steps after the first). The load average at start and end goes into the JSON.
 
     python benchmarks/bench_trees.py                      # tiny and width-256 Llama, every data set (~4 min)
     python benchmarks/bench_trees.py --conversations 48   # the figures of docs/benchmarks.md (~8 min)
@@ -70,15 +78,18 @@ from _common import (
 from bench_e2e import PRESETS, build_model, moved
 
 import packing_hf
-from packing_hf import PaddingFreeCollator
+from packing_hf import PaddingFreeCollator, PrefixTreeCollator
+from packing_hf._loss import TREE_KEYS, loss_counts, target_coefficients, tree_coefficients, tree_loss_counts
+from packing_hf.integrations.chunked_head import ChunkedHead, causal_lm_loss, pairs_lm_loss, resolve_head
 from packing_hf.prefix_plan import find_prefix_groups
-from packing_hf.prefix_tree import PrefixTree, build_prefix_tree
+from packing_hf.prefix_tree import build_prefix_tree
 from packing_hf.sampler import MultipackBatchSampler
 
 DATASETS = ("gpteacher_roleplay", "gpteacher_toolformer", "alpaca", "gsm8k", "synthetic")
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the template's own
 CONTENDERS = ("flat", "tree")
 LOSS_TOLERANCE = 1e-4  # relative: the flat and the tree loss of the same samples and weights (fp32)
+NORMALIZATION = "token"  # the trainers' default loss_normalization
 
 Sample = tuple[list[int], np.ndarray]  # token ids, (L,) bool: the tokens it trains on
 
@@ -195,10 +206,13 @@ def synthetic_rollouts(trees: int, vocab: int, seed: int, budget: int) -> tuple[
 # ---- batches and losses ---------------------------------------------------------------------------------------
 
 
-def flat_batches(samples: list[Sample], budget: int, seed: int) -> list[dict[str, Any]]:
+def flat_batches(
+    samples: list[Sample], budget: int, seed: int
+) -> tuple[list[dict[str, Any]], list[list[int]]]:
     sampler = MultipackBatchSampler([len(ids) for ids, _ in samples], budget, seed=seed)
     collate = PaddingFreeCollator()
-    return [collate([_features(samples[i]) for i in batch]) for batch in sampler]
+    indices = list(sampler)
+    return [collate([_features(samples[i]) for i in batch]) for batch in indices], indices
 
 
 def _features(sample: Sample) -> dict[str, list[int]]:
@@ -206,47 +220,67 @@ def _features(sample: Sample) -> dict[str, list[int]]:
     return {"input_ids": ids, "labels": np.where(mask, ids, -100).tolist()}
 
 
-def tree_batches(samples: list[Sample], budget: int, seed: int) -> tuple[list[dict[str, Any]], dict]:
+def tree_batches(
+    samples: list[Sample], budget: int, seed: int
+) -> tuple[list[dict[str, Any]], list[list[int]], dict]:
+    """The batches of ``share_prefixes=True``: the samples grouped by shared prefixes, binned by their trees' tokens,
+    every batch one ``PrefixTreeCollator`` row."""
     groups = find_prefix_groups([ids for ids, _ in samples], max_tokens_per_batch=budget)
     sampler = MultipackBatchSampler([len(ids) for ids, _ in samples], budget, seed=seed, prefix_groups=groups)
-    return [tree_batch([samples[i] for i in batch], batch) for batch in sampler], {
-        "groups": groups.num_groups,
-        "planned_ratio": groups.token_ratio,
-    }
+    collate = PrefixTreeCollator()
+    indices = list(sampler)
+    batches = [collate([_features(samples[i]) for i in batch]) for batch in indices]
+    return batches, indices, {"groups": groups.num_groups, "planned_ratio": groups.token_ratio}
 
 
-def tree_batch(samples: list[Sample], indices: list[int] | None = None) -> dict[str, Any]:
+def flat_loss(model, head: ChunkedHead, batch: dict[str, Any], device: str) -> torch.Tensor:
+    """``LossRoute.PACKED`` with the chunked head: the row's summed target cross-entropy over its trained tokens."""
+    inputs = moved(batch, device)
+    labels = inputs.pop("labels")
+    coefficients = target_coefficients(
+        labels, NORMALIZATION, position_ids=inputs["position_ids"], cu_seq_lens=inputs["cu_seq_lens_q"]
+    )
+    total, _, _ = causal_lm_loss(model, {**inputs, "use_cache": False}, labels, coefficients, head)
+    return total / loss_counts(labels)[0]
+
+
+def tree_loss(model, head: ChunkedHead, batch: dict[str, Any], device: str) -> torch.Tensor:
+    """``LossRoute.PREFIX_TREE`` with the chunked head: the pairs' summed cross-entropy over the trained tokens."""
+    inputs = moved(batch, device)
+    pairs = {key: inputs.pop(key) for key in TREE_KEYS}
+    total, _ = pairs_lm_loss(
+        model,
+        {**inputs, "use_cache": False},
+        pairs["tree_rows"],
+        pairs["tree_targets"],
+        tree_coefficients(pairs, NORMALIZATION),
+        head,
+    )
+    return total / tree_loss_counts(pairs)[0]
+
+
+def logprobs_loss(model, samples: list[Sample], device: str) -> torch.Tensor:
+    """The same loss from the tree row's full logits through ``PrefixTree.token_logprobs`` (the check's third)."""
     tree = build_prefix_tree([ids for ids, _ in samples])
-    targets = torch.from_numpy(
-        np.concatenate([mask[1:] for _, mask in samples])
-    )  # the labels a flat row keeps
-    return {"tree": tree, "targets": targets, "indices": indices}
-
-
-def tree_loss(model, batch: dict[str, Any], device: str) -> torch.Tensor:
-    tree: PrefixTree = batch["tree"]
-    logits = model(**moved(tree.model_inputs(), device)).logits
+    logits = model(**moved(tree.model_inputs(), device), use_cache=False).logits
     logprobs = torch.cat(tree.token_logprobs(logits))  # (sum of L_s - 1,) every sample's, as alone
-    targets = batch["targets"].to(device)
-    return -logprobs[targets].sum() / targets.sum()  # the token mean, as the model's own loss
+    targets = torch.from_numpy(np.concatenate([mask[1:] for _, mask in samples])).to(device)
+    return -logprobs[targets].sum() / targets.sum()
 
 
-def flat_loss(model, batch: dict[str, Any], device: str) -> torch.Tensor:
-    return model(**moved(batch, device)).loss
-
-
-def batch_tokens(name: str, batch: dict[str, Any]) -> int:
-    return batch["tree"].input_ids.numel() if name == "tree" else int(batch["input_ids"].numel())
-
-
-def check_losses_agree(model, samples: list[Sample], device: str) -> dict[str, float]:
-    """The flat and the tree loss of the same samples and weights (one tree batch): equal, or the run stops."""
+def check_losses_agree(model, head: ChunkedHead, samples: list[Sample], device: str) -> dict[str, float]:
+    """The flat, the tree and the token_logprobs loss of the same samples and weights: equal, or the run stops."""
+    features = [_features(s) for s in samples]
     with torch.no_grad():
-        tree = tree_loss(model, tree_batch(samples), device).item()
-        flat = flat_loss(model, PaddingFreeCollator()([_features(s) for s in samples]), device).item()
-    if abs(tree - flat) > LOSS_TOLERANCE * abs(flat):
-        raise SystemExit(f"the tree loss {tree!r} differs from the flat loss {flat!r} of the same samples")
-    return {"flat": flat, "tree": tree, "samples": len(samples)}
+        flat = flat_loss(model, head, PaddingFreeCollator()(features), device).item()
+        tree = tree_loss(model, head, PrefixTreeCollator()(features), device).item()
+        logprobs = logprobs_loss(model, samples, device).item()
+    for name, value in (("tree", tree), ("token_logprobs", logprobs)):
+        if abs(value - flat) > LOSS_TOLERANCE * abs(flat):
+            raise SystemExit(
+                f"the {name} loss {value!r} differs from the flat loss {flat!r} of the same samples"
+            )
+    return {"flat": flat, "tree": tree, "token_logprobs": logprobs, "samples": len(samples)}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -257,13 +291,14 @@ class Contender:
         self, name: str, model, batches: list[dict[str, Any]], device: str, cpu_memory: bool
     ) -> None:
         self.name, self.model, self.batches, self.device = name, model, batches, device
+        self.head = chunked_head(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.done, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         self.step_peaks: list[int] = []
         self.rss = PeakRSS() if device == "cpu" and cpu_memory else None
 
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        return (tree_loss if self.name == "tree" else flat_loss)(self.model, batch, self.device)
+        return (tree_loss if self.name == "tree" else flat_loss)(self.model, self.head, batch, self.device)
 
     def step(self) -> None:
         batch = self.batches[self.done]
@@ -288,6 +323,13 @@ class Contender:
     @property
     def running(self) -> bool:
         return self.done < len(self.batches)
+
+
+def chunked_head(model) -> ChunkedHead:
+    head = resolve_head(model)
+    if isinstance(head, str):
+        raise SystemExit(f"the trainers' chunked LM head cannot serve this model: {head}")
+    return head
 
 
 def run_interleaved(contenders: list[Contender]) -> None:
@@ -325,10 +367,15 @@ def measure(name: str, samples: list[Sample], vocab: int, preset: str, args, dty
     attention = packing_hf.register_attention()
     reference = build_model(preset, vocab, dtype, args.device, attention)
     init = copy.deepcopy(reference.state_dict())
-    flat = flat_batches(samples, args.budget, args.seed)
-    trees, plan = tree_batches(samples, args.budget, args.seed)
-    first = [samples[i] for i in trees[0]["indices"]]
-    agreement = check_losses_agree(reference, first, args.device) if args.dtype == "float32" else None
+    flat, flat_indices = flat_batches(samples, args.budget, args.seed)
+    trees, tree_indices, plan = tree_batches(samples, args.budget, args.seed)
+    first = [samples[i] for i in tree_indices[0]]
+    agreement = (
+        check_losses_agree(reference, chunked_head(reference), first, args.device)
+        if args.dtype == "float32"
+        else None
+    )
+    indices = {"flat": flat_indices, "tree": tree_indices}
     contenders = []
     for contender, batches in zip(CONTENDERS, (flat, trees), strict=True):
         model = (
@@ -339,14 +386,16 @@ def measure(name: str, samples: list[Sample], vocab: int, preset: str, args, dty
     run_interleaved(contenders)
     rows = {}
     for c in contenders:
-        peaks = spread_stats(c.step_peaks[1:] or c.step_peaks) if c.step_peaks else None
+        peaks = spread_stats(c.step_peaks[1:] or c.step_peaks) if c.step_peaks else {}
+        mib = {k: v if k == "cv" else v / 2**20 for k, v in peaks.items()}  # cv has no unit
         rows[c.name] = {
             "steps": len(c.batches),
-            "tokens_computed": sum(batch_tokens(c.name, b) for b in c.batches),
+            "samples_per_step": spread_stats([len(batch) for batch in indices[c.name]]),
+            "tokens_computed": sum(int(b["input_ids"].numel()) for b in c.batches),
             "epoch_s": c.seconds,
             "epoch_cpu_s": c.cpu_seconds,
             "samples_per_s": len(samples) / c.seconds,
-            "step_peak_mem_mib": {k: v / 2**20 for k, v in peaks.items()} if peaks else None,
+            "step_peak_mem_mib": mib or None,
         }
     flat_row, tree_row = rows["flat"], rows["tree"]
     whole = build_prefix_tree([ids for ids, _ in samples]).token_ratio
@@ -398,6 +447,7 @@ def main() -> None:
         {
             "dataset": r["dataset"],
             "preset": r["preset"],
+            **{f"{c}_samples_step_med": r[f"{c}_samples_per_step"]["median"] for c in CONTENDERS},
             **{
                 f"{c}_mib_{k}": (r[f"{c}_step_peak_mem_mib"] or {}).get(k)
                 for c in CONTENDERS
@@ -406,7 +456,10 @@ def main() -> None:
         }
         for r in results
     ]
-    print("\n== peak memory per step (MiB; CPU: growth of the peak resident memory in the step) ==")
+    print(
+        "\n== peak memory per step (MiB; CPU: growth of the peak resident memory in the step), at the same token "
+        "budget: a tree row holds more samples =="
+    )
     print_table(memory, list(memory[0]) if memory else [])
     print(f"load average at start {load_start}, at end {load_end} (1, 5, 15 min)")
     payload = {"rows": results, "threads": threads, "load_average": {"start": load_start, "end": load_end}}

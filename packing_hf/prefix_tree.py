@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .loss_head import default_chunk_size
 from .shared_prefix import PREFIX_KEY, shared_prefix_position_ids
 from .varlen import check_int32_tokens
 
@@ -120,10 +121,16 @@ class PrefixTree:
         """Per sample, ``(L_s - 1,)``: the log-probability of each of its tokens after the first, given the
         tokens before it, as the sample alone computes it (the branch point's row serves every child).
 
-        The log-softmax normaliser is computed once per row token, never once per sample passing through it.
+        The log-softmax normaliser is computed once per row token, never once per sample passing through it, and
+        the ``(T, V)`` log-softmax never exists: each log-probability is its target's logit minus its row's
+        log-sum-exp, taken in chunks of rows (fp32, from logits of any dtype). The backward keeps the logits and
+        the ``(T,)`` normalisers and writes the logits' gradient, ``(T, V)`` in their dtype, chunk by chunk.
 
         Args:
             logits: ``(T, V)`` or ``(1, T, V)`` the model's logits on :meth:`model_inputs`.
+
+        Returns:
+            One ``(L_s - 1,)`` float32 tensor per sample, in the order given.
 
         >>> tree = build_prefix_tree([[0, 1], [0, 2]])
         >>> logits = torch.tensor([[0.0, 0.0, 2.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -133,9 +140,9 @@ class PrefixTree:
         logits = self._row(logits, "logits")
         device = logits.device
         rows, targets = self._predictions()
-        rows, targets = rows.to(device), targets.to(device)
-        normaliser = torch.logsumexp(logits.float(), dim=-1)  # (T,)
-        picked = logits[rows, targets].float() - normaliser[rows]  # (sum of L_s - 1,)
+        picked = _PickedLogProbs.apply(
+            logits, rows.to(device), targets.to(device), default_chunk_size(logits.shape[-1], device)
+        )  # (sum of L_s - 1,)
         return list(torch.split(picked, [n - 1 for n in self._lengths()]))
 
     def _lengths(self) -> list[int]:
@@ -158,6 +165,50 @@ class PrefixTree:
                 "the model's output on PrefixTree.model_inputs(), (T, ...) or (1, T, ...)"
             )
         return values
+
+
+class _PickedLogProbs(torch.autograd.Function):
+    """``log_softmax(logits)[rows, targets]`` without the ``(T, V)`` log-softmax: a target's logit minus its row's
+    log-sum-exp, both in fp32, the rows taken ``chunk`` at a time (``torch.logsumexp`` of the whole would hold a
+    ``(T, V)`` temporary, and its backward and an indexing's each another, summed into a third).
+
+    Saved for backward: the logits themselves and the ``(T,)`` normalisers. The gradient of row ``t`` is
+    ``onehot(targets) * g - softmax(logits[t]) * sum(g)`` over the pairs reading row ``t``, written chunk by chunk
+    into one ``(T, V)`` tensor of the logits' dtype (pairs of one row and target add up, in fp32).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        normaliser = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (T,)
+        for start in range(0, logits.shape[0], chunk):
+            normaliser[start : start + chunk] = torch.logsumexp(logits[start : start + chunk].float(), dim=-1)
+        ctx.save_for_backward(logits, normaliser, rows, targets)
+        ctx.chunk = chunk
+        return logits[rows, targets].float() - normaliser[rows]  # (P,)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        logits, normaliser, rows, targets = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        grad = grad.float()
+        per_row = torch.zeros_like(normaliser).index_add_(0, rows, grad)  # (T,) every row's summed g
+        order = torch.argsort(rows)  # the pairs by row, so that each chunk reads its own
+        rows, targets, grad = rows[order], targets[order], grad[order]
+        starts = torch.arange(0, logits.shape[0] + ctx.chunk, ctx.chunk, device=rows.device)
+        bounds = torch.searchsorted(rows, starts).tolist()  # the pairs of every chunk (one read back)
+        out = torch.empty_like(logits)  # (T, V)
+        for i, start in enumerate(range(0, logits.shape[0], ctx.chunk)):
+            stop = min(start + ctx.chunk, logits.shape[0])
+            block = (logits[start:stop].float() - normaliser[start:stop, None]).exp_()  # (chunk, V) softmax
+            block.mul_(-per_row[start:stop, None])
+            a, b = bounds[i], bounds[i + 1]
+            block.index_put_((rows[a:b] - start, targets[a:b]), grad[a:b], accumulate=True)
+            out[start:stop] = block
+        return out, None, None, None
 
 
 def _as_token_arrays(samples: Sequence) -> list[np.ndarray]:

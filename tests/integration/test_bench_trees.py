@@ -1,5 +1,6 @@
-"""benchmarks/bench_trees.py --quick: flat and prefix-tree packing train on every sample once, the tree rows compute
-fewer tokens, and the two losses agreed on the same samples before any step (no timing is asserted)."""
+"""benchmarks/bench_trees.py --quick: flat and prefix-tree packing (the trainers' losses, share_prefixes False / True)
+train on every sample once, the tree rows compute fewer tokens, and the losses agreed on the same samples before any
+step (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,37 @@ def test_bench_trees_quick(tmp_path, data_dir):
         assert row["token_ratio"] == pytest.approx(row["flat_tokens_computed"] / row["tree_tokens_computed"])
         # no batch of trees can share more than the whole data set as one tree
         assert row["token_ratio"] <= row["whole_tree_ratio"] + 1e-9
+        # the trainers' flat and prefix-tree losses and token_logprobs' agreed on the same samples and weights
         check = row["loss_check"]
-        assert check["samples"] >= 2 and check["tree"] == pytest.approx(
-            check["flat"], rel=bench_trees.LOSS_TOLERANCE
-        )
+        assert check["samples"] >= 2
+        for name in ("tree", "token_logprobs"):
+            assert check[name] == pytest.approx(check["flat"], rel=bench_trees.LOSS_TOLERANCE)
         assert row["flat_steps"] >= 1 and row["tree_steps"] >= 1
+        # every sample trained once by each contender
+        for contender in ("flat", "tree"):
+            per_step = row[f"{contender}_samples_per_step"]
+            assert per_step["mean"] * row[f"{contender}_steps"] == pytest.approx(row["samples"])
     synthetic = next(row for row in rows if row["dataset"] == "synthetic")
     assert synthetic["data"]["depths"] == [2, 3]  # rollouts branching at 2 and 3 depths
+
+
+def test_the_start_check_stops_a_tree_loss_that_lost_a_target(monkeypatch):
+    """Negative control of the check at start: the tree loss with one (row, target) pair dropped (a child's target
+    read nowhere) is told apart from the flat loss, and the run stops."""
+    samples, _ = bench_trees.synthetic_rollouts(1, vocab=64, seed=0, budget=4096)  # one tree, 4 leaves
+    torch.manual_seed(0)
+    model = bench_trees.build_model(
+        "tiny", 64, torch.float32, "cpu", bench_trees.packing_hf.register_attention()
+    )
+    head = bench_trees.chunked_head(model)
+    assert bench_trees.check_losses_agree(model, head, samples, "cpu")["samples"] == len(samples)
+    coefficients = bench_trees.tree_coefficients
+
+    def one_pair_dropped(pairs, normalization):
+        kept = coefficients(pairs, normalization).clone()
+        kept[-1] = 0.0
+        return kept
+
+    monkeypatch.setattr(bench_trees, "tree_coefficients", one_pair_dropped)
+    with pytest.raises(SystemExit, match="the tree loss .* differs from the flat loss"):
+        bench_trees.check_losses_agree(model, head, samples, "cpu")

@@ -5,6 +5,7 @@ test_prefix_tree.py."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -142,3 +143,77 @@ def test_every_sample_is_a_path_whose_keys_are_its_tokens(drawn, min_shared_toke
     if min_shared_tokens == 1:
         distinct = {tuple(s[:i]) for s in samples for i in range(1, len(s) + 1)}
         assert tree.input_ids.numel() == len(distinct)
+
+
+# ---- token_logprobs: the target's logit minus its row's log-sum-exp, no (T, V) log-softmax --------------------
+
+
+def _log_softmax_reference(tree, logits):
+    """The formula token_logprobs replaces: the whole row's log-softmax (fp32), read at every sample's targets."""
+    rows, targets = tree._predictions()
+    return torch.log_softmax(logits.float(), dim=-1)[rows, targets]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [2, 1000])  # several chunks with pairs at their edges, and one chunk
+def test_token_logprobs_and_gradients_equal_the_log_softmax(monkeypatch, dtype, chunk):
+    monkeypatch.setattr(
+        "packing_hf.prefix_tree.default_chunk_size", lambda vocab, device: chunk, raising=False
+    )
+    tree = build_prefix_tree(CONVERSATIONS)
+    torch.manual_seed(0)
+    logits = (torch.randn(tree.input_ids.numel(), 11) * 3).to(dtype)
+    got_logits, want_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = torch.cat(tree.token_logprobs(got_logits[None]))
+    want = _log_softmax_reference(tree, want_logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    weights = torch.randn(got.numel())  # a shared row's pairs add their gradients there
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert got_logits.grad.dtype == dtype
+    torch.testing.assert_close(got_logits.grad.float(), want_logits.grad.float(), rtol=0, atol=1e-6)
+    # negative control: a pair's gradient dropped at a branch point (the row read by several children) is caught
+    rows, targets = tree._predictions()
+    at = int(torch.bincount(rows).argmax())  # the row most pairs read
+    pair = int(torch.nonzero(rows == at)[-1])
+    broken = got_logits.grad.float().clone()
+    broken[at, targets[pair]] -= weights[pair]
+    assert not torch.allclose(broken, want_logits.grad.float(), rtol=0, atol=1e-6)
+
+
+def _peak_bytes(fn, trace) -> int:
+    """The most bytes torch's CPU allocator held above its level at the start of ``fn()`` (the profiler's
+    allocation and free events summed in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(str(trace))
+    level = peak = 0
+    for event in json.loads(trace.read_text())["traceEvents"]:
+        if event.get("name") == "[memory]":
+            level += event["args"]["Bytes"]
+            peak = max(peak, level)
+    return peak
+
+
+def test_token_logprobs_hold_one_logits_sized_tensor(monkeypatch, tmp_path):
+    """Forward and backward allocate the logits' gradient and a chunk, no (T, V) log-softmax or its temporaries."""
+    monkeypatch.setattr("packing_hf.prefix_tree.default_chunk_size", lambda vocab, device: 32, raising=False)
+    torch.manual_seed(0)
+    stem = list(range(100))
+    tree = build_prefix_tree([stem + torch.randint(0, 512, (150,)).tolist() for _ in range(3)])  # 550 rows
+    logits = torch.randn(tree.input_ids.numel(), 512, requires_grad=True)  # (T, V) fp32: 1.1 MB
+
+    def tree_step():
+        torch.cat(tree.token_logprobs(logits)).sum().backward()
+        logits.grad = None
+
+    def log_softmax_step():  # negative control: the formula replaced, measured the same way
+        _log_softmax_reference(tree, logits).sum().backward()
+        logits.grad = None
+
+    # the gradient (1x), a 32-row chunk (0.06x) and the pairs' small tensors; the log-softmax's take 3x
+    assert _peak_bytes(tree_step, tmp_path / "tree.json") < 1.5 * logits.nbytes
+    assert _peak_bytes(log_softmax_step, tmp_path / "reference.json") >= 2 * logits.nbytes
