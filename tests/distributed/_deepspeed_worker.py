@@ -374,8 +374,8 @@ def rl_run(out_dir: str, case: str, common: dict, start) -> dict:
     }
 
 
-def tree_run(out_dir: str, case: str, common: dict, start: dict, flat_collator) -> dict:
-    """``tree_*``: ``share_prefixes=True`` (``tree_flat_ddp``: off, ``flat_collator``'s rows) on ``packing_hf.Trainer``,
+def tree_run(out_dir: str, case: str, common: dict, start: dict) -> dict:
+    """``tree_*``: ``share_prefixes=True`` (``tree_flat_ddp``: off, flat rows) on ``packing_hf.Trainer``,
     one SGD step over the epoch of ``_tree_data.py``'s per-turn samples: the step's loss, its samples on this rank
     (counted in ``training_step``), the tree-token ratio it logged, the size of this rank's LM head between calls
     (0: partitioned), the chunked head's logged refusals and, on rank 0, every parameter after the step (whole).
@@ -385,7 +385,7 @@ def tree_run(out_dir: str, case: str, common: dict, start: dict, flat_collator) 
     import dataclasses
 
     import datasets
-    from _tree_data import per_turn_samples, recording_tree_collator
+    from _tree_data import per_turn_samples, recording_collator
 
     import packing_hf
 
@@ -403,7 +403,7 @@ def tree_run(out_dir: str, case: str, common: dict, start: dict, flat_collator) 
         model=model,
         args=args,
         train_dataset=datasets.Dataset.from_list(per_turn_samples(VOCAB)),
-        data_collator=recording_tree_collator() if share else flat_collator,
+        data_collator=recording_collator(flat=not share),
     )
     if case == "tree_local_zero3":  # the negative control: the loss policy counts this process alone
         trainer.loss_policy.plan = dataclasses.replace(trainer.loss_policy.plan, world_size=1)
@@ -642,7 +642,7 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             results[case] = rl_run(out_dir, case, common, rl_start)
             continue
         if case.startswith("tree_"):
-            results[case] = tree_run(out_dir, case, common, start, Recording())
+            results[case] = tree_run(out_dir, case, common, start)
             continue
         output = os.path.join(out_dir, case)
         args = (

@@ -1,6 +1,6 @@
 """The prefix-tree data of the engine launches (``_deepspeed_worker.py``, ``_fsdp_worker.py``): per-turn samples of
 multi-turn conversations sharing a system prompt and earlier turns (``share_prefixes=True`` merges them into trees),
-and a :class:`~packing_hf.PrefixTreeCollator` that puts each batch's sample indices in the batch, so that a trainer's
+and collators (prefix-tree or flat rows) that put each batch's sample indices in the batch, so that a trainer's
 ``training_step`` can count the samples of every rank.
 
 Importing this module does nothing (pytest collects it for doctests).
@@ -51,19 +51,26 @@ def per_turn_samples(vocab: int) -> list[dict]:
     return [{**sample, "idx": i} for i, sample in enumerate(samples)]
 
 
-def recording_tree_collator():
-    """A :class:`~packing_hf.PrefixTreeCollator` that puts the indices of the batch's samples in the batch
-    (``IDS_KEY``, a tensor; ``training_step`` takes it out again)."""
+def recording_collator(flat: bool = False):
+    """A :class:`~packing_hf.PrefixTreeCollator` (``flat``: a :class:`~packing_hf.PaddingFreeCollator`) that puts
+    the indices of the batch's samples in the batch (``IDS_KEY``, a tensor; ``training_step`` takes it out again).
+
+    >>> batch = recording_collator()(per_turn_samples(64)[:2])
+    >>> batch["packing_hf_test_sample_ids"].tolist(), int(batch["tree_samples"])
+    ([0, 1], 2)
+    """
     from dataclasses import dataclass
 
     import torch
 
     import packing_hf
 
+    base = packing_hf.PaddingFreeCollator if flat else packing_hf.PrefixTreeCollator
+
     @dataclass
-    class RecordingTree(packing_hf.PrefixTreeCollator):
+    class Recording(base):
         drop_keys: tuple = ("idx",)
-        input_columns = (*packing_hf.PrefixTreeCollator.input_columns, "idx")
+        input_columns = (*base.input_columns, "idx")
 
         def __call__(self, features, return_tensors="pt"):
             features = list(features)
@@ -71,4 +78,4 @@ def recording_tree_collator():
             batch[IDS_KEY] = torch.tensor([int(f["idx"]) for f in features])
             return batch
 
-    return RecordingTree()
+    return Recording()
