@@ -395,14 +395,43 @@ def check_sequence_parallel(cfg: Any, origin) -> None:
         )
 
 
+def _known_model_config(model: Any) -> Any:
+    """The transformers config of the model the run will build, where it is known before any weight is read: a
+    model built from ``model_type`` (with its ``model_config``), or a local folder's ``config.json`` (not a Hub id,
+    a GGUF file or a model whose code is trusted remote code); ``None`` otherwise, or for an unknown ``model_type``
+    (:func:`check_model_type` names it)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model.model_type is not None:
+        if model.model_type not in CONFIG_MAPPING_NAMES:
+            return None
+        return AutoConfig.for_model(model.model_type, **(model.model_config or {}))
+    path = model.model_name_or_path
+    local = path is not None and (Path(path) / "config.json").is_file()
+    if local and model.gguf_file is None and not model.trust_remote_code:
+        return AutoConfig.from_pretrained(path)
+    return None
+
+
 def check_share_prefixes(cfg: Any, origin) -> None:
     """``share_prefixes: true`` (``trainer: trainer`` / ``sft``, whose training arguments have the key): packed rows
     to merge, read with packing_hf's attention (chosen for the model when the config names none, with a note); a
-    padded, streamed, sequence-parallel or TRL-packed run, or another attention, refused by name."""
+    padded, streamed, sequence-parallel or TRL-packed run, another attention, or a model whose prefix-tree rows
+    cannot be exact (:func:`~packing_hf.attention.admission.prefix_tree_refusal`, where the model's config is
+    known before it is built) refused by name."""
     training = cfg.training
     if not getattr(training, "share_prefixes", False):
         return
     where = origin("share_prefixes")
+    from ..attention.admission import prefix_tree_refusal
+
+    config = _known_model_config(cfg.model)
+    refusal = prefix_tree_refusal(config) if config is not None else None
+    if refusal is not None:
+        raise ValueError(f"{where}: share_prefixes: true: {refusal} (here: remove share_prefixes)")
     if cfg.batching == "padded":
         raise ValueError(
             f"{where}: share_prefixes: true merges the samples of a packed row into a prefix tree, but batching is "

@@ -83,6 +83,14 @@ def _segment_lengths(feature: Mapping[str, Any]) -> list[int]:
     return [len(feature["input_ids"])]
 
 
+def _collator_stats(collator: Any) -> Any:
+    """The running ``stats`` of ``collator``, or of the collator stock's ``RemoveColumnsCollator`` wraps (what the
+    Trainer hands a DataLoader over a dataset that is not a ``datasets.Dataset``, e.g. a list); ``None`` without."""
+    while not hasattr(collator, "stats") and hasattr(collator, "data_collator"):
+        collator = collator.data_collator
+    return getattr(collator, "stats", None)
+
+
 class PackingStatsCollator:
     """Wrap a collator so every batch carries its packing counts under :data:`STATS_KEY`.
 
@@ -90,8 +98,8 @@ class PackingStatsCollator:
     (``input_ids.numel()``, padding included), ``samples`` (sub-samples of offline-packed rows count one
     by one) and ``padded_tokens`` (``samples x longest``, the size of a right-padded batch of the same
     samples). For :class:`~packing_hf.PaddingFreeCollator` the real token and sample counts come from its
-    own ``stats`` (exact under truncation, split and ``pad_to_multiple_of``); for other collators they
-    come from the features.
+    own ``stats`` (exact under truncation, split and ``pad_to_multiple_of``; also where stock's
+    ``RemoveColumnsCollator`` wraps it); for other collators they come from the features.
 
     Args:
         collator: the collator to wrap; called as ``collator(features)``.
@@ -119,7 +127,7 @@ class PackingStatsCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict:
         features = list(features)
-        own = getattr(self.collator, "stats", None)
+        own = _collator_stats(self.collator)
         before = dict(own) if isinstance(own, dict) else None
         batch = self.collator(features)
         if all("input_ids" in f or "seq_lengths" in f for f in features):
@@ -127,7 +135,7 @@ class PackingStatsCollator:
         else:  # raw samples tokenized by the collator itself (VisionSFTCollator): the row's own boundaries
             lengths = torch.diff(batch["cu_seq_lens_q"].reshape(-1)).tolist()
         emitted = int(batch["input_ids"].numel()) if isinstance(batch["input_ids"], torch.Tensor) else 0
-        after = getattr(self.collator, "stats", None)
+        after = _collator_stats(self.collator)
         padding = 0
         if before is not None and isinstance(after, dict) and {"tokens", "samples"} <= after.keys():
             real, samples = after["tokens"] - before["tokens"], after["samples"] - before["samples"]

@@ -34,6 +34,12 @@ rank 0, every parameter after the epoch (gathered whole under ZeRO-3):
   ``_rl_worker.py``'s deterministic completions and reward; every logged metric and the packed forwards per rank.
   These and the KTO / reward cases save rank 0's parameters after training as ``OUT_DIR/CASE.parameters.pt`` (the
   SmolLM2 vocabulary's embeddings: too big for the JSON) and record how far training moved them.
+- ``tree_flat_ddp``, ``tree_ddp``, ``tree_zero2``, ``tree_zero3`` (:func:`tree_run`): ``share_prefixes=True`` on
+  ``packing_hf.Trainer``, one optimizer step over the whole epoch of ``_tree_data.py``'s per-turn samples
+  (assistant-only masks, prefix-tree rows planned by the sampler), under DDP, ZeRO-2 and ZeRO-3 (its parameters
+  partitioned, the LM head too), and the same step flat under DDP (``tree_flat_ddp``, share_prefixes off);
+  ``tree_local_zero3`` (negative control): ZeRO-3 whose loss policy counts one process, so that each rank divides
+  its tree loss by its own pairs' count (what a world of 1, as DeepSpeed's CPU accelerator reports it, would do).
 - ``local_mean_zero3`` (negative control): ZeRO-3 with every rank's loss normalised by its own token count
   (``average_tokens_across_devices=False``, what a miscounted world does to the loss): not DDP's training.
 - ``zero3_partitioned_head``, ``zero3_partitioned_head_full``, ``zero3_partitioned_head_outside`` (last): the
@@ -77,10 +83,11 @@ MOMENTUM = 0.9  # every case's SGD keeps a momentum buffer: the optimizer state 
 # DDP first: accelerate's state is one per process, and keeps DeepSpeed's plugin once a DeepSpeed case ran
 CASES = (
     "ddp", "sft_ddp", "sp2_ddp", "dpo_ddp", "kto_ddp", "reward_ddp", "grpo_ddp", "rloo_ddp",
+    "tree_flat_ddp", "tree_ddp",
     "zero2", "resumed_zero2", "resumed_unskipped_zero2", "resumed_lost_momentum_zero2", "sft_zero2",
-    "kto_zero2", "reward_zero2", "grpo_zero2", "rloo_zero2",
+    "kto_zero2", "reward_zero2", "grpo_zero2", "rloo_zero2", "tree_zero2",
     "zero3", "resumed_zero3", "resumed_lost_momentum_zero3", "sft_zero3", "sp2_zero3", "dpo_zero3",
-    "kto_zero3", "reward_zero3", "grpo_zero3", "rloo_zero3", "local_mean_zero3",
+    "kto_zero3", "reward_zero3", "grpo_zero3", "rloo_zero3", "tree_zero3", "tree_local_zero3", "local_mean_zero3",
 )  # fmt: skip
 CASES_4 = ("sp2_ddp", "sp2_zero3")  # --world 4: dp 2 x sp 2
 # the cases that evaluate EVAL_SAMPLES held-out samples before training (under DeepSpeed: the engine evaluate() makes,
@@ -89,6 +96,8 @@ EVALUATED_BEFORE_TRAINING = ("ddp", "zero3", "sp2_ddp", "sp2_zero3")
 EVAL_SAMPLES = 12
 SAVE_STEPS = 2  # the ZeRO cases save a checkpoint after this many of the epoch's steps: its middle
 IDS_KEY = "packing_hf_test_sample_ids"
+# the share_prefixes cases: 2 prefix-tree micro-batches per rank of this budget make the epoch; one step takes them all
+TREE_TOKENS, TREE_ACCUMULATION = 48, 4
 
 
 def make_samples(count: int = NUM_SAMPLES, seed: int = 1234) -> list[dict]:
@@ -365,6 +374,54 @@ def rl_run(out_dir: str, case: str, common: dict, start) -> dict:
     }
 
 
+def tree_run(out_dir: str, case: str, common: dict, start: dict) -> dict:
+    """``tree_*``: ``share_prefixes=True`` (``tree_flat_ddp``: off, flat rows) on ``packing_hf.Trainer``,
+    one SGD step over the epoch of ``_tree_data.py``'s per-turn samples: the step's loss, its samples on this rank
+    (counted in ``training_step``), the tree-token ratio it logged, the size of this rank's LM head between calls
+    (0: partitioned), the chunked head's logged refusals and, on rank 0, every parameter after the step (whole).
+    ``start``: the model's weights built whole, before any ZeRO-3 arguments. Under ZeRO-3 every parameter is
+    partitioned (``stage3_param_persistence_threshold=0``: else DeepSpeed keeps a tiny model's parameters whole), so
+    the tree loss's chunked LM head runs on a head DeepSpeed gathers for its call."""
+    import dataclasses
+
+    import datasets
+    from _tree_data import per_turn_samples, recording_collator
+
+    import packing_hf
+
+    share = case != "tree_flat_ddp"
+    options = {**common, "max_tokens_per_batch": TREE_TOKENS, "gradient_accumulation_steps": TREE_ACCUMULATION}
+    options.update(max_steps=1, share_prefixes=share, save_strategy="no")
+    if options["deepspeed"] and options["deepspeed"]["zero_optimization"]["stage"] == 3:
+        options["deepspeed"] = deepspeed_config(3)
+        options["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    args = packing_hf.TrainingArguments(os.path.join(out_dir, case), **options)
+    model = make_model()  # after the arguments: under ZeRO-3 partitioned at construction
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        load_whole(model, start)  # zero.Init initialised its own weights
+    trainer = counting(packing_hf.Trainer)(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(per_turn_samples(VOCAB)),
+        data_collator=recording_collator(flat=not share),
+    )
+    if case == "tree_local_zero3":  # the negative control: the loss policy counts this process alone
+        trainer.loss_policy.plan = dataclasses.replace(trainer.loss_policy.plan, world_size=1)
+    trainer.seen = []
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    parameters = whole_parameters(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+    return {
+        "plan": trainer.parallel_plan.describe(),
+        "losses": [h["loss"] for h in logged],
+        "tree_token_ratio": logged[0].get("tree_token_ratio"),
+        "seen_by_step": trainer.seen,
+        "head_numel": model.lm_head.weight.numel(),
+        "refusals": list(trainer.loss_policy.chunked_head_refusals),
+        "parameters": parameters if int(os.environ["RANK"]) == 0 else None,
+    }
+
+
 def lose_momentum(checkpoint: str, copy: str) -> int:
     """``checkpoint`` copied to ``copy`` with every SGD momentum buffer of its ZeRO optimizer partitions zeroed (a
     resume that lost the optimizer state but kept the weights and the data order); the number of buffers zeroed."""
@@ -583,6 +640,9 @@ def main(out_dir: str, cases: tuple[str, ...] = CASES) -> None:
             continue
         if case.startswith(("grpo_", "rloo_")):
             results[case] = rl_run(out_dir, case, common, rl_start)
+            continue
+        if case.startswith("tree_"):
+            results[case] = tree_run(out_dir, case, common, start)
             continue
         output = os.path.join(out_dir, case)
         args = (

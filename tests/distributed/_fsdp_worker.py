@@ -38,7 +38,10 @@ gloo DDP (``use_cpu=True``):
   ``resharded_head_refused``: the chunked head's error on a head whose ``fully_shard`` group reshards after the
   forward; ``trainer_ddp``, ``trainer_fsdp`` (both with the chunked head), ``trainer_fsdp_full``
   (``chunked_loss=False``), ``trainer_fsdp_head_detached`` (the negative control: the chunked head with the head's
-  weight detached).
+  weight detached); ``tree_ddp``, ``tree_fsdp``: ``share_prefixes=True``, one SGD step over the epoch of
+  ``_tree_data.py``'s per-turn samples (prefix-tree rows, assistant-only masks), ``tree_flat_ddp`` the same step
+  flat, ``tree_fsdp_local`` (the negative control) FSDP2 whose loss policy counts one process (each rank divides its
+  tree loss by its own pairs' count); these record every micro-batch's sample indices.
 - world 4: ``ddp_layout_sp2_refused`` (first): ``ParallelismConfig(dp_shard_size=2, sp_size=2)`` under DDP, which
   shards nothing: the refusal's message.
 - world 4 (dp 2 x sp 2): ``trainer_ddp_sp2`` (``sp_size=2``, the ``TrainingArguments`` field), ``trainer_fsdp_sp2``
@@ -72,13 +75,18 @@ CASES = {
 }
 # packing_hf.Trainer, after the cases above; DDP first in each world (the FSDP cases leave accelerate's flag set)
 TRAINER_CASES = {
-    2: ("trainer_ddp", "trainer_fsdp", "trainer_fsdp_full", "trainer_fsdp_head_detached"),
+    2: (
+        "trainer_ddp", "trainer_fsdp", "trainer_fsdp_full", "trainer_fsdp_head_detached",
+        "tree_flat_ddp", "tree_ddp", "tree_fsdp", "tree_fsdp_local",
+    ),
     4: (
         "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2", "trainer_fsdp_sp2_unscaled",
         "sft_ddp_sp2", "sft_fsdp_sp2",
     ),
 }  # fmt: skip
 TRAINER_SAMPLES = 24
+# the share_prefixes cases: one step of up to TREE_ACCUMULATION micro-batches of TREE_TOKENS takes the epoch
+TREE_TOKENS, TREE_ACCUMULATION = 48, 4
 # the trainer cases that evaluate the first EVAL_SAMPLES samples before training (eval_before)
 EVALUATED = ("trainer_ddp", "trainer_fsdp", "trainer_ddp_sp2", "trainer_fsdp_sp2", "trainer_hsdp_sp2")
 EVAL_SAMPLES = 10
@@ -328,9 +336,11 @@ def accelerate_fsdp_on_cpu() -> None:
 def build_trainer(case: str, out_dir: str, world: int):
     """``packing_hf.Trainer`` (``SFTTrainer``: ``sft_*``) of a trainer case (see the module docstring); it records,
     in ``seen``, every micro-batch's samples (their tokens)."""
+    import dataclasses
     import itertools
 
     import datasets
+    from _tree_data import IDS_KEY, per_turn_samples, recording_collator
     from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
 
@@ -342,6 +352,9 @@ def build_trainer(case: str, out_dir: str, world: int):
         seen: list
 
         def training_step(self, model, inputs, *args, **kwargs):
+            if IDS_KEY in inputs:  # the tree cases: the samples' indices (a tree row's segments are not samples)
+                self.seen.append(inputs.pop(IDS_KEY).tolist())
+                return super().training_step(model, inputs, *args, **kwargs)
             ids, cuts = inputs["input_ids"][0].tolist(), inputs["cu_seq_lens_q"].tolist()
             self.seen.append([ids[a:b] for a, b in itertools.pairwise(cuts)])
             return super().training_step(model, inputs, *args, **kwargs)
@@ -376,10 +389,19 @@ def build_trainer(case: str, out_dir: str, world: int):
         )
         data = {"train_dataset": datasets.Dataset.from_list(trainer_samples())}
         data["processing_class"] = AutoTokenizer.from_pretrained(TOKENIZER)
+    elif case.startswith("tree_"):  # one step over the epoch, every micro-batch's sample indices recorded
+        options.update(
+            max_tokens_per_batch=TREE_TOKENS, gradient_accumulation_steps=TREE_ACCUMULATION, max_steps=1,
+            share_prefixes=case != "tree_flat_ddp",
+        )  # fmt: skip
+        args = packing_hf.TrainingArguments(folder, **options)
+        data = {"train_dataset": per_turn_samples(VOCAB), "data_collator": recording_collator(not args.share_prefixes)}
     else:
         args = packing_hf.TrainingArguments(folder, **options)
         data = {"train_dataset": trainer_samples()}
     trainer = Recording(model=make_model(), args=args, **data)
+    if case.endswith("_local"):  # the negative control: the loss policy counts this process alone
+        trainer.loss_policy.plan = dataclasses.replace(trainer.loss_policy.plan, world_size=1)
     trainer.seen = []
     return trainer
 
@@ -446,7 +468,8 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
     parameters after the epoch (whole), each rank's micro-batches, the share of the parameters a process holds,
     how the first decoder layer's weight is placed (FSDP2's ``DTensor`` placements), how many attention calls
     ran on sequence-parallel shards, how many chunked-head projections ran on a head FSDP2 gathered, the
-    chunked head's logged refusals, and the eval loss of the cases of :data:`EVALUATED` before training."""
+    chunked head's logged refusals, the eval loss of the cases of :data:`EVALUATED` before training, and the tree-token
+    ratio of the first step (``None`` on flat rows)."""
     import torch.distributed as dist
 
     from packing_hf.attention.ulysses import SequenceShard
@@ -496,6 +519,7 @@ def trainer_cases(rank: int, world: int, out_dir: str, mesh) -> dict:
             "fsdp_head_projections": projections[0],
             "chunked_refusals": list(trainer.loss_policy.chunked_head_refusals),
             "eval_before": eval_before,
+            "tree_token_ratio": next(h.get("tree_token_ratio") for h in trainer.state.log_history if "loss" in h),
         }
         del trainer, model, params, weight
     SequenceShard.attention = original

@@ -14,7 +14,9 @@ KTO and reward batches the same as DDP's, each example once per epoch across the
 packed forwards. The ZeRO-3 model partitioned at construction with no false pre-flight refusal, ``check_packing`` of
 the partitioned model measured (not "failed"), and DeepSpeed on CPU without ``use_cpu=True`` (accelerate counts one
 process of two) refused by name; the chunked LM head under ZeRO-3 with the head partitioned equals the full logits
-and DDP (reading the partition outside the head's call is caught). Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the
+and DDP (reading the partition outside the head's call is caught). ``share_prefixes=True`` (prefix-tree rows of
+per-turn samples) under ZeRO-2 and ZeRO-3 (the LM head partitioned) equals DDP and the same samples flat: one step's
+loss and parameters, the samples split over the ranks (a tree denominator counted per process is caught). Two launches of ``_deepspeed_worker.py``: every 2-process case in one, the
 4-process SP cases in the other. Skipped without ``deepspeed`` (``pip install packing_hf[deepspeed]``).
 """
 
@@ -342,3 +344,47 @@ def test_chunked_head_under_zero3_with_the_head_partitioned(ranks):
     for rank in ranks:
         error = rank["zero3_partitioned_head_outside"]["error"]
         assert "weight (vocab_size, hidden_size)" in error and "and (0,)" in error, error
+
+
+TREE_DATA = Path(__file__).with_name("_tree_data.py")
+
+
+@pytest.mark.parametrize(
+    ("case", "engine"),
+    [("tree_ddp", "ddp"), ("tree_zero2", "deepspeed ZeRO-2"), ("tree_zero3", "deepspeed ZeRO-3")],
+)
+def test_share_prefixes_step_under_zero_equals_ddp_and_flat(ranks, load_worker, case, engine):
+    """``share_prefixes=True`` (prefix-tree rows of per-turn samples, assistant-only masks) through
+    ``packing_hf.Trainer`` under gloo DDP, ZeRO-2 and ZeRO-3 (every parameter partitioned, the LM head too): one SGD
+    step over the epoch, each rank's trees its own samples, every sample once across the ranks; the step's loss and
+    every parameter after it equal the same step under DDP and the same samples packed flat (the tree loss's
+    denominator is the step's over both ranks: measured 2e-8 apart at most, while the step moved them by 0.1)."""
+    samples = len(load_worker(TREE_DATA).per_turn_samples(load_worker(WORKER).VOCAB))
+    mine = [rank[case] for rank in ranks]
+    assert all(m["plan"] == f"{engine}, 2 processes" for m in mine)
+    # the flat step and the tree step each train the epoch, split over the ranks; the tree ranks the same trees
+    for name in ("tree_flat_ddp", case):
+        seen = [[i for batch in rank[name]["seen_by_step"] for i in batch] for rank in ranks]
+        assert all(seen) and not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(samples))
+    assert all(m["seen_by_step"] == r["tree_ddp"]["seen_by_step"] for m, r in zip(mine, ranks, strict=True))
+    # the rows were trees (shared prefixes computed once), the flat run's were not
+    assert mine[0]["tree_token_ratio"] > 1.5 and ranks[0]["tree_flat_ddp"]["tree_token_ratio"] is None
+    assert all(m["refusals"] == [] for m in mine)  # the chunked head served the tree loss
+    if case == "tree_zero3":
+        assert all(m["head_numel"] == 0 for m in mine), "ZeRO-3 kept the LM head whole: not partitioned"
+    assert mine[0]["losses"] == mine[1]["losses"] and len(mine[0]["losses"]) == 1
+    for reference in ("tree_ddp", "tree_flat_ddp"):
+        want = ranks[0][reference]
+        assert mine[0]["losses"] == pytest.approx(want["losses"], rel=1e-6, abs=0), reference
+        assert _max_difference(want["parameters"], mine[0]["parameters"]) <= 1e-6, reference
+    assert _max_difference(ranks[0]["start"], mine[0]["parameters"]) > 1e-2  # the step moved them
+
+
+def test_negative_control_a_tree_loss_counted_on_one_process_is_caught(ranks):
+    """ZeRO-3 with the tree loss's denominator counted on each process alone (its loss policy told of one process,
+    as DeepSpeed's CPU accelerator reports the world): the comparison the tree cases pass fails on the loss and on
+    the parameters."""
+    wrong, want = ranks[0]["tree_local_zero3"], ranks[0]["tree_ddp"]
+    assert wrong["plan"] == "deepspeed ZeRO-3, 2 processes" and wrong["seen_by_step"] == want["seen_by_step"]
+    assert wrong["losses"] != pytest.approx(want["losses"], rel=1e-2)
+    assert _max_difference(want["parameters"], wrong["parameters"]) > 1e-3

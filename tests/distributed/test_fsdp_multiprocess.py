@@ -14,7 +14,9 @@ same samples on the 2 processes of an SP group) on 2 processes, and with ``sp_si
 HSDP (``ParallelismConfig(dp_replicate_size=2, sp_size=2)``); an SP loss not scaled by the number of processes is
 caught; the chunked LM head runs under FSDP2 (on the gathered ``lm_head``) and equals the full logits there, a
 head without gradient is caught and a head resharded after the forward refused; FSDP asked for where accelerate runs DDP (CPU without the stand-in), and ``dp_shard_size`` beside ``sp_size``
-under DDP, are refused by name. One launch per world, in one script: ``_fsdp_worker.py``.
+under DDP, are refused by name. ``share_prefixes=True`` (prefix-tree rows of per-turn samples) under FSDP2 equals
+DDP and the same samples flat (one step's loss and parameters, each rank its own trees); a tree loss counted per
+process is caught. One launch per world, in one script: ``_fsdp_worker.py``.
 """
 
 from __future__ import annotations
@@ -215,3 +217,45 @@ def test_a_head_resharded_after_the_forward_is_refused(results):
     message = found["resharded_head_refused"]
     assert message.startswith("the LM head's weight is an FSDP2 shard after the model's forward"), message
     assert "reshard_after_forward=False" in message and "chunked_loss=False" in message, message
+
+
+def _samples_of(found: dict, case: str) -> list[list[int]]:
+    """Per rank, the indices of the samples its micro-batches trained (recorded by the tree cases' collators)."""
+    return [[i for batch in rank for i in batch] for rank in found[case]["seen"]]
+
+
+def test_share_prefixes_under_fsdp2_equals_ddp_and_flat(results, load_worker, assert_close):
+    """``share_prefixes=True`` (prefix-tree rows of per-turn samples, assistant-only masks) through
+    ``packing_hf.Trainer`` under accelerate's FSDP2 (parameters sharded, the chunked head on the gathered
+    ``lm_head``): one SGD step over the epoch equals the same step under gloo DDP and the same samples packed flat
+    under DDP (the step's loss, every parameter after it); each rank trains its own trees, every sample once."""
+    _, found = results
+    samples = len(load_worker(WORKER.with_name("_tree_data.py")).per_turn_samples(load_worker(WORKER).VOCAB))
+    tree, ddp, flat = found["tree_fsdp"], found["tree_ddp"], found["tree_flat_ddp"]
+    assert tree["engine"] == "FSDPLlamaForCausalLM" and ddp["engine"] == flat["engine"] == "DistributedDataParallel"
+    assert tree["plan"] == "fsdp2, 2 processes" and tree["held"] == pytest.approx(0.5, abs=0.02)
+    for case in ("tree_flat_ddp", "tree_ddp", "tree_fsdp"):
+        seen = _samples_of(found, case)
+        assert all(seen) and not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(samples))
+    assert tree["seen"] == ddp["seen"]  # the same trees on every rank
+    # the rows were trees (shared prefixes computed once), the flat run's were not
+    assert tree["tree_token_ratio"] == ddp["tree_token_ratio"] > 1.5 and flat["tree_token_ratio"] is None
+    assert tree["chunked_refusals"] == [] and tree["fsdp_head_projections"] == len(tree["seen"][0]) > 0
+    for want, what in ((ddp, "FSDP2 vs DDP"), (flat, "FSDP2 vs the samples flat")):
+        assert len(tree["losses"]) == len(want["losses"]) == 1 and sorted(tree["after"]) == sorted(want["after"])
+        assert_close(tree["losses"][0], want["losses"][0], f"share_prefixes, {what}: the loss", rel=RELATIVE_TOLERANCE)
+        for name, expected in want["after"].items():
+            assert_close(tree["after"][name], expected, f"share_prefixes, {what}: {name}", rel=RELATIVE_TOLERANCE)
+
+
+def test_negative_control_a_tree_loss_counted_on_one_process_is_caught_under_fsdp2(results, assert_close):
+    """FSDP2 whose tree loss is divided by each process's own count (the loss policy told of one process): the
+    comparison the tree case passes fails on the loss and on the parameters."""
+    _, found = results
+    got, want = found["tree_fsdp_local"], found["tree_ddp"]
+    assert got["seen"] == want["seen"]
+    with pytest.raises(AssertionError):
+        assert_close(got["losses"][0], want["losses"][0], "loss", rel=RELATIVE_TOLERANCE)
+    for name, expected in want["after"].items():
+        with pytest.raises(AssertionError):
+            assert_close(got["after"][name], expected, name, rel=RELATIVE_TOLERANCE)

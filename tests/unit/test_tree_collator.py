@@ -122,6 +122,18 @@ def test_tree_token_ratio_in_the_packing_metrics():
     assert metrics.compute(num_steps=1)["tree_token_ratio"] == round(29 / 16, 4)
 
 
+def test_packing_metrics_of_a_tree_row_behind_stock_column_removal():
+    """The Trainer wraps the collator in stock's ``RemoveColumnsCollator`` over a dataset that is not a
+    ``datasets.Dataset`` (a list): the counts are still the tree row's (its samples' tokens, its attention), not
+    those of a flat row of the same samples."""
+    from transformers.trainer_utils import RemoveColumnsCollator
+
+    columns = ["input_ids", "completion_mask"]
+    want = PackingStatsCollator(PrefixTreeCollator())(SAMPLES)[STATS_KEY]
+    got = PackingStatsCollator(RemoveColumnsCollator(PrefixTreeCollator(), columns))(SAMPLES)[STATS_KEY]
+    assert got == want and got[TREE_TOKENS_KEY] == 26 and got["real_tokens"] == 13
+
+
 def test_malformed_input_is_named():
     with pytest.raises(ValueError, match="min_shared_tokens"):
         PrefixTreeCollator(min_shared_tokens=0)

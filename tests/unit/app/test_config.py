@@ -530,3 +530,22 @@ def test_share_prefixes_is_checked_at_parse_time():
     for values, match in refused:
         with pytest.raises(ValueError, match=match):
             load_train_config(values)
+
+
+def test_share_prefixes_on_a_model_its_trees_cannot_serve_is_refused_at_parse_time(tmp_path):
+    """The model's config known before it is built (``model_type``, or a local folder's ``config.json``): a model
+    whose prefix-tree rows cannot be exact (``prefix_tree_refusal``: a pure state-space stack) is refused when the
+    config is read, not when the trainer is built after the data; the models trees serve pass."""
+    from transformers import AutoConfig
+
+    refused = r"share_prefixes: true: mamba2: a prefix-tree row .* \(here: remove share_prefixes\)"
+    with pytest.raises(ValueError, match=refused):
+        load_train_config({"model_type": "mamba2", "share_prefixes": True, "max_tokens_per_batch": 2048})
+    AutoConfig.for_model("mamba2", num_hidden_layers=2).save_pretrained(tmp_path / "mamba2")
+    with pytest.raises(ValueError, match=refused):
+        load_train_config({"model_name_or_path": str(tmp_path / "mamba2"), "share_prefixes": True})
+    for model_type in ("llama", "bamba"):  # attention only; a hybrid whose mixer states follow the tree
+        cfg = load_train_config({"model_type": model_type, "share_prefixes": True, "max_tokens_per_batch": 2048})
+        assert cfg.training.share_prefixes
+    # without share_prefixes the same model is not refused (flat rows stay exact)
+    assert load_train_config({"model_type": "mamba2", "max_tokens_per_batch": 2048}).model.model_type == "mamba2"
