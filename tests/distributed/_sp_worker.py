@@ -495,6 +495,15 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
         if kind in ("trainer", "dpo"):
             result["eval"] = trainer.evaluate()["eval_loss"]
             result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)
+        if kind == "tree":  # an evaluation call on the tree row: its own loss, the group's shares summed
+            import torch
+
+            batch = trainer.data_collator(make_tree_samples((10, 3, 3, 2, 2), seed=11))
+            capture.pop("shard_tokens", None)
+            trainer.model.eval()
+            with torch.no_grad():
+                result["tree_eval"] = float(trainer.compute_loss(trainer.model, batch))
+            result["tree_eval_cut"] = capture.get("shard_tokens")
     result["batches"] = capture["batches"]
     result["sp_chunked"] = capture.get("sp_chunked")
     result["tree_chunked"] = capture.get("tree_chunked")

@@ -137,6 +137,14 @@ def test_share_prefixes_under_sequence_parallelism_equals_the_samples_flat(resul
         assert_close(grads[name], want, f"tree_sp2 vs flat: grad of {name}", rel=RELATIVE_TOLERANCE)
 
 
+def test_an_evaluation_call_on_a_tree_row_under_sequence_parallelism_equals_one_process(results, assert_close):
+    """``compute_loss`` of the trained ``share_prefixes`` model in evaluation mode on its tree row, cut over the SP
+    group (each rank's pairs, the shares summed over the group), equals the same call on one process."""
+    reference, got = results["tree_sp2"]
+    assert got["tree_eval_cut"] == 10 and reference["tree_eval_cut"] is None
+    assert_close(got["tree_eval"], reference["tree_eval"], "tree eval loss", rel=RELATIVE_TOLERANCE)
+
+
 def _caught(reference: tuple, got: tuple, assert_close, what: str) -> None:
     """The comparison of the exactness tests fails on the loss and on most gradients."""
     (ref_loss, ref_grads), (loss, grads) = reference, got
