@@ -49,6 +49,7 @@ __all__ = [
     "target_segments",
     "tree_coefficients",
     "tree_loss_counts",
+    "tree_numerator",
 ]
 
 #: what ``loss_normalization=`` accepts (see the module docstring)
@@ -310,3 +311,26 @@ def tree_coefficients(batch: Any, normalization: str) -> torch.Tensor:
     """
     check_loss_normalization(normalization, "normalization")
     return batch[TREE_KEYS[3] if normalization == "sample" else TREE_KEYS[2]].float()
+
+
+def tree_numerator(logits: torch.Tensor, batch: Any, normalization: str) -> torch.Tensor:
+    """``sum_p c_p * CE(logits[0, tree_rows[p]], tree_targets[p])``: the loss numerator of a prefix-tree row's pairs
+    (:data:`TREE_KEYS`, or this rank's of a row cut over a sequence-parallel group:
+    :func:`packing_hf.shard_loss.shard_tree_pairs`), ``c`` from :func:`tree_coefficients`.
+
+    Args:
+        logits: ``(1, T, V)`` the model's output on the row (or on the shard whose pairs ``batch`` holds).
+        batch: the pairs; ``normalization``: as in :func:`tree_coefficients`.
+
+    Returns:
+        A float32 scalar that keeps the graph (a pair of coefficient 0 adds exactly 0).
+
+    >>> pairs = {"tree_rows": torch.tensor([0, 0]), "tree_targets": torch.tensor([1, 2]),
+    ...          "tree_weights": torch.tensor([2.0, 1.0]), "tree_sample_weights": torch.tensor([1.0, 0.5])}
+    >>> round(float(tree_numerator(torch.zeros(1, 1, 4), pairs, "sample")), 4)  # 1.5 * log(4)
+    2.0794
+    """
+    coefficients = tree_coefficients(batch, normalization).to(logits.device)
+    picked = logits[0].index_select(0, batch[TREE_KEYS[0]].to(logits.device)).float()  # (P, V)
+    per_pair = torch.nn.functional.cross_entropy(picked, batch[TREE_KEYS[1]].to(logits.device), reduction="none")
+    return torch.where(coefficients != 0, per_pair * coefficients, torch.zeros_like(per_pair)).sum()

@@ -7,7 +7,11 @@ and cut: :func:`shard_target_coefficients` gives every target of this rank's sha
 numerator (a sample cut by a shard edge is normalised by its whole weight), :func:`sequence_parallel_loss` (from
 the logits) and :func:`sequence_parallel_chunked_loss` (from the LM head's input, in chunks of tokens) divide
 this rank's part of the numerator by the step's denominator, and :func:`shard_loss_counts` counts each row once
-toward that denominator (on the group's first rank). The shares of a group's ranks add up to the loss of the row
+toward that denominator (on the group's first rank). A prefix-tree row
+(:class:`~packing_hf.tree_collator.PrefixTreeCollator`) carries its targets as (row, target, weight) pairs
+instead of labels: :func:`shard_tree_pairs` gives each rank the pairs whose predicting row lies in its shard,
+re-indexed to the shard (a branch row predicting several children's first tokens keeps all its pairs, on the
+rank that holds it, wherever the children sit). The shares of a group's ranks add up to the loss of the row
 on one process, for every ``loss_normalization`` / ``loss_weights``; summed over the group, the gradients are
 the one-process gradients (DDP averages them: scale the loss by the number of processes, as packing_hf's
 Trainer does).
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._loss import loss_counts, step_denominator, target_coefficients
+from ._loss import TREE_KEYS, loss_counts, step_denominator, target_coefficients
 from .loss_head import LogitHead, linear_cross_entropy
 from .varlen import IGNORE_INDEX, SHARD_KEY
 
@@ -41,6 +45,7 @@ __all__ = [
     "shard_loss_counts",
     "shard_row_denominator",
     "shard_target_coefficients",
+    "shard_tree_pairs",
 ]
 
 
@@ -194,3 +199,50 @@ def sequence_parallel_chunked_loss(
     if denominator is None:
         denominator = shard_row_denominator(batch, normalization)
     return numerator / denominator
+
+
+def shard_tree_pairs(pairs: dict, shard: Any) -> dict:
+    """The target pairs of a prefix-tree row (:data:`packing_hf._loss.TREE_KEYS`) that this rank's shard predicts:
+    those whose row lies in ``[shard.offset, shard.offset + shard.length)``, the rows re-indexed to the shard.
+
+    Every pair is on exactly one rank of the group, so the group's numerators add up to the whole row's (a pair is
+    computed from its predicting row's logits alone; the attention gave that row its ancestors' keys from the whole
+    row). ``tree_samples`` is the whole row's (the step's denominator counts each row once:
+    :func:`shard_loss_counts`'s rule, through :func:`packing_hf._loss.tree_loss_counts` on the group's first rank).
+
+    Args:
+        pairs: the row's ``tree_rows`` / ``tree_targets`` / ``tree_weights`` / ``tree_sample_weights`` ``(P,)``
+            and ``tree_samples`` (0-d), as :class:`~packing_hf.tree_collator.PrefixTreeCollator` built them.
+        shard: this rank's :class:`~packing_hf.attention.ulysses.SequenceShard` (``batch[SHARD_KEY]`` of
+            :func:`~packing_hf.attention.sequence_parallel.shard_packed_batch`).
+
+    Returns:
+        The same keys, the first four cut to this shard's ``(P_rank,)`` pairs (``tree_rows`` in ``[0, T_rank)``).
+
+    Raises:
+        ValueError: a pair whose row is not a token of the row (it would be on no rank, its loss lost).
+
+    >>> from packing_hf import PrefixTreeCollator
+    >>> from packing_hf.attention.ulysses import SequenceShard
+    >>> row = PrefixTreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [5, 6, 9]}])  # rows [5, 6, 7, 9]
+    >>> row["tree_rows"].tolist(), row["tree_targets"].tolist()
+    ([0, 1, 1], [6, 7, 9])
+    >>> second = SequenceShard(None, 1, [2, 2], torch.tensor([0, 2, 3, 4]), row["position_ids"])  # tokens 2, 3
+    >>> shard_tree_pairs(row, second)["tree_rows"].tolist()  # token 1, the branch row, is on the first rank
+    []
+    >>> first = SequenceShard(None, 0, [2, 2], torch.tensor([0, 2, 3, 4]), row["position_ids"])
+    >>> shard_tree_pairs(row, first)["tree_targets"].tolist()
+    [6, 7, 9]
+    """
+    rows = pairs[TREE_KEYS[0]]
+    total = sum(shard.lengths)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= total):
+        raise ValueError(
+            f"{shard!r}: the prefix-tree row's target pairs name rows {int(rows.min())}..{int(rows.max())}, not all "
+            f"among its {total} tokens; pass the pairs PrefixTreeCollator built with the row"
+        )
+    mine = (rows >= shard.offset) & (rows < shard.offset + shard.length)
+    out = {key: pairs[key][mine] for key in TREE_KEYS[1:4]}
+    out[TREE_KEYS[0]] = rows[mine] - shard.offset
+    out[TREE_KEYS[4]] = pairs[TREE_KEYS[4]]
+    return out

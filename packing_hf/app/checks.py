@@ -419,9 +419,9 @@ def _known_model_config(model: Any) -> Any:
 def check_share_prefixes(cfg: Any, origin) -> None:
     """``share_prefixes: true`` (``trainer: trainer`` / ``sft``, whose training arguments have the key): packed rows
     to merge, read with packing_hf's attention (chosen for the model when the config names none, with a note); a
-    padded, streamed, sequence-parallel or TRL-packed run, another attention, or a model whose prefix-tree rows
-    cannot be exact (:func:`~packing_hf.attention.admission.prefix_tree_refusal`, where the model's config is
-    known before it is built) refused by name."""
+    padded, streamed or TRL-packed run (``sp_size`` cuts a tree row exactly), another attention, or a model whose
+    prefix-tree rows cannot be exact (:func:`~packing_hf.attention.admission.prefix_tree_refusal`, where the
+    model's config is known before it is built) refused by name."""
     training = cfg.training
     if not getattr(training, "share_prefixes", False):
         return
@@ -441,11 +441,6 @@ def check_share_prefixes(cfg: Any, origin) -> None:
         raise ValueError(
             f"{where}: share_prefixes: true with streaming: true: a stream is packed by sample length as it "
             "arrives, so samples sharing prefixes rarely meet in a micro-batch; remove streaming or share_prefixes"
-        )
-    if (getattr(training, "sp_size", None) or 1) > 1:
-        raise ValueError(
-            f"{where}: share_prefixes: true with sp_size: {training.sp_size}: a prefix-tree row is not cut over a "
-            "sequence-parallel group; remove sp_size or share_prefixes"
         )
     if getattr(training, "packing", False):
         raise ValueError(

@@ -41,7 +41,10 @@ from .._loss import (
     target_coefficients,
     tree_coefficients,
     tree_loss_counts,
+    tree_numerator,
 )
+from ..shard_loss import shard_tree_pairs
+from ..varlen import SHARD_KEY
 from .args import PackingArguments
 from .chunked_head import causal_lm_loss, pairs_lm_loss
 from .loss_policy import LossPolicy, LossRoute, causal_labels, stock_scaled_for_ga
@@ -228,25 +231,34 @@ class PackingLossMixin:
     ) -> Any:
         """A prefix-tree row's loss (:class:`~packing_hf.tree_collator.PrefixTreeCollator`): the numerator of its
         (row, target, weight) pairs, each pair's cross-entropy computed once, over the step's denominator, times
-        the processes (``num_items_in_batch``: training); alone (an evaluation call) over its own denominator."""
+        the processes (``num_items_in_batch``: training); alone (an evaluation call) over its own denominator.
+
+        Under sequence parallelism the row is cut over the SP group (:meth:`_shard_row`) and this rank computes the
+        pairs whose predicting rows lie in its shard (:func:`~packing_hf.shard_loss.shard_tree_pairs`): the group's
+        numerators add up to the row's, over the step's denominator (each row counted once, by the group's first
+        rank: :meth:`LossPolicy._tree_step`); an evaluation call's shares are summed over the group."""
         normalization = self.args.loss_normalization
         pairs = {key: inputs[key] for key in TREE_KEYS}
         model_inputs = {k: v for k, v in inputs.items() if k not in TREE_KEYS}
         model_inputs["use_cache"] = False
-        coefficients = tree_coefficients(pairs, normalization)
-        rows, targets = pairs[TREE_KEYS[0]], pairs[TREE_KEYS[1]]
-        if num_items_in_batch is None:
+        if num_items_in_batch is None:  # the whole row's own denominator, before any cut
             scale = 1.0 / step_denominator(tree_loss_counts(pairs), normalization)
         else:
             scale = self.parallel_plan.world_size / float(num_items_in_batch)
+        cut = self.loss_policy.cuts_rows
+        if cut:
+            model_inputs = self._shard_row(model, model_inputs, training_mode(model), num_items_in_batch)
+            pairs = shard_tree_pairs(pairs, model_inputs[SHARD_KEY])
         if head is not None:
+            rows, targets = pairs[TREE_KEYS[0]], pairs[TREE_KEYS[1]]
+            coefficients = tree_coefficients(pairs, normalization)
             total, outputs = pairs_lm_loss(model, model_inputs, rows, targets, coefficients, head)
         else:
             outputs = model(**model_inputs)  # no labels: the model computes no loss of its own
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]  # (1, T, V)
-            picked = logits[0].index_select(0, rows.to(logits.device)).float()  # (P, V)
-            per_pair = F.cross_entropy(picked, targets.to(logits.device), reduction="none")
-            coefficients = coefficients.to(per_pair.device)
-            total = torch.where(coefficients != 0, per_pair * coefficients, torch.zeros_like(per_pair)).sum()
+            total = tree_numerator(logits, pairs, normalization)
         loss = total * scale
+        if cut and num_items_in_batch is None:  # evaluation: the row's loss, the group's shares summed
+            loss = loss.detach()
+            torch.distributed.all_reduce(loss, group=self.parallel_plan.sp_group)
         return (loss, outputs) if return_outputs else loss

@@ -370,7 +370,8 @@ class LossPolicy:
 
     def _tree_step(self, trainer: Any, batch_samples: list, device: Any, normalization: str) -> Any:
         """:meth:`begin_step` of prefix-tree rows: the step's summed pair weights and samples, all-reduced (the
-        same totals as the samples packed flat), on the :attr:`LossRoute.PREFIX_TREE` route."""
+        same totals as the samples packed flat), on the :attr:`LossRoute.PREFIX_TREE` route (under sequence
+        parallelism each row counted by its group's first rank, its pairs cut over the group in the call)."""
         local = torch.zeros(2, dtype=torch.float64)
         for i, batch in enumerate(batch_samples):
             if not is_tree_batch(batch):
@@ -379,6 +380,8 @@ class LossPolicy:
                     "with share_prefixes=True every training batch comes from packing_hf.PrefixTreeCollator"
                 )
             local += torch.tensor(tree_loss_counts(batch), dtype=torch.float64)
+        if not self.plan.counts_rows:
+            local.zero_()  # sequence parallelism: the group's ranks share the row, its first rank counts it
         totals = local.to(device)
         if self.plan.world_size > 1:
             totals = trainer.accelerator.reduce(totals, reduction="sum")

@@ -8,7 +8,8 @@ the loss is the row's (row, target, weight) pairs' (``LossRoute.PREFIX_TREE`` of
 
 - the collator: built from ``min_shared_tokens`` when none is given; a given one must be a ``PrefixTreeCollator``
   with the same ``min_shared_tokens``;
-- the refusals, each by name: sequence parallelism (a tree row is not cut over processes), models whose token
+- the refusals, each by name: accelerate's own sequence / context parallelism (packing_hf's ``sp_size`` cuts a
+  tree row exactly: :meth:`~packing_hf.integrations.loss.PackingLossMixin._tree_loss`), models whose token
   mixers cannot start a child from its parent's state (:func:`~packing_hf.attention.admission.prefix_tree_refusal`),
   streamed training data (packed online by length, as it arrives), TRL's own packed rows;
 - the models run packing_hf's attention while they train (the only attention reading ``prefix_seq_idx``), given
@@ -100,12 +101,15 @@ class PrefixTreeMixin:
                 )
             return
         plan = self.parallel_plan
-        if plan.sequence_parallel or plan.shards_sequences:
+        if plan.shards_sequences:
+            # packing_hf's own sp_size cuts a tree row exactly (the loss's pairs follow their rows, _tree_loss);
+            # accelerate's context / sequence parallelism would cut it without the tree's ancestors
             raise PackingRefused(
                 "share_prefixes",
-                f"share_prefixes=True with sequence parallelism ({plan.describe()}{plan.shards_sequences or ''}): a "
-                "prefix-tree row is not cut over a sequence-parallel group (a child could land on another process "
-                "than its ancestors); unset share_prefixes or the sequence parallelism",
+                f"share_prefixes=True with accelerate's sequence/context parallelism ({plan.shards_sequences}): a "
+                "prefix-tree row cut by accelerate loses its ancestors' keys at the cut; use packing_hf's "
+                "(parallelism_config=ParallelismConfig(sp_size=N) on packing_hf.Trainer / SFTTrainer) or unset "
+                "share_prefixes",
             )
         refusal = prefix_tree_refusal(getattr(base_model(self.model), "config", None))
         if refusal is not None:

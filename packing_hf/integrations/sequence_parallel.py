@@ -58,27 +58,12 @@ class PackingSequenceParallelMixin:
         (the shares summed over the SP group: what one process computes on the whole row). ``head``: the
         resolved chunked LM head (:func:`~packing_hf.integrations.chunked_head.resolve_head`), or ``None`` for the
         shard's full logits."""
-        from ..attention.sequence_parallel import (
-            check_sequence_parallel_model,
-            check_sequence_parallel_router_loss,
-            shard_packed_batch,
-        )
-
         plan = self.parallel_plan
         training = training_mode(model)  # an engine's own flag may say otherwise (training_mode)
-        if training and num_items_in_batch is None:
-            raise ValueError(
-                "sequence parallelism divides every shard's loss by the step's denominator, which the Trainer "
-                "did not count (num_items_in_batch is None); call compute_loss from the training loop"
-            )
-        unwrapped = self.accelerator.unwrap_model(model)
-        check_sequence_parallel_model(unwrapped, plan.sp_size)
-        # the loss below is the logits' alone (also checked at set-up: a config changed since is caught here)
-        check_sequence_parallel_router_loss(getattr(unwrapped, "config", None), plan.sp_size, unwrapped)
         row = dict(inputs)
         if weights is not None and training:  # eval_loss stays the unweighted token mean (docs/loss.md)
             row[LOSS_WEIGHTS_KEY] = weights
-        shard = shard_packed_batch(row, plan.sp_group)
+        shard = self._shard_row(model, row, training, num_items_in_batch)
         normalization = self.args.loss_normalization if training else "token"
         denominator = float(num_items_in_batch) if training else shard_row_denominator(shard, "token")
         if head is not None:
@@ -93,3 +78,25 @@ class PackingSequenceParallelMixin:
             return (loss, outputs) if return_outputs else loss
         loss = loss * plan.world_size
         return (loss, outputs) if return_outputs else loss
+
+    def _shard_row(self, model: Any, row: dict, training: bool, num_items_in_batch: Any) -> dict:
+        """This rank's shard of the packed row ``row`` (:func:`~packing_hf.attention.sequence_parallel.shard_packed_batch`
+        over the run's SP group), once the model is checked to run exactly on shards; shared by the flat rows'
+        route and the prefix-tree rows' (:meth:`PackingLossMixin._tree_loss`)."""
+        from ..attention.sequence_parallel import (
+            check_sequence_parallel_model,
+            check_sequence_parallel_router_loss,
+            shard_packed_batch,
+        )
+
+        plan = self.parallel_plan
+        if training and num_items_in_batch is None:
+            raise ValueError(
+                "sequence parallelism divides every shard's loss by the step's denominator, which the Trainer "
+                "did not count (num_items_in_batch is None); call compute_loss from the training loop"
+            )
+        unwrapped = self.accelerator.unwrap_model(model)
+        check_sequence_parallel_model(unwrapped, plan.sp_size)
+        # the loss is the logits' alone (also checked at set-up: a config changed since is caught here)
+        check_sequence_parallel_router_loss(getattr(unwrapped, "config", None), plan.sp_size, unwrapped)
+        return shard_packed_batch(row, plan.sp_group)

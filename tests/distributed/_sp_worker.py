@@ -19,9 +19,16 @@ The cases (one launch, several checks; the test compares them with ``assert_clos
   a strict prefix and an unrelated sample) at sp=4: shard cuts fall inside segments and children sit on other
   ranks than their parents. ``sp4_tree_sibling_leak``, its negative control: the shards' ``prefix_seq_idx``
   gives a branch its sibling as parent (the attention gathers the sibling's keys): the comparison must fail.
+- ``sp4_tree_pairs``: a prefix-tree row with its target pairs (:class:`packing_hf.PrefixTreeCollator`, per-turn
+  samples, ``"sample"``) at sp=4, each rank computing the pairs of its shard
+  (:func:`packing_hf.shard_loss.shard_tree_pairs`), against the same samples flat on one process: a branch row
+  ends shard 0 and its children start on ranks 1 and 2. ``sp4_tree_pairs_not_reindexed``, its negative control:
+  the pairs read at the whole row's indices (:func:`not_reindexed`): the comparison must fail.
 - ``packing_hf.Trainer`` (``"token"``, then ``evaluate()``), ``packing_hf.SFTTrainer`` (``"sample"``),
   ``packing_hf.DPOTrainer`` (a live reference model then ``evaluate()``; precomputed reference log-probs) and
-  ``packing_hf.Trainer`` on a stream (two steps, resumed from the checkpoint after the first) with
+  ``packing_hf.Trainer`` on a stream (two steps, resumed from the checkpoint after the first),
+  ``packing_hf.Trainer(share_prefixes=True)`` (``"tree"``: one prefix-tree row, a branch row ending shard 0; on
+  one process also the same samples flat, ``"tree_flat"``) with
   ``parallelism_config=ParallelismConfig(sp_size=2)`` on 2 processes, against the same trainer on one process
   (:func:`build_trainer`); DPO with the per-token log-probs not summed over the group (the negative control,
   :func:`sum_alone`).
@@ -115,6 +122,63 @@ def sibling_leak(shard: dict) -> dict:
     return {**shard, "prefix_seq_idx": torch.tensor(parents, dtype=torch.int32)}
 
 
+def make_tree_samples(lengths: tuple[int, ...], seed: int) -> list[dict]:
+    """Samples sharing prefixes, as per-turn SFT data: ``S + A + A1``, ``S + B``, ``S + A + A2`` (``lengths`` of
+    ``S, A, A1, A2, B``, then unrelated samples), their first 0-2 tokens masked as a prompt. As a prefix-tree row
+    the last token of ``S`` predicts the first tokens of ``A`` and ``B``, the last of ``A`` those of ``A1`` and
+    ``A2`` (branch rows, each with two target pairs)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    system, turn, first, second, other, *unrelated = (
+        torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in lengths
+    )
+    token_lists = [system + turn + first, system + other, system + turn + second, *unrelated]
+    return [{"input_ids": ids, "labels": [-100] * (i % 3) + ids[i % 3 :]} for i, ids in enumerate(token_lists)]
+
+
+def not_reindexed(pairs: dict, shard) -> dict:
+    """Negative control for :func:`packing_hf.shard_loss.shard_tree_pairs`: the row's pairs read in the shard with
+    the whole row's indices (not re-indexed to it; those past the shard's tokens dropped)."""
+    mine = pairs["tree_rows"] < shard.length
+    return {key: value[mine] if key != "tree_samples" else value for key, value in pairs.items()}
+
+
+def tree_parallel_step(model, row: dict, normalization: str, group, pick=None):
+    """Loss and gradients of a prefix-tree row (:class:`packing_hf.PrefixTreeCollator`) cut over ``group``: each
+    rank computes the target pairs of its shard (``pick``: :func:`packing_hf.shard_loss.shard_tree_pairs`, or a
+    negative control's), over the row's denominator counted once; summed over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from packing_hf._loss import TREE_KEYS, step_denominator, tree_loss_counts, tree_numerator
+    from packing_hf.attention.sequence_parallel import shard_packed_batch
+    from packing_hf.shard_loss import shard_tree_pairs
+    from packing_hf.varlen import SHARD_KEY
+
+    pick = shard_tree_pairs if pick is None else pick
+    model.zero_grad(set_to_none=True)
+    pairs = {key: row[key] for key in TREE_KEYS}
+    shard = shard_packed_batch({k: v for k, v in row.items() if k not in TREE_KEYS}, group)
+    counts = torch.tensor(tree_loss_counts(pairs), dtype=torch.float64)
+    if shard[SHARD_KEY].rank != 0:
+        counts.zero_()
+    dist.all_reduce(counts, group=group)  # the row counted once (by the first rank of its group)
+    denominator = step_denominator(counts.tolist(), normalization)
+    logits = model(**shard).logits  # (1, T_rank, V)
+    loss = tree_numerator(logits, pick(pairs, shard[SHARD_KEY]), normalization) / denominator
+    loss.backward()
+    assert shard[SHARD_KEY].calls > 0, "the model never ran the sequence-parallel attention"
+    total = loss.detach().double()
+    dist.all_reduce(total, group=group)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone()
+        dist.all_reduce(grad, group=group)
+        grads[name] = grad
+    return total, grads
+
+
 def reference_step(model, rows: list[dict], normalization: str):
     """Loss and gradients of one process on the whole rows: the step's numerator over its denominator."""
     import torch
@@ -188,6 +252,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from packing_hf import PaddingFreeCollator, PrefixTreeCollator
     from packing_hf.attention.sequence_parallel import sequence_parallel_groups
 
     torch.set_num_threads(1)
@@ -209,6 +274,15 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
     results["sp4_tree"] = (reference, parallel_step(llama, [row], "token", everyone))
     leak = parallel_step(llama, [row], "token", everyone, tamper=sibling_leak)
     results["sp4_tree_sibling_leak"] = (reference, leak)
+    # a tree row's target pairs (PrefixTreeCollator) against the same samples flat on one process: 36 tokens,
+    # shards [0, 9) [9, 18) [18, 27) [27, 36); the branch row 8 ends shard 0 and predicts its children's first
+    # tokens at 9 (rank 1) and 21 (rank 2); the branch row 13 (rank 1) those at 14 (rank 1) and 18 (rank 2)
+    samples = make_tree_samples((9, 5, 4, 3, 6, 9), seed=11)
+    reference = reference_step(llama, [PaddingFreeCollator()(samples)], "sample") if rank == 0 else None
+    tree_row = PrefixTreeCollator()(samples)
+    results["sp4_tree_pairs"] = (reference, tree_parallel_step(llama, tree_row, "sample", everyone))
+    unshifted = tree_parallel_step(llama, tree_row, "sample", everyone, pick=not_reindexed)
+    results["sp4_tree_pairs_not_reindexed"] = (reference, unshifted)
 
     rows = [make_row(lengths, seed=10 + i, weighted=False) for i, lengths in enumerate(
         [[7, 9, 4], [3, 14], [11, 2, 6, 5], [19]]
@@ -231,7 +305,7 @@ def run(rank: int, out_dir: str, port: str, world: int) -> None:
 
 
 DPO_TOKENS = 600  # a packed row of 2-3 GSM8K pairs
-TRAINER_KINDS = ("trainer", "sft", "dpo", "dpo_precompute", "stream")
+TRAINER_KINDS = ("trainer", "sft", "dpo", "dpo_precompute", "stream", "tree")
 
 
 def make_pairs(count: int, offset: int):
@@ -328,6 +402,15 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
             finally:
                 SequenceShard.attention = original
 
+        def _shard_row(self, *args, **kwargs):  # the tokens of this rank's shard (the row was cut)
+            shard = super()._shard_row(*args, **kwargs)
+            capture["shard_tokens"] = int(shard["input_ids"].shape[1])
+            return shard
+
+        def _tree_loss(self, model, inputs, return_outputs, num_items_in_batch, head):
+            capture["tree_chunked"] = head is not None  # whether the chunked LM head served the tree's pairs
+            return super()._tree_loss(model, inputs, return_outputs, num_items_in_batch, head)
+
         def _sequence_parallel_loss(self, *args, **kwargs):  # whether the chunked LM head served the shard
             capture["sp_chunked"] = (args[5] if len(args) > 5 else kwargs.get("head")) is not None
             return super()._sequence_parallel_loss(*args, **kwargs)
@@ -356,6 +439,13 @@ def build_trainer(out_dir: str, sp_size: int, kind: str, capture: dict, **overri
     elif kind == "stream":  # a stream packed online, two steps, a checkpoint after the first
         args = TrainingArguments(folder, loss_normalization="token", **options)
         extra["train_dataset"] = read_stream(data)
+    elif kind in ("tree", "tree_flat"):  # share_prefixes: one prefix-tree row (20 tokens); or the samples flat
+        # shards [0, 10) [10, 20): the branch row 9 ends shard 0, its children start at 10 and 18 (rank 1)
+        options.update(max_tokens_per_batch=64)  # every sample in one micro-batch, flat (43 tokens) or as a tree
+        args = TrainingArguments(folder, loss_normalization="sample", share_prefixes=kind == "tree", **options)
+        extra = {"train_dataset": make_tree_samples((10, 3, 3, 2, 2), seed=11)}
+        if kind == "tree_flat":
+            extra["data_collator"] = PaddingFreeCollator()
     elif kind == "sft":  # TRL's SFT in fp32 (its default on CPU is bf16 autocast), data already tokenized
         args = SFTConfig(
             folder, loss_normalization="sample", padding_free=True, max_length=None, bf16=False, **options
@@ -405,8 +495,19 @@ def trainer_step(out_dir: str, sp_size: int, kind: str) -> dict:
         if kind in ("trainer", "dpo"):
             result["eval"] = trainer.evaluate()["eval_loss"]
             result["eval_shard_calls"] = capture.get("eval_shard_calls", 0)
+        if kind == "tree":  # an evaluation call on the tree row: its own loss, the group's shares summed
+            import torch
+
+            batch = trainer.data_collator(make_tree_samples((10, 3, 3, 2, 2), seed=11))
+            capture.pop("shard_tokens", None)
+            trainer.model.eval()
+            with torch.no_grad():
+                result["tree_eval"] = float(trainer.compute_loss(trainer.model, batch))
+            result["tree_eval_cut"] = capture.get("shard_tokens")
     result["batches"] = capture["batches"]
     result["sp_chunked"] = capture.get("sp_chunked")
+    result["tree_chunked"] = capture.get("tree_chunked")
+    result["shard_tokens"] = capture.get("shard_tokens")
     loss = capture["loss"].double()
     if sp_size > 1:
         dist.all_reduce(loss)
@@ -471,7 +572,7 @@ def main(out_dir: str, port: str) -> None:
         probe.bind(("127.0.0.1", 0))
         second = str(probe.getsockname()[1])
     mp.start_processes(run_trainer, args=(out_dir, second, 2), nprocs=2, start_method="fork")
-    reference = {kind: trainer_step(out_dir, 1, kind) for kind in TRAINER_KINDS}
+    reference = {kind: trainer_step(out_dir, 1, kind) for kind in (*TRAINER_KINDS, "tree_flat")}
     torch.save(reference, os.path.join(out_dir, "sp_trainer_reference.pt"))
 
 

@@ -98,3 +98,54 @@ def test_the_chunked_share_equals_the_logits_share(normalization, assert_close):
         )
     with pytest.raises(ValueError, match="not \\(1, 8, hidden_size\\)"):
         sequence_parallel_chunked_loss(hidden[0], head, shard)
+
+
+def _tree_pairs() -> dict:
+    """A 9-token prefix-tree row ``[5, 6, 7 | 8, 9 | 1, 2 | 3 | 4]``: the branch row 2 predicts 8 and 4 (rows 3
+    and 8), the branch row 4 predicts 1 and 3 (rows 5 and 7)."""
+    from packing_hf import PrefixTreeCollator
+
+    samples = [[5, 6, 7, 8, 9, 1, 2], [5, 6, 7, 4], [5, 6, 7, 8, 9, 3]]
+    return PrefixTreeCollator()([{"input_ids": ids} for ids in samples])
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_tree_pair_is_on_one_shard_reindexed(size):
+    """Cut over ``size`` ranks, every target pair of a tree row is on exactly one rank, at its predicting row's index
+    inside that rank's shard; ``tree_samples`` stays the row's."""
+    from packing_hf.attention.ulysses import SequenceShard, shard_lengths
+    from packing_hf.shard_loss import shard_tree_pairs
+
+    row = _tree_pairs()
+    total = int(row["input_ids"].shape[1])
+    cu = row["cu_seq_lens_q"]
+    found = []
+    for rank in range(size):
+        shard = SequenceShard(None, rank, shard_lengths(total, size), cu, row["position_ids"])
+        mine = shard_tree_pairs(row, shard)
+        assert int(mine["tree_samples"]) == int(row["tree_samples"]) == 3
+        assert all(0 <= r < shard.length for r in mine["tree_rows"].tolist())
+        found += zip(
+            (mine["tree_rows"] + shard.offset).tolist(),
+            mine["tree_targets"].tolist(),
+            mine["tree_weights"].tolist(),
+            mine["tree_sample_weights"].tolist(),
+            strict=True,
+        )
+    whole = zip(
+        *(row[key].tolist() for key in ("tree_rows", "tree_targets", "tree_weights", "tree_sample_weights")),
+        strict=True,
+    )
+    assert sorted(found) == sorted(whole)
+
+
+def test_tree_pairs_outside_the_row_are_refused():
+    """A pair naming a row past the row's tokens would be on no rank (its loss lost): refused by name."""
+    from packing_hf.attention.ulysses import SequenceShard
+    from packing_hf.shard_loss import shard_tree_pairs
+
+    row = _tree_pairs()
+    row["tree_rows"] = row["tree_rows"] + 9
+    shard = SequenceShard(None, 0, [5, 4], row["cu_seq_lens_q"], row["position_ids"])
+    with pytest.raises(ValueError, match="not all among its 9 tokens"):
+        shard_tree_pairs(row, shard)

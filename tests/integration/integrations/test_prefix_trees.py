@@ -299,9 +299,10 @@ def test_a_row_without_targets_trains_nothing(tmp_path, chunked):
     assert loss == 0.0 and all(not g.any() for g in grads.values())
 
 
-def test_sequence_parallelism_refused_by_name():
-    """A plan cutting rows over an SP group (``sp_size=2``; the check reads the run's ParallelPlan): refused with
-    the reason ``share_prefixes`` before any row is cut."""
+def test_accelerates_sequence_parallelism_refused_by_name():
+    """accelerate's own sequence parallelism (``sp_size`` told to accelerate, which would cut a tree row without its
+    ancestors' keys) is refused with the reason ``share_prefixes``; packing_hf's ``sp_size`` cuts it exactly
+    (``tests/distributed/test_sequence_parallel_multiprocess.py``, ``tree_sp2``)."""
     from types import SimpleNamespace
 
     from packing_hf.integrations.parallel import ParallelPlan
@@ -309,12 +310,12 @@ def test_sequence_parallelism_refused_by_name():
 
     trainer = SimpleNamespace(
         args=SimpleNamespace(share_prefixes=True),
-        parallel_plan=ParallelPlan("ddp", None, 2, 0, sp_size=2),
+        parallel_plan=ParallelPlan("ddp", None, 2, 0, accelerate_sizes={"sp_size": 2}),
         data_collator=packing_hf.PrefixTreeCollator(),
     )
     trainer._trains_prefix_trees = lambda: True
     with pytest.raises(
-        packing_hf.errors.PackingRefused, match="share_prefixes=True with sequence parallelism"
+        packing_hf.errors.PackingRefused, match="share_prefixes=True with accelerate's sequence/context"
     ) as refused:
         PrefixTreeMixin._check_share_prefixes(trainer)
     assert refused.value.reason == "share_prefixes"

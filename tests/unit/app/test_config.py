@@ -512,6 +512,9 @@ def test_share_prefixes_is_checked_at_parse_time():
     assert (
         sft.batching == "padding_free" and sft.training.min_shared_tokens == 4
     )  # the tree collator flattens
+    # packing_hf's sequence parallelism cuts a tree row exactly (tests/distributed/..._multiprocess.py, tree_sp2)
+    cut = load_train_config({"share_prefixes": True, "max_tokens_per_batch": 2048, "sp_size": 2})
+    assert cut.training.share_prefixes and cut.training.parallelism_config.sp_size == 2
     refused = [
         ({"share_prefixes": True, "batching": "padded"}, "batching is 'padded'"),
         (
