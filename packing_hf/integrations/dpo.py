@@ -75,8 +75,8 @@ from .parallel import requested_sp_size
 from .preference_kit import (
     MaxLengthCountsMixin,
     PackedForwardsMixin,
+    PairTreeArguments,
     PreferenceStatsCollator,
-    PrefixTreeArguments,
     check_preference_call,
     check_tree_collator,
     pad_token_id,
@@ -93,7 +93,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DPOConfig(PrefixTreeArguments, PackingArguments, trl.DPOConfig):
+class DPOConfig(PairTreeArguments, PackingArguments, trl.DPOConfig):
     """``trl.DPOConfig`` plus the packing fields of :class:`~packing_hf.integrations.args.PackingArguments`.
 
     ``max_length`` / ``truncation_mode`` keep TRL's meaning (per sequence, applied by the collator and
@@ -107,7 +107,7 @@ class DPOConfig(PrefixTreeArguments, PackingArguments, trl.DPOConfig):
     reference precomputation and are given back as they were. ``padding_free=True`` is accepted and means
     what packing_hf always does here: packed rows, exact.
 
-    ``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`) is the
+    ``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PairTreeArguments`) is the
     general case: every micro-batch becomes one prefix tree, so a system prompt or the earlier turns of a
     conversation (pairs cut from it at every turn) are computed once for the policy and the reference model.
     ``shared_prompt`` is then left unset (setting it too is refused). Refused with sequence parallelism and on

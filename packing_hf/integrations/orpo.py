@@ -24,7 +24,7 @@ an NLL term. These subclasses keep TRL's tokenization, loss and metrics, and rep
   positions stock reads (ORPO: every token but each sequence's last; CPO: every token); they equal stock's on a
   batch without padding.
 
-``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PrefixTreeArguments`, opt-in): the
+``share_prefixes=True`` (:class:`~packing_hf.integrations.preference_kit.PairTreeArguments`, opt-in): the
 ``2B`` sequences of a micro-batch become one prefix tree (``PaddingFreePairCollator(share_prefixes=True)``), so a
 system prompt, the earlier turns of a conversation cut into pairs and each pair's prompt are computed once;
 each token's log-prob is read at the row of the token before it in its sequence (a node's first token at its
@@ -79,8 +79,8 @@ from .args import PackingArguments, budget_max_length
 from .chunked_head import model_token_logprobs
 from .loss_policy import StockLoss
 from .preference_kit import (
+    PairTreeArguments,
     PreferenceStatsCollator,
-    PrefixTreeArguments,
     check_preference_call,
     check_tree_collator,
     pad_token_id,
@@ -104,7 +104,7 @@ _UNBOUNDED = sys.maxsize  # TRL's max_length while the budget bounds a pair: no 
 
 
 @dataclass
-class ORPOConfig(PrefixTreeArguments, PackingArguments, _StockORPOConfig):
+class ORPOConfig(PairTreeArguments, PackingArguments, _StockORPOConfig):
     """``trl.experimental.orpo.ORPOConfig`` plus the packing fields of
     :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
     every pair.
@@ -119,7 +119,7 @@ class ORPOConfig(PrefixTreeArguments, PackingArguments, _StockORPOConfig):
 
 
 @dataclass
-class CPOConfig(PrefixTreeArguments, PackingArguments, _StockCPOConfig):
+class CPOConfig(PairTreeArguments, PackingArguments, _StockCPOConfig):
     """``trl.experimental.cpo.CPOConfig`` plus the packing fields of
     :class:`~packing_hf.integrations.args.PackingArguments`; ``max_tokens_per_batch`` counts both sequences of
     every pair.

@@ -40,7 +40,7 @@ from .refusals import PackingRefused, first_row
 
 __all__ = [
     "MaxLengthCountsMixin",
-    "PrefixTreeArguments",
+    "PairTreeArguments",
     "PackedForwardsMixin",
     "PreferenceStatsCollator",
     "check_preference_call",
@@ -81,8 +81,10 @@ class PreferenceStatsCollator(PackingStatsCollator):
 
 
 @dataclass
-class PrefixTreeArguments:
-    """The prefix-tree options of the pair trainers (DPO, ORPO, CPO), mixed into their configs before
+class PairTreeArguments:
+    """The prefix-tree options of the pair trainers (DPO, ORPO, CPO; the causal-LM trainers' are
+    :class:`~packing_hf.integrations.args.PrefixTreeArguments`, whose trees packing_hf's own loss reads), mixed
+    into their configs before
     :class:`~packing_hf.integrations.args.PackingArguments`: ``share_prefixes`` and ``min_shared_tokens``
     (:class:`~packing_hf.preference.PaddingFreePreferenceCollator`'s meaning)."""
 
@@ -110,7 +112,7 @@ class PrefixTreeArguments:
             )
 
 
-def check_tree_collator(args: PrefixTreeArguments, collator: Any) -> None:
+def check_tree_collator(args: PairTreeArguments, collator: Any) -> None:
     """A given ``data_collator`` whose prefix tree contradicts the config's ``share_prefixes`` /
     ``min_shared_tokens`` (the collator decides; the config may leave them at their defaults)."""
     name = type(collator).__name__

@@ -625,6 +625,17 @@ def test_a_hybrid_shares_its_prompts_exactly_and_a_model_that_cannot_is_refused(
     want = stock.compute_ref_log_probs(stock.model, padded_batch)
     for g, w, side in zip(got, want, ("chosen", "rejected"), strict=True):
         _close(g, w, f"{side} logps")
+    # the pairs as one prefix tree (share_prefixes): the same log-probs on the hybrid
+    stock, packed = _build(
+        tmp_path, tokenizer, twins, lambda: pairs(4), loss_type=["sigmoid"], packed_only={"share_prefixes": True}
+    )
+    padded_batch, packed_batch = _batches(stock, packed, range(4))
+    assert "tree_index" in packed_batch
+    with packing_hf.prepare_model_for_packing(packed.model):
+        got = packed.compute_ref_log_probs(packed.model, packed_batch)
+    want = stock.compute_ref_log_probs(stock.model, padded_batch)
+    for g, w, side in zip(got, want, ("chosen", "rejected"), strict=True):
+        _close(g, w, f"{side} logps (tree)")
 
     def trainer(model_type, **options):
         config = tiny_config(model_type, vocab_size=len(tokenizer))
