@@ -65,3 +65,22 @@ def multi_turn_pairs():
     conversations of three turns sharing a system prompt, cut into a pair at every assistant turn, plus one
     unrelated pair (the data of the ``share_prefixes`` tests)."""
     return _multi_turn_pairs
+
+
+@pytest.fixture
+def branch_points_one_row_early(monkeypatch):
+    """``branch_points_one_row_early()``: the negative control of the preference trees' ``share_prefixes`` tests:
+    every row token predicted at the row before it (``TreeTargets.from_index`` patched for the test), so a node's
+    first token is read at its previous sibling's (or cousin's) last token instead of its branch point."""
+    import torch
+
+    from packing_hf.preference import TreeTargets
+
+    exact = TreeTargets.from_index.__func__
+
+    def plain_shift(cls, tree_index, labels, row_length):
+        targets = exact(cls, tree_index, labels, row_length)
+        shifted = (torch.arange(row_length) - 1).clamp(min=0)
+        return TreeTargets(shifted, targets.row_labels, targets.gather, targets.shape)
+
+    return lambda: monkeypatch.setattr(TreeTargets, "from_index", classmethod(plain_shift))

@@ -28,7 +28,6 @@ from packing_hf.integrations.dpo import DPOConfig, DPOTrainer  # noqa: E402
 from packing_hf.integrations.refusals import PackingRefused  # noqa: E402
 from packing_hf.preference import (  # noqa: E402
     PaddingFreePreferenceCollator,
-    TreeTargets,
     preference_pair_lengths,
 )
 
@@ -197,7 +196,9 @@ def test_logps_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins
         assert torch.allclose(got, want, rtol=REL, atol=1e-4), f"metric {key}: {got} vs {want}"
 
 
-def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, twins, multi_turn_pairs, monkeypatch):
+def test_share_prefixes_on_multi_turn_pairs_matches_stock(
+    tmp_path, tokenizer, twins, multi_turn_pairs, branch_points_one_row_early
+):
     """``share_prefixes``: the 7 pairs of one micro-batch are one prefix tree (the system prompt and the earlier
     turns held once), and the policy's and the reference model's per-sequence log-probs (live, and precomputed
     on tree batches), the loss (several loss types reading per-token values) and the gradients equal stock
@@ -238,14 +239,7 @@ def test_share_prefixes_on_multi_turn_pairs_matches_stock(tmp_path, tokenizer, t
 
     # negative control: every token predicted at the row before it, so a node's first token is read at its
     # previous sibling's (or cousin's) last token instead of its branch point
-    exact = TreeTargets.from_index.__func__
-
-    def plain_shift(cls, tree_index, labels, row_length):
-        targets = exact(cls, tree_index, labels, row_length)
-        shifted = (torch.arange(row_length) - 1).clamp(min=0)
-        return TreeTargets(shifted, targets.row_labels, targets.gather, targets.shape)
-
-    monkeypatch.setattr(TreeTargets, "from_index", classmethod(plain_shift))
+    branch_points_one_row_early()
     with pytest.raises(AssertionError):
         _close(logps(packed, packed_batch), want, "log-probs with branch points read from the wrong row")
 

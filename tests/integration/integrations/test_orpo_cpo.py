@@ -194,14 +194,12 @@ def test_loss_gradients_and_metrics_match_stock(tmp_path, tokenizer, twins, pair
     "kind, config, chunked", [("orpo", {"beta": 0.2}, True), ("cpo", {"loss_type": "sigmoid"}, False)]
 )
 def test_share_prefixes_on_multi_turn_pairs_matches_stock(
-    tmp_path, tokenizer, twins, multi_turn_pairs, kind, config, chunked, monkeypatch
+    tmp_path, tokenizer, twins, multi_turn_pairs, kind, config, chunked, branch_points_one_row_early
 ):
     """``share_prefixes``: the multi-turn pairs of test_dpo (two conversations cut at every turn, a shared system
     prompt, one unrelated pair) as one prefix tree; the per-sequence log-probs (ORPO: means, CPO: sums), the NLL
     term (ORPO: over every chosen token, prompt included), the loss and the gradients equal stock TRL's padded
     run. Negative control: the branch points read from the row before each node are caught."""
-    from packing_hf.preference import TreeTargets
-
     stock, packed = _build(
         tmp_path, tokenizer, twins, multi_turn_pairs, kind, per_device_train_batch_size=7,
         packed_only={"share_prefixes": True, "chunked_loss": chunked}, **config,
@@ -222,14 +220,7 @@ def test_share_prefixes_on_multi_turn_pairs_matches_stock(
     alone = sum(padded_batch[f"{side}_attention_mask"].sum().item() for side in ("chosen", "rejected"))
     assert metrics_p["tree_token_ratio"] == alone / row > 1
 
-    exact = TreeTargets.from_index.__func__
-
-    def plain_shift(cls, tree_index, labels, row_length):
-        targets = exact(cls, tree_index, labels, row_length)
-        shifted = (torch.arange(row_length) - 1).clamp(min=0)
-        return TreeTargets(shifted, targets.row_labels, targets.gather, targets.shape)
-
-    monkeypatch.setattr(TreeTargets, "from_index", classmethod(plain_shift))
+    branch_points_one_row_early()
     with torch.no_grad():
         wrong = packed.concatenated_forward(packed.model, packed_batch)
     # (a node's first child follows it in the row, so the control's rows differ for the later siblings only:
