@@ -511,6 +511,35 @@ class PeakRSS:
         return self._status("VmHWM") - self.base
 
 
+
+class StepPeak:
+    """The peak memory of one step at a time, in bytes: on CUDA ``max_memory_allocated`` between :meth:`start` and
+    :meth:`stop` (both synchronise); on CPU the growth of the peak resident memory (:class:`PeakRSS`, where
+    ``cpu_memory`` asks for it and the kernel allows the reset); ``None`` otherwise."""
+
+    def __init__(self, device: str, cpu_memory: bool = True) -> None:
+        self.cuda = device == "cuda"
+        self.rss = PeakRSS() if not self.cuda and cpu_memory else None
+
+    def start(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.rss is not None and self.rss.available:
+            self.rss.start()
+
+    def stop(self) -> int | None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        if self.rss is not None and self.rss.available:
+            return self.rss.growth()
+        return None
+
 # ---- equal memory: every contender's micro-batch within the same padded tokens -----------------------------
 
 

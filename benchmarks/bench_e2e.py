@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 from _common import (
-    PeakRSS,
+    StepPeak,
     add_mix_and_memory_arguments,
     add_threads_argument,
     batching_row,
@@ -259,15 +259,11 @@ class Contender:
         self.emitted = []  # per micro-batch, padding included
         self.peak_bytes = 0
         self.step_peaks: list[int] = []  # CUDA: max_memory_allocated in the step; CPU: peak resident growth
-        self.rss = PeakRSS() if device == "cpu" and cpu_memory else None
+        self.meter = StepPeak(device, cpu_memory)
 
     def step(self) -> None:
         step = [moved(batch, self.device) for batch in self.batches[self.done]]
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif self.rss is not None and self.rss.available:
-            self.rss.start()
+        self.meter.start()
         start, cpu_start = time.perf_counter(), time.process_time()
         try:
             for batch in step:  # gradient accumulation over the step's micro-batches (one but for rebalance)
@@ -278,12 +274,11 @@ class Contender:
             return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.step_peaks.append(torch.cuda.max_memory_allocated())
-            self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
-        elif self.rss is not None and self.rss.available:
-            self.step_peaks.append(self.rss.growth())
+        peak = self.meter.stop()
+        if peak is not None:
+            self.step_peaks.append(peak)
+            if self.device == "cuda":
+                self.peak_bytes = max(self.peak_bytes, peak)
         self.seconds += time.perf_counter() - start
         self.cpu_seconds += time.process_time() - cpu_start
         for batch in self.batches[self.done]:

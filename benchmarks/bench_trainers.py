@@ -92,7 +92,7 @@ import numpy as np
 import torch
 from _common import (
     TOKENIZER_DIR,
-    PeakRSS,
+    StepPeak,
     add_mix_and_memory_arguments,
     add_threads_argument,
     base_parser,
@@ -275,7 +275,7 @@ class StepTimer(TrainerCallback):
         self.cpu_marks: list[float] = []
         self.peak_bytes = 0
         self.step_peaks: list[int] = []  # per optimizer step: CUDA max_memory_allocated, CPU peak RSS growth
-        self.rss = PeakRSS() if not self.cuda and cpu_memory else None
+        self.meter = StepPeak("cuda" if self.cuda else "cpu", cpu_memory)
 
     def _now(self) -> float:
         if self.cuda:
@@ -289,19 +289,16 @@ class StepTimer(TrainerCallback):
         self.cpu_marks = [time.process_time()]
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        elif self.rss is not None and self.rss.available:
-            self.rss.start()
+        self.meter.start()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.marks.append(self._now())
         self.cpu_marks.append(time.process_time())
-        if self.cuda:
-            self.step_peaks.append(torch.cuda.max_memory_allocated())
-            self.peak_bytes = max(self.peak_bytes, self.step_peaks[-1])
-        elif self.rss is not None and self.rss.available:
-            self.step_peaks.append(self.rss.growth())
+        peak = self.meter.stop()
+        if peak is not None:
+            self.step_peaks.append(peak)
+            if self.cuda:
+                self.peak_bytes = max(self.peak_bytes, peak)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.cuda:

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from _common import (
     DATA_DIR,
-    PeakRSS,
+    StepPeak,
     add_threads_argument,
     base_parser,
     compact_vocabulary,
@@ -295,27 +295,21 @@ class Contender:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.done, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         self.step_peaks: list[int] = []
-        self.rss = PeakRSS() if device == "cpu" and cpu_memory else None
+        self.meter = StepPeak(device, cpu_memory)
 
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
         return (tree_loss if self.name == "tree" else flat_loss)(self.model, self.head, batch, self.device)
 
     def step(self) -> None:
         batch = self.batches[self.done]
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif self.rss is not None and self.rss.available:
-            self.rss.start()
+        self.meter.start()
         start, cpu_start = time.perf_counter(), time.process_time()
         self.loss(batch).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.step_peaks.append(torch.cuda.max_memory_allocated())
-        elif self.rss is not None and self.rss.available:
-            self.step_peaks.append(self.rss.growth())
+        peak = self.meter.stop()
+        if peak is not None:
+            self.step_peaks.append(peak)
         self.seconds += time.perf_counter() - start
         self.cpu_seconds += time.process_time() - cpu_start
         self.done += 1
