@@ -185,11 +185,11 @@ def _target_pairs(
     inverse = inverse.reshape(-1)
     summed = np.bincount(inverse, weights=w, minlength=keys.shape[1])
     by_sample = np.bincount(inverse, weights=w / per_sample[samples], minlength=keys.shape[1])
-    names = dict(zip(("rows", "targets", "weights", "sample_weights", "samples"), TREE_KEYS, strict=True))
-    return {
-        names["rows"]: torch.from_numpy(np.ascontiguousarray(keys[0])),
-        names["targets"]: torch.from_numpy(np.ascontiguousarray(keys[1])),
-        names["weights"]: torch.from_numpy(summed.astype(np.float32)),
-        names["sample_weights"]: torch.from_numpy(by_sample.astype(np.float32)),
-        names["samples"]: torch.tensor(int((per_sample > 0).sum()), dtype=torch.int64),
-    }
+    values = (  # in the order of TREE_KEYS: rows, targets, weights, sample weights, samples
+        torch.from_numpy(np.ascontiguousarray(keys[0])),
+        torch.from_numpy(np.ascontiguousarray(keys[1])),
+        torch.from_numpy(summed.astype(np.float32)),
+        torch.from_numpy(by_sample.astype(np.float32)),
+        torch.tensor(int((per_sample > 0).sum()), dtype=torch.int64),
+    )
+    return dict(zip(TREE_KEYS, values, strict=True))
