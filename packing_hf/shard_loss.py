@@ -236,9 +236,10 @@ def shard_tree_pairs(pairs: dict, shard: Any) -> dict:
     """
     rows = pairs[TREE_KEYS[0]]
     total = sum(shard.lengths)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= total):
+    lowest, highest = torch.stack(torch.aminmax(rows)).tolist() if rows.numel() else (0, -1)  # one host read
+    if lowest < 0 or highest >= total:
         raise ValueError(
-            f"{shard!r}: the prefix-tree row's target pairs name rows {int(rows.min())}..{int(rows.max())}, not all "
+            f"{shard!r}: the prefix-tree row's target pairs name rows {lowest}..{highest}, not all "
             f"among its {total} tokens; pass the pairs PrefixTreeCollator built with the row"
         )
     mine = (rows >= shard.offset) & (rows < shard.offset + shard.length)

@@ -45,7 +45,6 @@ from ._limits import check_int
 from ._loss import LOSS_WEIGHTS_KEY, TREE_KEYS
 from .collator import PaddingFreeCollator
 from .prefix_tree import PrefixTree, build_prefix_tree
-from .shared_prefix import PREFIX_KEY, shared_prefix_position_ids
 
 __all__ = ["PrefixTreeCollator", "tree_attended_squares"]
 
@@ -147,24 +146,16 @@ class PrefixTreeCollator:
             [ids[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)], min_shared_tokens=self.min_shared_tokens
         )
         pairs = _target_pairs(tree, labels, None if weights is None else weights[0], cu)
-        positions = tree.position_ids
-        if self.position_ids_start:
-            positions = shared_prefix_position_ids(
-                tree.cu_seqlens, tree.prefix_seq_idx, self.position_ids_start
-            )
         batch: dict[str, Any] = {
-            "input_ids": tree.input_ids[None],
-            "position_ids": positions[None],
-            "cu_seq_lens_q": tree.cu_seqlens,
+            **tree.model_inputs(),
+            # every segment's positions continue its parent's, from position_ids_start instead of 0
+            "position_ids": tree.position_ids[None] + self.position_ids_start,
             "cu_seq_lens_k": tree.cu_seqlens.clone(),
-            PREFIX_KEY: tree.prefix_seq_idx,
             **pairs,
         }
-        longest = int(torch.diff(tree.cu_seqlens).max())
         self._count(tree, ids.size, pairs)
         if return_tensors == "np":
-            batch = {k: v.numpy() for k, v in batch.items()}
-        batch["max_length_q"] = batch["max_length_k"] = longest
+            batch = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         return batch
 
     def _count(self, tree: PrefixTree, sample_tokens: int, pairs: dict[str, torch.Tensor]) -> None:
@@ -194,11 +185,11 @@ def _target_pairs(
     inverse = inverse.reshape(-1)
     summed = np.bincount(inverse, weights=w, minlength=keys.shape[1])
     by_sample = np.bincount(inverse, weights=w / per_sample[samples], minlength=keys.shape[1])
-    names = dict(zip(("rows", "targets", "weights", "sample_weights", "samples"), TREE_KEYS, strict=True))
-    return {
-        names["rows"]: torch.from_numpy(np.ascontiguousarray(keys[0])),
-        names["targets"]: torch.from_numpy(np.ascontiguousarray(keys[1])),
-        names["weights"]: torch.from_numpy(summed.astype(np.float32)),
-        names["sample_weights"]: torch.from_numpy(by_sample.astype(np.float32)),
-        names["samples"]: torch.tensor(int((per_sample > 0).sum()), dtype=torch.int64),
-    }
+    values = (  # in the order of TREE_KEYS: rows, targets, weights, sample weights, samples
+        torch.from_numpy(np.ascontiguousarray(keys[0])),
+        torch.from_numpy(np.ascontiguousarray(keys[1])),
+        torch.from_numpy(summed.astype(np.float32)),
+        torch.from_numpy(by_sample.astype(np.float32)),
+        torch.tensor(int((per_sample > 0).sum()), dtype=torch.int64),
+    )
+    return dict(zip(TREE_KEYS, values, strict=True))

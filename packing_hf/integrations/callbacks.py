@@ -155,9 +155,8 @@ class PackingStatsCollator:
         else:
             try:  # the samples as the model attends over them (truncated, split)
                 attended = batch_sample_lengths(batch, padding=padding)
-            except (
-                ValueError
-            ):  # padding the layout does not set apart: no FLOPs for this batch, not wrong ones
+            except ValueError:
+                # padding the layout does not set apart: no FLOPs for this batch, not wrong ones
                 attended = None
             if attended is not None:
                 batch[STATS_KEY][SQUARES_KEY] = int(sum(n * n for n in attended))

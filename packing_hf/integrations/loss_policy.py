@@ -347,12 +347,8 @@ class LossPolicy:
                 labels, weights, batch.get("position_ids"), batch.get("cu_seq_lens_q")
             )
             local += torch.tensor([float(weights is not None), target_weight, samples], dtype=torch.float64)
-        if not self.plan.counts_rows:
-            local.zero_()  # sequence parallelism: the group's ranks share the row, its first rank counts it
-        totals = local.to(device)
-        if not single:
-            # every rank must take the same path this step (a stream's padding batch carries no weights)
-            totals = trainer.accelerator.reduce(totals, reduction="sum")
+        # every rank must take the same path this step (a stream's padding batch carries no weights)
+        totals = self._step_totals(trainer, local, device)
         # a cut row's loss is always computed here; else here when normalised otherwise than stock or weighted
         if self.cuts_rows:
             route = LossRoute.SEQUENCE_PARALLEL
@@ -361,12 +357,7 @@ class LossPolicy:
         else:
             return self._stock_step(stock_count)
         self.check_own_loss(trainer, f"loss_normalization={normalization!r} with loss_weights")
-        self.step_route = route
-        # the loss is divided by the step's denominator: the Trainer must not divide it by the steps again
-        self.scaled_for_ga = True
-        return torch.tensor(
-            step_denominator(totals[1:].tolist(), normalization), dtype=torch.float64, device=device
-        )
+        return self._own_step(route, totals[1:], normalization, device)
 
     def _tree_step(self, trainer: Any, batch_samples: list, device: Any, normalization: str) -> Any:
         """:meth:`begin_step` of prefix-tree rows: the step's summed pair weights and samples, all-reduced (the
@@ -380,13 +371,26 @@ class LossPolicy:
                     "with share_prefixes=True every training batch comes from packing_hf.PrefixTreeCollator"
                 )
             local += torch.tensor(tree_loss_counts(batch), dtype=torch.float64)
+        totals = self._step_totals(trainer, local, device)
+        return self._own_step(LossRoute.PREFIX_TREE, totals, normalization, device)
+
+    def _step_totals(self, trainer: Any, local: torch.Tensor, device: Any) -> torch.Tensor:
+        """This rank's per-step counts ``local`` summed over the ranks, on ``device`` (under sequence parallelism
+        only the group's first rank counts: the group's ranks share the row)."""
         if not self.plan.counts_rows:
-            local.zero_()  # sequence parallelism: the group's ranks share the row, its first rank counts it
+            local.zero_()
         totals = local.to(device)
         if self.plan.world_size > 1:
             totals = trainer.accelerator.reduce(totals, reduction="sum")
-        self.step_route = LossRoute.PREFIX_TREE
-        self.scaled_for_ga = True  # divided by the step's denominator: the Trainer must not divide it again
+        return totals
+
+    def _own_step(
+        self, route: LossRoute, totals: torch.Tensor, normalization: str, device: Any
+    ) -> torch.Tensor:
+        """A step on packing_hf's own loss ``route``: its denominator from the step's ``(target weight, samples)``
+        ``totals``; the loss is divided by it, so the Trainer must not divide it by the steps again."""
+        self.step_route = route
+        self.scaled_for_ga = True
         return torch.tensor(
             step_denominator(totals.tolist(), normalization), dtype=torch.float64, device=device
         )
