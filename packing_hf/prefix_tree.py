@@ -49,7 +49,7 @@ from .loss_head import default_chunk_size
 from .shared_prefix import PREFIX_KEY, shared_prefix_position_ids
 from .varlen import check_int32_tokens
 
-__all__ = ["PrefixTree", "build_prefix_tree"]
+__all__ = ["PrefixTree", "build_prefix_tree", "picked_log_probs"]
 
 
 @dataclass(frozen=True)
@@ -137,12 +137,8 @@ class PrefixTree:
         >>> [round(float(lp.exp()), 3) for lp in tree.token_logprobs(logits)]  # both read row 0
         [0.107, 0.787]
         """
-        logits = self._row(logits, "logits")
-        device = logits.device
         rows, targets = self._predictions()
-        picked = _PickedLogProbs.apply(
-            logits, rows.to(device), targets.to(device), default_chunk_size(logits.shape[-1], device)
-        )  # (sum of L_s - 1,)
+        picked = picked_log_probs(self._row(logits, "logits"), rows, targets)  # (sum of L_s - 1,)
         return list(torch.split(picked, [n - 1 for n in self._lengths()]))
 
     def _lengths(self) -> list[int]:
@@ -165,6 +161,20 @@ class PrefixTree:
                 "the model's output on PrefixTree.model_inputs(), (T, ...) or (1, T, ...)"
             )
         return values
+
+
+def picked_log_probs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float())[rows, targets]`` ``(P,)`` float32, without the ``(T, V)`` log-softmax: a
+    target's logit minus its row's log-sum-exp, computed once per row in chunks (see
+    :meth:`PrefixTree.token_logprobs`). Differentiable in ``logits`` ``(T, V)``; ``rows``, ``targets`` ``(P,)`` int64.
+
+    >>> logits = torch.tensor([[0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
+    >>> [round(float(p), 3) for p in picked_log_probs(logits, torch.tensor([0, 0]), torch.tensor([1, 2])).exp()]
+    [0.107, 0.787]
+    """
+    device = logits.device
+    chunk = default_chunk_size(logits.shape[-1], device)
+    return _PickedLogProbs.apply(logits, rows.to(device), targets.to(device), chunk)
 
 
 class _PickedLogProbs(torch.autograd.Function):

@@ -358,7 +358,11 @@ def _tree_groups(
     trees: dict[int, list[int]] = {}
     for b, r in enumerate(root.tolist()):
         trees.setdefault(r, []).append(b)
-    items = [(members, _tree_tokens(sequences, members, min_shared_tokens)) for members in trees.values()]
+    # the tree of one root's rollouts is that root's subtree of the whole: its tokens are the row tokens under it
+    token_root = torch.empty(whole.input_ids.numel(), dtype=torch.int64)
+    token_root[whole.sample_index] = torch.repeat_interleave(root, torch.diff(whole.sample_cu))
+    tokens = torch.bincount(token_root, minlength=whole.cu_seqlens.numel()).tolist()
+    items = [(members, tokens[r]) for r, members in trees.items()]
     budget = max_tokens_per_batch if max_tokens_per_batch is not None else sum(t for _, t in items)
 
     def cut(i: int) -> None:

@@ -88,17 +88,24 @@ def hidden_states_at(model: torch.nn.Module, predictors: torch.Tensor | None):
     if predictors is None:
         yield
         return
-
-    def gather(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        output.last_hidden_state = output.last_hidden_state.index_select(1, predictors)
-        return output
-
     # TRL's fused forward reads ``self.base_model`` of the causal LM under the PEFT / DDP wrappers
-    handle = base_model(model).base_model.register_forward_hook(gather)
+    handle = _gather_hidden_states(base_model(model).base_model, predictors)
     try:
         yield
     finally:
         handle.remove()
+
+
+def _gather_hidden_states(backbone: torch.nn.Module, rows: torch.Tensor) -> Any:
+    """Hook ``backbone`` so that its ``last_hidden_state`` ``(1, T, H)`` becomes ``(1, N, H)``, the rows ``rows``
+    ``(N,)`` int64 (the tokens predicting a prefix-tree row's targets); return the hook's handle."""
+
+    def gather(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        hidden = output.last_hidden_state
+        output.last_hidden_state = hidden.index_select(1, rows.to(hidden.device))
+        return output
+
+    return backbone.register_forward_hook(gather)
 
 
 class PackedPreferenceForward:
@@ -198,15 +205,8 @@ class PackedPreferenceForward:
         kwargs["input_ids"] = packed_ids
         kwargs.pop("labels")
         kwargs["shift_labels"] = targets.row_labels.to(labels.device)
-        predictor = targets.predictor
-
-        def reorder(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
-            # (1, T, H) -> (1, T, H): row t holds the hidden state that predicts row t's token
-            hidden = output.last_hidden_state
-            output.last_hidden_state = hidden.index_select(1, predictor.to(hidden.device))
-            return output
-
-        self._reorder.append(backbone.register_forward_hook(reorder))
+        # (1, T, H) -> (1, T, H): row t holds the hidden state that predicts row t's token
+        self._reorder.append(_gather_hidden_states(backbone, targets.predictor))
         self._tree = targets
         return args, kwargs
 

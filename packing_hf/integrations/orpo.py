@@ -73,6 +73,7 @@ from .._limits import option
 from ..attention import register_attention
 from ..pair_rows import LABELS_KEY, PaddingFreePairCollator
 from ..preference import TREE_INDEX_KEY, TreeTargets, preference_pair_lengths, unpack_shifted
+from ..prefix_tree import picked_log_probs
 from ..shared_prefix import PREFIX_KEY
 from ..varlen import IGNORE_INDEX
 from .args import PackingArguments, budget_max_length
@@ -355,12 +356,9 @@ class PackedPairsMixin:
             logits = means[None, :, None]  # (1, T, 1): a position's mean logit averages like its V logits
         else:
             logits = model(input_ids=packed_ids, use_cache=False, **inputs).logits  # (1, T, V)
-            device = logits.device
-            predictor, row_labels, on = predictor.to(device), row_labels.to(device), scored.to(device)
             # (T,): the normaliser once per row, however many children read it
-            normaliser = torch.logsumexp(logits[0].float(), dim=-1)
-            picked = logits[0, predictor, row_labels.clamp(min=0)].float() - normaliser[predictor]  # (T,)
-            token_logps = torch.where(on, picked, 0.0).to(logits.dtype)[None]  # (1, T)
+            picked = picked_log_probs(logits[0], predictor, row_labels.clamp(min=0))
+            token_logps = torch.where(scored.to(logits.device), picked, 0.0).to(logits.dtype)[None]  # (1, T)
         device = logits.device
         logps, nll_loss = self._reduce(targets.unpack(token_logps), batch)
 
