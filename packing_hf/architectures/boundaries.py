@@ -40,7 +40,7 @@ import torch
 
 from .._cache import IdentityCache
 from ..padding import PackedLayout
-from ..shared_prefix import PREFIX_KEY, shared_prefix_plan
+from ..shared_prefix import PREFIX_KEY, cached_shared_prefix_plan
 from ..varlen import cu_seqlens_to_starts
 
 __all__ = ["LAYOUT_KEY", "call_starts", "derived", "mixer_layout", "tree_layout"]
@@ -113,10 +113,9 @@ def tree_layout(
     >>> layout.pad(torch.tensor([[1, 2, 3, 4]])).tolist()  # the root, and each child after it
     [[1, 2, 0], [1, 2, 3], [1, 2, 4]]
     """
-    plan = shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
-    device = cu_seqlens.device
+    plan = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx)  # the attention's plan of the same forward
     return PackedLayout.from_paths(
-        cu_seqlens.cpu(), plan.key_index.to(device), plan.cu_seqlens_k, packed_shape
+        cu_seqlens.cpu(), plan.key_index.to(cu_seqlens.device), plan.cu_seqlens_k, packed_shape
     )
 
 
