@@ -62,11 +62,11 @@ def gather_prefix_keys(
             f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but the keys hold {key.shape[0]}; the "
             "prefix-tree layout describes one packed row of self-attention"
         )
-    index = plan.key_index.to(key.device)
+    on_device = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx, key.device)  # copied once per forward
     return (
-        key.index_select(0, index),
-        value.index_select(0, index),
-        plan.cu_seqlens_k.to(key.device),
+        key.index_select(0, on_device.key_index),
+        value.index_select(0, on_device.key_index),
+        on_device.cu_seqlens_k,
         plan.max_length_k,
     )
 
