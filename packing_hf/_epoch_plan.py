@@ -48,6 +48,19 @@ _BALANCE_WORK = 200
 _CHUNK_BATCHES = 4096  # iteration: batches converted to Python lists together (see _EpochPlan._batches)
 
 
+def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, ends)``: where the entries of ``rows`` of a CSR array (``offsets``) lie in it, row after
+    row, and where every row ends among them.
+
+    >>> [a.tolist() for a in _ranges(np.array([0, 2, 3, 6]), np.array([2, 0]))]
+    [[3, 4, 5, 0, 1], [3, 5]]
+    """
+    sizes = offsets[rows + 1] - offsets[rows]
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if ends.size else 0
+    return np.repeat(offsets[rows] - (ends - sizes), sizes) + np.arange(total), ends
+
+
 def _mean_length_spread(bin_tokens: np.ndarray, bin_sizes: np.ndarray) -> float:
     """Standard deviation across bins of a bin's mean sample length (0.0 for no bin); both ``(n_bins,)``."""
     if bin_tokens.size == 0:
@@ -99,16 +112,13 @@ class _EpochPlan:
                 "sample_tokens": groups.sample_tokens.astype(np.int64),
                 # the smallest sample orders a group (shuffle=False); one over the budget holds one sample
                 "keys": np.minimum.reduceat(member_index, member_offsets[:-1]),
-                "sizes": sizes,
             }
             self._members = (member_offsets, member_index)
         kept = self._apply_overflow(items)
         if groups is not None:  # the kept items' members, in CSR form over the kept items
             member_offsets, member_index = self._members
-            sizes = items["sizes"][kept]
-            first = member_offsets[kept] - (np.cumsum(sizes) - sizes)
-            at = np.repeat(first, sizes) + np.arange(int(sizes.sum()))
-            self._members = (np.concatenate([[0], np.cumsum(sizes)]), member_index[at])
+            at, ends = _ranges(member_offsets, kept)
+            self._members = (np.concatenate([[0], ends]), member_index[at])
             self._item_sample_tokens = items["sample_tokens"][kept]  # (m,) tokens of the item's samples alone
         # (m,) what is yielded for every packed item (groups: their smallest sample)
         self._keys = items["keys"][kept]
@@ -161,7 +171,6 @@ class _EpochPlan:
             items["squares"] = np.concatenate([items["squares"], (stop - start).astype(np.float64) ** 2])
             if self._members is not None:
                 items["sample_tokens"] = np.concatenate([items["sample_tokens"], stop - start])
-                items["sizes"] = np.concatenate([items["sizes"], np.ones(sample.size, np.int64)])
                 member_offsets, member_index = self._members
                 self._members = (
                     np.concatenate([member_offsets, member_offsets[-1] + 1 + np.arange(sample.size)]),
@@ -429,18 +438,13 @@ class _EpochPlan:
         offsets, items, keys = plan["offsets"], plan["items"], self._keys
         for first in range(0, bins.size, _CHUNK_BATCHES):
             chunk = bins[first : first + _CHUNK_BATCHES]  # (c,)
-            starts, sizes = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
-            ends = np.cumsum(sizes)  # (c,) where every batch ends in the chunk's items
-            positions = np.repeat(starts - (ends - sizes), sizes) + np.arange(int(ends[-1]))
+            # ends: (c,) where every batch ends in the chunk's items
+            positions, ends = _ranges(offsets, chunk)
             if self._members is None:
                 flat = keys[items[positions]].tolist()
             else:  # prefix groups: every item yields its samples
                 member_offsets, member_index = self._members
-                batch_items = items[positions]
-                counts = member_offsets[batch_items + 1] - member_offsets[batch_items]
-                within = np.cumsum(counts)
-                first_member = member_offsets[batch_items] - (within - counts)
-                at = np.repeat(first_member, counts) + np.arange(int(within[-1]))
+                at, within = _ranges(member_offsets, items[positions])
                 flat = member_index[at].tolist()
                 ends = within[ends - 1]  # where every batch ends in the chunk's samples
             start = 0

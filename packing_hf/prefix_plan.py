@@ -383,10 +383,11 @@ def find_prefix_groups(
     sample_tokens = np.concatenate([trie.sample_tokens(lo, hi) if lo.size else lo, lengths[long]])
     first = np.argsort(np.concatenate([grouped[lo], long]), kind="stable")  # by smallest member
     unique_array, attention_array = unique[first], attention[first]
+    # a tree is priced as a bin: its unique tokens, and its nodes' attention in place of squared lengths
     cost = (
         unique_array.astype(np.float64)
         if cost_model is None
-        else cost_model.linear * unique_array + cost_model.quadratic * attention_array
+        else cost_model.bin_costs(unique_array, attention_array)
     )
     return PrefixGroups(
         members=tuple(members[i] for i in first.tolist()),

@@ -57,7 +57,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from . import _binpack
-from ._epoch_plan import _EpochPlan, _mean_length_spread
+from ._epoch_plan import _EpochPlan, _mean_length_spread, _ranges
 from ._limits import check_int, check_world
 from .cost import CostModel, rank_cost_spread
 from .overflow import OVERFLOW_POLICIES, OverflowPolicy, check_overflow
@@ -560,10 +560,8 @@ class MultipackBatchSampler(_EpochPlan, Sampler[list[int]]):
     def _tree_stats(self, plan: dict[str, Any], kept: np.ndarray) -> dict[str, int | float]:
         """``prefix_groups`` (groups packed: trees and pieces), ``sample_tokens`` (the tokens of the epoch's
         samples run alone) and ``tree_token_ratio`` (those over the trees' tokens yielded: ``tokens``)."""
-        offsets, items = plan["offsets"], plan["items"]
-        sizes = offsets[kept + 1] - offsets[kept]
-        positions = np.repeat(offsets[kept] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
-        kept_items = items[positions]
+        positions, _ = _ranges(plan["offsets"], kept)
+        kept_items = plan["items"][positions]
         sample_tokens = int(self._item_sample_tokens[kept_items].sum())
         tree_tokens = int(self._item_lengths[kept_items].sum())
         return {

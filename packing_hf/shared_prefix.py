@@ -30,12 +30,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._cache import IdentityCache
 from .varlen import LengthsLike, _as_int64_1d, check_cu_seqlens
 
 __all__ = [
     "PREFIX_KEY",
     "SharedPrefixPlan",
     "check_prefix_seq_idx",
+    "cached_shared_prefix_plan",
     "prefix_chains",
     "shared_prefix_plan",
     "shared_prefix_position_ids",
@@ -43,6 +45,10 @@ __all__ = [
 
 # The batch key naming the layout (next to cu_seq_lens_q/k, max_length_q/k, seq_idx).
 PREFIX_KEY = "prefix_seq_idx"
+
+# Every layer of a forward, its attention and its token mixers alike, receives the same boundary tensors: the
+# plan (a host read) is made once (cached_shared_prefix_plan).
+_PLANS = IdentityCache(size=8)  # a host plan and a device copy per forward
 
 
 def check_prefix_seq_idx(
@@ -171,4 +177,28 @@ def shared_prefix_plan(cu_seqlens: LengthsLike, prefix_seq_idx: LengthsLike) -> 
     index = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
     return SharedPrefixPlan(
         torch.from_numpy(index), torch.tensor(cu_k, dtype=torch.int32), max(lengths, default=0)
+    )
+
+
+def cached_shared_prefix_plan(
+    cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor, device: torch.device | None = None
+) -> SharedPrefixPlan:
+    """:func:`shared_prefix_plan` of a forward's boundary tensors, cached per tensor object and version: the
+    attention (:mod:`packing_hf.attention.prefix`) and the token mixers
+    (:func:`packing_hf.architectures.boundaries.tree_layout`) of every layer read one plan, one host read.
+    With an accelerator ``device``: the plan's tensors there, copied once per forward too.
+
+    >>> cu, idx = torch.tensor([0, 2, 3]), torch.tensor([-1, 0])
+    >>> cached_shared_prefix_plan(cu, idx) is cached_shared_prefix_plan(cu, idx, torch.device("cpu"))
+    True
+    """
+    plan = _PLANS.derive(
+        (cu_seqlens, prefix_seq_idx), lambda: shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
+    )
+    if device is None or torch.device(device).type == "cpu":
+        return plan
+    return _PLANS.derive(
+        (cu_seqlens, prefix_seq_idx),
+        lambda: plan._replace(key_index=plan.key_index.to(device), cu_seqlens_k=plan.cu_seqlens_k.to(device)),
+        data=str(device),
     )

@@ -40,7 +40,7 @@ import torch
 
 from .._cache import IdentityCache
 from ..padding import PackedLayout
-from ..shared_prefix import PREFIX_KEY, shared_prefix_plan
+from ..shared_prefix import PREFIX_KEY, cached_shared_prefix_plan
 from ..varlen import cu_seqlens_to_starts
 
 __all__ = ["LAYOUT_KEY", "call_starts", "derived", "mixer_layout", "tree_layout"]
@@ -113,11 +113,10 @@ def tree_layout(
     >>> layout.pad(torch.tensor([[1, 2, 3, 4]])).tolist()  # the root, and each child after it
     [[1, 2, 0], [1, 2, 3], [1, 2, 4]]
     """
-    plan = shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
-    device = cu_seqlens.device
-    return PackedLayout.from_paths(
-        cu_seqlens.cpu(), plan.key_index.to(device), plan.cu_seqlens_k, packed_shape
-    )
+    # the attention's plan of the same forward, and its copy on the row's device
+    plan = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx)
+    key_index = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx, cu_seqlens.device).key_index
+    return PackedLayout.from_paths(cu_seqlens.cpu(), key_index, plan.cu_seqlens_k, packed_shape)
 
 
 def mixer_layout(kwargs: dict, starts: torch.Tensor) -> PackedLayout:

@@ -29,20 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from .._cache import IdentityCache
-from ..shared_prefix import PREFIX_KEY, SharedPrefixPlan, shared_prefix_plan
+from ..shared_prefix import PREFIX_KEY, cached_shared_prefix_plan
 from .backends import varlen_attention
 
 __all__ = ["PREFIX_KEY", "gather_prefix_keys", "shared_prefix_attention"]
-
-# Every layer of a forward receives the same boundary tensors: the plan (a host read) is made once.
-_PLANS = IdentityCache(size=4)
-
-
-def _plan(cu_seqlens: torch.Tensor, prefix_seq_idx: torch.Tensor) -> SharedPrefixPlan:
-    return _PLANS.derive(
-        (cu_seqlens, prefix_seq_idx), lambda: shared_prefix_plan(cu_seqlens.cpu(), prefix_seq_idx.cpu())
-    )
 
 
 def gather_prefix_keys(
@@ -65,17 +55,18 @@ def gather_prefix_keys(
     >>> gathered.flatten().tolist(), cu_k.tolist(), max_k
     ([0.0, 0.0, 1.0, 0.0, 2.0], [0, 1, 3, 5], 2)
     """
-    plan = _plan(cu_seqlens, prefix_seq_idx)
+    # one host read per forward: the token mixers' tree layout reads the same plan
+    plan = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx)
     if plan.cu_seqlens_k[-1] and int(plan.key_index[-1]) >= key.shape[0]:
         raise ValueError(
             f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but the keys hold {key.shape[0]}; the "
             "prefix-tree layout describes one packed row of self-attention"
         )
-    index = plan.key_index.to(key.device)
+    on_device = cached_shared_prefix_plan(cu_seqlens, prefix_seq_idx, key.device)  # copied once per forward
     return (
-        key.index_select(0, index),
-        value.index_select(0, index),
-        plan.cu_seqlens_k.to(key.device),
+        key.index_select(0, on_device.key_index),
+        value.index_select(0, on_device.key_index),
+        on_device.cu_seqlens_k,
         plan.max_length_k,
     )
 
