@@ -99,6 +99,7 @@ class PrefixGroups:
 
     @property
     def num_groups(self) -> int:
+        """How many groups (``G``)."""
         return len(self.members)
 
     @property
@@ -268,6 +269,7 @@ class _Trie:
         )
 
     def sample_tokens(self, lo: Any, hi: Any) -> Any:
+        """Tokens of the sorted samples ``lo:hi`` run alone (ints or int64 arrays of bounds, elementwise)."""
         return self._cum_lengths[hi] - self._cum_lengths[lo]
 
     def cut(self, lo: int, hi: int, budget: int) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ trainer's accelerate objects are adapted in :mod:`packing_hf.integrations.accele
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ def _remove(handles: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def hidden_states_at(model: torch.nn.Module, predictors: torch.Tensor | None):
+def hidden_states_at(model: torch.nn.Module, predictors: torch.Tensor | None) -> Iterator[None]:
     """For one forward of a prefix-tree rollout pack: the backbone's ``last_hidden_state`` ``(1, T, H)``
     gathered to ``(1, N, H)`` at ``predictors`` ``(N,)`` int64, so that TRL's fused LM head scores each of the
     pack's ``shift_labels`` (a branch point's row once per child, see :mod:`packing_hf.rollouts`). The
